@@ -1,0 +1,1 @@
+"""The service: config, watcher, scheduler, worker loop, CLI and service install."""

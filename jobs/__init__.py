@@ -1,0 +1,1 @@
+"""The durable job queue, document text extraction and the per-document pipeline."""
