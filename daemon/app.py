@@ -1,0 +1,59 @@
+"""What every command shares: the config, the home and the queue, opened on first use."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import click
+
+from npumoe.daemon.config import Config, ConfigError, load_config
+from npumoe.daemon.home import Home
+from npumoe.jobs.queue import Backoff, Queue
+
+
+class BadConfig(click.ClickException):
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"npumoed: bad config: {self.message}", err=True)
+
+
+@dataclass
+class App:
+    config_path: Path | None = None
+    _opened: list[Queue] = field(default_factory=list)
+
+    @cached_property
+    def config(self) -> Config:
+        try:
+            return load_config(self.config_path)
+        except ConfigError as e:
+            raise BadConfig(str(e)) from e
+
+    @cached_property
+    def home(self) -> Home:
+        return Home.current().ensure()
+
+    @cached_property
+    def queue(self) -> Queue:
+        q = self.config.queue
+        queue = Queue(self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds))
+        self._opened.append(queue)
+        return queue
+
+    def close(self) -> None:
+        for queue in self._opened:
+            queue.close()
+
+
+pass_app = click.make_pass_decorator(App)
+
+
+def emit_json(data: Any) -> None:
+    json.dump(data, sys.stdout, indent=2, default=str)
+    sys.stdout.write("\n")

@@ -1,0 +1,174 @@
+"""Configuration: one TOML file, a default for every key, errors that name the file and the key.
+
+Each section is a frozen dataclass; the loader walks the dataclass fields, so the defaults, the
+accepted types and the allowed values live in one place and `config show` prints exactly them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+WINDOW = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
+
+
+def choice(default: str, *allowed: str) -> Any:
+    return field(default=default, metadata={"choices": (default, *allowed)})
+
+
+def positive(default: float) -> Any:
+    return field(default=default, metadata={"min": 0})
+
+
+@dataclass(frozen=True)
+class InboxConfig:
+    folders: list[str] = field(default_factory=list)  # empty: <home>/inbox
+    recursive: bool = True
+    stable_seconds: float = positive(2.0)  # size and mtime unchanged this long before a file is queued
+    rescan_seconds: float = positive(60.0)  # full rescan backs up the event watcher, which can miss events
+    polling: bool = False  # a polling observer, for network shares where events do not arrive
+    originals: str = choice("keep", "move", "delete")  # what happens to a document once processed
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
+    backend: str = choice("cpu", "torch-static", "coreml", "cuda")
+    plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
+    chunk_tokens: int = positive(512)
+    overflow: str = choice("spill", "prune")
+    dtype: str = choice("float32", "bfloat16")
+    summary_tokens: int = positive(128)
+    trust_remote_code: bool = False
+    allow_download: bool = False  # the only setting that lets the daemon reach the network
+    idle_unload_seconds: float = positive(300.0)
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    timeout_seconds: float = positive(60.0)
+    memory_mb: int = positive(1024)
+    max_mb: float = positive(100.0)
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    max_attempts: int = positive(3)
+    lease_seconds: float = positive(120.0)
+    retry_base_seconds: float = positive(30.0)
+    retry_max_seconds: float = positive(3600.0)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    run_on_battery: bool = False
+    min_battery_percent: int = positive(50)  # below this, wait even when running on battery is allowed
+    respect_low_power_mode: bool = True
+    respect_thermal_pressure: bool = True
+    max_foreground_load: float = positive(0.75)  # fraction of all cores busy with other processes
+    # local time; jobs queued with `npumoed batch` run only inside it
+    batch_window: str = field(default="01:00-06:00", metadata={"pattern": WINDOW})
+    batch_requires_ac: bool = True
+    poll_seconds: float = positive(5.0)
+
+
+@dataclass(frozen=True)
+class CpuConfig:
+    threads: int = positive(0)  # torch threads for the worker; 0: all cores but one
+    background_priority: bool = True  # nice 19 + SCHED_IDLE + idle I/O on Linux, background QoS on macOS
+
+
+@dataclass(frozen=True)
+class Config:
+    inbox: InboxConfig = field(default_factory=InboxConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cpu: CpuConfig = field(default_factory=CpuConfig)
+
+    def as_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(Exception):
+    """An invalid config file; the message names the file and the key."""
+
+
+def home_dir() -> Path:
+    """The one folder that holds all state: NPUMOED_HOME, else the platform's data dir."""
+    env = os.environ.get("NPUMOED_HOME")
+    return Path(env).expanduser().resolve() if env else Path(platformdirs.user_data_dir("npumoed"))
+
+
+def default_config_path() -> Path:
+    return home_dir() / "config.toml"
+
+
+def load_config(path: Path | None = None) -> Config:
+    """Read `path` (or the home's config.toml when it exists); defaults fill every missing key."""
+    explicit = path is not None
+    path = path or default_config_path()
+    if not path.exists():
+        if explicit:
+            raise ConfigError(f"{path}: no such file")
+        return Config()
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid TOML: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from e
+    return _build(Config, raw, path, "")
+
+
+def _build(cls: type, raw: Any, path: Path, where: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: [{where}] must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    for key in raw:
+        if key not in fields:
+            known = ", ".join(fields)
+            raise ConfigError(f"{path}: unknown key '{_join(where, key)}' (known: {known})")
+    values = {}
+    for key, value in raw.items():
+        name = _join(where, key)
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            values[key] = _build(kind, value, path, name)
+        else:
+            values[key] = _check(kind, value, fields[key].metadata, path, name)
+    return cls(**values)
+
+
+def _check(kind: Any, value: Any, meta: Any, path: Path, name: str) -> Any:
+    expected = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if typing.get_origin(kind) is list:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{path}: '{name}' must be a list of strings")
+        return value
+    ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value, ok = float(value), True
+    if not ok:
+        raise ConfigError(f"{path}: '{name}' must be {expected[kind]}, got {value!r}")
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{path}: '{name}' must be one of {', '.join(meta['choices'])}, got {value!r}")
+    if "min" in meta and value < meta["min"]:
+        raise ConfigError(f"{path}: '{name}' must not be negative, got {value!r}")
+    if "pattern" in meta and not meta["pattern"].match(value):
+        raise ConfigError(f"{path}: '{name}' must look like HH:MM-HH:MM, got {value!r}")
+    return value
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key

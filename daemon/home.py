@@ -1,0 +1,73 @@
+"""The home folder: where every piece of the daemon's state lives."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from npumoe.daemon.config import Config, home_dir
+
+
+@dataclass(frozen=True)
+class Home:
+    root: Path
+
+    @classmethod
+    def current(cls) -> Home:
+        return cls(home_dir())
+
+    @property
+    def database(self) -> Path:
+        return self.root / "npumoed.db"
+
+    @property
+    def inbox(self) -> Path:
+        return self.root / "inbox"
+
+    @property
+    def outbox(self) -> Path:
+        return self.root / "outbox"
+
+    @property
+    def processed(self) -> Path:
+        return self.root / "processed"
+
+    @property
+    def failed(self) -> Path:
+        return self.root / "failed"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def plans(self) -> Path:
+        return self.root / "plans"
+
+    @property
+    def compiled(self) -> Path:
+        return self.root / "compiled"
+
+    @property
+    def models(self) -> Path:
+        return self.root / "models"
+
+    @property
+    def reports(self) -> Path:
+        return self.root / "reports"
+
+    def inboxes(self, config: Config) -> list[Path]:
+        folders = config.inbox.folders
+        return [Path(f).expanduser().resolve() for f in folders] if folders else [self.inbox]
+
+    def ensure(self) -> Home:
+        """Create the home's folders, readable by the user only (documents can be private)."""
+        old = os.umask(0o077)
+        try:
+            for folder in (self.root, self.inbox, self.outbox, self.processed, self.failed, self.logs,
+                           self.plans, self.compiled, self.models, self.reports):
+                folder.mkdir(parents=True, exist_ok=True)
+        finally:
+            os.umask(old)
+        return self

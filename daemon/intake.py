@@ -1,0 +1,71 @@
+"""Turning paths into jobs: which files count as documents, their content hash, and the dedupe keys."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from npumoe.daemon.config import Config
+from npumoe.jobs.queue import INTERACTIVE, Job, Queue
+
+# Files that editors, browsers and the Finder leave behind while they work, and never documents.
+IGNORED = (".*", "~$*", "*~", "*.part", "*.crdownload", "*.download", "*.tmp", "*.temp", "*.swp",
+           "*.partial", "Thumbs.db", "desktop.ini", "Icon\r")
+
+
+def is_ignored(path: Path) -> bool:
+    """Hidden, temporary or partial: any part of the path named like that (`.Trashes/x` too)."""
+    return any(fnmatch.fnmatchcase(part, pattern) for part in path.parts[-8:] for pattern in IGNORED)
+
+
+def iter_documents(paths: Iterable[Path], *, recursive: bool = True) -> Iterator[Path]:
+    """Regular files under `paths`, skipping ignored names; symlinked folders are not entered."""
+    for path in paths:
+        if path.is_dir() and not path.is_symlink():
+            walker = os.walk(path) if recursive else [(str(path), [], os.listdir(path))]
+            for root, dirs, files in walker:
+                dirs[:] = sorted(d for d in dirs if not is_ignored(Path(d)))
+                for name in sorted(files):
+                    candidate = Path(root) / name
+                    if not is_ignored(candidate.relative_to(path)):
+                        yield candidate
+        elif not is_ignored(Path(path.name)):
+            yield path
+
+
+def sha256_of(path: Path) -> str:
+    """The content hash, read without following a symlink and without blocking on a FIFO."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        digest = hashlib.sha256()
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def job_keys(config: Config) -> tuple[str, str]:
+    """(model_key, settings_key): the same document under the same model and settings is one job."""
+    m = config.model
+    model = str(Path(m.name).expanduser().resolve()) if Path(m.name).expanduser().exists() else m.name
+    settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
+                "overflow": m.overflow, "dtype": m.dtype, "summary_tokens": m.summary_tokens}
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+    return model, digest
+
+
+def _file_digest(path: str) -> str:
+    return sha256_of(Path(path).expanduser()) if path else ""
+
+
+def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERACTIVE,
+            batch_window: str | None = None) -> tuple[Job, bool]:
+    model_key, settings_key = job_keys(config)
+    return queue.add(path.resolve(), sha256_of(path), model_key=model_key, settings_key=settings_key,
+                     priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window)
