@@ -1,0 +1,29 @@
+# The README's two commands are `make demo` and `make test`; both set up what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint chaos clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+setup: $(STAMP)
+
+demo: setup
+	NPUMOED_HOME=$(CURDIR)/demo-home $(BIN)/npumoed demo
+
+lint: setup
+	$(BIN)/ruff check .
+
+test: lint
+	$(BIN)/pytest
+
+chaos: setup
+	$(BIN)/pytest -m slow -p no:cacheprovider tests/reliability
+
+clean:
+	rm -rf $(VENV) demo-home .pytest_cache .ruff_cache

@@ -1,0 +1,3 @@
+from npumoe.daemon.cli import main
+
+main()

@@ -1,0 +1,69 @@
+"""The queue commands as a person runs them: a real `npumoed` process on a fresh home."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def npumoed(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "NPUMOED_HOME": str(home)}
+    return subprocess.run([sys.executable, "-m", "npumoe.daemon", *args], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    return tmp_path / "home"
+
+
+def test_adding_a_file_twice_leaves_one_job(home: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "report.md"
+    doc.write_text("# A report\n\nSome text.\n")
+    assert npumoed(home, "add", str(doc)).returncode == 0
+    second = npumoed(home, "add", str(doc))
+    assert second.returncode == 0 and "already known" in second.stdout
+    listed = json.loads(npumoed(home, "jobs", "--json").stdout)["jobs"]
+    assert [(j["path"], j["state"]) for j in listed] == [(str(doc), "queued")]
+
+
+def test_adding_a_folder_skips_hidden_and_partial_files(home: Path, tmp_path: Path) -> None:
+    inbox = tmp_path / "docs"
+    (inbox / "sub").mkdir(parents=True)
+    for name, body in [("a.txt", "a"), ("sub/b.md", "b"), (".DS_Store", "x"), ("c.pdf.part", "c"),
+                       ("~$d.docx", "d"), ("sub/e.crdownload", "e")]:
+        (inbox / name).write_text(body)
+    added = json.loads(npumoed(home, "add", "--json", str(inbox)).stdout)["jobs"]
+    assert sorted(Path(j["path"]).name for j in added) == ["a.txt", "b.md"]
+
+
+def test_cancel_then_retry(home: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "a.txt"
+    doc.write_text("text")
+    npumoed(home, "add", str(doc))
+    assert npumoed(home, "cancel", "1").returncode == 0
+    assert json.loads(npumoed(home, "jobs", "--json", "--state", "cancelled").stdout)["jobs"][0]["id"] == 1
+    assert npumoed(home, "retry", "1").returncode == 0
+    missing = npumoed(home, "retry", "42")
+    assert missing.returncode == 1 and "no job 42" in missing.stderr
+
+
+def test_a_bad_config_exits_2_naming_the_problem(home: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model]\nbackend = 'gpu'\n")
+    result = npumoed(home, "--config", str(bad), "config", "show")
+    assert result.returncode == 2
+    assert str(bad) in result.stderr and "model.backend" in result.stderr
+
+
+def test_config_show_prints_toml_that_reads_back(home: Path, tmp_path: Path) -> None:
+    shown = npumoed(home, "config", "show")
+    assert shown.returncode == 0
+    echo = tmp_path / "echo.toml"
+    echo.write_text(shown.stdout)
+    assert npumoed(home, "--config", str(echo), "config", "show").stdout == shown.stdout

@@ -1,0 +1,52 @@
+"""Config files: defaults for every key, and one clear error naming the file and the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from npumoe.daemon.config import Config, ConfigError, load_config
+
+
+def write(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(body)
+    return path
+
+
+def test_an_empty_file_means_every_default(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")) == Config()
+
+
+def test_values_override_defaults_and_ints_count_as_floats(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, '[model]\nbackend = "torch-static"\n[inbox]\nstable_seconds = 5\n'
+                                         'folders = ["~/Inbox"]\n'))
+    assert config.model.backend == "torch-static"
+    assert config.inbox.stable_seconds == 5.0 and config.inbox.folders == ["~/Inbox"]
+    assert config.queue == Config().queue
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("[model\n", "not valid TOML"),
+    ("[modle]\n", "unknown key 'modle'"),
+    ("[model]\nbackends = 'cpu'\n", "unknown key 'model.backends'"),
+    ("[model]\nbackend = 'gpu'\n", "'model.backend' must be one of cpu, torch-static, coreml, cuda"),
+    ("[model]\nchunk_tokens = '512'\n", "'model.chunk_tokens' must be an integer"),
+    ("[model]\nchunk_tokens = true\n", "'model.chunk_tokens' must be an integer"),
+    ("[queue]\nlease_seconds = -1\n", "'queue.lease_seconds' must not be negative"),
+    ("[scheduler]\nbatch_window = '1am-6am'\n", "'scheduler.batch_window' must look like HH:MM-HH:MM"),
+    ("[inbox]\nfolders = '/x'\n", "'inbox.folders' must be a list of strings"),
+    ("model = 3\n", "[model] must be a table"),
+])
+def test_bad_files_name_the_file_and_the_key(tmp_path: Path, body: str, message: str) -> None:
+    path = write(tmp_path, body)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert str(error.value).startswith(f"{path}: ")
+    assert message in str(error.value)
+
+
+def test_a_named_file_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "missing.toml")
