@@ -12,17 +12,18 @@ from pathlib import Path
 from npumoe.jobs.queue import Queue
 
 
-def drain(database: Path, lease_seconds: float = 60.0) -> list[int]:
-    """Claim and complete jobs until none is left; returns the ids this process claimed."""
+def drain(database: Path, lease_seconds: float = 60.0) -> tuple[list[int], float, float]:
+    """Claim and complete jobs until none is left: the ids this process claimed, its start and end."""
     queue = Queue(database)
     claimed = []
+    start = time.time()  # wall clock, comparable across processes; process start-up is not counted
     try:
         while (job := queue.claim(os.getpid(), lease_seconds=lease_seconds)) is not None:
             claimed.append(job.id)
             queue.complete(job.id, os.getpid())
     finally:
         queue.close()
-    return claimed
+    return claimed, start, time.time()
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,10 @@ def run_claim_benchmark(database: Path, *, processes: int = 4, jobs: int = 2000)
     queue = Queue(database)
     for i in range(jobs):
         queue.add(f"/bench/{i}", f"{i:064x}", model_key="bench", settings_key="bench")
-    start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        results = pool.map(drain, [database] * processes)
-    seconds = time.perf_counter() - start
+        drained = pool.map(drain, [database] * processes)
+    results = [ids for ids, _, _ in drained]
+    seconds = max(end for _, _, end in drained) - min(start for _, start, _ in drained)
     seen = Counter(job_id for ids in results for job_id in ids)
     done = queue.counts()["done"]
     queue.close()
