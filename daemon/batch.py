@@ -1,0 +1,105 @@
+"""Overnight batch: the window a batch job waits for, and the report written when a window closes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from datetime import datetime, time, timedelta
+from pathlib import Path
+from typing import Any
+
+from npumoe.daemon.config import WINDOW
+from npumoe.daemon.home import Home
+from npumoe.jobs.queue import Job, Queue
+from npumoe.jobs.schema import STATES
+
+
+@dataclass(frozen=True)
+class BatchWindow:
+    """A daily local-time window; one that ends before it starts crosses midnight (22:00-06:00).
+
+    Equal ends (00:00-00:00) mean the whole day.
+    """
+
+    start: time
+    end: time
+
+    @classmethod
+    def parse(cls, text: str) -> BatchWindow:
+        if not WINDOW.match(text):
+            raise ValueError(f"batch window {text!r} must look like HH:MM-HH:MM, e.g. 01:00-06:00")
+        start, end = text.split("-")
+        return cls(time.fromisoformat(start), time.fromisoformat(end))
+
+    def __str__(self) -> str:
+        return f"{self.start:%H:%M}-{self.end:%H:%M}"
+
+    def contains(self, now: datetime) -> bool:
+        t = now.time()
+        if self.start < self.end:
+            return self.start <= t < self.end
+        if self.start > self.end:
+            return t >= self.start or t < self.end
+        return True
+
+    def last_opening(self, now: datetime) -> datetime:
+        """When the window last opened, at or before `now`."""
+        opening = now.replace(hour=self.start.hour, minute=self.start.minute, second=0, microsecond=0)
+        return opening if opening <= now else opening - timedelta(days=1)
+
+
+def write_batch_report(queue: Queue, home: Home, window: str, started: datetime, ended: datetime) -> Path:
+    """Write reports/batch-<date>-<window>.json for the jobs of `window` between `started` and `ended`.
+
+    It covers the jobs queued for that window that finished while it was open, and those still
+    waiting for it. Tokens, CPU seconds and energy come from each finished job's meta.json; energy is
+    summed over the jobs that measured it and reported as unavailable when none did.
+    """
+    since, until = started.timestamp(), ended.timestamp()
+    covered = [job for job in queue.list() if job.batch_window == window
+               and (job.finished_at is None or since <= job.finished_at <= until)]
+    documents = [_document(job) for job in covered]
+    measured = [d["energy_joules"] for d in documents if d["energy_joules"] is not None]
+    report = {
+        "window": window,
+        "started": started.isoformat(timespec="seconds"),
+        "ended": ended.isoformat(timespec="seconds"),
+        "counts": {state: sum(d["state"] == state for d in documents) for state in STATES},
+        "tokens": sum(d["tokens"] or 0 for d in documents),
+        "cpu_seconds": round(sum(d["cpu_seconds"] or 0.0 for d in documents), 3),
+        "energy_joules": round(sum(measured), 3) if measured else None,
+        "energy_measured_documents": len(measured),
+        "documents": documents,
+    }
+    path = home.reports / f"batch-{started:%Y%m%d}-{window.replace(':', '')}.json"
+    _write_atomically(path, json.dumps(report, indent=2) + "\n")
+    return path
+
+
+def _document(job: Job) -> dict[str, Any]:
+    meta = _read_meta(Path(job.output_dir) / "meta.json") if job.output_dir else {}
+    return {"id": job.id, "path": job.path, "state": job.state, "tokens": meta.get("tokens"),
+            "cpu_seconds": meta.get("cpu_seconds"), "energy_joules": meta.get("energy_joules"),
+            "output_dir": job.output_dir, "last_error": job.last_error}
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

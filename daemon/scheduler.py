@@ -1,0 +1,128 @@
+"""When the daemon may work, and if not, why: one decision, one reason in words.
+
+The rules, each switched by a key of [scheduler] in the config, in the order they are checked:
+
+    paused by the person (`npumoed pause`)   ─► wait
+    on battery (run_on_battery = false)      ─► wait
+    battery below min_battery_percent        ─► wait
+    Low Power Mode (respect_low_power_mode)  ─► wait
+    thermal pressure heavy or worse          ─► wait
+    foreground load > max_foreground_load    ─► wait
+    otherwise                                ─► run; batch jobs only inside their window
+                                                 (and only on AC when batch_requires_ac)
+
+Interactive documents outrank batch ones in the queue's claim order, so a document added by hand
+runs before the rest of an overnight batch. `decide` is cheap enough to call between chunks: the
+power source caches its reading and the foreground load is sampled at most once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, NamedTuple
+
+from npumoe.daemon.batch import BatchWindow
+from npumoe.daemon.config import SchedulerConfig
+from npumoe.daemon.measure import ForegroundLoad
+from npumoe.daemon.power import PowerSource, PowerState, system_power_source
+from npumoe.jobs.queue import Queue
+
+log = logging.getLogger(__name__)
+
+# Apple's own load advisory turns "bad" at heavy; moderate comes and goes under any sustained load.
+THERMAL_WAIT = ("heavy", "critical")
+
+
+@dataclass(frozen=True)
+class Decision:
+    run: bool  # the global rules (pause, power, thermal, foreground load) allow work now
+    reason: str  # "" when run; else words for `npumoed status`, e.g. "paused by you", "on battery (42%)"
+    open_windows: tuple[str, ...]  # batch windows open now (pass to Queue.claim(open_windows=...))
+    held: str = ""  # why queued batch work waits even when run is True, e.g. "batch work waits for 01:00-06:00"
+
+
+class ClosedWindow(NamedTuple):
+    window: str
+    started: datetime
+    ended: datetime
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, queue: Queue, *, power: PowerSource | None = None,
+                 clock: Callable[[], datetime] | None = None,
+                 foreground_load: Callable[[], float] | None = None) -> None:
+        self.config = config
+        self.queue = queue
+        self.power = power or system_power_source()
+        self.clock = clock or datetime.now
+        self.foreground_load = foreground_load or ForegroundLoad()
+        self._power: PowerState | None = None
+        self._opened: dict[str, datetime] = {}  # batch windows open by the clock, and when they opened
+        self._closed: list[ClosedWindow] = []
+
+    def decide(self) -> Decision:
+        now = self.clock()
+        power = self._power = self.power.read()
+        open_windows, held = self._batch_windows(now, power)
+        reason = self._wait_reason(power)
+        return Decision(run=not reason, reason=reason, open_windows=open_windows, held=held)
+
+    def power_state(self) -> dict[str, Any]:
+        """The last power reading, for the daemon's heartbeat row and `npumoed status`."""
+        return (self._power or self.power.read()).as_dict()
+
+    def closed_windows(self) -> list[ClosedWindow]:
+        """Batch windows that closed since the last call (write their reports with write_batch_report)."""
+        closed, self._closed = self._closed, []
+        return closed
+
+    def _wait_reason(self, power: PowerState) -> str:
+        c = self.config
+        paused = self.queue.get_control("paused")
+        if paused:
+            since = paused.get("since") if isinstance(paused, dict) else None
+            return f"paused by you since {datetime.fromtimestamp(since):%H:%M}" if since else "paused by you"
+        percent = power.battery_percent
+        if power.on_ac is False and not c.run_on_battery:
+            return f"on battery ({percent:.0f}%)" if percent is not None else "on battery"
+        if power.on_ac is False and percent is not None and percent < c.min_battery_percent:
+            return f"battery low ({percent:.0f}% < {c.min_battery_percent}%)"
+        if c.respect_low_power_mode and power.low_power_mode:
+            return "Low Power Mode is on"
+        if c.respect_thermal_pressure and power.thermal_pressure in THERMAL_WAIT:
+            return f"thermal pressure is {power.thermal_pressure}"
+        load = self.foreground_load()
+        if load > c.max_foreground_load:
+            return f"foreground load {load:.0%} > {c.max_foreground_load:.0%}"
+        return ""
+
+    def _batch_windows(self, now: datetime, power: PowerState) -> tuple[tuple[str, ...], str]:
+        """The windows open now for the jobs waiting on them, and why the others' jobs wait.
+
+        Tracks which windows are open by the clock alone, so a window that closes is reported once,
+        even if it was held shut for lack of AC power.
+        """
+        needed = set(self.queue.open_windows_needed())
+        by_clock = {w for w in needed | self._opened.keys() if _is_open(w, now)}
+        for window in sorted(self._opened.keys() - by_clock):
+            self._closed.append(ClosedWindow(window, self._opened.pop(window), now))
+        for window in by_clock - self._opened.keys():
+            self._opened[window] = BatchWindow.parse(window).last_opening(now)
+        open_now, held = tuple(sorted(by_clock)), []
+        if waiting := sorted(needed - by_clock):
+            held.append(f"batch work waits for {', '.join(waiting)}")
+        if open_now and self.config.batch_requires_ac and power.on_ac is False:
+            held.append(f"batch window {', '.join(open_now)} is open, but batch work waits for AC power")
+            open_now = ()
+        return open_now, "; ".join(held)
+
+
+def _is_open(window: str, now: datetime) -> bool:
+    try:
+        return BatchWindow.parse(window).contains(now)
+    except ValueError as e:  # a window written by hand into the database; its jobs never run
+        log.warning("ignoring jobs queued for a bad batch window: %s", e)
+        return False
