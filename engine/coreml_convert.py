@@ -1,0 +1,138 @@
+"""Converting a plan's static group graphs into multifunction Core ML packages for the Neural Engine.
+
+Each group graph is `GroupedExperts` in its "ane" layout (grouped 1x1 convolutions), exported with
+torch.export and converted to an fp16 ML Program function x (1, G*H, 1, C) -> y. Functions are
+filled into packages in (layer, group) order, a new package starting before one would pass about
+1 GB, so one package holds a layer's functions, or a few small layers'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from npumoe.engine.coreml_ane import ane_problems
+from npumoe.engine.coreml_cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest
+from npumoe.engine.coreml_env import import_coremltools
+from npumoe.engine.grouped import GroupedExperts
+
+MAX_PACKAGE_BYTES = 1 << 30
+FP16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class GroupGraph:
+    """A static group graph a plan asks for: these experts of this layer at capacity C."""
+
+    layer: int
+    capacity: int
+    experts: tuple[int, ...]
+
+
+class ConversionError(ValueError):
+    """A group graph that would not run whole on the Neural Engine."""
+
+
+def convert_group(gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> Any:
+    """The fp16 ML Program (a coremltools MLModel, not loaded) of G experts' graph at capacity C.
+
+    gate_up (G, 2I, H) and down (G, H, I) are the experts' weights in transformers' fused layout.
+    """
+    ct = import_coremltools()
+    graph = GroupedExperts(gate_up.float(), down.float(), act, layout="ane").eval()
+    example = torch.zeros(1, graph.group_size * graph.hidden_size, 1, capacity)
+    exported = torch.export.export(graph, (example,)).run_decompositions({})
+    # coremltools draws a tqdm bar per pass; callers draw their own progress.
+    with contextlib.redirect_stderr(io.StringIO()):
+        model = ct.convert(
+            exported,
+            inputs=[ct.TensorType(INPUT_NAME, shape=example.shape, dtype=np.float16)],
+            outputs=[ct.TensorType(OUTPUT_NAME, dtype=np.float16)],
+            convert_to="mlprogram",
+            compute_precision=ct.precision.FLOAT16,
+            minimum_deployment_target=ct.target.macOS15,  # multifunction packages need it
+            skip_model_load=True,
+        )
+    problems = ane_problems(model._get_mil_internal().functions["main"], (INPUT_NAME,), (OUTPUT_NAME,))
+    if problems:
+        raise ConversionError(f"{graph.group_size} experts at capacity {capacity}: " + "; ".join(problems))
+    return model
+
+
+def build_packages(
+    groups: Sequence[GroupGraph],
+    layer_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    act: str,
+    folder: Path,
+    *,
+    model: str,
+    plan_digest: str,
+    max_package_bytes: int = MAX_PACKAGE_BYTES,
+    on_converted: Callable[[CompiledGroup], None] | None = None,
+) -> Manifest:
+    """Convert every group graph into `folder` (a build folder) and return its manifest.
+
+    `layer_weights(layer)` gives that layer's (gate_up (E, 2I, H), down (E, H, I)). The build is
+    made beside `folder` and renamed into place once its manifest is written, so a crash or a
+    concurrent build never leaves a half-written folder that looks finished.
+    """
+    ct = import_coremltools()
+    if not groups:
+        raise ValueError("the plan has no static group graphs to convert")
+    gate_up, down = layer_weights(groups[0].layer)
+    hidden, inter = down.shape[1], down.shape[2]
+    partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    scratch = partial / "scratch"
+    compiled: list[CompiledGroup] = []
+    for package, members in _fill_packages(groups, hidden, inter, max_package_bytes):
+        scratch.mkdir(parents=True)
+        functions = ct.utils.MultiFunctionDescriptor()
+        for group in members:
+            gate_up, down = layer_weights(group.layer)
+            experts = list(group.experts)
+            index = sum(c.layer == group.layer for c in compiled)
+            function = f"layer{group.layer}_g{index}_c{group.capacity}"
+            path = scratch / f"{function}.mlpackage"
+            convert_group(gate_up[experts], down[experts], act, group.capacity).save(str(path))
+            functions.add_function(str(path), "main", function)
+            compiled.append(CompiledGroup(function, package, group.layer, group.capacity, group.experts))
+            if on_converted:
+                on_converted(compiled[-1])
+        functions.default_function_name = compiled[-1].function
+        ct.utils.save_multifunction(functions, str(partial / package))
+        shutil.rmtree(scratch)
+    sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in partial.glob("*.mlpackage")}
+    manifest = Manifest(model=model, plan=plan_digest, coremltools=ct.__version__, hidden=hidden, intermediate=inter,
+                        act=act, groups=tuple(compiled), package_bytes=sizes)
+    (partial / MANIFEST).write_text(manifest.to_json())
+    if folder.exists():  # an unfinished build, or a finished one that is being rebuilt
+        shutil.rmtree(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial.rename(folder)
+    return manifest
+
+
+def _fill_packages(groups: Sequence[GroupGraph], hidden: int, inter: int,
+                   max_bytes: int) -> Iterator[tuple[str, list[GroupGraph]]]:
+    """(package file name, its group graphs), filled in layer order up to `max_bytes` of fp16 weights each."""
+    packages: list[list[GroupGraph]] = [[]]
+    size = 0
+    for group in sorted(groups, key=lambda g: g.layer):
+        weight_bytes = len(group.experts) * 3 * hidden * inter * FP16_BYTES
+        if packages[-1] and size + weight_bytes > max_bytes:
+            packages.append([])
+            size = 0
+        packages[-1].append(group)
+        size += weight_bytes
+    for index, members in enumerate(packages):
+        yield f"experts-{index:03d}.mlpackage", members
