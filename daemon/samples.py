@@ -35,8 +35,7 @@ SENTENCES: dict[str, tuple[str, ...]] = {
         "forever.",
         "The worker never holds a transaction open while it thinks; it claims, lets go, works, and then reports.",
         "A dead worker leaves no note, so the queue notices its absence by the silence of its heartbeat.",
-        "Fairness in a document queue mostly means that a single enormous report cannot starve twenty short "
-        "letters.",
+        "Fairness in a document queue mostly means that a single enormous report cannot starve twenty short letters.",
         "When the queue is empty the worker should sleep deeply rather than ask every second whether anything "
         "has changed.",
         "It is tempting to add priorities, tags and dependencies, yet most personal queues need nothing more than "
@@ -50,22 +49,18 @@ SENTENCES: dict[str, tuple[str, ...]] = {
         "The cheapest computation is the one postponed until the charger is connected.",
         "Low Power Mode is a clear request from the person at the keyboard, and a polite daemon treats it as a "
         "reason to wait.",
-        "Fans that spin up while someone is writing a letter are a sign that the background has forgotten its "
-        "place.",
+        "Fans that spin up while someone is writing a letter are a sign that the background has forgotten its place.",
         "Specialised accelerators often finish the same arithmetic with a fraction of the energy a general "
         "processor would spend.",
         "Measuring energy honestly is harder than measuring time, so a careful tool reports it only where the "
         "platform can count it.",
-        "Processor seconds are a useful proxy: the kernel counts them for every process and they cannot be "
-        "flattered.",
+        "Processor seconds are a useful proxy: the kernel counts them for every process and they cannot be flattered.",
         "A battery kept above a comfortable threshold ages more slowly than one drained to the last percent "
         "every night.",
         "Heat is the visible part of wasted work, and a machine that stays cool under load is usually being used "
         "wisely.",
-        "An overnight window lets heavy work happen while the house is asleep and the electricity is often "
-        "cheaper.",
-        "When the machine wakes for a scheduled task, it should do that task, write its results and go back to "
-        "sleep.",
+        "An overnight window lets heavy work happen while the house is asleep and the electricity is often cheaper.",
+        "When the machine wakes for a scheduled task, it should do that task, write its results and go back to sleep.",
         "Spreading a long job over many short bursts can cost more energy than running it once, because every "
         "start has a price.",
         "Nobody notices a daemon that behaves well, and that invisibility is the best praise it can receive.",
@@ -77,14 +72,12 @@ SENTENCES: dict[str, tuple[str, ...]] = {
         "An archive is only as useful as the index that points into it, and a good summary is a kind of index.",
         "Old reports often begin with a page of acknowledgements and end with appendices that nobody has opened "
         "in years.",
-        "A summary that hides what it left out is worse than no summary, because it invites trust it has not "
-        "earned.",
+        "A summary that hides what it left out is worse than no summary, because it invites trust it has not earned.",
         "When a text is longer than a reader can hold in mind, it is split into parts, each part is summarised, "
         "and the summaries are summarised again.",
         "Tables and footnotes carry much of the meaning in technical writing, yet they are the first things lost "
         "when a document is flattened into text.",
-        "A scanned page without a text layer is only a picture of words, and extraction has nothing to read "
-        "there.",
+        "A scanned page without a text layer is only a picture of words, and extraction has nothing to read there.",
         "The same contract can arrive as a PDF, a word-processor file and an email, and a careful system reads "
         "all three the same way.",
         "Archivists have long known that the format of a document outlives the program that wrote it, sometimes "
@@ -100,12 +93,10 @@ SENTENCES: dict[str, tuple[str, ...]] = {
     "accelerators": (
         "A neural accelerator is fastest when it knows in advance the exact shape of every array it will be "
         "asked to multiply.",
-        "Static shapes trade flexibility for speed: the graph is compiled once, and every call must fit the "
-        "mould.",
+        "Static shapes trade flexibility for speed: the graph is compiled once, and every call must fit the mould.",
         "Text does not arrive in convenient sizes, so it is cut into chunks of a fixed length and the last chunk "
         "is padded.",
-        "Launching work on an accelerator has a fixed cost, and many tiny launches can take longer than one "
-        "large one.",
+        "Launching work on an accelerator has a fixed cost, and many tiny launches can take longer than one large one.",
         "Packing several small pieces of work into one call is the oldest trick for hiding that fixed cost.",
         "A graph that branches on the data cannot be compiled ahead of time, so the branching is done on the "
         "host before the call.",
@@ -143,22 +134,18 @@ SENTENCES: dict[str, tuple[str, ...]] = {
         "Grouping experts of similar load lets one compiled graph serve several of them in a single call.",
         "The rarely used experts ask so little that running them on the processor is cheaper than waking the "
         "accelerator.",
-        "A plan that records which experts stay resident is a piece of data that can be printed, compared and "
-        "reused.",
+        "A plan that records which experts stay resident is a piece of data that can be printed, compared and reused.",
         "Importance is a useful tiebreak: when space runs out, the tokens with the smallest routing weight are "
         "the first to give way.",
         "A committee that is well organised reaches the same decision as one that is not, only sooner and with "
         "less fuss.",
-        "The routing weights themselves are cheap to compute, which is why the host can afford to make every "
-        "decision.",
+        "The routing weights themselves are cheap to compute, which is why the host can afford to make every decision.",
     ),
     "night": (
         "By late evening the house is quiet, the laptop lid is closed, and the inbox folder still holds the "
         "day's unread reports.",
-        "Work that can wait until night is a gift to the person who would otherwise sit watching a progress "
-        "bar.",
-        "A status line that says why the machine is waiting is more reassuring than one that says nothing at "
-        "all.",
+        "Work that can wait until night is a gift to the person who would otherwise sit watching a progress bar.",
+        "A status line that says why the machine is waiting is more reassuring than one that says nothing at all.",
         "Morning brings a short summary for every document that arrived, and the originals are tidied away "
         "where they belong.",
         "The best background helpers are like a good night porter: present, reliable and almost never seen.",
@@ -173,8 +160,7 @@ SENTENCES: dict[str, tuple[str, ...]] = {
         "People trust tools that behave the same way every night, even when they never look at the logs.",
         "A half-written result is worse than none, so every output is written under a temporary name and "
         "renamed when complete.",
-        "Some evenings bring one small note, and others bring a box of scanned minutes from a decade of "
-        "meetings.",
+        "Some evenings bring one small note, and others bring a box of scanned minutes from a decade of meetings.",
         "The quiet hours are also when the machine updates itself, so a considerate task yields when the "
         "system needs to restart.",
         "A log written for a tired person at midnight should use short sentences and name the file it is "
@@ -297,11 +283,13 @@ def _section(seed: str, heading: str, topics: list[str], paragraphs: int, senten
     deck: list[str] = []
     texts = []
     for _ in range(paragraphs):
-        chosen = []
-        for _ in range(sentences):
+        chosen: list[str] = []
+        while len(chosen) < sentences:
             if not deck:
                 deck = rng.sample(pool, len(pool))
-            chosen.append(deck.pop())
+            sentence = deck.pop()
+            if sentence not in chosen:  # a fresh deck may deal again what this paragraph already holds
+                chosen.append(sentence)
         texts.append(" ".join(chosen))
     return Section(heading, tuple(texts))
 

@@ -130,7 +130,10 @@ def child_failure(returncode: int, stderr: bytes) -> ExtractionError:
     """Classify an extraction child that died without a reply (it only ever dies of memory or of a bug)."""
     lines = stderr.decode("utf-8", errors="replace").strip().splitlines()
     if returncode < 0:
-        detail = f"killed by {signal.Signals(-returncode).name}"
+        try:
+            detail = f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:  # a real-time signal has no name
+            detail = f"killed by signal {-returncode}"
     else:
         detail = f"exit status {returncode}" + (f": {lines[-1]}" if lines else "")
     # Our own timeout is handled before this; any other SIGKILL is the kernel's out-of-memory killer.

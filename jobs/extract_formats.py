@@ -15,12 +15,11 @@ from dataclasses import dataclass
 from html.parser import HTMLParser
 from typing import BinaryIO
 
-KINDS = frozenset(
-    {"encrypted", "corrupt", "unsupported", "empty", "too_large", "timeout", "memory", "unreadable"}
-)
+KINDS = frozenset({"encrypted", "corrupt", "unsupported", "empty", "too_large", "timeout", "memory", "unreadable"})
 FORMATS = ("text", "markdown", "html", "pdf", "docx")
 
 SNIFF_BYTES = 8192
+MAX_CONTROL_RATIO = 0.05  # text has tabs and newlines, almost never other control bytes
 MARKDOWN_SUFFIXES = frozenset({".md", ".markdown", ".mdown", ".mkd"})
 HTML_SUFFIXES = frozenset({".html", ".htm", ".xhtml"})
 # A DOCX part over a mebibyte that expands more than this looks like a zip bomb, not repetitive XML.
@@ -49,7 +48,8 @@ _BOMS = (
 # Tried in order when there is no BOM; latin-1 decodes anything, so it comes last.
 _FALLBACK_CODECS = ("utf-8", "cp1252", "latin-1")
 _CONTROL_BYTES = bytes(set(range(32)) - set(b"\t\n\r\f\v\x1b") | {0x7F})
-MAX_CONTROL_RATIO = 0.05
+# An HTML page may open with an XML declaration and comments before its first tag.
+_HTML_START = re.compile(r"(\s|<\?xml[^>]*>|<!--.*?-->)*<(!doctype html|html|head|body)\b", re.DOTALL)
 
 
 class ExtractionError(Exception):
@@ -98,12 +98,10 @@ def sniff_format(stream: BinaryIO, suffix: str) -> str:
     for magic, what in _BINARY_MAGIC.items():
         if head.startswith(magic):
             raise ExtractionError("unsupported", f"{what} is not a supported document")
-    if not _bom_codec(head) and looks_binary(head):
+    if not _bom_codec(head) and _looks_binary(head):
         raise ExtractionError("unsupported", f"binary content in {_describe(suffix)}")
-    start = decode_text(head).lstrip().lower()
-    if start.startswith(("<!doctype html", "<html", "<head", "<body")) or (
-        suffix in HTML_SUFFIXES and start.startswith("<")
-    ):
+    start = _decode_text(head).lstrip().lower()
+    if _HTML_START.match(start) or (suffix in HTML_SUFFIXES and start.startswith("<")):
         return "html"
     if suffix in MARKDOWN_SUFFIXES or re.match(r"#{1,6} \S", start):
         return "markdown"
@@ -130,7 +128,7 @@ def extract_bytes(data: bytes, suffix: str, limits: ExtractLimits) -> ExtractedT
     return ExtractedText(text, fmt, pages)
 
 
-def looks_binary(sample: bytes) -> bool:
+def _looks_binary(sample: bytes) -> bool:
     """True for bytes no text file would hold: NULs, or many control characters."""
     if b"\0" in sample:
         return True
@@ -138,7 +136,7 @@ def looks_binary(sample: bytes) -> bool:
     return controls > MAX_CONTROL_RATIO * len(sample)
 
 
-def decode_text(data: bytes) -> str:
+def _decode_text(data: bytes) -> str:
     """Text from bytes: by BOM when there is one, else UTF-8, else the Windows and Latin-1 code pages."""
     codec = _bom_codec(data)
     if codec:
@@ -176,7 +174,7 @@ def _zip_format(stream: BinaryIO) -> str:
 
 
 def _plain_text(data: bytes, limits: ExtractLimits) -> tuple[str, None]:
-    return decode_text(data), None
+    return _decode_text(data), None
 
 
 class _HtmlText(HTMLParser):
@@ -215,7 +213,7 @@ class _HtmlText(HTMLParser):
 
 def _html_text(data: bytes, limits: ExtractLimits) -> tuple[str, None]:
     parser = _HtmlText()
-    parser.feed(decode_text(data))
+    parser.feed(_decode_text(data))
     parser.close()
     # HTML collapses whitespace inside a block; blocks become paragraphs separated by one blank line.
     lines = (" ".join(line.split()) for line in "".join(parser.parts).split("\n"))
@@ -226,16 +224,19 @@ def _pdf_text(data: bytes, limits: ExtractLimits) -> tuple[str, int]:
     from pypdf import PasswordType, PdfReader
     from pypdf.errors import DependencyError, LimitReachedError
 
-    # pypdf quietly repairs a cut-off file; a missing end marker is the honest sign of truncation.
+    # pypdf may patch up a cut-off file and return part of it; a missing end marker is the plain sign.
     if b"%%EOF" not in data[-1024:]:
         raise ExtractionError("corrupt", "PDF is truncated (no %%EOF marker at the end)")
     reader = PdfReader(io.BytesIO(data))
     if reader.is_encrypted:
+        # Many PDFs are encrypted only to carry permissions, with an empty password for reading.
         try:
-            unlocked = reader.decrypt("") != PasswordType.NOT_DECRYPTED
+            locked = reader.decrypt("") == PasswordType.NOT_DECRYPTED
         except DependencyError:
-            unlocked = False
-        if not unlocked:
+            raise ExtractionError(
+                "encrypted", "PDF is AES-encrypted; reading it needs the cryptography package"
+            ) from None
+        if locked:
             raise ExtractionError("encrypted", "PDF is encrypted (password required)")
     pages: list[str] = []
     length = 0
