@@ -1,0 +1,258 @@
+"""The commands that manage the daemon as a service: install, uninstall, pause, resume, batch, doctor.
+
+The lead wires them into `npumoed` with `main.add_command(...)` for each of COMMANDS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import click
+
+from npumoe.daemon.app import App, emit_json, pass_app
+from npumoe.daemon.batch import BatchWindow
+from npumoe.daemon.config import ModelConfig
+from npumoe.daemon.home import Home
+from npumoe.daemon.intake import enqueue, iter_documents
+from npumoe.daemon.measure import ForegroundLoad, system_energy_counter
+from npumoe.daemon.power import system_power_source
+from npumoe.daemon.priority import available_cores, worker_threads
+from npumoe.daemon.service import (
+    Service,
+    ServiceError,
+    ServiceManager,
+    Step,
+    carry_out,
+    describe,
+    service_manager,
+)
+from npumoe.jobs.queue import BATCH
+
+# Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
+PROTECTED = ("Documents", "Desktop", "Downloads")
+
+
+# -- install / uninstall ----------------------------------------------------------------------------
+
+@click.command()
+@click.option("--dry-run", is_flag=True, help="Print what would be written and run; change nothing.")
+@pass_app
+def install(app: App, dry_run: bool) -> None:
+    """Install and start the background service (LaunchAgent on macOS, systemd --user on Linux)."""
+    manager = _manager()
+    home = Home.current() if dry_run else app.home  # a dry run creates no folders
+    _do(manager.install(Service.for_home(home, app.config_path)), dry_run,
+        done=f"installed and started the {manager.name} service ({manager.path})")
+
+
+@click.command()
+@click.option("--dry-run", is_flag=True, help="Print what would be removed and run; change nothing.")
+def uninstall(dry_run: bool) -> None:
+    """Stop and remove the background service (the home and its documents stay)."""
+    manager = _manager()
+    _do(manager.uninstall(), dry_run, done=f"stopped and removed the {manager.name} service")
+
+
+def _manager() -> ServiceManager:
+    try:
+        return service_manager()
+    except ServiceError as e:
+        raise click.ClickException(str(e)) from e
+
+
+def _do(steps: list[Step], dry_run: bool, *, done: str) -> None:
+    if dry_run:
+        click.echo("would do, in order:")
+        for step in steps:
+            click.echo(f"  {describe(step)}")
+        return
+    try:
+        carry_out(steps)
+    except (ServiceError, OSError) as e:
+        raise click.ClickException(str(e)) from e
+    click.echo(done)
+
+
+# -- pause / resume ---------------------------------------------------------------------------------
+
+@click.command()
+@pass_app
+def pause(app: App) -> None:
+    """Hold all work after the current chunk, until `npumoed resume`."""
+    paused = app.queue.get_control("paused")
+    if paused:
+        click.echo(f"already paused since {datetime.fromtimestamp(paused['since']):%Y-%m-%d %H:%M}")
+        return
+    app.queue.set_control("paused", {"since": time.time()})
+    click.echo("paused: the daemon stops after its current chunk; `npumoed resume` lets it go on")
+
+
+@click.command()
+@pass_app
+def resume(app: App) -> None:
+    """Let the daemon work again after `npumoed pause`."""
+    was_paused = bool(app.queue.get_control("paused"))
+    app.queue.set_control("paused", None)
+    click.echo("resumed" if was_paused else "was not paused")
+
+
+# -- batch ------------------------------------------------------------------------------------------
+
+@click.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
+@click.option("--window", metavar="HH:MM-HH:MM",
+              help="Local time to run them in (default: scheduler.batch_window); 22:00-06:00 crosses midnight.")
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as JSON.")
+@pass_app
+def batch(app: App, paths: tuple[Path, ...], window: str | None, as_json: bool) -> None:
+    """Queue documents (files, or folders searched recursively) for the overnight window.
+
+    They run only inside the window (and only on AC power when scheduler.batch_requires_ac is set);
+    anything added with `npumoed add` goes first. A report is written to the home's reports/ folder
+    when the window closes.
+    """
+    window = window or app.config.scheduler.batch_window
+    try:
+        window = str(BatchWindow.parse(window))
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--window") from e
+    results, problems = [], []
+    for path in iter_documents(paths, recursive=app.config.inbox.recursive):
+        try:
+            job, created = enqueue(app.queue, path, app.config, priority=BATCH, batch_window=window)
+        except (OSError, ValueError) as e:
+            problems.append(f"{path}: {e}")
+            continue
+        results.append({**job.as_dict(), "created": created})
+        if not as_json:
+            verb = f"queued for {window}" if created else f"already known ({job.state})"
+            click.echo(f"#{job.id} {verb}: {path}")
+    if as_json:
+        emit_json({"window": window, "jobs": results, "errors": problems})
+    elif results:
+        ac = " on AC power" if app.config.scheduler.batch_requires_ac else ""
+        click.echo(f"{sum(r['created'] for r in results)} document(s) will run between {window}{ac}")
+    for problem in problems:
+        click.echo(f"npumoed: skipped {problem}", err=True)
+    if problems and not results:
+        raise SystemExit(1)
+
+
+# -- doctor -----------------------------------------------------------------------------------------
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@pass_app
+def doctor(app: App, as_json: bool) -> None:
+    """Check what the daemon depends on: service, inboxes, power state, CPU budget, energy, backends.
+
+    Exits 1 when a check fails.
+    """
+    checks = [_service_check(), *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
+              _power_check(), _load_check(), _cpu_check(app), _energy_check(), *_backend_checks()]
+    if as_json:
+        emit_json({"checks": checks})
+    else:
+        marks = {"ok": click.style("ok  ", fg="green"), "warn": click.style("warn", fg="yellow"),
+                 "fail": click.style("FAIL", fg="red")}
+        for check in checks:
+            click.echo(f"{marks[check['status']]}  {check['check']}: {check['detail']}")
+    if any(check["status"] == "fail" for check in checks):
+        raise SystemExit(1)
+
+
+def _check(name: str, status: str, detail: str) -> dict[str, str]:
+    return {"check": name, "status": status, "detail": detail}
+
+
+def _service_check() -> dict[str, str]:
+    try:
+        manager = service_manager()
+    except ServiceError as e:
+        return _check("service", "warn", str(e))
+    state = manager.state()
+    running = state.startswith("installed, ") and any(w in state for w in ("running", "active"))
+    hint = "" if running else " (`npumoed install` to run it in the background)"
+    return _check(f"service ({manager.name})", "ok" if running else "warn", state + hint)
+
+
+def _inbox_check(folder: Path) -> dict[str, str]:
+    name = f"inbox {folder}"
+    if not folder.is_dir():
+        return _check(name, "fail", "missing or not a folder")
+    try:
+        os.listdir(folder)
+    except OSError as e:
+        return _check(name, "fail", f"cannot list it: {e.strerror}")
+    if not os.access(folder, os.R_OK | os.W_OK | os.X_OK):
+        return _check(name, "fail", "not readable and writable by you")
+    protected = [Path.home() / p for p in PROTECTED]
+    if sys.platform == "darwin" and any(folder.is_relative_to(p) for p in protected):
+        return _check(name, "warn", "readable from this terminal, but macOS keeps ~/Documents, ~/Desktop and "
+                                    "~/Downloads from a LaunchAgent; choose an inbox elsewhere")
+    return _check(name, "ok", "readable and writable")
+
+
+def _power_check() -> dict[str, str]:
+    state = system_power_source().read()
+    if state.on_ac is None:
+        power = "no battery information (treated as AC power)"
+    else:
+        power = "on AC power" if state.on_ac else "on battery"
+        if state.battery_percent is not None:
+            power += f", battery {state.battery_percent:.0f}%"
+    def said(value: object) -> str:
+        return "not reported here" if value is None else str(value)
+    detail = (f"{power}; Low Power Mode: {said(state.low_power_mode)}; "
+              f"thermal pressure: {said(state.thermal_pressure)}")
+    return _check("power state", "ok" if state.on_ac is not None else "warn", detail)
+
+
+def _load_check() -> dict[str, str]:
+    load = ForegroundLoad(window=0.5)()
+    return _check("foreground load", "ok", f"{load:.0%} of {available_cores()} core(s) busy with other work")
+
+
+def _cpu_check(app: App) -> dict[str, str]:
+    cpu = app.config.cpu
+    priority = "background priority" if cpu.background_priority else "normal priority (cpu.background_priority)"
+    return _check("CPU budget", "ok", f"{worker_threads(cpu)} worker thread(s) of {available_cores()} core(s), "
+                                      f"at {priority}")
+
+
+def _energy_check() -> dict[str, str]:
+    counter = system_energy_counter()
+    measurable = counter.read() is not None
+    return _check("energy", "ok" if measurable else "warn", counter.description)
+
+
+def _backend_checks() -> list[dict[str, str]]:
+    """Each backend the config offers: built into the engine here, and able to run on this machine."""
+    from npumoe.engine.backends import BACKENDS  # torch: imported only when asked
+
+    choices = next(f for f in dataclasses.fields(ModelConfig) if f.name == "backend").metadata["choices"]
+    checks = []
+    for name in choices:
+        ok, why = _backend_ready(name) if name in BACKENDS else (False, "not built into this engine yet")
+        checks.append(_check(f"backend {name}", "ok" if ok else "warn", why))
+    return checks
+
+
+def _backend_ready(name: str) -> tuple[bool, str]:
+    if name == "coreml":
+        from npumoe.engine.coreml_env import coreml_availability
+
+        return coreml_availability()
+    if name == "cuda":
+        import torch
+
+        return (True, torch.cuda.get_device_name(0)) if torch.cuda.is_available() else (False, "no CUDA device")
+    return True, "available"
+
+
+COMMANDS = (install, uninstall, pause, resume, batch, doctor)

@@ -1,0 +1,234 @@
+"""The service as described once and rendered twice, its install steps, and the person's service commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import plistlib
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from npumoe.daemon.cli import main
+from npumoe.daemon.cli_service import COMMANDS
+from npumoe.daemon.home import Home
+from npumoe.daemon.service import (
+    LABEL,
+    Launchd,
+    Remove,
+    Run,
+    Service,
+    ServiceError,
+    SystemdUser,
+    Write,
+    carry_out,
+)
+from npumoe.jobs.queue import BATCH, Queue
+
+ODD_HOME = "my docs & <notes> 100% $HOME"  # every character the two formats must escape
+
+
+@pytest.fixture
+def service(tmp_path: Path) -> Service:
+    return Service.for_home(Home(tmp_path / ODD_HOME))
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("NPUMOED_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    for command in COMMANDS:
+        main.add_command(command)
+    return tmp_path / "home"
+
+
+def npumoed(*args: str) -> Result:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+class Recorder:
+    """Stands in for launchctl / systemctl: records each command and answers with a set exit status."""
+
+    def __init__(self, failing: tuple[str, ...] = ()) -> None:
+        self.failing = failing
+        self.commands: list[tuple[str, ...]] = []
+
+    def __call__(self, argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        self.commands.append(tuple(argv))
+        failed = any(word in argv for word in self.failing)
+        return subprocess.CompletedProcess(argv, 5 if failed else 0, "", "Boot-out failed: 3: No such process"
+                                           if failed else "")
+
+
+# -- the LaunchAgent --------------------------------------------------------------------------------
+
+def test_the_launch_agent_parses_and_has_every_key_launchd_needs(tmp_path: Path, service: Service) -> None:
+    agent = plistlib.loads(Launchd(tmp_path, uid=501).render(service).encode())
+    home = tmp_path / ODD_HOME
+    assert agent["Label"] == LABEL
+    assert agent["ProgramArguments"] == [sys.executable, "-m", "npumoe.daemon", "run"]
+    assert Path(agent["ProgramArguments"][0]).is_absolute()
+    assert agent["EnvironmentVariables"]["NPUMOED_HOME"] == str(home)
+    assert agent["WorkingDirectory"] == str(home)
+    assert agent["RunAtLoad"] is True
+    assert agent["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
+    assert agent["ProcessType"] == "Background"
+    assert agent["LowPriorityIO"] is True
+    assert agent["ThrottleInterval"] == 30
+    assert Path(agent["StandardOutPath"]).parent == home / "logs"
+    assert Path(agent["StandardErrorPath"]).parent == home / "logs"
+
+
+def test_a_config_file_given_at_install_is_passed_to_the_service(tmp_path: Path) -> None:
+    service = Service.for_home(Home(tmp_path), tmp_path / "my.toml")
+    assert service.program[-3:] == ("--config", str(tmp_path / "my.toml"), "run")
+
+
+def test_launchd_install_bootstraps_into_the_gui_domain(tmp_path: Path, service: Service) -> None:
+    launchd = Launchd(tmp_path, uid=501)
+    plist = tmp_path / f"{LABEL}.plist"
+    steps = launchd.install(service)
+    assert steps[0] == Write(plist, launchd.render(service))
+    assert steps[1:] == [Run(("launchctl", "bootout", f"gui/501/{LABEL}"), must_succeed=False),
+                         Run(("launchctl", "bootstrap", "gui/501", str(plist)))]
+    assert launchd.uninstall() == [Run(("launchctl", "bootout", f"gui/501/{LABEL}"), must_succeed=False),
+                                   Remove(plist)]
+
+
+def test_launchd_state_reads_launchctl_print(tmp_path: Path, service: Service) -> None:
+    launchd = Launchd(tmp_path, uid=501)
+    assert launchd.state(Recorder()) == "not installed"
+    carry_out(launchd.install(service), Recorder())
+
+    def answer(argv: tuple[str, ...]) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(argv, 0, f"{LABEL} = {{\n\tstate = running\n\tpid = 4242\n}}\n", "")
+
+    assert launchd.state(answer) == "installed, running (pid 4242)"
+
+
+# -- the systemd unit -------------------------------------------------------------------------------
+
+def test_the_systemd_unit_runs_the_daemon_idle_and_restarts_on_failure(tmp_path: Path, service: Service) -> None:
+    unit = SystemdUser(tmp_path).render(service)
+    lines = set(unit.splitlines())
+    assert {"Nice=19", "CPUSchedulingPolicy=idle", "IOSchedulingClass=idle", "Restart=on-failure",
+            "WantedBy=default.target"} <= lines
+    assert f'ExecStart="{sys.executable}" "-m" "npumoe.daemon" "run"' in lines
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                    reason="systemd-analyze is not installed (apt-get install systemd provides it)")
+def test_the_systemd_unit_passes_systemd_analyze_verify(tmp_path: Path, service: Service) -> None:
+    units = tmp_path / "units"
+    carry_out(SystemdUser(units).install(service)[:1])
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    result = subprocess.run(["systemd-analyze", "--user", "verify", str(units / "npumoed.service")],
+                            capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "XDG_RUNTIME_DIR": str(runtime)})
+    # verify prints problems it can live with as warnings and still exits 0, so both must be clean
+    assert (result.returncode, result.stderr) == (0, "")
+
+
+def test_systemd_install_reloads_enables_and_restarts(tmp_path: Path, service: Service) -> None:
+    systemd = SystemdUser(tmp_path)
+    recorder = Recorder()
+    carry_out(systemd.install(service), recorder)
+    assert (tmp_path / "npumoed.service").read_text() == systemd.render(service)
+    assert recorder.commands == [("systemctl", "--user", "daemon-reload"),
+                                 ("systemctl", "--user", "enable", "npumoed.service"),
+                                 ("systemctl", "--user", "restart", "npumoed.service")]
+
+
+def test_uninstall_goes_on_when_the_service_was_not_running(tmp_path: Path, service: Service) -> None:
+    systemd = SystemdUser(tmp_path)
+    carry_out(systemd.install(service), Recorder())
+    recorder = Recorder(failing=("disable",))
+    carry_out(systemd.uninstall(), recorder)
+    assert not (tmp_path / "npumoed.service").exists()
+    assert recorder.commands[-1] == ("systemctl", "--user", "daemon-reload")
+
+
+def test_a_failing_step_stops_the_install_and_names_the_command(tmp_path: Path, service: Service) -> None:
+    recorder = Recorder(failing=("restart",))
+    with pytest.raises(ServiceError, match=re.escape("`systemctl --user restart npumoed.service` failed: Boot-out")):
+        carry_out(SystemdUser(tmp_path).install(service), recorder)
+
+
+def test_a_missing_service_manager_is_a_clear_error() -> None:
+    with pytest.raises(ServiceError, match="`no-such-launchctl print` failed: no-such-launchctl: command not found"):
+        carry_out([Run(("no-such-launchctl", "print"))])
+
+
+# -- the commands -----------------------------------------------------------------------------------
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the Linux service manager")
+def test_install_dry_run_prints_the_unit_and_commands_and_writes_nothing(home: Path, tmp_path: Path) -> None:
+    result = npumoed("install", "--dry-run")
+    unit = tmp_path / "config" / "systemd" / "user" / "npumoed.service"
+    assert result.exit_code == 0
+    assert f"write {unit}:" in result.output and "CPUSchedulingPolicy=idle" in result.output
+    assert "run systemctl --user enable npumoed.service" in result.output
+    assert not unit.exists() and not home.exists()
+    removal = npumoed("uninstall", "--dry-run")
+    assert f"remove {unit}" in removal.output and "systemctl --user disable --now npumoed.service" in removal.output
+
+
+def test_pause_and_resume_set_the_switch_the_scheduler_reads(home: Path) -> None:
+    assert "paused" in npumoed("pause").output
+    paused = Queue(Home(home).database).get_control("paused")
+    assert paused is not None and paused["since"] > 0
+    assert "already paused since" in npumoed("pause").output
+    assert npumoed("resume").output.strip() == "resumed"
+    assert Queue(Home(home).database).get_control("paused") is None
+    assert npumoed("resume").output.strip() == "was not paused"
+
+
+def test_batch_queues_documents_for_the_window_at_low_priority(home: Path, tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("a.txt", "b.md"):
+        (docs / name).write_text(f"the text of {name}")
+    result = npumoed("batch", str(docs), "--window", "22:00-06:00", "--json")
+    assert result.exit_code == 0
+    jobs = json.loads(result.output)["jobs"]
+    assert [(j["priority"], j["batch_window"]) for j in jobs] == [(BATCH, "22:00-06:00")] * 2
+
+
+def test_batch_uses_the_configured_window_by_default(home: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "a.txt"
+    doc.write_text("text")
+    result = npumoed("batch", str(doc))
+    assert result.exit_code == 0 and "will run between 01:00-06:00 on AC power" in result.output
+    assert Queue(Home(home).database).list()[0].batch_window == "01:00-06:00"
+
+
+def test_batch_with_a_bad_window_is_refused(home: Path, tmp_path: Path) -> None:
+    doc = tmp_path / "a.txt"
+    doc.write_text("text")
+    result = npumoed("batch", str(doc), "--window", "1am-6am")
+    assert result.exit_code == 2 and "'1am-6am' must look like HH:MM-HH:MM" in result.output
+
+
+def test_doctor_reports_every_area(home: Path) -> None:
+    result = npumoed("doctor", "--json")
+    checks = {c["check"]: c for c in json.loads(result.output)["checks"]}
+    assert result.exit_code == 0, checks
+    assert checks[f"inbox {home / 'inbox'}"]["status"] == "ok"
+    assert {"power state", "foreground load", "CPU budget", "energy", "backend cpu", "backend torch-static",
+            "backend coreml", "backend cuda"} <= checks.keys()
+    assert any(name.startswith("service") for name in checks)
+    assert checks["backend cpu"]["status"] == "ok"
+
+
+def test_doctor_fails_on_an_inbox_it_cannot_use(home: Path, tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f"[inbox]\nfolders = ['{tmp_path / 'nowhere'}']\n")
+    result = npumoed("--config", str(config), "doctor")
+    assert result.exit_code == 1
+    assert f"inbox {tmp_path / 'nowhere'}: missing or not a folder" in result.output
