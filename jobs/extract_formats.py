@@ -11,7 +11,7 @@ import io
 import re
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from html.parser import HTMLParser
 from typing import BinaryIO
 
@@ -73,6 +73,11 @@ class ExtractLimits:
     memory_mb: int = 1024  # address-space cap for the child (RLIMIT_AS on Linux; best effort on macOS)
     max_bytes: int = 100 * 2**20  # for the file, and for a DOCX unpacked; checked before any parsing
     max_chars: int = 5_000_000  # longer text fails as too_large: never silent truncation
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            if not getattr(self, field.name) > 0:
+                raise ValueError(f"ExtractLimits.{field.name} must be positive, got {getattr(self, field.name)!r}")
 
 
 @dataclass(frozen=True)

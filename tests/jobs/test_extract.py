@@ -223,3 +223,9 @@ def test_extraction_error_names_only_known_kinds() -> None:
     with pytest.raises(ValueError, match="unknown extraction error kind"):
         ExtractionError("mysterious", "something happened")
     assert str(ExtractionError("corrupt", "two\nlines")) == "two lines"
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "memory_mb", "max_bytes", "max_chars"])
+def test_limits_must_be_positive(field: str) -> None:
+    with pytest.raises(ValueError, match=f"ExtractLimits.{field} must be positive"):
+        ExtractLimits(**{field: 0})
