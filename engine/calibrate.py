@@ -1,0 +1,74 @@
+"""Calibration: run text through the model in prefill chunks and measure each expert's load.
+
+The load of an expert in one chunk is the number of the chunk's tokens routed to it. Texts are
+joined (end-of-text between them) into one token stream, prefilled in windows that fit the
+model's context, and only full chunks are counted (a short last chunk would understate every load),
+unless the data holds no full chunk at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .backends import get_backend
+from .models import LoadedModel
+from .plan import ExpertLoad
+from .prefill import new_cache, prefill, windows
+from .runtime import MoeRuntime
+
+
+@dataclass(frozen=True)
+class Calibration:
+    chunk_tokens: int
+    tokens: int
+    chunks: int  # chunks whose loads were counted
+    sources: tuple[str, ...]
+    layers: tuple[tuple[str, ExpertLoad], ...]  # (experts module name, its load) per MoE layer
+
+
+def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = 512,
+              on_chunk: Callable[[int, int], None] | None = None) -> Calibration:
+    """Measure expert loads on `texts`, given as (source name, text); `on_chunk(done, total)` per chunk."""
+    if chunk_tokens > loaded.context_tokens:
+        raise ValueError(f"chunk length {chunk_tokens} exceeds the model's context ({loaded.context_tokens})")
+    tokenizer = loaded.tokenizer
+    stream: list[int] = []
+    for _, text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if len(stream) <= len(texts):
+        raise ValueError("calibration data holds no text")
+
+    window = loaded.context_tokens // chunk_tokens * chunk_tokens  # whole chunks that fit the context
+    pieces = windows(stream, window)
+    chunk_lengths = [len(chunk) for piece in pieces for chunk in windows(piece, chunk_tokens)]
+    runtime = MoeRuntime(loaded.model, get_backend("cpu"))
+    done = 0
+    try:
+        with runtime.recording_loads() as loads:
+            for piece in pieces:
+                for _ in prefill(loaded.model, piece, chunk_tokens, new_cache(loaded.model)):
+                    done += 1
+                    if on_chunk is not None:
+                        on_chunk(done, len(chunk_lengths))
+    finally:
+        runtime.detach()
+
+    counted = [i for i, n in enumerate(chunk_lengths) if n == chunk_tokens] or list(range(len(chunk_lengths)))
+    layer_loads = tuple(
+        (name, _statistics(torch.stack(calls)[counted].float()))
+        for name, calls in zip(runtime.names, loads, strict=True))
+    return Calibration(chunk_tokens=chunk_tokens, tokens=len(stream), chunks=len(counted),
+                       sources=tuple(source for source, _ in texts), layers=layer_loads)
+
+
+def _statistics(counts: torch.Tensor) -> ExpertLoad:
+    """Per-expert mean, median, 95th percentile and max of (chunks, E) token counts."""
+    def values(t: torch.Tensor) -> tuple[float, ...]:
+        return tuple(round(v, 3) for v in t.tolist())
+
+    return ExpertLoad(mean=values(counts.mean(0)), p50=values(counts.quantile(0.5, dim=0)),
+                      p95=values(counts.quantile(0.95, dim=0)), max=values(counts.amax(0)))
+

@@ -1,0 +1,213 @@
+"""The engine's high-level API: one document in, a summary, embeddings and run statistics out.
+
+A document is tokenized and cut into sections that fit the model's context with the summary
+prompt around them. Each section is prefilled chunk by chunk (fixed chunk length, the KV cache
+carried across chunks) and summarised by greedy decoding from the prefilled cache. With more than
+one section the section summaries are combined (map, then reduce, repeated until one is left):
+a long document is never silently truncated. Embeddings are the final hidden states mean-pooled
+per chunk and over the whole document, L2-normalised.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .backends import get_backend
+from .dispatch import OVERFLOW_POLICIES, DispatchStats
+from .models import DTYPES, LoadedModel, load_model
+from .plan import ExpertPlan, PlanError
+from .prefill import new_cache, prefill, windows
+from .runtime import MoeRuntime
+from .summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str  # local path or Hugging Face id
+    backend: str = "cpu"  # "cpu" | "torch-static"
+    plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
+    chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
+    overflow: str = "spill"  # "spill" | "prune": what happens to assignments over a tier's capacity
+    dtype: str = "float32"  # "float32" | "bfloat16"
+    threads: int | None = None  # torch intra-op threads; None = leave as is
+    trust_remote_code: bool = False
+    allow_download: bool = False
+    summary_tokens: int = 128  # max new tokens for the summary
+
+    def __post_init__(self) -> None:
+        get_backend(self.backend)  # raises naming the known backends
+        if self.overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("chunk_tokens", "summary_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be positive or None, got {self.threads}")
+
+
+@dataclass
+class Progress:
+    phase: str  # "prefill" (chunks of the document) | "summary" (sections) | "reduce" (combined summaries)
+    chunks_done: int
+    chunks_total: int
+    tokens_done: int
+    tokens_total: int
+    elapsed_s: float
+
+
+@dataclass
+class DocumentResult:
+    summary: str
+    embeddings: np.ndarray  # float32, (n_chunks + 1, hidden): one L2-normalised row per chunk, last = document
+    stats: dict[str, Any]  # JSON-serialisable run statistics
+
+
+@dataclass
+class _Run:
+    """Bookkeeping for one `process` call."""
+
+    on_progress: Callable[[Progress], None] | None
+    tokens_total: int
+    tokens_done: int = 0
+    started: float = field(default_factory=time.perf_counter)
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "summary", "reduce"), 0.0))
+
+    def report(self, phase: str, done: int, total: int) -> None:
+        if self.on_progress is not None:
+            self.on_progress(Progress(phase, done, total, self.tokens_done, self.tokens_total,
+                                      time.perf_counter() - self.started))
+
+
+class Engine:
+    def __init__(self, settings: EngineSettings, loaded: LoadedModel, plan: ExpertPlan | None) -> None:
+        self.settings = settings
+        self.loaded = loaded
+        self.plan = plan
+        self.runtime = MoeRuntime(loaded.model, get_backend(settings.backend), plan, settings.overflow)
+        self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
+        tokenizer = loaded.tokenizer
+        self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
+        self._combine = PromptFrame.build(tokenizer, COMBINE)
+        self._separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        self._stop = stop_ids(loaded.model, tokenizer)
+        if not self._stop:
+            raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
+        context, n = loaded.context_tokens, settings.summary_tokens
+        self._section_tokens = context - self._summarize.overhead - n
+        self._reduce_tokens = context - self._combine.overhead - n
+        # Each reduce round must at least halve the summaries, or a long document would never finish.
+        if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:
+            raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
+                             f"(at most {(context - self._combine.overhead) // 3 - len(self._separator)})")
+
+    @classmethod
+    def load(cls, settings: EngineSettings) -> Engine:
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
+        plan = ExpertPlan.load(settings.plan) if settings.plan is not None else None
+        loaded = load_model(settings.model, trust_remote_code=settings.trust_remote_code,
+                            allow_download=settings.allow_download, dtype=settings.dtype)
+        if plan is not None and plan.model_key.rpartition("@")[2] != loaded.key.rpartition("@")[2]:
+            raise PlanError(f"{settings.plan}: calibrated for {plan.model_key}, not for {loaded.key}")
+        return cls(settings, loaded, plan)
+
+    @property
+    def model_key(self) -> str:
+        return self.loaded.key
+
+    @property
+    def stats(self) -> DispatchStats:
+        """Dispatch counts since the last `process` or `logits` call began."""
+        return self.runtime.stats
+
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """(N, V) logits of `ids` by chunked prefill from an empty cache through the engine."""
+        self.runtime.stats = DispatchStats()
+        cache = new_cache(self.loaded.model)
+        return torch.cat(list(prefill(self.loaded.model, ids, self.chunk_tokens, cache, logits=True)))
+
+    def process(self, text: str, on_progress: Callable[[Progress], None] | None = None) -> DocumentResult:
+        """Summary, embeddings and stats for one document. `on_progress` is called after every chunk and
+        summary; it may block (a pause) or raise (an abort, which propagates)."""
+        if not text.strip():
+            raise ValueError("document text is empty or whitespace only: nothing to process")
+        cpu_start = time.process_time()
+        doc = self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        run = _Run(on_progress, tokens_total=len(doc))
+        self.runtime.stats = DispatchStats()
+
+        # Map: prefill each section (pooling its chunks), then decode its summary from the cache.
+        sections = windows(doc, self._section_tokens)
+        chunks_total = sum(math.ceil(len(section) / self.chunk_tokens) for section in sections)
+        means: list[torch.Tensor] = []  # (H,) mean final hidden state per chunk
+        sizes: list[int] = []  # tokens per chunk
+        summaries: list[list[int]] = []
+        for section in sections:
+            tick = time.perf_counter()
+            cache = new_cache(self.loaded.model)
+            self._prefill(self._summarize.prefix, cache)
+            for hidden in prefill(self.loaded.model, section, self.chunk_tokens, cache):  # hidden: (n, H)
+                means.append(hidden.float().mean(0))
+                sizes.append(hidden.shape[0])
+                run.tokens_done += hidden.shape[0]
+                run.report("prefill", len(means), chunks_total)
+            run.seconds["prefill"] += time.perf_counter() - tick
+            tick = time.perf_counter()
+            summaries.append(self._decode(self._summarize, section, cache))
+            run.seconds["summary"] += time.perf_counter() - tick
+            run.report("summary", len(summaries), len(sections))
+
+        # Reduce: combine the summaries, as many at a time as fit the context, until one is left.
+        tick = time.perf_counter()
+        rounds = 0
+        while len(summaries) > 1:
+            rounds += 1
+            joined = [*summaries[0], *(t for s in summaries[1:] for t in (*self._separator, *s))]
+            parts = windows(joined, self._reduce_tokens)
+            summaries = []
+            for part in parts:
+                cache = new_cache(self.loaded.model)
+                self._prefill([*self._combine.prefix, *part], cache)
+                summaries.append(self._decode(self._combine, part, cache))
+                run.report("reduce", len(summaries), len(parts))
+        run.seconds["reduce"] = time.perf_counter() - tick
+
+        chunk_means = torch.stack(means)  # (n_chunks, H)
+        weights = torch.tensor(sizes, dtype=torch.float32)[:, None]  # (n_chunks, 1)
+        document = (chunk_means * weights).sum(0) / weights.sum()  # (H,): the mean over every token
+        embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
+        run.seconds["total"] = time.perf_counter() - run.started
+        stats = {
+            "model": self.model_key, "backend": self.settings.backend, "overflow": self.settings.overflow,
+            "plan": str(self.settings.plan) if self.settings.plan is not None else None,
+            "dtype": self.settings.dtype, "tokens": len(doc), "chunks": len(means),
+            "chunk_tokens": self.chunk_tokens, "sections": len(sections), "reduce_rounds": rounds,
+            "seconds": run.seconds, "cpu_seconds": time.process_time() - cpu_start,
+            **self.runtime.stats.to_dict(),
+        }
+        summary = self.loaded.tokenizer.decode(summaries[0], skip_special_tokens=True).strip()
+        return DocumentResult(summary=summary, embeddings=embeddings.numpy(), stats=stats)
+
+    def _prefill(self, ids: Sequence[int], cache: Any) -> None:
+        """Prefill without looking at the output (prompt prefixes, parts to combine)."""
+        for _ in prefill(self.loaded.model, ids, self.chunk_tokens, cache):
+            pass
+
+    def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any) -> list[int]:
+        with self.runtime.decoding():
+            return decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
+                                     self.settings.summary_tokens, self._stop)
+
+    def close(self) -> None:
+        """Detach the engine from the model (its experts implementation goes back to what it was)."""
+        self.runtime.detach()

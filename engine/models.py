@@ -1,0 +1,129 @@
+"""Loading Hugging Face MoE causal LMs from a local folder or the local HF cache (offline by default)."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+# Families whose experts modules use transformers' fused layout and default gating, checked by tests.
+SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# Bytes read from each end of a weight file for the fingerprint: enough to tell checkpoints apart,
+# cheap enough for 60 GB models.
+_FINGERPRINT_SPAN = 1 << 20
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or is not one the engine can run."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str  # what the user asked for: a folder name or a Hugging Face id
+    path: Path  # the folder the weights were read from
+    key: str  # stable id of model + weights: "<name>@<fingerprint>"
+
+    @property
+    def family(self) -> str:
+        return self.model.config.model_type
+
+    @property
+    def context_tokens(self) -> int:
+        return int(self.model.config.max_position_embeddings)
+
+
+def load_model(
+    ref: str | Path,
+    *,
+    trust_remote_code: bool = False,
+    allow_download: bool = False,
+    dtype: str = "float32",
+    experts: str = "eager",
+) -> LoadedModel:
+    """Load a supported MoE causal LM and its tokenizer, in eval mode.
+
+    `ref` is a local folder or a Hugging Face id resolved from the local HF cache only, unless
+    `allow_download`. `experts` is the transformers experts implementation to start with; the engine
+    switches it to "npumoe" when it attaches.
+    """
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    path, name = _resolve(str(ref), allow_download=allow_download, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=DTYPES[dtype],
+        trust_remote_code=trust_remote_code,
+        local_files_only=True,
+        experts_implementation=experts,
+    ).eval()
+    family = model.config.model_type
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelError(f"{name}: model type {family!r} is not a supported MoE family "
+                         f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
+    moe_experts(model)  # fails early, naming the module, if the experts layout is one the engine cannot run
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path,
+                       key=f"{name}@{fingerprint(path)}")
+
+
+def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's routed-experts modules, in forward order, as (qualified name, module).
+
+    Each must store fused weights gate_up_proj (E, 2I, H) and down_proj (E, H, I) without bias, the
+    layout transformers' `use_experts_implementation` decorator describes.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if not hasattr(module, "gate_up_proj") or not hasattr(module, "has_gate"):
+            continue
+        layout = (module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated,
+                  module.has_post_expert_norm)
+        if layout != (True, False, False, True, False) or module.gate_up_proj.ndim != 3:
+            raise ModelError(f"{name}: experts layout {type(module).__name__} is not supported "
+                             "(need fused gate_up_proj (E, 2I, H), down_proj (E, H, I), no bias)")
+        found.append((name, module))
+    if not found:
+        raise ModelError(f"{type(model).__name__} has no routed-experts modules the engine can run")
+    return found
+
+
+def fingerprint(path: Path) -> str:
+    """A short digest of the config and the weight files (names, sizes and both ends of each file)."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for weights in sorted(path.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with weights.open("rb") as f:
+            digest.update(f.read(_FINGERPRINT_SPAN))
+            f.seek(max(0, size - _FINGERPRINT_SPAN))
+            digest.update(f.read(_FINGERPRINT_SPAN))
+    return digest.hexdigest()[:16]
+
+
+def _resolve(ref: str, *, allow_download: bool, trust_remote_code: bool) -> tuple[Path, str]:
+    """(folder holding config.json, display name) for a local folder or a Hugging Face id."""
+    local = Path(ref).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ModelError(f"{ref}: folder has no config.json, so it is not a Hugging Face model folder")
+        return local.resolve(), local.resolve().name
+    if local.exists():
+        raise ModelError(f"{ref}: is a file; expected a model folder or a Hugging Face id")
+    patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", *(["*.py"] if trust_remote_code else [])]
+    try:
+        snapshot = snapshot_download(ref, local_files_only=not allow_download, allow_patterns=patterns)
+    except (LocalEntryNotFoundError, HFValidationError) as e:
+        where = "" if allow_download else " nor in the local Hugging Face cache (downloads are off)"
+        raise ModelError(f"{ref}: not a local model folder{where}: {e}") from e
+    return Path(snapshot), ref

@@ -1,0 +1,85 @@
+"""Making an `ExpertPlan` from a calibration: tiers, each expert's tier, groups and residency.
+
+1. Each expert needs a capacity that covers its calibrated 95th-percentile load per chunk, rounded
+   up to a multiple of `align` (static shapes like aligned sizes).
+2. Tiers: the `n_tiers` capacities, shared by all layers (so few distinct graphs), that minimise
+   the total capacity handed out, i.e. the padding; chosen exactly by dynamic programming over
+   the distinct needs. Each expert takes the smallest tier that covers its need.
+3. Groups: per layer and tier, experts by falling mean load, G at a time, so hot experts share
+   graphs with hot ones and the cold ones end up together.
+4. Residency: a group stays on the accelerator when one launch of its padded graph is expected to
+   cost no more than running its experts on the exact CPU path (the backend's measured costs).
+"""
+
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+from collections.abc import Sequence
+
+from .calibrate import Calibration
+from .cost import CostModel
+from .dispatch import OVERFLOW_POLICIES
+from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
+
+DEFAULT_TIERS = 3
+DEFAULT_GROUP_SIZE = 4
+DEFAULT_ALIGN = 8
+
+
+def make_plan(calibration: Calibration, *, model: str, model_key: str, backend: str, cost: CostModel,
+              hidden: int, ffn: int, overflow: str = "prune", group_size: int = DEFAULT_GROUP_SIZE,
+              n_tiers: int = DEFAULT_TIERS, align: int = DEFAULT_ALIGN) -> ExpertPlan:
+    """The plan for `calibration` on a backend with `cost`; `hidden`/`ffn` are the experts' H and I."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
+    if group_size < 1 or n_tiers < 1 or align < 1:
+        raise ValueError("group size, tier count and alignment must be positive")
+    needs = {name: [_need(p95, align, calibration.chunk_tokens) for p95 in load.p95]
+             for name, load in calibration.layers}
+    tiers = choose_tiers([n for layer in needs.values() for n in layer if n > 0], n_tiers) or (align,)
+    layers = []
+    for name, load in calibration.layers:
+        expert_tier = tuple(next(t for t, c in enumerate(tiers) if c >= need) for need in needs[name])
+        groups = _groups(load, expert_tier, tiers, group_size, cost, hidden, ffn)
+        layers.append(LayerPlan(name=name, load=load, expert_tier=expert_tier, groups=groups))
+    return ExpertPlan(
+        model=model, model_key=model_key, backend=backend, chunk_tokens=calibration.chunk_tokens,
+        overflow=overflow, group_size=group_size, tiers=tiers, cost=cost,
+        calibration_tokens=calibration.tokens, calibration_chunks=calibration.chunks,
+        sources=calibration.sources, layers=tuple(layers),
+    )
+
+
+def choose_tiers(needs: Sequence[int], n_tiers: int) -> tuple[int, ...]:
+    """At most `n_tiers` capacities minimising the sum, over needs, of the smallest capacity >= need."""
+    ordered = sorted(needs)
+    values = sorted(set(needs))
+    covered = [bisect_right(ordered, v) for v in values]  # how many needs are <= values[j]
+    # best[j]: (least total capacity for the needs <= values[j] with the top tier at values[j], the tiers)
+    best = [(v * covered[j], (v,)) for j, v in enumerate(values)]
+    for _ in range(n_tiers - 1):
+        best = [min([best[j], *((best[p][0] + v * (covered[j] - covered[p]), (*best[p][1], v)) for p in range(j))])
+                for j, v in enumerate(values)]
+    return best[-1][1] if best else ()
+
+
+def _need(p95: float, align: int, chunk_tokens: int) -> int:
+    """Capacity covering a calibrated p95 load, aligned, never above the chunk; 0 for an idle expert."""
+    if p95 <= 0:
+        return 0
+    return min(math.ceil(p95 / align) * align, max(chunk_tokens, 1))
+
+
+def _groups(load: ExpertLoad, expert_tier: Sequence[int], tiers: Sequence[int], group_size: int,
+            cost: CostModel, hidden: int, ffn: int) -> tuple[ExpertGroup, ...]:
+    groups = []
+    for tier, capacity in enumerate(tiers):
+        members = sorted((e for e, t in enumerate(expert_tier) if t == tier), key=lambda e: (-load.mean[e], e))
+        for start in range(0, len(members), group_size):
+            experts = tuple(members[start:start + group_size])
+            static_s = cost.group_seconds(len(experts), capacity, hidden, ffn)
+            cpu_s = cost.cpu_seconds([load.mean[e] for e in experts], hidden, ffn)
+            residency = "accelerator" if static_s <= cpu_s else "cpu"
+            groups.append(ExpertGroup(tier=tier, experts=experts, residency=residency))
+    return tuple(groups)

@@ -1,0 +1,120 @@
+"""Attaching the engine to a loaded model through transformers' experts interface.
+
+The engine registers one experts implementation, "npumoe", with `ALL_EXPERTS_FUNCTIONS` and selects
+it with `set_experts_implementation`: the model's own router still runs, then every experts module
+hands (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) to its `MoeLayer`. Model code is
+not patched; detaching restores the implementation the model had.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from weakref import WeakKeyDictionary
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from .backends import Backend
+from .dispatch import DispatchStats, MoeLayer, StaticGroup
+from .models import moe_experts
+from .plan import ExpertPlan, PlanError
+
+IMPLEMENTATION = "npumoe"
+
+# experts module -> (its runtime, its layer); weak, so a dropped model takes its entries with it.
+_ATTACHED: WeakKeyDictionary[nn.Module, tuple[MoeRuntime, MoeLayer]] = WeakKeyDictionary()
+
+
+def _npumoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                            top_k_weights: torch.Tensor) -> torch.Tensor:
+    if self not in _ATTACHED:
+        raise RuntimeError(f"experts implementation {IMPLEMENTATION!r} is selected, but this "
+                           f"{type(self).__name__} is not attached to an engine runtime (use MoeRuntime)")
+    runtime, layer = _ATTACHED[self]
+    if runtime.exact_only:
+        return layer.exact(hidden_states, top_k_index, top_k_weights)
+    return layer(hidden_states, top_k_index, top_k_weights, runtime.stats)
+
+
+ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _npumoe_experts_forward)
+
+
+class MoeRuntime:
+    """One `MoeLayer` per experts module of `model`, built from the plan's groups on `backend`.
+
+    Without a plan every expert runs on the exact CPU path. Dispatch counts accumulate in `stats`
+    for prefill; inside `decoding()` layers run exact and uncounted (one token per step).
+    """
+
+    def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
+                 overflow: str = "spill") -> None:
+        if backend.static and plan is None:
+            raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
+        if plan is not None and plan.backend != backend.name:
+            raise PlanError(f"the plan was made for the {plan.backend} backend, not {backend.name}: "
+                            f"use that backend or calibrate for {backend.name}")
+        experts = moe_experts(model)
+        plans = _layer_plans(plan, experts)
+        self.model = model
+        self.stats = DispatchStats()
+        self.exact_only = False
+        self.layers: list[MoeLayer] = []
+        for (_, module), layer_plan in zip(experts, plans, strict=True):
+            act = module.config.hidden_act
+            groups = [] if layer_plan is None or plan is None else [
+                StaticGroup(experts=group.experts, capacity=plan.tiers[group.tier],
+                            graph=backend.build_group(module.gate_up_proj[list(group.experts)],
+                                                      module.down_proj[list(group.experts)], act))
+                for group in layer_plan.groups if group.residency == "accelerator"]
+            layer = MoeLayer(module.gate_up_proj, module.down_proj, act, groups=groups, overflow=overflow)
+            _ATTACHED[module] = (self, layer)
+            self.layers.append(layer)
+        self.names = [name for name, _ in experts]
+        self._experts = [module for _, module in experts]
+        self._previous = model.get_experts_implementation()
+        model.set_experts_implementation(IMPLEMENTATION)
+
+    def detach(self) -> None:
+        """Give the model back its previous experts implementation."""
+        self.model.set_experts_implementation(self._previous)
+        for module in self._experts:
+            _ATTACHED.pop(module, None)
+
+    @contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Decode steps run every expert exactly on the CPU and leave `stats` alone."""
+        self.exact_only = True
+        try:
+            yield
+        finally:
+            self.exact_only = False
+
+    @contextmanager
+    def recording_loads(self) -> Iterator[list[list[torch.Tensor]]]:
+        """Collect each layer's (E,) token counts per call: yields one list per layer."""
+        for layer in self.layers:
+            layer.loads = []
+        try:
+            yield [layer.loads for layer in self.layers]
+        finally:
+            for layer in self.layers:
+                layer.loads = None
+
+
+def _layer_plans(plan: ExpertPlan | None, experts: list[tuple[str, nn.Module]]) -> list:
+    """The plan's layers in the model's experts order, checked against the model's shapes."""
+    if plan is None:
+        return [None] * len(experts)
+    by_name = {layer.name: layer for layer in plan.layers}
+    names = [name for name, _ in experts]
+    if set(by_name) != set(names):
+        raise PlanError(f"the plan's MoE layers do not match the model's (plan: {len(by_name)} layers, "
+                        f"model: {len(names)}; first difference: {sorted(set(by_name) ^ set(names))[0]})")
+    for name, module in experts:
+        if by_name[name].num_experts != module.num_experts:
+            raise PlanError(f"{name}: the plan has {by_name[name].num_experts} experts, "
+                            f"the model {module.num_experts}")
+    return [by_name[name] for name in names]
