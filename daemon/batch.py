@@ -79,15 +79,18 @@ def write_batch_report(queue: Queue, home: Home, window: str, started: datetime,
 
 
 def _document(job: Job) -> dict[str, Any]:
-    meta = _read_meta(Path(job.output_dir) / "meta.json") if job.output_dir else {}
+    meta = job_meta(job)
     return {"id": job.id, "path": job.path, "state": job.state, "tokens": meta.get("tokens"),
             "cpu_seconds": meta.get("cpu_seconds"), "energy_joules": meta.get("energy_joules"),
             "output_dir": job.output_dir, "last_error": job.last_error}
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def job_meta(job: Job) -> dict[str, Any]:
+    """A finished job's meta.json (tokens, cpu_seconds, energy_joules, ...); {} when there is none."""
+    if not job.output_dir:
+        return {}
     try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
+        meta = json.loads((Path(job.output_dir) / "meta.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
