@@ -1,0 +1,161 @@
+"""`npumoed run`, `npumoed status` and `npumoed demo`: the daemon itself, what it is doing, and a tour.
+
+Heavy imports (torch, the engine, the worker) happen inside the commands, so `npumoed status` stays fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.live import Live
+
+from npumoe.daemon.app import App, emit_json, pass_app
+from npumoe.daemon.config import Config
+from npumoe.daemon.home import Home
+from npumoe.daemon.status_view import render_rich, render_text, snapshot
+from npumoe.jobs.outputs import temporary_path
+from npumoe.jobs.queue import Queue
+
+DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
+
+
+@click.command()
+@click.option("--once", is_flag=True, help="Process what is in the inboxes and the queue now, then exit.")
+@click.option(
+    "--inbox",
+    "inboxes",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Watch this folder instead of the configured inboxes (repeatable).",
+)
+@click.option("-v", "--verbose", is_flag=True, help="Log debug detail.")
+@pass_app
+def run(app: App, once: bool, inboxes: tuple[Path, ...], verbose: bool) -> None:
+    """Run the daemon in the foreground (what the service manager starts).
+
+    Stops gracefully on SIGTERM or Ctrl-C: the running document goes back to the queue.
+    """
+    _run_worker(app, app.config, inboxes=list(inboxes) or None, once=once, verbose=verbose, obey_schedule=True)
+
+
+@click.command()
+@click.option("--watch", is_flag=True, help="Keep the view up to date until Ctrl-C.")
+@click.option("--json", "as_json", is_flag=True, help="Print the status as JSON, for scripts.")
+@click.option("--interval", type=click.FloatRange(min=0.2), default=1.0, show_default=True, help="--watch refresh.")
+def status(watch: bool, as_json: bool, interval: float) -> None:
+    """What the daemon is doing, the queue, recent results, and why it waits when it does."""
+    home = Home.current()
+    try:
+        queue = Queue(home.database, read_only=True)
+    except FileNotFoundError:
+        if as_json:
+            emit_json({"home": str(home.root), "daemon": {"state": "never started"}})
+        else:
+            click.echo(f"npumoed has not run in {home.root} yet (no queue database)")
+        return
+    try:
+        if as_json:
+            emit_json({"home": str(home.root), **snapshot(queue)})
+        elif watch:
+            _watch(queue, interval)
+        else:
+            _show(queue)
+    finally:
+        queue.close()
+
+
+@click.command()
+@pass_app
+def demo(app: App) -> None:
+    """Process the built-in sample documents offline with the tiny demo model, then show where it all went.
+
+    The demo model has random weights: its summaries are not meaningful text.
+    """
+    from npumoe.daemon.intake import job_keys, sha256_of
+    from npumoe.daemon.samples import write_samples
+
+    home, queue = app.home, app.queue
+    config = _demo_config(app.config, home)
+    keys = job_keys(config)
+    done = {job.sha256 for job in queue.list("done") if (job.model_key, job.settings_key) == keys}
+    staged = temporary_path(home.root, "samples")
+    try:
+        samples = {path.name: sha256_of(path) for path in write_samples(staged)}
+        new = [name for name, sha in samples.items() if sha not in done]
+        for name in new:
+            (staged / name).replace(home.inbox / name)  # one rename: the watcher never sees half a file
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
+    click.echo(f"{len(new)} sample document(s) placed in {home.inbox}; {len(samples) - len(new)} already done")
+    _run_worker(app, config, inboxes=[home.inbox], once=True, verbose=False, obey_schedule=False)
+    click.echo("\nOutputs:")
+    finished = {(job.sha256, job.model_key, job.settings_key): job for job in queue.list()}
+    for name, sha in samples.items():
+        job = finished.get((sha, *keys))
+        where = f"{job.output_dir}/" if job and job.state == "done" else job.last_error if job else "not queued"
+        click.echo(f"  {name}: {where}")
+    click.echo()
+    _show(queue)
+    click.echo(f"\nThe demo model is tiny and random: its summaries are not meaningful text. Home: {home.root}")
+
+
+def _run_worker(
+    app: App, config: Config, *, inboxes: list[Path] | None, once: bool, verbose: bool, obey_schedule: bool
+) -> None:
+    from npumoe.daemon.logs import setup_logging
+    from npumoe.daemon.worker import AlreadyRunning, Worker
+    from npumoe.jobs.pipeline import ModelUnavailable
+
+    log_file = setup_logging(app.home.logs, verbose=verbose)
+    worker = Worker(config, app.home, app.queue, inboxes=inboxes, once=once, obey_schedule=obey_schedule)
+    try:
+        summary = worker.run()
+    except AlreadyRunning as e:
+        raise click.ClickException(str(e)) from e
+    except ModelUnavailable as e:
+        raise click.ClickException(f"cannot load the model: {e} (log: {log_file})") from e
+    if once:
+        outcomes = ", ".join(f"{n} {state}" for state, n in sorted(summary.outcomes.items())) or "nothing to do"
+        rejected = f"; {summary.rejected} file(s) could not be queued" if summary.rejected else ""
+        later = f"; {summary.waiting} job(s) wait for later (retry or batch window)" if summary.waiting else ""
+        click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {app.home.outbox}")
+
+
+def _show(queue: Queue) -> None:
+    snap = snapshot(queue)
+    if sys.stdout.isatty():
+        Console().print(render_rich(snap))
+    else:
+        click.echo(render_text(snap))
+
+
+def _watch(queue: Queue, interval: float) -> None:
+    try:
+        if not sys.stdout.isatty():
+            while True:
+                click.echo(render_text(snapshot(queue)) + "\n")
+                time.sleep(interval)
+        with Live(render_rich(snapshot(queue)), auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(render_rich(snapshot(queue)), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
+# -- the demo ---------------------------------------------------------------------------------------------
+
+
+def _demo_config(config: Config, home: Home) -> Config:
+    """The configured settings, with the built-in model and the home's own inbox; a calibrated plan on the
+    static (NPUMoE) backend when the engine can make one."""
+    model = dataclasses.replace(
+        config.model, name="demo", summary_tokens=min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
+    )
+    return dataclasses.replace(config, model=model)

@@ -1,0 +1,33 @@
+"""Logging for the daemon: a rotating file under the home's logs/ folder, and stderr."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from logging.handlers import RotatingFileHandler
+from pathlib import Path
+
+LOG_NAME = "npumoed.log"
+FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+
+
+def setup_logging(logs: Path, *, verbose: bool = False) -> Path:
+    """Send the `npumoe` loggers to `logs/npumoed.log` (5 MB × 3, user-only) and stderr; returns the file."""
+    path = logs / LOG_NAME
+    old = os.umask(0o077)
+    try:
+        logs.mkdir(parents=True, exist_ok=True)
+        to_file = RotatingFileHandler(path, maxBytes=5 * 2**20, backupCount=3, encoding="utf-8")
+    finally:
+        os.umask(old)
+    to_stderr = logging.StreamHandler(sys.stderr)
+    root = logging.getLogger("npumoe")
+    for handler in list(root.handlers):  # set up twice in one process (the demo, tests): replace, not add
+        root.removeHandler(handler)
+        handler.close()
+    for handler in (to_file, to_stderr):
+        handler.setFormatter(logging.Formatter(FORMAT))
+        root.addHandler(handler)
+    root.setLevel(logging.DEBUG if verbose else logging.INFO)
+    return path

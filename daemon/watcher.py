@@ -1,0 +1,223 @@
+"""Watching the inbox folders: a file is handed on only once it has stopped changing.
+
+Events (watchdog's native observer, or a polling one for network shares where events never arrive)
+only tell the tracker which files to look at; the tracker alone decides when a file is complete: its
+size and mtime unchanged for `stable_seconds`. Events get lost (an overflowing event queue, a daemon
+that was down), so a full rescan at start and every `rescan_seconds` backs them up.
+
+Nothing outside an inbox is ever looked at: symlinked folders are not entered, and a file whose real
+parent folder lies outside every inbox is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
+from watchdog.observers.polling import PollingObserver
+
+from npumoe.daemon.config import InboxConfig
+from npumoe.daemon.intake import is_ignored, iter_documents
+
+log = logging.getLogger(__name__)
+
+Signature = tuple[int, int, int, int]  # size, mtime in ns, inode, device
+
+
+def signature(path: Path) -> Signature | None:
+    """What changes when a file is written to or replaced; None once it is gone. Links are not followed."""
+    try:
+        s = os.lstat(path)
+    except OSError:
+        return None
+    return s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev
+
+
+class StabilityTracker:
+    """Files waiting to be complete: each is ready once its signature has not changed for `stable_seconds`.
+
+    A file handed on is remembered with its signature, so seeing it again (a rescan, a late event) does
+    nothing until it changes. Thread-safe: events arrive on the observer's thread.
+    """
+
+    def __init__(self, stable_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.stable_seconds = stable_seconds
+        self.clock = clock
+        self._pending: dict[Path, tuple[Signature, float]] = {}  # signature, and since when it has held
+        self._handed: dict[Path, Signature] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, path: Path) -> None:
+        current = signature(path)
+        with self._lock:
+            if current is None:
+                self._pending.pop(path, None)
+            elif self._handed.get(path) != current:
+                waiting = self._pending.get(path)
+                if waiting is None or waiting[0] != current:
+                    self._pending[path] = (current, self.clock())
+
+    def take_stable(self) -> list[Path]:
+        """The files unchanged for long enough, in the order they were first seen; they leave the tracker."""
+        with self._lock:
+            waiting = list(self._pending.items())
+        ready = []
+        for path, (seen, _) in waiting:
+            current = signature(path)
+            now = self.clock()
+            with self._lock:
+                if path not in self._pending:
+                    continue
+                since = self._pending[path][1]
+                if current is None:
+                    del self._pending[path]
+                elif current != seen:
+                    self._pending[path] = (current, now)
+                elif now - since >= self.stable_seconds:
+                    del self._pending[path]
+                    self._handed[path] = current
+                    ready.append(path)
+        return ready
+
+    def forget_except(self, present: set[Path]) -> None:
+        """Drop the memory of handed-on files that are no longer there (moved away, deleted)."""
+        with self._lock:
+            self._handed = {p: s for p, s in self._handed.items() if p in present}
+
+    @property
+    def waiting(self) -> int:
+        with self._lock:
+            return len(self._pending)
+
+
+class InboxWatcher:
+    """Hands every complete document in the inboxes to `on_stable`, once per content change."""
+
+    def __init__(
+        self,
+        inboxes: Sequence[Path],
+        config: InboxConfig,
+        on_stable: Callable[[Path], None],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.inboxes = [Path(inbox).resolve() for inbox in inboxes]
+        self.config = config
+        self.on_stable = on_stable
+        self.tracker = StabilityTracker(config.stable_seconds, clock)
+        self.tick_seconds = min(0.5, max(0.05, config.stable_seconds / 4))
+        self._observer: BaseObserver | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    # -- one pass at a time: what `run --once` and the background thread both use ------------------------
+
+    def scan(self) -> int:
+        """Look at every document in the inboxes (the backstop for lost events); returns how many."""
+        present = set()
+        for inbox in self.inboxes:
+            if not inbox.is_dir():
+                log.warning("inbox %s is not a folder; skipping it", inbox)
+                continue
+            for path in iter_documents([inbox], recursive=self.config.recursive):
+                present.add(path)
+                self.observe(path)
+        self.tracker.forget_except(present)
+        return len(present)
+
+    def observe(self, path: Path) -> None:
+        """Note a path an event or a scan reported, if it is a document inside an inbox."""
+        if self.admits(path):
+            self.tracker.observe(path)
+
+    def hand_on_stable(self) -> int:
+        """Pass each file that has become stable to `on_stable`; returns how many."""
+        ready = self.tracker.take_stable()
+        for path in ready:
+            try:
+                self.on_stable(path)
+            except Exception:  # one file must not stop the watching
+                log.exception("could not take %s from the inbox", path)
+        return len(ready)
+
+    def drain(self, stopping: threading.Event) -> None:
+        """Scan once and wait until every file found is complete and handed on (for `run --once`)."""
+        self.scan()
+        while self.tracker.waiting and not stopping.is_set():
+            self.hand_on_stable()
+            stopping.wait(self.tick_seconds)
+        self.hand_on_stable()
+
+    # -- in the background -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Watch for events, and scan now and every `rescan_seconds`, on background threads."""
+        observer = PollingObserver(timeout=max(1.0, self.tick_seconds)) if self.config.polling else Observer()
+        handler = _Events(self)
+        for inbox in self.inboxes:
+            if inbox.is_dir():
+                observer.schedule(handler, str(inbox), recursive=self.config.recursive)
+        observer.daemon = True
+        observer.start()  # before the first scan, so nothing slips in between the two
+        self._observer = observer
+        self._thread = threading.Thread(target=self._loop, name="inbox-watcher", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _loop(self) -> None:
+        next_scan = 0.0
+        while not self._stopping.is_set():
+            try:
+                if time.monotonic() >= next_scan:
+                    found = self.scan()
+                    log.debug("rescanned the inboxes: %d documents", found)
+                    next_scan = time.monotonic() + self.config.rescan_seconds
+                self.hand_on_stable()
+            except Exception:
+                log.exception("inbox watcher pass failed; trying again")
+            self._stopping.wait(self.tick_seconds)
+
+    def admits(self, path: Path) -> bool:
+        """Whether `path` lies inside an inbox (its parent resolved, the file itself not followed) under a
+        name that is not ignored."""
+        try:
+            parent = path.parent.resolve(strict=True)
+        except OSError:
+            return False
+        for inbox in self.inboxes:
+            if parent.is_relative_to(inbox):
+                nested_ok = self.config.recursive or parent == inbox
+                return nested_ok and not is_ignored(parent.relative_to(inbox) / path.name)
+        return False
+
+
+class _Events(FileSystemEventHandler):
+    """Turns watchdog events into paths for the tracker; a folder that arrives whole is scanned."""
+
+    def __init__(self, watcher: InboxWatcher) -> None:
+        self.watcher = watcher
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type not in ("created", "modified", "moved", "closed"):
+            return
+        raw = event.dest_path if event.event_type == "moved" else event.src_path
+        path = Path(os.fsdecode(raw))
+        if not event.is_directory:
+            self.watcher.observe(path)
+        elif event.event_type in ("created", "moved") and self.watcher.admits(path):
+            for document in iter_documents([path], recursive=self.watcher.config.recursive):
+                self.watcher.observe(document)

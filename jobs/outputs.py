@@ -1,0 +1,139 @@
+"""Writing files so that no reader ever sees half of one, and moving documents between folders.
+
+Everything is first written under a hidden temporary name (`.tmp-…`) in the folder it belongs to,
+flushed to disk, then renamed in one step: an output folder appears complete or not at all. A run
+killed half-way leaves only `.tmp-…` entries, which `remove_leftovers` deletes at the next start.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import unicodedata
+from collections.abc import Mapping
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"
+MAX_STEM = 80
+
+
+def output_name(source_name: str, sha256: str) -> str:
+    """`<stem>-<sha8>`: a single safe path component, whatever the source was called."""
+    return f"{safe_stem(source_name)}-{sha256[:8]}"
+
+
+def safe_stem(name: str) -> str:
+    """The name without its extension, reduced to letters, digits, `.`, `-` and `_`, never hidden or empty.
+
+    Slashes, `..`, newlines and control characters all become `_`; Unicode letters stay.
+    """
+    stem = unicodedata.normalize("NFC", name).rsplit("/", 1)[-1]
+    stem = stem.rsplit(".", 1)[0] if "." in stem.lstrip(".") else stem
+    stem = re.sub(r"[^\w.-]+", "_", stem).strip("._-")
+    return stem[:MAX_STEM] or "document"
+
+
+def temporary_path(folder: Path, label: str) -> Path:
+    """A fresh hidden name in `folder`, recognised (and cleaned) as a leftover if its writer dies."""
+    return folder / f"{TMP_PREFIX}{label}-{secrets.token_hex(4)}"
+
+
+def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
+    """Create `parent/name` holding `files`, all at once; an existing folder of that name is replaced."""
+    final = parent / name
+    tmp = temporary_path(parent, name)
+    tmp.mkdir(mode=0o700)
+    try:
+        for filename, data in files.items():
+            _write_durably(tmp / filename, data)
+        _fsync_dir(tmp)
+        if final.exists():
+            # rename() cannot replace a non-empty folder; between these two renames the name is absent,
+            # which a reader sees as "not written yet", never as half written.
+            old = temporary_path(parent, f"old-{name}")
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(parent)
+    return final
+
+
+def write_file(path: Path, data: bytes) -> Path:
+    """Write one file under a temporary name and rename it into place."""
+    tmp = temporary_path(path.parent, path.name)
+    try:
+        _write_durably(tmp, data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def move_file(source: Path, folder: Path, name: str) -> Path:
+    """Move `source` into `folder` under `name` (or a free variant of it); returns where it went.
+
+    A rename when both sides share a file system; otherwise a copy under a temporary name, renamed into
+    place, then the source removed, so an interrupted move never leaves a partial file under a real name.
+    """
+    target = _free_name(folder, name)
+    try:
+        os.rename(source, target)
+    except OSError as e:
+        if e.errno != getattr(os, "EXDEV", 18):
+            raise
+        tmp = temporary_path(folder, name)
+        try:
+            shutil.copy2(source, tmp, follow_symlinks=False)
+            os.rename(tmp, target)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        source.unlink()
+    return target
+
+
+def remove_leftovers(folder: Path) -> list[Path]:
+    """Delete the `.tmp-…` entries a killed writer left in `folder`; returns what was removed."""
+    removed = []
+    for entry in folder.glob(f"{TMP_PREFIX}*"):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def _free_name(folder: Path, name: str) -> Path:
+    target = folder / name
+    stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
+    number = 1
+    while os.path.lexists(target):
+        number += 1
+        target = folder / f"{stem} ({number}){dot}{suffix}"
+    return target
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
