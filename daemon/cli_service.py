@@ -9,7 +9,6 @@ import dataclasses
 import os
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 
 import click
@@ -22,6 +21,7 @@ from npumoe.daemon.intake import enqueue, iter_documents
 from npumoe.daemon.measure import ForegroundLoad, system_energy_counter
 from npumoe.daemon.power import system_power_source
 from npumoe.daemon.priority import available_cores, worker_threads
+from npumoe.daemon.scheduler import paused_since
 from npumoe.daemon.service import (
     Service,
     ServiceError,
@@ -84,9 +84,9 @@ def _do(steps: list[Step], dry_run: bool, *, done: str) -> None:
 @pass_app
 def pause(app: App) -> None:
     """Hold all work after the current chunk, until `npumoed resume`."""
-    paused = app.queue.get_control("paused")
-    if paused:
-        click.echo(f"already paused since {datetime.fromtimestamp(paused['since']):%Y-%m-%d %H:%M}")
+    if paused := app.queue.get_control("paused"):
+        since = paused_since(paused)
+        click.echo(f"already paused since {since:%Y-%m-%d %H:%M}" if since else "already paused")
         return
     app.queue.set_control("paused", {"since": time.time()})
     click.echo("paused: the daemon stops after its current chunk; `npumoed resume` lets it go on")

@@ -81,10 +81,9 @@ class Scheduler:
 
     def _wait_reason(self, power: PowerState) -> str:
         c = self.config
-        paused = self.queue.get_control("paused")
-        if paused:
-            since = paused.get("since") if isinstance(paused, dict) else None
-            return f"paused by you since {datetime.fromtimestamp(since):%H:%M}" if since else "paused by you"
+        if paused := self.queue.get_control("paused"):
+            since = paused_since(paused)
+            return f"paused by you since {since:%H:%M}" if since else "paused by you"
         percent = power.battery_percent
         if power.on_ac is False and not c.run_on_battery:
             return f"on battery ({percent:.0f}%)" if percent is not None else "on battery"
@@ -118,6 +117,12 @@ class Scheduler:
             held.append(f"batch window {', '.join(open_now)} is open, but batch work waits for AC power")
             open_now = ()
         return open_now, "; ".join(held)
+
+
+def paused_since(paused: Any) -> datetime | None:
+    """When the person paused, from the "paused" switch ({"since": unix time}); None if it does not say."""
+    since = paused.get("since") if isinstance(paused, dict) else None
+    return datetime.fromtimestamp(since) if isinstance(since, int | float) else None
 
 
 def _is_open(window: str, now: datetime) -> bool:
