@@ -185,11 +185,12 @@ def test_a_zip_that_is_not_a_word_document_is_unsupported(tmp_path: Path) -> Non
 
 def test_a_parse_over_the_time_limit_is_killed_and_leaves_no_child(tmp_path: Path) -> None:
     slow = hostile_files.deeply_nested_html(tmp_path, depth=400_000)  # seconds of parsing
+    children_before = set(psutil.Process().children())
 
     error = extraction_error(slow, ExtractLimits(timeout_s=0.3))
 
     assert error.kind == "timeout"
-    assert psutil.Process().children() == []
+    assert set(psutil.Process().children()) <= children_before
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="only Linux enforces RLIMIT_AS")
