@@ -11,6 +11,7 @@ import html
 import io
 import random
 import textwrap
+import zipfile
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -375,6 +376,16 @@ def _docx(document: SampleDocument) -> bytes:
             cell.text = value
     out = io.BytesIO()
     word.save(out)
+    return _undated_zip(out.getvalue())
+
+
+def _undated_zip(data: bytes) -> bytes:
+    """The same ZIP with every entry dated 1980-01-01, so each write gives the same bytes (and the same sha256)."""
+    source = zipfile.ZipFile(io.BytesIO(data))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED) as target:
+        for member in source.infolist():
+            target.writestr(zipfile.ZipInfo(member.filename), source.read(member), zipfile.ZIP_DEFLATED)
     return out.getvalue()
 
 
