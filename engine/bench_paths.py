@@ -1,0 +1,134 @@
+"""The implementations the benchmarks compare, and how each is selected, planned and checked.
+
+Every implementation runs behind the same call, a transformers experts module's forward, with the
+implementation chosen through transformers' experts interface: `transformers-<name>` selects one of
+transformers' own, `npumoe-<backend>[-prune]` attaches the engine. The engine's static paths run a
+plan calibrated on loads the benchmark measured itself, so a plan never sees the timed input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from .backends import get_backend
+from .calibrate import Calibration, _statistics
+from .dispatch import DispatchStats
+from .plan import ExpertPlan
+from .planner import DEFAULT_GROUP_SIZE, make_plan
+from .runtime import MoeRuntime
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# Largest relative L2 error against transformers-eager that still counts as the same output: fp32
+# differs only in summation order; bf16 rounds every intermediate (eager even accumulates in bf16).
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+TRANSFORMERS_IMPLS = ("eager", "grouped_mm")
+
+
+@dataclass(frozen=True)
+class EnginePath:
+    backend: str
+    overflow: str
+
+    @property
+    def exact(self) -> bool:
+        """Spill keeps every assignment; prune drops some by design, so its output is approximate."""
+        return self.overflow == "spill"
+
+
+ENGINE_PATHS = {
+    "npumoe-cpu": EnginePath("cpu", "spill"),
+    "npumoe-torch-static": EnginePath("torch-static", "spill"),
+    "npumoe-torch-static-prune": EnginePath("torch-static", "prune"),
+}
+
+IMPLS = (*(f"transformers-{name}" for name in TRANSFORMERS_IMPLS), *ENGINE_PATHS)
+REFERENCE = "transformers-eager"
+
+
+@contextmanager
+def selected(model: PreTrainedModel, impl: str, plans: dict[str, ExpertPlan]) -> Iterator[MoeRuntime | None]:
+    """Select `impl` for the model's experts; for the engine's paths, yield the attached runtime."""
+    if impl.startswith("transformers-"):
+        model.set_experts_implementation(impl.removeprefix("transformers-"))
+        yield None
+        return
+    if impl not in ENGINE_PATHS:
+        raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
+    path = ENGINE_PATHS[impl]
+    backend = get_backend(path.backend)
+    runtime = MoeRuntime(model, backend, plans[path.overflow] if backend.static else None, overflow=path.overflow)
+    try:
+        yield runtime
+    finally:
+        runtime.detach()
+
+
+def calibration_from_loads(layers: Sequence[tuple[str, torch.Tensor]], *, chunk_tokens: int,
+                           source: str) -> Calibration:
+    """A calibration from each layer's (chunks, E) routed-token counts, measured by the benchmark."""
+    chunks = {counts.shape[0] for _, counts in layers}
+    if len(chunks) != 1 or 0 in chunks:
+        raise ValueError(f"every layer needs the same, non-zero number of counted chunks, got {sorted(chunks)}")
+    n_chunks = chunks.pop()
+    return Calibration(chunk_tokens=chunk_tokens, tokens=chunk_tokens * n_chunks, chunks=n_chunks,
+                       sources=(source,), layers=tuple((name, _statistics(counts.float())) for name, counts in layers))
+
+
+def static_plans(calibration: Calibration, *, model: str, hidden: int, ffn: int,
+                 dtype: torch.dtype) -> dict[str, ExpertPlan]:
+    """torch-static plans for `calibration`, one per overflow policy, priced by costs measured here."""
+    backend = get_backend("torch-static")
+    cost = backend.measure_costs(hidden, ffn, dtype, group_size=DEFAULT_GROUP_SIZE)
+    return {path.overflow: make_plan(calibration, model=model, model_key=model, backend=backend.name, cost=cost,
+                                     hidden=hidden, ffn=ffn, overflow=path.overflow)
+            for path in ENGINE_PATHS.values() if path.backend == backend.name}
+
+
+def gate(impl: str, output: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> dict:
+    """The correctness check before timing: relative error, and a refusal when an exact path misses."""
+    error = relative_error(output, reference)
+    path = ENGINE_PATHS.get(impl)
+    row: dict = {"impl": impl, "rel_error": error, "tolerance": TOLERANCE[dtype]}
+    if path is not None and not path.exact:
+        return {**row, "status": "approximate"}
+    if not error <= TOLERANCE[dtype]:  # also refuses NaN
+        return {**row, "status": "refused", "error": f"output differs from {REFERENCE}: relative error "
+                                                    f"{error:.2e} > tolerance {TOLERANCE[dtype]:.0e}"}
+    return {**row, "status": "ok"}
+
+
+def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
+    """‖output − reference‖ / ‖reference‖, in float64."""
+    if output.shape != reference.shape:
+        raise ValueError(f"output shape {tuple(output.shape)} differs from the reference {tuple(reference.shape)}")
+    reference = reference.double()
+    return float((output.double() - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def dispatch_fractions(stats: DispatchStats) -> dict:
+    """What the engine did with the assignments: padded slots, spills, drops, graph launches."""
+    counts = stats.to_dict()
+    assignments = max(stats.assignments, 1)
+    return {"padding_fraction": counts["padding_fraction"], "dropped_fraction": counts["dropped_fraction"],
+            "spilled_fraction": stats.spilled / assignments, "static_fraction": stats.static / assignments,
+            "launches": stats.launches}
+
+
+def add_ratios(rows: list[dict], baseline: str | None = None) -> list[dict]:
+    """Each timed row's speed relative to transformers' best implementation (and to `baseline`'s row)."""
+    timed = [r for r in rows if "tokens_per_s" in r]
+    best = max((r["tokens_per_s"] for r in timed if r["impl"].startswith("transformers-")), default=None)
+    base = next((r["tokens_per_s"] for r in timed if r["impl"] == baseline), None)
+    for r in timed:
+        if best:
+            r["vs_transformers_best"] = r["tokens_per_s"] / best
+        if base:
+            r[f"vs_{baseline}"] = r["tokens_per_s"] / base
+    return rows
