@@ -22,8 +22,9 @@ class Backend:
     name: str = ""
     static: bool = False  # whether it runs group graphs (and so can use an ExpertPlan)
 
-    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> GroupGraph:
-        """A (G, C, H) -> (G, C, H) graph for G experts' weights, gate_up (G, 2I, H), down (G, H, I)."""
+    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
+        """A (G, C, H) -> (G, C, H) graph for G experts' weights, gate_up (G, 2I, H), down (G, H, I), at
+        capacity C (a compiled backend builds one graph per shape; torch runs any)."""
         raise ValueError(f"the {self.name} backend has no static graphs; plans need a static backend "
                          f"({', '.join(n for n, b in BACKENDS.items() if b.static)})")
 
@@ -40,7 +41,7 @@ class TorchStaticBackend(Backend):
     name = "torch-static"
     static = True
 
-    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> GroupGraph:
+    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
         return GroupedExperts(gate_up.detach(), down.detach(), act=act).eval()
 
     @torch.inference_mode()

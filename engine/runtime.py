@@ -63,13 +63,11 @@ class MoeRuntime:
         self.exact_only = False
         self.layers: list[MoeLayer] = []
         for (_, module), layer_plan in zip(experts, plans, strict=True):
-            act = module.config.hidden_act
             groups = [] if layer_plan is None or plan is None else [
-                StaticGroup(experts=group.experts, capacity=plan.tiers[group.tier],
-                            graph=backend.build_group(module.gate_up_proj[list(group.experts)],
-                                                      module.down_proj[list(group.experts)], act))
+                _static_group(backend, module, group.experts, plan.tiers[group.tier])
                 for group in layer_plan.groups if group.residency == "accelerator"]
-            layer = MoeLayer(module.gate_up_proj, module.down_proj, act, groups=groups, overflow=overflow)
+            layer = MoeLayer(module.gate_up_proj, module.down_proj, module.config.hidden_act, groups=groups,
+                             overflow=overflow)
             _ATTACHED[module] = (self, layer)
             self.layers.append(layer)
         self.names = [name for name, _ in experts]
@@ -102,6 +100,14 @@ class MoeRuntime:
         finally:
             for layer in self.layers:
                 layer.loads = None
+
+
+def _static_group(backend: Backend, experts: nn.Module, ids: tuple[int, ...], capacity: int) -> StaticGroup:
+    """The backend's graph for experts `ids` of one experts module, at `capacity`."""
+    index = list(ids)
+    graph = backend.build_group(experts.gate_up_proj[index], experts.down_proj[index], experts.config.hidden_act,
+                                capacity)
+    return StaticGroup(experts=ids, capacity=capacity, graph=graph)
 
 
 def _layer_plans(plan: ExpertPlan | None, experts: list[tuple[str, nn.Module]]) -> list:
