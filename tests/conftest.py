@@ -1,0 +1,95 @@
+"""Fixtures every test area shares: a private home, the `npumoed` command in a subprocess, a tiny model."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+# `npumoed` as installed, with the daemon's own commands added if the entry point does not list them yet.
+CLI = """
+from npumoe.daemon.cli import main
+from npumoe.daemon.cli_run import demo, run, status
+for command in (run, status, demo):
+    main.commands.setdefault(command.name, command)
+main()
+"""
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh, empty NPUMOED_HOME, set in this process's environment (and so in every child's)."""
+    root = tmp_path / "home"
+    monkeypatch.setenv("NPUMOED_HOME", str(root))
+    return root
+
+
+def npumoed_argv(*args: str) -> list[str]:
+    return [sys.executable, "-c", CLI, *args]
+
+
+@pytest.fixture
+def npumoed(home: Path) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run `npumoed ARGS…` on the test's home to completion: `npumoed("status", "--json")`."""
+
+    def run(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(npumoed_argv(*args), capture_output=True, text=True, timeout=timeout)
+
+    return run
+
+
+@dataclass
+class Background:
+    """An `npumoed` process started by a test; everything it prints goes to `log`."""
+
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+@pytest.fixture
+def start_npumoed(home: Path, tmp_path: Path) -> Iterator[Callable[..., Background]]:
+    """Start `npumoed ARGS…` in the background; whatever is still running when the test ends is killed."""
+    started: list[Background] = []
+
+    def start(*args: str) -> Background:
+        log = tmp_path / f"npumoed-{len(started)}.log"
+        with log.open("wb") as sink:
+            process = subprocess.Popen(npumoed_argv(*args), stdout=sink, stderr=subprocess.STDOUT)
+        started.append(Background(process, log))
+        return started[-1]
+
+    yield start
+    for background in started:
+        if background.process.poll() is None:
+            os.kill(background.process.pid, signal.SIGKILL)
+            background.process.wait(timeout=30)
+
+
+@pytest.fixture
+def configure(home: Path) -> Callable[[str], Path]:
+    """Write the home's config.toml: `configure("[model]\\nname = ...")`."""
+
+    def write(toml: str) -> Path:
+        home.mkdir(parents=True, exist_ok=True)
+        path = home / "config.toml"
+        path.write_text(toml)
+        return path
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo architecture (tiny random-weight Qwen3-MoE), made once per test session."""
+    from npumoe.engine.tiny import make_tiny
+
+    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("models") / "tiny-qwen3_moe", seed=0)
