@@ -129,3 +129,18 @@ def _toml(value: object) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return json.dumps(value)  # JSON strings and numbers are valid TOML
+
+
+def _add_area_commands() -> None:
+    """Each area of the daemon keeps its commands in its own module; they meet here."""
+    from npumoe.daemon import cli_bench, cli_coreml, cli_engine, cli_run, cli_service
+
+    for command in (cli_run.run, cli_run.status, cli_run.demo,
+                    cli_service.install, cli_service.uninstall, cli_service.pause, cli_service.resume,
+                    cli_service.batch, cli_service.doctor,
+                    cli_engine.model_group, cli_engine.calibrate_command, cli_engine.plan_group,
+                    cli_coreml.compile_command, cli_bench.bench):
+        main.add_command(command)
+
+
+_add_area_commands()
