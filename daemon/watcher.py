@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,12 +33,15 @@ Signature = tuple[int, int, int, int]  # size, mtime in ns, inode, device
 
 
 def signature(path: Path) -> Signature | None:
-    """What changes when a file is written to or replaced; None once it is gone. Links are not followed."""
+    """What changes when a file is written to or replaced; None once it is gone (or for a folder).
+
+    Links are not followed: a symlink or a FIFO is handed on as itself, for the daemon to refuse with a reason.
+    """
     try:
         s = os.lstat(path)
     except OSError:
         return None
-    return s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev
+    return None if stat.S_ISDIR(s.st_mode) else (s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev)
 
 
 class StabilityTracker:
