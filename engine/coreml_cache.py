@@ -7,10 +7,13 @@ written last: a folder without one is an unfinished build and is never loaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import torch
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -27,6 +30,7 @@ class CompiledGroup:
     layer: int
     capacity: int  # C, tokens per expert
     experts: tuple[int, ...]  # the experts of the layer this graph runs, in channel-block order
+    weights: str  # `weights_fingerprint` of the experts' (gate_up, down): how a backend finds this function
 
     def input_shape(self, hidden: int) -> tuple[int, int, int, int]:
         return (1, len(self.experts) * hidden, 1, self.capacity)
@@ -55,6 +59,22 @@ class Manifest:
         return cls(groups=groups, **data)
 
 
+def weights_fingerprint(gate_up: torch.Tensor, down: torch.Tensor, samples: int = 4096) -> str:
+    """A digest of a group's weights: their shapes and `samples` evenly spaced values of each.
+
+    Values are rounded to bfloat16 first, so a float32 and a bfloat16 load of one checkpoint agree;
+    sampling keeps it cheap for 30B models while still telling any two groups apart.
+    """
+    digest = hashlib.sha256()
+    for weight in (gate_up, down):
+        flat = weight.detach().reshape(-1)
+        n = min(samples, flat.numel())
+        picks = torch.arange(n) * (flat.numel() - 1) // max(n - 1, 1)  # integer steps: exact at any size
+        digest.update(repr(tuple(weight.shape)).encode())
+        digest.update(flat[picks].to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def build_folder(root: Path, model: str, plan_digest: str, coremltools_version: str) -> Path:
     """The folder for one (model, plan, coremltools) build under the cache root."""
     return root / _slug(model) / plan_digest / f"coremltools-{coremltools_version}"
@@ -64,6 +84,17 @@ def read_manifest(folder: Path) -> Manifest | None:
     """The finished build's manifest, or None when the folder holds no finished build."""
     path = folder / MANIFEST
     return Manifest.from_json(path.read_text()) if path.is_file() else None
+
+
+def compiled_groups(root: Path, coremltools_version: str) -> dict[tuple[str, int], tuple[Path, CompiledGroup]]:
+    """(weights fingerprint, capacity) -> (build folder, group) over every finished build under `root`
+    made with this coremltools version: how a backend finds the graph for a group it is handed."""
+    found = {}
+    for manifest_path in sorted(root.glob(f"*/*/coremltools-{coremltools_version}/{MANIFEST}")):
+        manifest = read_manifest(manifest_path.parent)
+        for group in manifest.groups if manifest else ():
+            found[(group.weights, group.capacity)] = (manifest_path.parent, group)
+    return found
 
 
 def _slug(model: str) -> str:

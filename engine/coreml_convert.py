@@ -9,9 +9,12 @@ filled into packages in (layer, group) order, a new package starting before one 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
+import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,10 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from npumoe.engine.coreml_ane import ane_problems
-from npumoe.engine.coreml_cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest
-from npumoe.engine.coreml_env import import_coremltools
-from npumoe.engine.grouped import GroupedExperts
+from .coreml_ane import ane_problems
+from .coreml_cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest, weights_fingerprint
+from .coreml_env import import_coremltools
+from .grouped import GroupedExperts
+from .plan import ExpertPlan
 
 MAX_PACKAGE_BYTES = 1 << 30
 FP16_BYTES = 2
@@ -38,6 +42,21 @@ class GroupGraph:
     experts: tuple[int, ...]
 
 
+def plan_group_graphs(plan: ExpertPlan, *, resident_only: bool = True) -> list[GroupGraph]:
+    """The plan's static group graphs, layers numbered in plan order: by default only the groups the
+    plan keeps on the accelerator, the ones the runtime builds graphs for."""
+    return [GroupGraph(layer=i, capacity=plan.tiers[group.tier], experts=group.experts)
+            for i, layer in enumerate(plan.layers) for group in layer.groups
+            if group.residency == "accelerator" or not resident_only]
+
+
+def plan_digest(plan: ExpertPlan, groups: Sequence[GroupGraph]) -> str:
+    """A short digest of what a build of `groups` depends on in the plan: each group's layer, capacity and
+    experts. Re-calibrating into the same groups reuses the build; any change to them makes a new one."""
+    graphs = [(plan.layers[g.layer].name, g.capacity, g.experts) for g in groups]
+    return hashlib.sha256(json.dumps(graphs).encode()).hexdigest()[:16]
+
+
 class ConversionError(ValueError):
     """A group graph that would not run whole on the Neural Engine."""
 
@@ -50,9 +69,8 @@ def convert_group(gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity:
     ct = import_coremltools()
     graph = GroupedExperts(gate_up.float(), down.float(), act, layout="ane").eval()
     example = torch.zeros(1, graph.group_size * graph.hidden_size, 1, capacity)
-    exported = torch.export.export(graph, (example,)).run_decompositions({})
-    # coremltools draws a tqdm bar per pass; callers draw their own progress.
-    with contextlib.redirect_stderr(io.StringIO()):
+    with _quiet():
+        exported = torch.export.export(graph, (example,)).run_decompositions({})
         model = ct.convert(
             exported,
             inputs=[ct.TensorType(INPUT_NAME, shape=example.shape, dtype=np.float16)],
@@ -98,18 +116,19 @@ def build_packages(
         scratch.mkdir(parents=True)
         functions = ct.utils.MultiFunctionDescriptor()
         for group in members:
-            gate_up, down = layer_weights(group.layer)
-            experts = list(group.experts)
+            gate_up, down = (w[list(group.experts)] for w in layer_weights(group.layer))
             index = sum(c.layer == group.layer for c in compiled)
             function = f"layer{group.layer}_g{index}_c{group.capacity}"
             path = scratch / f"{function}.mlpackage"
-            convert_group(gate_up[experts], down[experts], act, group.capacity).save(str(path))
+            convert_group(gate_up, down, act, group.capacity).save(str(path))
             functions.add_function(str(path), "main", function)
-            compiled.append(CompiledGroup(function, package, group.layer, group.capacity, group.experts))
+            compiled.append(CompiledGroup(function, package, group.layer, group.capacity, group.experts,
+                                          weights_fingerprint(gate_up, down)))
             if on_converted:
                 on_converted(compiled[-1])
         functions.default_function_name = compiled[-1].function
-        ct.utils.save_multifunction(functions, str(partial / package))
+        with _quiet():
+            ct.utils.save_multifunction(functions, str(partial / package))
         shutil.rmtree(scratch)
     sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in partial.glob("*.mlpackage")}
     manifest = Manifest(model=model, plan=plan_digest, coremltools=ct.__version__, hidden=hidden, intermediate=inter,
@@ -120,6 +139,15 @@ def build_packages(
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial.rename(folder)
     return manifest
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Hide what conversion prints: coremltools draws a tqdm bar per pass (callers draw their own
+    progress), and torch.export warns about its own deprecated internals."""
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*LeafSpec")
+        yield
 
 
 def _fill_packages(groups: Sequence[GroupGraph], hidden: int, inter: int,

@@ -1,0 +1,131 @@
+"""The `coreml` backend: group graphs run by Core ML on the Neural Engine, from packages `npumoed compile` built.
+
+A group's graph is found by its weights' fingerprint and its capacity among the finished builds
+under the cache root, compiled once per macOS version into an .mlmodelc beside its package, and
+loaded with the configured compute units. Each graph is timed when it loads, so the measured
+launch cost and throughput are what the residency cost model sees. Where Core ML cannot predict
+(Linux, macOS before 15) the backend says why, once, and runs the same group graphs in torch
+(`torch-static` semantics), so a `coreml` plan still runs everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .backends import TorchStaticBackend
+from .coreml_cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, weights_fingerprint
+from .coreml_convert import convert_group
+from .coreml_env import coreml_availability, import_coremltools
+from .cost import CostModel, expert_flops, fit_call_cost
+from .dispatch import GroupGraph
+from .grouped import from_ane_layout, to_ane_layout
+from .timing import median_seconds
+
+log = logging.getLogger(__name__)
+
+COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "all": "ALL", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU"}
+# Capacities of the two sample graphs timed for the cost model: one shows the fixed cost of a
+# launch, the other the throughput.
+_FIT_CAPACITIES = (8, 256)
+
+
+class CoreMLGroupGraph:
+    """A loaded group function as the dispatcher's graph: (G, C, H) -> (G, C, H), one prediction per call."""
+
+    def __init__(self, model: Any, n_experts: int) -> None:
+        self.model = model
+        self.n_experts = n_experts
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        packed = to_ane_layout(x).to(torch.float16).numpy()  # (1, G*H, 1, C)
+        y = torch.from_numpy(self.model.predict({INPUT_NAME: packed})[OUTPUT_NAME])
+        return from_ane_layout(y, self.n_experts).to(x.dtype)
+
+
+class CoreMLBackend(TorchStaticBackend):
+    name = "coreml"
+    static = True
+
+    def __init__(self, cache_root: Path, compute_units: str = "cpu_and_ne") -> None:
+        if compute_units not in COMPUTE_UNITS:
+            raise ValueError(f"compute units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}")
+        self.cache_root = Path(cache_root)
+        self.compute_units = compute_units
+        self.available, self.reason = coreml_availability()
+        self.graph_seconds: dict[str, float] = {}  # function -> seconds per call, measured when loaded
+        self._index: dict[tuple[str, int], tuple[Path, CompiledGroup]] | None = None
+        self._warned = False
+
+    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
+        if not self.available:
+            self._warn_fallback()
+            return super().build_group(gate_up, down, act, capacity)
+        key = (weights_fingerprint(gate_up, down), capacity)
+        found = self._builds().get(key)
+        if found is None:
+            raise LookupError(f"no compiled Core ML graph for a group of {gate_up.shape[0]} experts at capacity "
+                              f"{capacity} under {self.cache_root}: run `npumoed compile --model M --plan PLAN`")
+        folder, group = found
+        graph = CoreMLGroupGraph(self._load(compiled_package(folder, group.package), group.function),
+                                 len(group.experts))
+        example = torch.zeros(len(group.experts), capacity, gate_up.shape[2])
+        self.graph_seconds[group.function] = median_seconds(lambda: graph(example))
+        return graph
+
+    @torch.inference_mode()
+    def measure_costs(self, hidden: int, ffn: int, dtype: torch.dtype, group_size: int) -> CostModel:
+        """The CPU path's costs as torch-static measures them; launch cost and throughput from Core ML
+        graphs of random experts at this geometry, converted and timed here."""
+        costs = super().measure_costs(hidden, ffn, dtype, group_size)
+        if not self.available:
+            self._warn_fallback()
+            return costs
+        generator = torch.Generator().manual_seed(0)
+        gate_up = torch.randn(group_size, 2 * ffn, hidden, generator=generator) / hidden**0.5
+        down = torch.randn(group_size, hidden, ffn, generator=generator) / ffn**0.5
+        with tempfile.TemporaryDirectory() as scratch:
+            graphs = {}
+            for capacity in _FIT_CAPACITIES:
+                path = Path(scratch) / f"sample-c{capacity}.mlpackage"
+                convert_group(gate_up, down, "silu", capacity).save(str(path))
+                graphs[capacity] = CoreMLGroupGraph(self._load(path, None), group_size)
+            launch_s, flops = fit_call_cost(
+                lambda rows: graphs[rows](torch.zeros(group_size, rows, hidden)), *_FIT_CAPACITIES,
+                flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
+        return replace(costs, launch_s=launch_s, static_flops=flops)
+
+    def _load(self, path: Path, function: str | None) -> Any:
+        ct = import_coremltools()
+        units = getattr(ct.ComputeUnit, COMPUTE_UNITS[self.compute_units])
+        if path.suffix == ".mlmodelc":
+            return ct.models.CompiledMLModel(str(path), units, function_name=function)
+        return ct.models.MLModel(str(path), compute_units=units, function_name=function)
+
+    def _builds(self) -> dict[tuple[str, int], tuple[Path, CompiledGroup]]:
+        if self._index is None:
+            self._index = compiled_groups(self.cache_root, import_coremltools().__version__)
+        return self._index
+
+    def _warn_fallback(self) -> None:
+        if not self._warned:
+            log.warning("coreml backend: %s; running its group graphs with torch-static instead", self.reason)
+            self._warned = True
+
+
+def compiled_package(folder: Path, package: str) -> Path:
+    """The package compiled for this macOS (Core ML's .mlmodelc), compiled on first use and kept in the build."""
+    target = folder / f"{Path(package).stem}.macos-{platform.mac_ver()[0]}.mlmodelc"
+    if not target.exists():
+        partial = target.with_name(f"{target.name}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        import_coremltools().utils.compile_model(str(folder / package), str(partial))
+        partial.rename(target)
+    return target

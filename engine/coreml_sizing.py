@@ -1,0 +1,51 @@
+"""Sizing Core ML builds without a checkpoint: random-weight layers and a plan at a real MoE geometry.
+
+The plan comes from the engine's own planner, calibrated on Zipf-skewed routing draws, so its tiers
+and groups have the shape a real calibration gives; the weights are random at the true sizes, so
+conversion time and package sizes are those of the real model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .backends import get_backend
+from .calibrate import Calibration, _statistics
+from .moe_geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
+from .plan import ExpertPlan
+from .planner import DEFAULT_GROUP_SIZE, make_plan
+
+CALIBRATION_CHUNKS = 16
+
+
+@dataclass(frozen=True)
+class SizingModel:
+    plan: ExpertPlan
+    weights: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: gate_up (E, 2I, H), down (E, H, I), fp16
+    act: str
+
+
+def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512,
+                 group_size: int = DEFAULT_GROUP_SIZE, seed: int = 0) -> SizingModel:
+    """`layers` random MoE layers at `geometry` and a plan for them (backend "coreml")."""
+    if layers < 1:
+        raise ValueError(f"need at least one layer, got {layers}")
+    generator = torch.Generator().manual_seed(seed)
+    weights, loads, act = [], [], "silu"
+    for layer in range(layers):
+        model = build_layer_model(geometry, torch.float16, generator)
+        experts, act = layer_experts(model), model.config.hidden_act
+        weights.append((experts.gate_up_proj.detach(), experts.down_proj.detach()))
+        prior = routing_prior(geometry, generator)
+        draws = [draw_routing(prior, chunk_tokens, geometry.top_k, generator)[0] for _ in range(CALIBRATION_CHUNKS)]
+        counts = torch.stack([torch.bincount(index.reshape(-1), minlength=geometry.experts) for index in draws])
+        loads.append((f"layers.{layer}.mlp.experts", _statistics(counts.float())))
+    calibration = Calibration(chunk_tokens=chunk_tokens, tokens=chunk_tokens * CALIBRATION_CHUNKS,
+                              chunks=CALIBRATION_CHUNKS, sources=(f"zipf-routing(seed={seed})",), layers=tuple(loads))
+    # Residency is the planner's call on measured costs; a sizing build converts every group anyway.
+    cost = get_backend("torch-static").measure_costs(geometry.hidden, geometry.ffn, torch.float32, group_size)
+    plan = make_plan(calibration, model=geometry.name, model_key=f"{geometry.name}@random-{seed}", backend="coreml",
+                     cost=cost, hidden=geometry.hidden, ffn=geometry.ffn, group_size=group_size)
+    return SizingModel(plan=plan, weights=weights, act=act)

@@ -1,0 +1,73 @@
+"""The `coreml` backend off macOS, and how it finds a group's compiled graph."""
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from npumoe.engine.coreml_backend import COMPUTE_UNITS, CoreMLBackend
+from npumoe.engine.coreml_cache import build_folder, compiled_groups, weights_fingerprint
+from npumoe.engine.coreml_convert import GroupGraph, build_packages
+from npumoe.engine.coreml_env import coreml_availability, import_coremltools
+from npumoe.engine.grouped import GroupedExperts
+
+not_macos = pytest.mark.skipif(sys.platform == "darwin", reason="describes a machine without Core ML prediction")
+
+
+def random_layer(experts: int = 8, hidden: int = 32, inter: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(experts, 2 * inter, hidden, generator=gen), torch.randn(experts, hidden, inter, generator=gen)
+
+
+@not_macos
+def test_availability_says_core_ml_needs_macos() -> None:
+    available, reason = coreml_availability()
+    assert not available
+    assert "needs macOS" in reason
+
+
+@not_macos
+def test_without_core_ml_the_backend_says_why_once_and_runs_groups_in_torch(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    gate_up, down = random_layer()
+    backend = CoreMLBackend(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        graphs = [backend.build_group(gate_up[:4], down[:4], "silu", capacity=8),
+                  backend.build_group(gate_up[4:], down[4:], "silu", capacity=8)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "needs macOS" in warnings[0] and "torch-static" in warnings[0]
+    x = torch.randn(4, 8, 32)
+    torch.testing.assert_close(graphs[1](x), GroupedExperts(gate_up[4:], down[4:])(x))
+
+
+def test_unknown_compute_units_are_refused_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="compute units must be one of cpu_and_ne"):
+        CoreMLBackend(tmp_path, compute_units="gpu_only")
+    assert set(COMPUTE_UNITS) == {"cpu_and_ne", "all", "cpu_only", "cpu_and_gpu"}
+
+
+def test_a_group_is_found_by_its_weights_and_capacity_in_any_finished_build(tmp_path: Path) -> None:
+    gate_up, down = random_layer()
+    version = import_coremltools().__version__
+    groups = [GroupGraph(layer=0, capacity=16, experts=(6, 1, 2)), GroupGraph(layer=0, capacity=8, experts=(0, 3))]
+    build_packages(groups, lambda layer: (gate_up, down), "silu", build_folder(tmp_path, "m@1", "p", version),
+                   model="m@1", plan_digest="p")
+    found = compiled_groups(tmp_path, version)
+
+    experts = [6, 1, 2]
+    folder, group = found[(weights_fingerprint(gate_up[experts], down[experts]), 16)]
+    assert group.experts == (6, 1, 2) and (folder / group.package).is_dir()
+    bf16 = found.get((weights_fingerprint(gate_up[experts].bfloat16(), down[experts].bfloat16()), 16))
+    assert bf16 is not None and bf16[1] == group  # a bfloat16 load of the same checkpoint finds it too
+    assert (weights_fingerprint(gate_up[experts], down[experts]), 8) not in found  # built at capacity 16 only
+    assert (weights_fingerprint(gate_up[[6, 2, 1]], down[[6, 2, 1]]), 16) not in found  # other channel order
+
+
+def test_unfinished_builds_are_never_found(tmp_path: Path) -> None:
+    version = import_coremltools().__version__
+    folder = build_folder(tmp_path, "m@1", "p", version)
+    (folder / "experts-000.mlpackage").mkdir(parents=True)  # a build that died before its manifest
+    assert compiled_groups(tmp_path, version) == {}
