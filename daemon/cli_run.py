@@ -6,6 +6,7 @@ Heavy imports (torch, the engine, the worker) happen inside the commands, so `np
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import sys
 import time
@@ -22,6 +23,7 @@ from npumoe.daemon.status_view import render_rich, render_text, snapshot
 from npumoe.jobs.outputs import temporary_path
 from npumoe.jobs.queue import Queue
 
+DEMO_BACKEND = "torch-static"  # NPUMoE's static-shape executor, the reference for accelerators
 DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
 
 
@@ -71,22 +73,26 @@ def status(watch: bool, as_json: bool, interval: float) -> None:
 
 
 @click.command()
-@pass_app
-def demo(app: App) -> None:
+@click.pass_context
+def demo(ctx: click.Context) -> None:
     """Process the built-in sample documents offline with the tiny demo model, then show where it all went.
 
-    The demo model has random weights: its summaries are not meaningful text.
+    The first run makes the model and calibrates an expert plan on the samples, so the documents go through
+    NPUMoE's static-shape path (torch-static backend). The demo model has random weights: its summaries are
+    not meaningful text.
     """
     from npumoe.daemon.intake import job_keys, sha256_of
     from npumoe.daemon.samples import write_samples
 
+    app = ctx.find_object(App)
     home, queue = app.home, app.queue
-    config = _demo_config(app.config, home)
-    keys = job_keys(config)
-    done = {job.sha256 for job in queue.list("done") if (job.model_key, job.settings_key) == keys}
+    os.umask(0o077)
     staged = temporary_path(home.root, "samples")
     try:
         samples = {path.name: sha256_of(path) for path in write_samples(staged)}
+        config = _demo_config(ctx, app.config, home, sorted(staged.iterdir()))
+        keys = job_keys(config)
+        done = {job.sha256 for job in queue.list("done") if (job.model_key, job.settings_key) == keys}
         new = [name for name, sha in samples.items() if sha not in done]
         for name in new:
             (staged / name).replace(home.inbox / name)  # one rename: the watcher never sees half a file
@@ -95,9 +101,9 @@ def demo(app: App) -> None:
     click.echo(f"{len(new)} sample document(s) placed in {home.inbox}; {len(samples) - len(new)} already done")
     _run_worker(app, config, inboxes=[home.inbox], once=True, verbose=False, obey_schedule=False)
     click.echo("\nOutputs:")
-    finished = {(job.sha256, job.model_key, job.settings_key): job for job in queue.list()}
+    jobs = {(job.sha256, job.model_key, job.settings_key): job for job in queue.list()}
     for name, sha in samples.items():
-        job = finished.get((sha, *keys))
+        job = jobs.get((sha, *keys))
         where = f"{job.output_dir}/" if job and job.state == "done" else job.last_error if job else "not queued"
         click.echo(f"  {name}: {where}")
     click.echo()
@@ -152,10 +158,26 @@ def _watch(queue: Queue, interval: float) -> None:
 # -- the demo ---------------------------------------------------------------------------------------------
 
 
-def _demo_config(config: Config, home: Home) -> Config:
-    """The configured settings, with the built-in model and the home's own inbox; a calibrated plan on the
-    static (NPUMoE) backend when the engine can make one."""
+def _demo_config(ctx: click.Context, config: Config, home: Home, calibration_data: list[Path]) -> Config:
+    """The configured settings with the built-in model on the static (NPUMoE) backend, its plan calibrated on
+    the samples once and reused after (a new plan would make every sample new work again)."""
+    from npumoe.daemon.cli_engine import calibrate_command
+
+    plan = home.plans / "demo.json"
+    if not plan.exists():
+        click.echo(f"calibrating an expert plan for the demo model on the samples: {plan}")
+        ctx.invoke(
+            calibrate_command,
+            model_name="demo",
+            data=tuple(calibration_data),
+            out=plan,
+            chunk=config.model.chunk_tokens,
+            backend=DEMO_BACKEND,
+            overflow=config.model.overflow,
+        )
+    summary_tokens = min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
     model = dataclasses.replace(
-        config.model, name="demo", summary_tokens=min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
+        config.model, name="demo", backend=DEMO_BACKEND, plan=str(plan), summary_tokens=summary_tokens
     )
-    return dataclasses.replace(config, model=model)
+    cpu = dataclasses.replace(config.cpu, background_priority=False)  # someone is watching: no need to yield
+    return dataclasses.replace(config, model=model, cpu=cpu)
