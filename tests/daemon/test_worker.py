@@ -1,0 +1,179 @@
+"""The worker loop in this process, on the tiny model: intake, one daemon per home, recovery, pause, stop."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from filelock import FileLock
+
+from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
+from npumoe.daemon.home import Home
+from npumoe.daemon.models import ModelSlot
+from npumoe.daemon.power import UnknownPowerSource
+from npumoe.daemon.scheduler import Scheduler
+from npumoe.daemon.worker import AlreadyRunning, Worker
+from npumoe.jobs.queue import Queue
+
+PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    return Home(tmp_path / "home").ensure()
+
+
+@pytest.fixture
+def queue(home: Home) -> Queue:
+    return Queue(home.database)
+
+
+@pytest.fixture
+def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
+    def make(originals: str = "keep", **worker_options: object) -> Worker:
+        config = Config(
+            inbox=InboxConfig(stable_seconds=0.1, originals=originals),
+            model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
+            scheduler=SchedulerConfig(poll_seconds=0.1),
+            cpu=CpuConfig(threads=1, background_priority=False),  # never lower the test runner's own priority
+        )
+        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0)
+        return Worker(config, home, queue, once=True, scheduler=scheduler, **worker_options)  # type: ignore[arg-type]
+
+    return make
+
+
+def test_run_once_processes_the_inbox_and_sets_aside_what_cannot_be_queued(
+    home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
+    os.mkfifo(home.inbox / "pipe.txt")
+    (tmp_path / "secret.txt").write_text("outside the inbox")
+    (home.inbox / "link.txt").symlink_to(tmp_path / "secret.txt")
+    summary = make_worker().run()
+    assert dict(summary.outcomes) == {"done": 1} and summary.rejected == 2
+    [job] = queue.list()
+    assert job.state == "done" and (Path(job.output_dir or "") / "embeddings.npy").exists()
+    assert "FIFO" in (home.failed / "pipe.txt.error.txt").read_text()
+    assert "symbolic link" in (home.failed / "link.txt.error.txt").read_text()
+    assert (tmp_path / "secret.txt").read_text() == "outside the inbox"
+    row = queue.read_daemon()
+    assert row is not None and row["stopped_at"] is not None and row["counters"]["done"] == 1
+
+
+def test_only_one_daemon_runs_per_home(home: Home, make_worker: Callable[..., Worker]) -> None:
+    with FileLock(home.root / "npumoed.lock"), pytest.raises(AlreadyRunning, match="already running"):
+        make_worker().run()
+
+
+def test_a_job_a_killed_daemon_left_running_is_finished_by_the_next_start(
+    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+) -> None:
+    doc = home.inbox / "report.md"
+    doc.write_text(PARAGRAPH * 3)
+    worker = make_worker()
+    worker._take(doc)  # queued as the watcher would
+    claimed = queue.claim(os.getpid(), lease_seconds=3600)  # "running", by a worker that will never return
+    assert claimed is not None
+    (home.outbox / ".tmp-job1-deadbeef").mkdir()  # and its scratch folder
+    worker.run()
+    job = queue.get(claimed.id)
+    assert job is not None and job.state == "done" and job.attempts == 2
+    assert [p.name for p in home.outbox.iterdir()] == [Path(job.output_dir or "").name]
+
+
+def test_a_finished_document_seen_again_is_moved_by_policy_not_processed_again(
+    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+) -> None:
+    text = PARAGRAPH * 3
+    (home.inbox / "report.md").write_text(text)
+    make_worker("move").run()
+    assert (home.processed / "report.md").exists()
+    (home.inbox / "report.md").write_text(text)  # the same content, dropped in again
+    summary = make_worker("move").run()
+    assert dict(summary.outcomes) == {} and len(queue.list()) == 1
+    assert sorted(p.name for p in home.processed.iterdir()) == ["report (2).md", "report.md"]
+
+
+def test_a_pause_holds_the_work_and_says_why_until_resumed(
+    queue: Queue, home: Home, make_worker: Callable[..., Worker]
+) -> None:
+    (home.inbox / "report.md").write_text(PARAGRAPH * 3)
+    queue.set_control("paused", {"since": time.time()})
+    seen: list[str] = []
+
+    def resume_once_waiting() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            row = queue.read_daemon()
+            if row and row["activity"] == "waiting":
+                seen.append(row["reason"])
+                queue.set_control("paused", None)
+                return
+            time.sleep(0.05)
+
+    resumer = threading.Thread(target=resume_once_waiting)
+    resumer.start()
+    summary = make_worker().run()
+    resumer.join()
+    assert seen and seen[0].startswith("paused by you")
+    assert dict(summary.outcomes) == {"done": 1}
+
+
+def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_worker: Callable[..., Worker]) -> None:
+    (home.inbox / "long.md").write_text(PARAGRAPH * 40)
+    worker = make_worker()
+
+    def stop_mid_document() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = queue.list("running")
+            if running and running[0].progress > 0:
+                worker.stop()
+                return
+            time.sleep(0.01)
+
+    stopper = threading.Thread(target=stop_mid_document)
+    stopper.start()
+    summary = worker.run()
+    stopper.join()
+    [job] = queue.list()
+    assert dict(summary.outcomes) == {"queued": 1}
+    assert (job.state, job.attempts) == ("queued", 0)
+    assert list(home.outbox.iterdir()) == []
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_model_is_loaded_once_and_unloaded_after_the_idle_timeout(tmp_path: Path) -> None:
+    loads: list[object] = []
+    clock = FakeClock()
+    config = Config(model=ModelConfig(name=str(tmp_path), idle_unload_seconds=300))
+    slot = ModelSlot(config, tmp_path, loader=lambda settings: loads.append(settings) or object(), clock=clock)
+    first = slot.load()
+    clock.now += 200
+    assert slot.load() is first and len(loads) == 1
+    clock.now += 299
+    assert not slot.unload_if_idle() and slot.loaded
+    clock.now += 2
+    assert slot.unload_if_idle() and not slot.loaded
+    slot.load()
+    assert len(loads) == 2
+
+
+def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
+    from npumoe.daemon.models import ModelNotFound, resolve_model
+
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        resolve_model(str(tmp_path / "missing"), tmp_path)
+    assert resolve_model("Qwen/Qwen3-30B-A3B", tmp_path) == "Qwen/Qwen3-30B-A3B"  # for the engine's HF cache lookup
