@@ -34,7 +34,7 @@ CONTEXT = 1024
 # Router skew: the shared embedding direction's size (in units of the per-dimension noise) and how
 # far apart, in logits, the hottest and the coldest expert sit along it.
 SHARED_DIRECTION = 4.0
-ROUTER_SPREAD = 6.0
+ROUTER_SPREAD = 8.0
 
 # (config class, family-specific settings); experts and top-k follow each family's own pattern.
 ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict]] = {
@@ -42,10 +42,10 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict]] = {
                                        intermediate_size=4 * HIDDEN, head_dim=HIDDEN // 4, norm_topk_prob=True)),
     "qwen2_moe": (Qwen2MoeConfig, dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=EXPERT_FFN,
                                        shared_expert_intermediate_size=2 * HIDDEN, intermediate_size=4 * HIDDEN)),
-    "mixtral": (MixtralConfig, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
+    "mixtral": (MixtralConfig, dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
     "olmoe": (OlmoeConfig, dict(num_experts=32, num_experts_per_tok=8, intermediate_size=EXPERT_FFN)),
     "phimoe": (PhimoeConfig, dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
-    "granitemoe": (GraniteMoeConfig, dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
+    "granitemoe": (GraniteMoeConfig, dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
 }
 
 

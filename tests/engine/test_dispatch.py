@@ -1,0 +1,113 @@
+"""Dispatch on a hand-built routing case: exact counts of static, cold, spilled, dropped and padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npumoe.engine.backends import get_backend
+from npumoe.engine.dispatch import DispatchStats, MoeLayer, StaticGroup
+
+E, H, FFN = 4, 8, 4
+
+# Six tokens, top-2. Expert loads: e0 5, e1 2, e2 3, e3 2 (e3 is cold: in no group).
+ROUTING = [(0, 1), (0, 2), (0, 3), (0, 2), (0, 1), (2, 3)]
+WEIGHTS = [(0.9, 0.1), (0.5, 0.5), (0.5, 0.5), (0.5, 0.5), (0.01, 0.99), (0.5, 0.5)]
+# Groups: e0+e1 at capacity 4 (e0 overflows by 1), e2 alone at capacity 2 (overflows by 1).
+GROUPS = [((0, 1), 4), ((2,), 2)]
+
+
+@pytest.fixture
+def weights() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(E, 2 * FFN, H, generator=g), torch.randn(E, H, FFN, generator=g)
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    """Token t has norm t + 1, so importance (weight × norm) is known."""
+    x = F.normalize(torch.randn(len(ROUTING), H, generator=torch.Generator().manual_seed(1)), dim=-1)
+    return x * torch.arange(1, len(ROUTING) + 1, dtype=torch.float32)[:, None]
+
+
+def layer(weights: tuple[torch.Tensor, torch.Tensor], overflow: str, groups=GROUPS) -> MoeLayer:
+    gate_up, down = weights
+    backend = get_backend("torch-static")
+    return MoeLayer(gate_up, down, "silu", overflow=overflow, groups=[
+        StaticGroup(experts, capacity, backend.build_group(gate_up[list(experts)], down[list(experts)], "silu",
+                                                           capacity))
+        for experts, capacity in groups])
+
+
+def reference(x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor], routing, routing_weights) -> torch.Tensor:
+    """Every token through its experts one by one: y_t = sum_j w_tj * FFN_e(x_t)."""
+    gate_up, down = weights
+    y = torch.zeros_like(x)
+    for t, (experts, ws) in enumerate(zip(routing, routing_weights, strict=True)):
+        for e, w in zip(experts, ws, strict=True):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            y[t] += w * (down[e] @ (F.silu(gate) * up))
+    return y
+
+
+def route(routing=ROUTING, routing_weights=WEIGHTS) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.tensor(routing), torch.tensor(routing_weights)
+
+
+def test_spill_runs_overflow_on_the_cpu_and_matches_the_reference_exactly(weights, tokens):
+    stats = DispatchStats()
+    y = layer(weights, "spill")(tokens, *route(), stats)
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
+    assert (stats.assignments, stats.static, stats.cpu, stats.spilled, stats.dropped) == (12, 8, 2, 2, 0)
+
+
+def test_slots_padding_and_launches_are_counted_per_launched_group(weights, tokens):
+    stats = DispatchStats()
+    layer(weights, "spill")(tokens, *route(), stats)
+    # Group e0+e1: 2 x 4 slots holding 4 + 2; group e2: 1 x 2 slots holding 2.
+    assert (stats.slots, stats.padding_slots) == (10, 2)
+    assert (stats.launches, stats.expert_launches, stats.layer_calls) == (2, 3, 1)
+    assert stats.to_dict()["padding_fraction"] == pytest.approx(0.2)
+
+
+def test_prune_drops_the_least_important_assignments_by_weight_times_norm(weights, tokens):
+    stats = DispatchStats()
+    y = layer(weights, "prune")(tokens, *route(), stats)
+    # e0's least important is token 4 (0.01 x 5), not token 0 (smallest norm, but weight 0.9);
+    # e2's is token 1 (0.5 x 2).
+    kept = [list(w) for w in WEIGHTS]
+    kept[4][0] = 0.0
+    kept[1][1] = 0.0
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, kept), rtol=1e-5, atol=1e-5)
+    assert (stats.static, stats.cpu, stats.spilled, stats.dropped) == (8, 2, 0, 2)
+    assert stats.to_dict()["dropped_fraction"] == pytest.approx(2 / 12)
+
+
+def test_a_group_without_tokens_is_not_launched(weights, tokens):
+    stats = DispatchStats()
+    routing = [(0, 3)] * 3
+    layer(weights, "spill")(tokens[:3], *route(routing, [(0.5, 0.5)] * 3), stats)
+    assert (stats.launches, stats.slots, stats.padding_slots, stats.static, stats.cpu) == (1, 8, 5, 3, 3)
+
+
+def test_without_groups_every_assignment_runs_exactly_on_the_cpu(weights, tokens):
+    stats = DispatchStats()
+    y = MoeLayer(*weights, "silu")(tokens, *route(), stats)
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
+    assert (stats.cpu, stats.static, stats.slots, stats.launches) == (12, 0, 0, 0)
+
+
+def test_the_exact_path_ignores_groups_and_counts_nothing(weights, tokens):
+    y = layer(weights, "prune").exact(tokens, *route())
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_in_two_groups_is_refused(weights):
+    with pytest.raises(ValueError, match="already in a group"):
+        layer(weights, "spill", groups=[((0, 1), 4), ((1, 2), 4)])
+
+
+def test_an_unknown_overflow_policy_is_refused(weights):
+    with pytest.raises(ValueError, match="overflow must be one of spill, prune"):
+        MoeLayer(*weights, "silu", overflow="drop")

@@ -1,0 +1,186 @@
+"""ExpertPlan: tiers from calibrated loads, groups, residency from costs, JSON validation, and prune's drops."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from npumoe.engine import Engine, EngineSettings, load_model
+from npumoe.engine.backends import get_backend
+from npumoe.engine.calibrate import Calibration, calibrate
+from npumoe.engine.cost import CostModel
+from npumoe.engine.plan import ExpertLoad, ExpertPlan, PlanError
+from npumoe.engine.planner import choose_tiers, make_plan
+from npumoe.engine.runtime import MoeRuntime
+
+ACCELERATOR_FAVOURED = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)
+CPU_FAVOURED = CostModel(launch_s=1.0, static_flops=1e9, cpu_call_s=1e-9, cpu_flops=1e15)
+
+
+def synthetic_calibration() -> Calibration:
+    """Two layers of 6 experts over 64-token chunks: hot, warm, cold and idle experts."""
+    def load(p95: list[float]) -> ExpertLoad:
+        mean = tuple(v * 0.8 for v in p95)
+        return ExpertLoad(mean=mean, p50=mean, p95=tuple(p95), max=tuple(v * 1.1 for v in p95))
+
+    return Calibration(chunk_tokens=64, tokens=640, chunks=10, sources=("synthetic",), layers=(
+        ("layers.0.experts", load([60, 30, 9, 3, 0, 1])),
+        ("layers.1.experts", load([2, 0, 58, 33, 12, 7])),
+    ))
+
+
+def plan_for(cost: CostModel = ACCELERATOR_FAVOURED, **options) -> ExpertPlan:
+    return make_plan(synthetic_calibration(), model="synthetic", model_key="synthetic@0", backend="torch-static",
+                     cost=cost, hidden=64, ffn=32, **options)
+
+
+def brute_force_tiers(needs: list[int], n_tiers: int) -> int:
+    values = sorted(set(needs))
+    candidates = (tiers for k in range(1, n_tiers + 1) for tiers in itertools.combinations(values, k)
+                  if max(tiers) == values[-1])
+    return min(sum(min(c for c in tiers if c >= n) for n in needs) for tiers in candidates)
+
+
+def test_tiers_minimise_the_total_capacity_handed_out():
+    rng = random.Random(0)
+    for _ in range(50):
+        needs = [rng.choice(range(8, 129, 8)) for _ in range(rng.randint(1, 12))]
+        n_tiers = rng.randint(1, 4)
+        tiers = choose_tiers(needs, n_tiers)
+        assert len(tiers) <= n_tiers and max(tiers) == max(needs)
+        assert sum(min(c for c in tiers if c >= n) for n in needs) == brute_force_tiers(needs, n_tiers)
+
+
+def test_each_expert_gets_the_smallest_tier_covering_its_aligned_p95_load():
+    plan = plan_for()
+    # Aligned needs 8 x4, 16 x2, 32, 40, 64 x2: (16, 40, 64) hands out 304 slots, (8, 16, 64) 320.
+    assert plan.tiers == (16, 40, 64)
+    for layer, (_, load) in zip(plan.layers, synthetic_calibration().layers, strict=True):
+        for e, p95 in enumerate(load.p95):
+            capacity = plan.tiers[layer.expert_tier[e]]
+            assert capacity >= p95
+            assert layer.expert_tier[e] == 0 or plan.tiers[layer.expert_tier[e] - 1] < -(-p95 // 8) * 8
+
+
+def test_groups_hold_up_to_g_experts_of_one_tier_hottest_first():
+    plan = plan_for(group_size=2)
+    for layer in plan.layers:
+        assert sorted(e for g in layer.groups for e in g.experts) == list(range(6))
+        for group in layer.groups:
+            assert 1 <= len(group.experts) <= 2
+            assert {layer.expert_tier[e] for e in group.experts} == {group.tier}
+            loads = [layer.load.mean[e] for e in group.experts]
+            assert loads == sorted(loads, reverse=True)
+
+
+def test_residency_follows_the_cost_model():
+    cheap_launches = plan_for(ACCELERATOR_FAVOURED)
+    for layer in cheap_launches.layers:
+        for group in layer.groups:
+            busy = any(layer.load.mean[e] > 0 for e in group.experts)
+            assert group.residency == ("accelerator" if busy else "cpu")
+    costly_launches = plan_for(CPU_FAVOURED)
+    assert {g.residency for layer in costly_launches.layers for g in layer.groups} == {"cpu"}
+
+
+def test_a_plan_survives_save_and_load_unchanged(tmp_path):
+    plan = plan_for()
+    plan.save(tmp_path / "plan.json")
+    assert ExpertPlan.load(tmp_path / "plan.json") == plan
+    assert json.loads((tmp_path / "plan.json").read_text())["format"] == "npumoe.expert-plan"
+
+
+def mutated(change) -> dict:
+    data = json.loads(json.dumps(plan_for().to_dict()))
+    change(data)
+    return data
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda d: d.update(version=99), "plan version 99 is not supported"),
+    (lambda d: d.update(format="other"), "not an expert plan"),
+    (lambda d: d.update(tiers=[16, 8, 64]), "tiers: must be strictly increasing"),
+    (lambda d: d.update(overflow="drop"), "overflow: must be one of spill, prune"),
+    (lambda d: d.update(chunk_tokens=0), "chunk_tokens: must be positive"),
+    (lambda d: d.pop("backend"), "backend: missing"),
+    (lambda d: d["cost"].update(launch_s=-1), "cost: cost model launch_s must be a non-negative number"),
+    (lambda d: d["layers"][0]["groups"][0].update(residency="gpu"), r"layers\[0\].groups\[0\].residency"),
+    (lambda d: d["layers"][1]["expert_tier"].__setitem__(0, 7), r"layers\[1\].expert_tier: must list"),
+    (lambda d: d["layers"][0]["load"]["p95"].pop(), r"layers\[0\].load.p95: must hold 6"),
+    (lambda d: d["layers"][0]["groups"].pop(), r"layers\[0\].groups: experts \[.*\] are in no group"),
+    (lambda d: d["layers"][0]["groups"][1]["experts"].append(d["layers"][0]["groups"][0]["experts"][0]),
+     "is already in another group"),
+    (lambda d: d["layers"][1].update(name=d["layers"][0]["name"]), "two layers have the same name"),
+])
+def test_an_inconsistent_plan_is_refused_naming_the_field(tmp_path, change, message):
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(mutated(change)))
+    with pytest.raises(PlanError, match=message):
+        ExpertPlan.load(path)
+
+
+def test_a_plan_file_that_is_not_json_is_refused(tmp_path):
+    (tmp_path / "plan.json").write_text("{not json")
+    with pytest.raises(PlanError, match="cannot read plan"):
+        ExpertPlan.load(tmp_path / "plan.json")
+
+
+@pytest.fixture(scope="module")
+def qwen3_plan(tiny, harbour, tmp_path_factory) -> tuple[str, ExpertPlan]:
+    """The skewed tiny Qwen3-MoE calibrated on one text with the default chunk and tiers."""
+    folder = tiny("qwen3_moe")
+    loaded = load_model(folder)
+    plan = make_plan(calibrate(loaded, [("harbour", harbour)]), model=loaded.name, model_key=loaded.key,
+                     backend="torch-static", cost=ACCELERATOR_FAVOURED, hidden=64, ffn=32)
+    return str(folder), plan
+
+
+def test_prune_with_default_tiers_drops_at_most_a_tenth_of_assignments_on_another_text(
+        qwen3_plan, orchard, tmp_path):
+    folder, plan = qwen3_plan
+    plan.save(tmp_path / "plan.json")
+    engine = Engine.load(EngineSettings(model=folder, backend="torch-static", plan=tmp_path / "plan.json",
+                                        overflow="prune"))
+    engine.logits(engine.loaded.tokenizer(orchard)["input_ids"])
+    stats = engine.stats
+    assert stats.static > 0.9 * stats.assignments  # the accelerator did the work: drops were possible
+    assert 0 <= stats.dropped <= 0.10 * stats.assignments
+    assert stats.spilled == 0
+
+
+def test_the_plan_chunk_length_overrides_the_settings(qwen3_plan, tmp_path):
+    folder, plan = qwen3_plan
+    replace(plan, chunk_tokens=96).save(tmp_path / "plan.json")
+    engine = Engine.load(EngineSettings(model=folder, backend="torch-static", plan=tmp_path / "plan.json",
+                                        chunk_tokens=512))
+    assert engine.chunk_tokens == 96
+
+
+def test_a_plan_for_another_backend_is_refused(qwen3_plan):
+    folder, plan = qwen3_plan
+    with pytest.raises(PlanError, match="made for the torch-static backend, not cpu"):
+        MoeRuntime(load_model(folder).model, get_backend("cpu"), plan)
+
+
+def test_a_static_backend_without_a_plan_is_refused(qwen3_plan):
+    folder, _ = qwen3_plan
+    with pytest.raises(ValueError, match="torch-static backend runs planned groups: give it a plan"):
+        MoeRuntime(load_model(folder).model, get_backend("torch-static"))
+
+
+def test_a_plan_for_another_architecture_is_refused(qwen3_plan, tiny):
+    _, plan = qwen3_plan
+    with pytest.raises(PlanError, match="has 32 experts, the model 16"):
+        MoeRuntime(load_model(tiny("qwen2_moe")).model, get_backend("torch-static"), plan)
+
+
+def test_a_plan_calibrated_for_other_weights_is_refused(qwen3_plan, tiny, tmp_path):
+    _, plan = qwen3_plan
+    plan.save(tmp_path / "plan.json")
+    other = tiny("qwen3_moe", seed=1)
+    with pytest.raises(PlanError, match="calibrated for model@"):
+        Engine.load(EngineSettings(model=str(other), backend="torch-static", plan=tmp_path / "plan.json"))
