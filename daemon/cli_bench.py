@@ -63,12 +63,7 @@ def _json_option(f):
 def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str, ...], skew: float,
         calibration_chunks: int, threads: int, warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
     """MoE-layer prefill throughput on random weights: transformers' experts vs the engine vs the roofline."""
-    from npumoe.engine.moe_geometry import parse_geometry
-
-    try:
-        parsed = [parse_geometry(g) for g in geometries]
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--geometry") from e
+    parsed = _geometries(geometries)
     import torch
 
     from npumoe.engine.bench_moe import MoeBenchSettings, run_moe_bench
@@ -89,31 +84,174 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                                      "calibration_chunks": calibration_chunks, "roofline_model": MODEL}, results)
 
 
-def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: str, *, baseline: str) -> None:
+@bench.command("prefill")
+@click.option("--geometry", "geometries", multiple=True, default=("qwen3-30b-a3b",), show_default=True,
+              help="Model geometry (repeatable): a name as for `bench moe`, or HIDDENxEXPERTSxTOPKxFFN.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers at the real sizes (the rest of the model is left out).")
+@click.option("--document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Length of the prefilled document.")
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prefill chunk length; the KV cache carries across chunks.")
+@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_NAMES), default=("bf16",),
+              show_default=True, help="Model dtype (repeatable).")
+@click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Random documents of the same length the engine's plan is calibrated on.")
+@_threads_option
+@_timing_options
+@_json_option
+def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
+            dtypes: tuple[str, ...], calibration_documents: int, threads: int, warmup: int, repeats: int, seed: int,
+            json_path: Path | None) -> None:
+    """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers."""
+    parsed = _geometries(geometries)
+    import torch
+
+    from npumoe.engine.bench_prefill import PrefillBenchSettings, run_prefill_bench
+    from npumoe.engine.machine import describe_machine
+
+    try:
+        settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
+                                        chunk_tokens=chunk_tokens, calibration_documents=calibration_documents,
+                                        warmup=warmup, repeats=repeats, seed=seed)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    torch.set_num_threads(threads)
+    machine = describe_machine(threads)
+    results = run_prefill_bench(parsed, dtypes, settings, on_result=_progress)
+    caption = (f"× transformers: against transformers' fastest implementation in the same case. Random weights, "
+               f"random-token documents, chunked prefill with the KV cache carried. {threads} threads, "
+               f"{machine['cpu']}.")
+    print_results(results, ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens"), caption)
+    _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "layers": layers,
+                                     "calibration_documents": calibration_documents}, results)
+
+
+@bench.command("fidelity")
+@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="A checkpoint folder (default: a tiny skewed Qwen3-MoE made for the run).")
+@click.option("--calibration-text", "calibration_files", multiple=True,
+              type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Text file(s) to calibrate on (default: the sample documents other than the night log).")
+@click.option("--eval-text", "eval_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Held-out text file (default: the sample night-shift log).")
+@click.option("--scale", "scales", multiple=True, type=click.FloatRange(min=0, min_open=True),
+              default=(0.25, 0.5, 0.75, 1.0, 1.5, 2.0), show_default=True,
+              help="Capacity scale (repeatable): tiers sized for this multiple of each calibrated p95 load.")
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Prefill chunk length (calibration and evaluation).")
+@click.option("--eval-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
+              help="At most this many held-out tokens.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the trade-off curves to this PNG.")
+@_threads_option
+@_timing_options
+@_json_option
+def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_file: Path | None,
+             scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int, plot_path: Path | None, threads: int,
+             warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
+    """Accuracy against capacity: dropped, spilled and padding fractions, top-1 agreement and KL vs the exact model."""
+    import tempfile
+
+    import torch
+
+    from npumoe.engine.bench_fidelity import FidelitySettings, run_fidelity_bench
+    from npumoe.engine.machine import describe_machine
+    from npumoe.engine.models import ModelError, load_model
+    from npumoe.engine.tiny import make_tiny
+
+    calibration_texts, eval_text = _fidelity_texts(calibration_files, eval_file)
+    settings = FidelitySettings(threads=threads, scales=tuple(sorted(set(scales))), chunk_tokens=chunk_tokens,
+                                eval_tokens=eval_tokens, warmup=warmup, repeats=repeats)
+    torch.set_num_threads(threads)
+    machine = describe_machine(threads)
+    with tempfile.TemporaryDirectory(prefix="npumoed-fidelity-") as scratch:
+        try:
+            loaded = load_model(model_path or make_tiny("qwen3_moe", Path(scratch) / "tiny-qwen3_moe", seed=seed))
+            results = run_fidelity_bench(loaded, calibration_texts, eval_text, settings, on_result=_progress)
+        except (ModelError, ValueError) as e:
+            raise click.ClickException(str(e)) from e
+    print_fidelity(results, f"model {loaded.name}, calibrated on {', '.join(name for name, _ in calibration_texts)}, "
+                            f"held out: {results[0]['eval_tokens']} tokens, chunk {chunk_tokens}, {threads} threads")
+    if plot_path is not None:
+        from npumoe.engine.bench_plot import fidelity_figure
+
+        plot_path.parent.mkdir(parents=True, exist_ok=True)
+        fidelity_figure(results).savefig(plot_path, dpi=120)
+        _err.print(f"wrote {plot_path}")
+    _write_json(json_path, machine, {"model": loaded.name, "model_key": loaded.key, "seed": seed,
+                                     "calibration": [name for name, _ in calibration_texts], "warmup": warmup,
+                                     "repeats": repeats}, results)
+
+
+def _geometries(names: Sequence[str]) -> list:
+    from npumoe.engine.moe_geometry import parse_geometry
+
+    try:
+        return [parse_geometry(name) for name in names]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--geometry") from e
+
+
+def _fidelity_texts(calibration_files: Sequence[Path],
+                    eval_file: Path | None) -> tuple[list[tuple[str, str]], str]:
+    """(calibration texts as (name, text), held-out text): the files given, else the sample documents."""
+    from npumoe.daemon.samples import sample_documents
+
+    samples = {doc.filename: "\n\n".join(doc.paragraphs) for doc in sample_documents()}
+    held_out = "night-shift-log.txt"
+    calibration = ([(path.name, path.read_text(errors="replace")) for path in calibration_files]
+                   or [(name, text) for name, text in samples.items() if name != held_out])
+    return calibration, eval_file.read_text(errors="replace") if eval_file else samples[held_out]
+
+
+def print_fidelity(results: Sequence[dict], caption: str) -> None:
+    table = Table("capacity scale", "overflow", "tiers", "dropped", "spilled", "padding", "top-1 agreement",
+                  "mean KL", "tokens/s", caption=caption, caption_justify="left")
+    for row in results:
+        table.add_row(_ratio(row.get("capacity_scale")), row.get("overflow", "exact model"),
+                      " ".join(map(str, row.get("tiers", []))), _percent(row.get("dropped_fraction")),
+                      _percent(row.get("spilled_fraction")), _percent(row.get("padding_fraction")),
+                      f"{row['top1_agreement']:.1%}", _error(row["mean_kl"]), _number(row["tokens_per_s"]))
+    _console().print(table)
+
+
+def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: str, *,
+                  baseline: str | None = None) -> None:
     """One table per case (the values of `case_keys`), then why any implementation was skipped or refused."""
-    console = Console(width=None if sys.stdout.isatty() else 132)
+    console = _console()
     cases: dict[tuple, list[dict]] = {}
     for row in results:
         cases.setdefault(tuple(row[key] for key in case_keys), []).append(row)
     for case, rows in cases.items():
-        console.print(results_table(rows, ", ".join(f"{key} {value}" for key, value in zip(case_keys, case,
-                                                                                          strict=True)), baseline))
+        title = ", ".join(f"{key} {value}" for key, value in zip(case_keys, case, strict=True))
+        console.print(results_table(rows, title, baseline))
         for row in rows:
             if "error" in row:
                 console.print(f"  {row['impl']} {row['status']}: {row['error']}", style="red", highlight=False)
     console.print(caption, style="dim", highlight=False)
 
 
-def results_table(rows: Sequence[dict], title: str, baseline: str) -> Table:
+def results_table(rows: Sequence[dict], title: str, baseline: str | None = None) -> Table:
     """One line per implementation: speed, ratios, what the engine did with the assignments, its error."""
-    table = Table(Column("impl", no_wrap=True), "tokens/s", "× transformers", f"× {baseline}", "padding",
-                  "spilled", "dropped", "rel. error", Column("note", no_wrap=True), title=title, title_justify="left")
+    columns = {"tokens/s": lambda r: _number(r.get("tokens_per_s")),
+               "× transformers": lambda r: _ratio(r.get("vs_transformers_best"))}
+    if baseline:
+        columns[f"× {baseline}"] = lambda r: _ratio(r.get(f"vs_{baseline}"))
+    columns |= {"padding": lambda r: _percent(r.get("padding_fraction")),
+                "spilled": lambda r: _percent(r.get("spilled_fraction")),
+                "dropped": lambda r: _percent(r.get("dropped_fraction")),
+                "rel. error": lambda r: _error(r.get("rel_error"))}
+    table = Table(Column("impl", no_wrap=True), *columns, Column("note", no_wrap=True), title=title,
+                  title_justify="left")
     for row in rows:
-        table.add_row(row["impl"], _number(row.get("tokens_per_s")), _ratio(row.get("vs_transformers_best")),
-                      _ratio(row.get(f"vs_{baseline}")), _percent(row.get("padding_fraction")),
-                      _percent(row.get("spilled_fraction")), _percent(row.get("dropped_fraction")),
-                      _error(row.get("rel_error")), _note(row))
+        table.add_row(row["impl"], *(cell(row) for cell in columns.values()), _note(row))
     return table
+
+
+def _console() -> Console:
+    """Wide enough for the tables when the output is a file or a pipe (a terminal sets its own width)."""
+    return Console(width=None if sys.stdout.isatty() else 132)
 
 
 def _note(row: dict) -> str:
@@ -141,9 +279,9 @@ def _error(value: float | None) -> str:
 
 
 def _progress(row: dict) -> None:
+    case = " ".join(str(row[key]) for key in ("geometry", "tokens", "dtype", "capacity_scale") if key in row)
     speed = f"{row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else row["status"]
-    _err.print(f"[dim]{row.get('geometry', row.get('model', ''))} {row.get('tokens', '')} {row.get('dtype', '')} "
-               f"{row['impl']}: {speed}[/dim]")
+    _err.print(f"{case} {row['impl']}: {speed}".strip(), style="dim", highlight=False)
 
 
 def _write_json(path: Path | None, machine: dict, settings: dict, results: list[dict]) -> None:

@@ -21,19 +21,14 @@ from transformers import PreTrainedModel
 
 from .bench_paths import (
     DTYPES,
-    ENGINE_PATHS,
-    IMPLS,
     add_ratios,
     calibration_from_loads,
-    dispatch_fractions,
-    gate,
-    selected,
+    measure_impls,
     static_plans,
 )
 from .models import moe_experts
 from .moe_geometry import Geometry, build_layer_model, draw_routing, routing_prior
 from .roofline import moe_roofline
-from .timing import median_seconds
 
 
 @dataclass(frozen=True)
@@ -98,23 +93,7 @@ def _bench_case(model: PreTrainedModel, geometry: Geometry, prior: torch.Tensor,
     def call() -> torch.Tensor:
         return experts(x, index, weights)
 
-    model.set_experts_implementation("eager")
-    reference = call()
-    rows = []
-    for impl in IMPLS:
-        try:
-            with selected(model, impl, plans) as runtime:
-                row = gate(impl, call(), reference, dtype)
-                if row["status"] != "refused":
-                    if runtime is not None:
-                        row.update(dispatch_fractions(runtime.stats))  # of the gate's one call
-                    row["seconds"] = median_seconds(call, warmup=settings.warmup, repeats=settings.repeats)
-                    row["tokens_per_s"] = tokens / row["seconds"]
-        except Exception as e:  # an implementation that cannot run here is reported, not fatal
-            row = {"impl": impl, "status": "refused" if impl in ENGINE_PATHS else "skipped",
-                   "error": f"{type(e).__name__}: {e}"}
-        rows.append(row)
-
+    rows = measure_impls(model, plans, call, tokens=tokens, warmup=settings.warmup, repeats=settings.repeats)
     roofline = moe_roofline(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
                             experts_touched=int(index.unique().numel()), dtype=dtype, bandwidth=bandwidth,
                             warmup=settings.warmup, repeats=settings.repeats)

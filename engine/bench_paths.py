@@ -8,7 +8,7 @@ plan calibrated on loads the benchmark measured itself, so a plan never sees the
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,6 +21,7 @@ from .dispatch import DispatchStats
 from .plan import ExpertPlan
 from .planner import DEFAULT_GROUP_SIZE, make_plan
 from .runtime import MoeRuntime
+from .timing import median_seconds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -68,6 +69,32 @@ def selected(model: PreTrainedModel, impl: str, plans: dict[str, ExpertPlan]) ->
         yield runtime
     finally:
         runtime.detach()
+
+
+def measure_impls(model: PreTrainedModel, plans: dict[str, ExpertPlan], run: Callable[[], torch.Tensor], *,
+                  tokens: int, warmup: int, repeats: int) -> list[dict]:
+    """Every implementation on `run()`: checked against transformers-eager, then timed (median seconds).
+
+    An implementation that raises is reported (transformers': skipped, cannot run here; the engine's:
+    refused) instead of stopping the benchmark; so is an exact engine path whose output misses.
+    """
+    model.set_experts_implementation("eager")
+    reference = run()
+    rows = []
+    for impl in IMPLS:
+        try:
+            with selected(model, impl, plans) as runtime:
+                row = gate(impl, run(), reference, reference.dtype)
+                if row["status"] != "refused":
+                    if runtime is not None:
+                        row.update(dispatch_fractions(runtime.stats))  # of the checked run
+                    row["seconds"] = median_seconds(run, warmup=warmup, repeats=repeats)
+                    row["tokens_per_s"] = tokens / row["seconds"]
+        except Exception as e:  # a benchmark reports a broken implementation; it does not stop on it
+            row = {"impl": impl, "status": "refused" if impl in ENGINE_PATHS else "skipped",
+                   "error": f"{type(e).__name__}: {e}"}
+        rows.append(row)
+    return rows
 
 
 def calibration_from_loads(layers: Sequence[tuple[str, torch.Tensor]], *, chunk_tokens: int,

@@ -1,0 +1,120 @@
+"""Whole-model document prefill throughput: the engine against plain transformers, side by side.
+
+A real transformers causal LM of the geometry's family, with a few layers at the real sizes and the
+family's own random initialisation, is built in memory (no download). A document of random token ids
+is prefilled in fixed chunks with the KV cache carried across them, through the engine's chunked
+prefill, once per implementation: transformers' own experts implementations, and the engine attached
+with each backend. The engine's plan is calibrated on other random documents.
+
+Before timing, each implementation's final hidden states for the whole document are checked against
+transformers-eager; an exact path that misses is refused, and pruning paths are marked approximate.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from .backends import get_backend
+from .bench_paths import (
+    DTYPES,
+    add_ratios,
+    calibration_from_loads,
+    measure_impls,
+    static_plans,
+)
+from .calibrate import Calibration
+from .moe_geometry import Geometry, family_config
+from .prefill import new_cache, prefill
+from .runtime import MoeRuntime
+
+
+@dataclass(frozen=True)
+class PrefillBenchSettings:
+    threads: int
+    layers: int = 2
+    document_tokens: int = 2048
+    chunk_tokens: int = 512
+    calibration_documents: int = 2
+    warmup: int = 1
+    repeats: int = 3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.threads, self.layers, self.document_tokens, self.chunk_tokens, self.calibration_documents,
+               self.repeats) < 1 or self.warmup < 0:
+            raise ValueError(f"every size and count must be positive (warmup >= 0), got {self}")
+        if self.chunk_tokens > self.document_tokens:
+            raise ValueError(f"chunk length {self.chunk_tokens} is longer than the document "
+                             f"({self.document_tokens} tokens)")
+
+
+def build_model(geometry: Geometry, layers: int, dtype: torch.dtype, *, context: int, seed: int) -> PreTrainedModel:
+    """The family's causal LM with `layers` layers at this geometry, randomly initialised the family's way."""
+    config = family_config(geometry, layers=layers, experts_implementation="eager",
+                           max_position_embeddings=context)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], settings: PrefillBenchSettings, *,
+                      on_result: Callable[[dict], None] | None = None) -> list[dict]:
+    """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best."""
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        raise ValueError(f"dtypes must be among {', '.join(DTYPES)}, got {unknown}")
+    results: list[dict] = []
+    with torch.inference_mode():
+        for geometry in geometries:
+            for dtype_name in dtypes:
+                model = build_model(geometry, settings.layers, DTYPES[dtype_name],
+                                    context=settings.document_tokens, seed=settings.seed)
+                case = {"geometry": geometry.name, "layers": settings.layers, "dtype": dtype_name,
+                        "document_tokens": settings.document_tokens, "chunk_tokens": settings.chunk_tokens,
+                        "threads": settings.threads}
+                for row in _bench_model(model, geometry, settings):
+                    results.append({**case, **row})
+                    if on_result is not None:
+                        on_result(results[-1])
+                del model
+                gc.collect()
+    return results
+
+
+def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBenchSettings) -> list[dict]:
+    generator = torch.Generator().manual_seed(settings.seed)
+    vocab = model.config.vocab_size
+
+    def document() -> list[int]:
+        return torch.randint(vocab, (settings.document_tokens,), generator=generator).tolist()
+
+    plans = static_plans(_calibrate(model, [document() for _ in range(settings.calibration_documents)],
+                                    settings.chunk_tokens),
+                         model=geometry.name, hidden=geometry.hidden, ffn=geometry.ffn, dtype=model.dtype)
+    ids = document()
+
+    def run() -> torch.Tensor:  # (T, H) final hidden states of the whole document
+        return torch.cat(list(prefill(model, ids, settings.chunk_tokens, new_cache(model))))
+
+    rows = measure_impls(model, plans, run, tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats)
+    return add_ratios(rows)
+
+
+def _calibrate(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:
+    """Expert loads of every full chunk of `documents`, recorded on the engine's exact path."""
+    runtime = MoeRuntime(model, get_backend("cpu"))
+    try:
+        with runtime.recording_loads() as loads:
+            full = []
+            for ids in documents:
+                for chunk in prefill(model, ids, chunk_tokens, new_cache(model)):
+                    full.append(chunk.shape[0] == chunk_tokens)
+    finally:
+        runtime.detach()
+    return calibration_from_loads([(name, torch.stack(calls)[torch.tensor(full)])
+                                   for name, calls in zip(runtime.names, loads, strict=True)],
+                                  chunk_tokens=chunk_tokens, source=f"{len(documents)} random-token documents")
