@@ -1,0 +1,42 @@
+"""The whole-model prefill benchmark: a real transformers model class at a geometry, engine vs transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npumoe.engine.bench_paths import IMPLS, TOLERANCE
+from npumoe.engine.bench_prefill import PrefillBenchSettings, build_model, run_prefill_bench
+from npumoe.engine.models import moe_experts
+from npumoe.engine.moe_geometry import Geometry, parse_geometry
+
+TINY = parse_geometry("64x8x2x32")
+
+
+def test_the_model_is_the_familys_causal_lm_with_the_asked_layers_at_the_geometry():
+    model = build_model(Geometry("t", "olmoe", hidden=64, experts=8, top_k=2, ffn=32), 2, torch.bfloat16,
+                        context=256, seed=0)
+    assert type(model).__name__ == "OlmoeForCausalLM" and model.dtype == torch.bfloat16
+    experts = moe_experts(model)
+    assert len(experts) == 2
+    assert experts[0][1].gate_up_proj.shape == (8, 64, 64)
+
+
+def test_every_implementation_prefills_the_same_document_checked_against_eager():
+    settings = PrefillBenchSettings(threads=1, layers=2, document_tokens=96, chunk_tokens=32,
+                                    calibration_documents=1, warmup=0, repeats=1)
+    rows = run_prefill_bench([TINY], ["fp32"], settings)
+    assert [row["impl"] for row in rows] == list(IMPLS)
+    for row in rows:
+        assert (row["geometry"], row["layers"], row["document_tokens"], row["chunk_tokens"]) == (
+            "64x8x2x32", 2, 96, 32)
+        assert row["tokens_per_s"] > 0
+    exact = [row for row in rows if not row["impl"].endswith("-prune")]
+    assert all(row["status"] == "ok" and row["rel_error"] <= TOLERANCE[torch.float32] for row in exact)
+    static = next(row for row in rows if row["impl"] == "npumoe-torch-static")
+    assert static["launches"] > 0 and static["dropped_fraction"] == 0
+
+
+def test_a_chunk_longer_than_the_document_is_refused():
+    with pytest.raises(ValueError, match="longer than the document"):
+        PrefillBenchSettings(threads=1, document_tokens=64, chunk_tokens=128)

@@ -1,0 +1,75 @@
+"""The engine's commands, run with click's CliRunner: make-tiny, calibrate, plan show."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from npumoe.daemon.cli_engine import calibrate_command, model_group, plan_group
+from npumoe.engine.models import load_model
+from npumoe.engine.plan import ExpertPlan
+
+README = Path(__file__).parents[2] / "README.md"
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPUMOED_HOME", str(tmp_path / "home"))
+
+
+def invoke(command, *args: str):
+    return CliRunner().invoke(command, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_the_offline_demo_makes_a_model_calibrates_on_the_readme_and_shows_the_plan(tmp_path):
+    model, plan = tmp_path / "tiny", tmp_path / "plan.json"
+    made = invoke(model_group, "make-tiny", "qwen3_moe", model)
+    assert made.exit_code == 0, made.output
+    calibrated = invoke(calibrate_command, "--model", model, "--data", README, "--out", plan, "--threads", "1")
+    assert calibrated.exit_code == 0, calibrated.output
+    shown = invoke(plan_group, "show", plan, "--json")
+    assert shown.exit_code == 0, shown.output
+    data = json.loads(shown.output)
+    assert data == json.loads(plan.read_text())
+    assert data["model_key"] == load_model(model).key
+    assert data["backend"] == "torch-static" and data["chunk_tokens"] == 512 and data["sources"] == ["README.md"]
+    assert len(data["layers"]) == 3
+
+
+def test_plan_show_renders_tiers_and_layers_as_tables(tmp_path, tiny, harbour):
+    text = tmp_path / "harbour.txt"
+    text.write_text(harbour)
+    plan = tmp_path / "plan.json"
+    result = invoke(calibrate_command, "--model", tiny("mixtral"), "--data", text, "--chunk", "128", "--tiers", "2",
+                    "--group-size", "2", "--out", plan)
+    assert result.exit_code == 0, result.output
+    loaded = ExpertPlan.load(plan)
+    assert len(loaded.tiers) <= 2 and loaded.group_size == 2 and loaded.chunk_tokens == 128
+    shown = invoke(plan_group, "show", plan)
+    assert shown.exit_code == 0
+    assert "Tiers" in shown.output and "Layers" in shown.output
+    for capacity in loaded.tiers:
+        assert str(capacity) in shown.output
+
+
+def test_make_tiny_refuses_a_folder_that_is_not_empty(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    result = invoke(model_group, "make-tiny", "mixtral", tmp_path)
+    assert result.exit_code == 1 and "exists and is not empty" in result.output
+
+
+def test_calibrate_names_a_model_that_cannot_be_found(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    result = invoke(calibrate_command, "--model", tmp_path / "missing", "--data", text, "--out", tmp_path / "p.json")
+    assert result.exit_code == 1 and "missing" in result.output and "does not exist" in result.output
+
+
+def test_plan_show_names_what_is_wrong_with_a_bad_plan(tmp_path):
+    bad = tmp_path / "plan.json"
+    bad.write_text(json.dumps({"format": "npumoe.expert-plan", "version": 7}))
+    result = invoke(plan_group, "show", bad)
+    assert result.exit_code == 1 and "plan version 7 is not supported" in result.output

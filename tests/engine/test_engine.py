@@ -1,0 +1,152 @@
+"""Engine.process: chunked prefill, embeddings, a summary decoded from the cache, map-reduce, progress."""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import pairwise
+
+import numpy as np
+import pytest
+import torch
+
+from npumoe.engine import Engine, EngineSettings, Progress, load_model
+from npumoe.engine.summary import SUMMARIZE, PromptFrame, stop_ids
+
+CHUNK = 128
+SUMMARY_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def folder(tiny) -> str:
+    return str(tiny("qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def engine(folder) -> Engine:
+    return Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def reference(folder):
+    return load_model(folder)
+
+
+def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(engine, harbour):
+    result = engine.process(harbour[:600])
+    chunks = math.ceil(600 / CHUNK)
+    assert result.embeddings.shape == (chunks + 1, 64)
+    assert result.embeddings.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(result.embeddings, axis=1), 1.0, rtol=1e-5)
+    assert result.stats["chunks"] == chunks and result.stats["tokens"] == 600
+    assert isinstance(result.summary, str)
+
+
+def test_embeddings_are_mean_pooled_final_hidden_states_as_one_uncached_forward_gives_them(engine, reference, harbour):
+    text = harbour[:500]
+    result = engine.process(text)
+    prefix = PromptFrame.build(reference.tokenizer, SUMMARIZE).prefix
+    ids = prefix + list(text.encode())
+    with torch.no_grad():
+        hidden = reference.model.base_model(torch.tensor([ids])).last_hidden_state[0, len(prefix):]  # (500, H)
+    chunk_means = torch.stack([c.mean(0) for c in hidden.split(CHUNK)])
+    expected = torch.nn.functional.normalize(torch.cat([chunk_means, hidden.mean(0, keepdim=True)]), dim=-1)
+    np.testing.assert_allclose(result.embeddings, expected.numpy(), atol=1e-4)
+
+
+def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine, reference, orchard):
+    text = orchard[:700]
+    result = engine.process(text)
+    frame = PromptFrame.build(reference.tokenizer, SUMMARIZE)
+    prompt = torch.tensor([frame.prefix + list(text.encode()) + frame.suffix])
+    stop = stop_ids(reference.model, reference.tokenizer)
+    with torch.no_grad():
+        out = reference.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                       max_new_tokens=SUMMARY_TOKENS, eos_token_id=stop, pad_token_id=stop[0])
+    expected = reference.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+    assert result.summary == expected
+    assert result.summary  # the random model does say something
+
+
+def test_stats_are_json_and_name_tokens_chunks_phases_cpu_and_dispatch_counts(engine, harbour):
+    stats = engine.process(harbour[:300]).stats
+    json.dumps(stats)
+    assert set(stats["seconds"]) == {"prefill", "summary", "reduce", "total"}
+    assert stats["cpu_seconds"] > 0
+    for key in ("tokens", "chunks", "chunk_tokens", "dropped", "spilled", "padding_slots", "dropped_fraction",
+                "padding_fraction", "assignments", "launches"):
+        assert key in stats
+    # Prefill only (decode is not counted): the prompt prefix and the document, top-8, 3 layers.
+    prefix = len(PromptFrame.build(engine.loaded.tokenizer, SUMMARIZE).prefix)
+    assert stats["assignments"] == (prefix + 300) * 8 * 3 == stats["cpu"]
+
+
+def test_progress_is_reported_after_every_chunk_and_the_summary(engine, harbour):
+    seen: list[Progress] = []
+    engine.process(harbour[:700], on_progress=seen.append)
+    prefill = [p for p in seen if p.phase == "prefill"]
+    assert [p.chunks_done for p in prefill] == list(range(1, 7))
+    assert {p.chunks_total for p in prefill} == {6}
+    assert [p.tokens_done for p in prefill] == [128, 256, 384, 512, 640, 700]
+    assert seen[-1].phase == "summary" and (seen[-1].chunks_done, seen[-1].chunks_total) == (1, 1)
+    assert all(a.elapsed_s <= b.elapsed_s for a, b in pairwise(seen))
+
+
+def test_raising_from_progress_aborts_the_document_and_leaves_the_engine_usable(engine, harbour):
+    def stop_after_two(progress: Progress) -> None:
+        if progress.chunks_done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        engine.process(harbour[:700], on_progress=stop_after_two)
+    assert engine.process(harbour[:200]).stats["chunks"] == 2
+
+
+def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combined(engine, harbour, orchard):
+    text = harbour + "\n\n" + orchard
+    seen: list[Progress] = []
+    result = engine.process(text, on_progress=seen.append)
+    stats = result.stats
+    assert stats["tokens"] == len(text.encode()) > engine.loaded.context_tokens  # nothing truncated
+    assert stats["sections"] == math.ceil(stats["tokens"] / engine._section_tokens) >= 2
+    assert stats["reduce_rounds"] >= 1
+    assert {p.phase for p in seen} == {"prefill", "summary", "reduce"}
+    assert result.embeddings.shape[0] == stats["chunks"] + 1
+    assert max(p.tokens_done for p in seen) == stats["tokens"]
+
+
+@pytest.mark.parametrize("text", ["", "  \n\t "])
+def test_an_empty_document_is_refused(engine, text):
+    with pytest.raises(ValueError, match="empty or whitespace only"):
+        engine.process(text)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"backend": "tpu"}, "unknown backend 'tpu'"),
+    ({"overflow": "drop"}, "overflow must be one of spill, prune"),
+    ({"dtype": "float16"}, "dtype must be one of float32, bfloat16"),
+    ({"chunk_tokens": 0}, "chunk_tokens must be positive"),
+    ({"threads": 0}, "threads must be positive"),
+])
+def test_bad_settings_are_refused_by_name(folder, change, message):
+    with pytest.raises(ValueError, match=message):
+        EngineSettings(model=folder, **change)
+
+
+def test_a_summary_budget_that_leaves_no_room_in_the_context_is_refused(folder):
+    with pytest.raises(ValueError, match=r"summary_tokens=400 is too large for .* context of 1024"):
+        Engine.load(EngineSettings(model=folder, summary_tokens=400))
+
+
+def test_bfloat16_runs_and_gives_finite_embeddings(folder, harbour):
+    engine = Engine.load(EngineSettings(model=folder, dtype="bfloat16", chunk_tokens=CHUNK, summary_tokens=4))
+    result = engine.process(harbour[:300])
+    assert np.isfinite(result.embeddings).all() and result.embeddings.dtype == np.float32
+
+
+def test_the_model_key_is_the_loaded_checkpoint_key_and_close_restores_eager(folder, reference):
+    engine = Engine.load(EngineSettings(model=folder))
+    assert engine.model_key == reference.key
+    assert engine.loaded.model.config._experts_implementation == "npumoe"
+    engine.close()
+    assert engine.loaded.model.config._experts_implementation == "eager"
