@@ -73,7 +73,7 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
     started = time.perf_counter()
     if manifest is None:
         with Progress(TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), transient=as_json) as progress:
+                      TimeElapsedColumn(), console=Console(stderr=True)) as progress:
             task = progress.add_task("group graphs", total=len(groups))
             try:
                 manifest = build_packages(

@@ -14,6 +14,8 @@ import logging
 import platform
 import shutil
 import tempfile
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,7 @@ class CoreMLBackend(TorchStaticBackend):
         self.graph_seconds: dict[str, float] = {}  # function -> seconds per call, measured when loaded
         self._index: dict[tuple[str, int], tuple[Path, CompiledGroup]] | None = None
         self._warned = False
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coreml")
 
     def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
         if not self.available:
@@ -79,6 +82,12 @@ class CoreMLBackend(TorchStaticBackend):
         example = torch.zeros(len(group.experts), capacity, gate_up.shape[2])
         self.graph_seconds[group.function] = median_seconds(lambda: graph(example))
         return graph
+
+    def submit(self, calls: Sequence[tuple[GroupGraph, torch.Tensor]]) -> Future[list[torch.Tensor]]:
+        """Run a layer's hot group graphs, in order, on the backend's worker thread, so the caller can run
+        the cold experts on the CPU meanwhile. Core ML's Python predict holds the GIL while the Neural
+        Engine works, so the two overlap only inside torch kernels (which release it)."""
+        return self._worker.submit(lambda: [graph(x) for graph, x in calls])
 
     @torch.inference_mode()
     def measure_costs(self, hidden: int, ffn: int, dtype: torch.dtype, group_size: int) -> CostModel:

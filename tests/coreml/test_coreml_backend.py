@@ -2,6 +2,7 @@
 
 import logging
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,16 @@ def test_unfinished_builds_are_never_found(tmp_path: Path) -> None:
     folder = build_folder(tmp_path, "m@1", "p", version)
     (folder / "experts-000.mlpackage").mkdir(parents=True)  # a build that died before its manifest
     assert compiled_groups(tmp_path, version) == {}
+
+
+def test_submitted_group_graphs_run_in_order_on_the_backends_worker(tmp_path: Path) -> None:
+    ran_on = []
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        ran_on.append(threading.current_thread().name)
+        return 2 * x
+
+    buffers = [torch.ones(2, 4, 8), torch.full((1, 8, 8), 3.0)]
+    results = CoreMLBackend(tmp_path).submit([(double, b) for b in buffers]).result(timeout=10)
+    assert [r.tolist() for r in results] == [(2 * b).tolist() for b in buffers]
+    assert all(name.startswith("coreml") for name in ran_on) and len(ran_on) == 2

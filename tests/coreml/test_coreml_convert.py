@@ -13,7 +13,6 @@ from npumoe.engine.coreml_cache import INPUT_NAME, OUTPUT_NAME, Manifest, build_
 from npumoe.engine.coreml_convert import ConversionError, GroupGraph, build_packages, convert_group
 from npumoe.engine.coreml_env import import_coremltools
 from npumoe.engine.models import load_model, moe_experts
-from npumoe.engine.tiny import make_tiny
 
 ct = import_coremltools()
 
@@ -36,9 +35,8 @@ def conv_weights(function: Any) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    folder = make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny"))
-    model = load_model(folder).model
+def tiny(tiny_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    model = load_model(tiny_model).model
     return [(experts.gate_up_proj.detach(), experts.down_proj.detach()) for _, experts in moe_experts(model)]
 
 

@@ -1,0 +1,83 @@
+"""On a Mac: the `coreml` backend's graphs compute what `torch-static` computes, on the tiny model.
+
+Core ML predicts only on macOS 15+ with its native bindings, so these tests are marked `macos` and
+skipped elsewhere; they have not been run on the project's own (Linux) machines.
+"""
+
+import dataclasses
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from npumoe.engine.backends import TorchStaticBackend
+from npumoe.engine.coreml_backend import CoreMLBackend, CoreMLGroupGraph
+from npumoe.engine.coreml_cache import build_folder
+from npumoe.engine.coreml_convert import build_packages, plan_digest, plan_group_graphs
+from npumoe.engine.coreml_env import coreml_availability, import_coremltools
+from npumoe.engine.models import load_model, moe_experts
+from npumoe.engine.runtime import MoeRuntime
+
+pytestmark = [pytest.mark.macos, pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predicts only on macOS")]
+
+
+@pytest.fixture
+def compiled(tiny_model: Path, coreml_plan: Callable, tmp_path: Path) -> tuple:
+    """(loaded tiny model, its coreml plan, a cache root holding the plan's compiled groups)."""
+    available, reason = coreml_availability()
+    if not available:
+        pytest.skip(reason)
+    loaded = load_model(tiny_model)
+    _, plan = coreml_plan()
+    modules = dict(moe_experts(loaded.model))
+    weights = [(modules[layer.name].gate_up_proj.detach(), modules[layer.name].down_proj.detach())
+               for layer in plan.layers]
+    groups = plan_group_graphs(plan)
+    root = tmp_path / "compiled"
+    build_packages(groups, weights.__getitem__, loaded.model.config.hidden_act,
+                   build_folder(root, loaded.key, plan_digest(plan, groups), import_coremltools().__version__),
+                   model=loaded.key, plan_digest=plan_digest(plan, groups))
+    return loaded, plan, root
+
+
+def test_each_group_graph_agrees_with_torch_static(compiled: tuple) -> None:
+    loaded, plan, root = compiled
+    backend, reference = CoreMLBackend(root), TorchStaticBackend()
+    modules = dict(moe_experts(loaded.model))
+    generator = torch.Generator().manual_seed(0)
+    for layer in plan.layers:
+        experts = modules[layer.name]
+        for group in (g for g in layer.groups if g.residency == "accelerator"):
+            ids, capacity = list(group.experts), plan.tiers[group.tier]
+            args = (experts.gate_up_proj[ids], experts.down_proj[ids], experts.config.hidden_act, capacity)
+            graph = backend.build_group(*args)
+            assert isinstance(graph, CoreMLGroupGraph)  # a Core ML prediction, not the torch fallback
+            x = torch.randn(len(ids), capacity, experts.gate_up_proj.shape[2], generator=generator)
+            torch.testing.assert_close(graph(x), reference.build_group(*args)(x), rtol=2e-2, atol=2e-2)
+    assert len(backend.graph_seconds) == len(plan_group_graphs(plan))
+    assert all(seconds > 0 for seconds in backend.graph_seconds.values())
+
+
+@torch.inference_mode()
+def test_model_logits_agree_between_coreml_and_torch_static(compiled: tuple) -> None:
+    loaded, plan, root = compiled
+    ids = torch.randint(0, loaded.model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
+    logits = {}
+    for backend, backend_plan in ((CoreMLBackend(root), plan),
+                                  (TorchStaticBackend(), dataclasses.replace(plan, backend="torch-static"))):
+        runtime = MoeRuntime(loaded.model, backend, backend_plan)
+        try:
+            logits[backend.name] = loaded.model(ids).logits
+        finally:
+            runtime.detach()
+    error = (logits["coreml"] - logits["torch-static"]).norm() / logits["torch-static"].norm()
+    assert error < 1e-2  # fp16 expert graphs against fp32 ones
+
+
+def test_measured_costs_come_from_core_ml_graphs(compiled: tuple) -> None:
+    loaded, _, root = compiled
+    config = loaded.model.config
+    costs = CoreMLBackend(root).measure_costs(config.hidden_size, config.moe_intermediate_size, torch.float32, 4)
+    assert costs.launch_s > 0 and costs.static_flops > 0
