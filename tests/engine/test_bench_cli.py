@@ -1,0 +1,60 @@
+"""`npumoed bench`: tables, JSON with the machine description, clear errors, and a fast --help."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from npumoe.daemon.cli_bench import bench
+
+
+def test_bench_moe_prints_a_table_and_writes_machine_and_results(tmp_path):
+    out = tmp_path / "results" / "moe.json"
+    result = CliRunner().invoke(bench, ["moe", "--geometry", "64x8x2x32", "--tokens", "32", "--dtype", "fp32",
+                                        "--threads", "1", "--warmup", "0", "--repeats", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "geometry 64x8x2x32, tokens 32, dtype fp32" in result.output and "roofline" in result.output
+    data = json.loads(out.read_text())
+    assert data["machine"]["threads"] == 1 and data["machine"]["copy_bandwidth_gbps"] > 0
+    assert {"cpu", "torch", "torch_cpu_capability", "memory_gib"} <= data["machine"].keys()
+    for row in data["results"]:
+        assert row["impl"] == "roofline" or row["impl"].startswith(("transformers-", "npumoe-"))
+        assert {"impl", "geometry", "tokens", "dtype", "threads", "tokens_per_s"} <= row.keys()
+
+
+def test_bench_moe_names_an_unknown_geometry():
+    result = CliRunner().invoke(bench, ["moe", "--geometry", "qwen9"])
+    assert result.exit_code == 2
+    assert "unknown geometry 'qwen9'" in result.output
+
+
+def test_bench_prefill_prints_one_table_per_case():
+    result = CliRunner().invoke(bench, ["prefill", "--geometry", "64x8x2x32", "--document-tokens", "64", "--chunk",
+                                        "32", "--calibration-documents", "1", "--dtype", "fp32", "--threads", "1",
+                                        "--warmup", "0", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    assert "geometry 64x8x2x32, layers 2, dtype fp32, document_tokens 64, chunk_tokens 32" in result.output
+    assert "npumoe-torch-static" in result.output
+
+
+def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard):
+    (tmp_path / "cal.txt").write_text(harbour)
+    (tmp_path / "eval.txt").write_text(orchard)
+    result = CliRunner().invoke(bench, [
+        "fidelity", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt"),
+        "--scale", "0.5", "--scale", "2", "--chunk", "64", "--eval-tokens", "128", "--threads", "1",
+        "--warmup", "0", "--repeats", "1", "--plot", str(tmp_path / "f.png"), "--json", str(tmp_path / "f.json")])
+    assert result.exit_code == 0, result.output
+    assert "exact model" in result.output and "prune" in result.output
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    rows = json.loads((tmp_path / "f.json").read_text())["results"]
+    assert [row.get("capacity_scale") for row in rows] == [None, 0.5, 0.5, 2.0, 2.0]
+
+
+def test_importing_the_bench_commands_does_not_import_torch():
+    code = "import sys, npumoe.daemon.cli_bench; print('torch' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert found.stdout.strip() == "False"
