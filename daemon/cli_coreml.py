@@ -77,7 +77,7 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
             task = progress.add_task("group graphs", total=len(groups))
             try:
                 manifest = build_packages(
-                    groups, source.weights, source.act, folder, model=source.model_key, plan_digest=digest,
+                    groups, source.weights, source.act, folder, model=source.model_key, digest=digest,
                     max_package_bytes=max_package_mb << 20,
                     on_converted=lambda g: progress.update(task, advance=1, description=g.function))
             except ConversionError as e:

@@ -11,6 +11,7 @@ launch cost and throughput are what the residency cost model sees. Where Core ML
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
 import tempfile
@@ -133,7 +134,7 @@ def compiled_package(folder: Path, package: str) -> Path:
     """The package compiled for this macOS (Core ML's .mlmodelc), compiled on first use and kept in the build."""
     target = folder / f"{Path(package).stem}.macos-{platform.mac_ver()[0]}.mlmodelc"
     if not target.exists():
-        partial = target.with_name(f"{target.name}.partial")
+        partial = target.with_name(f".partial-{os.getpid()}-{target.name}")  # compile_model wants .mlmodelc
         shutil.rmtree(partial, ignore_errors=True)
         import_coremltools().utils.compile_model(str(folder / package), str(partial))
         partial.rename(target)

@@ -93,20 +93,21 @@ def build_packages(
     folder: Path,
     *,
     model: str,
-    plan_digest: str,
+    digest: str,
     max_package_bytes: int = MAX_PACKAGE_BYTES,
     on_converted: Callable[[CompiledGroup], None] | None = None,
 ) -> Manifest:
     """Convert every group graph into `folder` (a build folder) and return its manifest.
 
-    `layer_weights(layer)` gives that layer's (gate_up (E, 2I, H), down (E, H, I)). The build is
-    made beside `folder` and renamed into place once its manifest is written, so a crash or a
-    concurrent build never leaves a half-written folder that looks finished.
+    `model` and `digest` (the plan's) are recorded in the manifest. `layer_weights(layer)` gives that
+    layer's (gate_up (E, 2I, H), down (E, H, I)). The build is made beside `folder` and renamed into
+    place once its manifest is written, so a crash or a concurrent build never leaves a half-written
+    folder that looks finished.
     """
     ct = import_coremltools()
     if not groups:
         raise ValueError("the plan has no static group graphs to convert")
-    gate_up, down = layer_weights(groups[0].layer)
+    _, down = layer_weights(groups[0].layer)
     hidden, inter = down.shape[1], down.shape[2]
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
@@ -131,12 +132,11 @@ def build_packages(
             ct.utils.save_multifunction(functions, str(partial / package))
         shutil.rmtree(scratch)
     sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in partial.glob("*.mlpackage")}
-    manifest = Manifest(model=model, plan=plan_digest, coremltools=ct.__version__, hidden=hidden, intermediate=inter,
+    manifest = Manifest(model=model, plan=digest, coremltools=ct.__version__, hidden=hidden, intermediate=inter,
                         act=act, groups=tuple(compiled), package_bytes=sizes)
     (partial / MANIFEST).write_text(manifest.to_json())
     if folder.exists():  # an unfinished build, or a finished one that is being rebuilt
         shutil.rmtree(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     partial.rename(folder)
     return manifest
 

@@ -55,7 +55,7 @@ def test_a_group_is_found_by_its_weights_and_capacity_in_any_finished_build(tmp_
     version = import_coremltools().__version__
     groups = [GroupGraph(layer=0, capacity=16, experts=(6, 1, 2)), GroupGraph(layer=0, capacity=8, experts=(0, 3))]
     build_packages(groups, lambda layer: (gate_up, down), "silu", build_folder(tmp_path, "m@1", "p", version),
-                   model="m@1", plan_digest="p")
+                   model="m@1", digest="p")
     found = compiled_groups(tmp_path, version)
 
     experts = [6, 1, 2]

@@ -43,7 +43,7 @@ def tiny(tiny_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def built(tiny: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
     folder = tmp_path_factory.mktemp("cache") / "build"
-    manifest = build_packages(GROUPS, tiny.__getitem__, "silu", folder, model="tiny", plan_digest="p0")
+    manifest = build_packages(GROUPS, tiny.__getitem__, "silu", folder, model="tiny", digest="p0")
     return folder, manifest
 
 
@@ -97,7 +97,7 @@ def test_packages_are_split_to_stay_under_the_size_limit(tiny: list, tmp_path: P
     hidden, inter = tiny[0][1].shape[1:]
     six_experts = 6 * 3 * hidden * inter * 2  # bytes of fp16 weights
     manifest = build_packages(GROUPS, tiny.__getitem__, "silu", tmp_path / "build", model="tiny",
-                              plan_digest="p0", max_package_bytes=six_experts)
+                              digest="p0", max_package_bytes=six_experts)
     packages = [g.package for g in manifest.groups]
     assert packages[0] == packages[1] != packages[2]  # layer 0's 4 + 2 experts fit; layer 2's 4 more do not
     assert all(size < six_experts + 16 * 1024 for size in manifest.package_bytes.values())  # + program text

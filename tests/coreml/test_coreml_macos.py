@@ -38,7 +38,7 @@ def compiled(tiny_model: Path, coreml_plan: Callable, tmp_path: Path) -> tuple:
     root = tmp_path / "compiled"
     build_packages(groups, weights.__getitem__, loaded.model.config.hidden_act,
                    build_folder(root, loaded.key, plan_digest(plan, groups), import_coremltools().__version__),
-                   model=loaded.key, plan_digest=plan_digest(plan, groups))
+                   model=loaded.key, digest=plan_digest(plan, groups))
     return loaded, plan, root
 
 
