@@ -11,10 +11,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import click
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.live import Live
+from sqlalchemy.exc import OperationalError
 
 from npumoe.daemon.app import App, emit_json, pass_app
 from npumoe.daemon.config import Config
@@ -53,21 +55,27 @@ def run(app: App, once: bool, inboxes: tuple[Path, ...], verbose: bool) -> None:
 def status(watch: bool, as_json: bool, interval: float) -> None:
     """What the daemon is doing, the queue, recent results, and why it waits when it does."""
     home = Home.current()
+    if as_json:
+        emit_json({"home": str(home.root), **(read_status(home) or {"daemon": {"state": "never started"}})})
+    elif watch:
+        _watch(home, interval)
+    else:
+        _show(home)
+
+
+def read_status(home: Home) -> dict[str, Any] | None:
+    """The status snapshot, read-only; None while there is no queue to read (npumoed never ran, or is just
+    creating its database)."""
     try:
         queue = Queue(home.database, read_only=True)
     except FileNotFoundError:
-        if as_json:
-            emit_json({"home": str(home.root), "daemon": {"state": "never started"}})
-        else:
-            click.echo(f"npumoed has not run in {home.root} yet (no queue database)")
-        return
+        return None
     try:
-        if as_json:
-            emit_json({"home": str(home.root), **snapshot(queue)})
-        elif watch:
-            _watch(queue, interval)
-        else:
-            _show(queue)
+        return snapshot(queue)
+    except OperationalError as e:
+        if "no such table" in str(e):
+            return None
+        raise
     finally:
         queue.close()
 
@@ -107,7 +115,7 @@ def demo(ctx: click.Context) -> None:
         where = f"{job.output_dir}/" if job and job.state == "done" else job.last_error if job else "not queued"
         click.echo(f"  {name}: {where}")
     click.echo()
-    _show(queue)
+    _show(home)
     click.echo(f"\nThe demo model is tiny and random: its summaries are not meaningful text. Home: {home.root}")
 
 
@@ -133,26 +141,31 @@ def _run_worker(
         click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {app.home.outbox}")
 
 
-def _show(queue: Queue) -> None:
-    snap = snapshot(queue)
+def _show(home: Home) -> None:
     if sys.stdout.isatty():
-        Console().print(render_rich(snap))
+        Console().print(_draw(read_status(home), home, rich=True))
     else:
-        click.echo(render_text(snap))
+        click.echo(_draw(read_status(home), home, rich=False))
 
 
-def _watch(queue: Queue, interval: float) -> None:
+def _watch(home: Home, interval: float) -> None:
     try:
         if not sys.stdout.isatty():
             while True:
-                click.echo(render_text(snapshot(queue)) + "\n")
+                click.echo(f"{_draw(read_status(home), home, rich=False)}\n")
                 time.sleep(interval)
-        with Live(render_rich(snapshot(queue)), auto_refresh=False) as live:
+        with Live(_draw(read_status(home), home, rich=True), auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(render_rich(snapshot(queue)), refresh=True)
+                live.update(_draw(read_status(home), home, rich=True), refresh=True)
     except KeyboardInterrupt:
         pass
+
+
+def _draw(snap: dict[str, Any] | None, home: Home, *, rich: bool) -> RenderableType:
+    if snap is None:
+        return f"npumoed has not run in {home.root} yet (no queue database)"
+    return render_rich(snap) if rich else render_text(snap)
 
 
 # -- the demo ---------------------------------------------------------------------------------------------

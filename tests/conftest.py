@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,22 @@ def configure(home: Path) -> Callable[[str], Path]:
         return path
 
     return write
+
+
+def poll(condition: Callable[[], object], timeout: float = 60.0, interval: float = 0.1) -> bool:
+    """Whether `condition()` became true within `timeout` seconds (a bound for waiting, not a timing claim)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(interval)
+    return bool(condition())
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., bool]:
+    """`wait_for(condition, timeout=60)`: poll until the condition holds; False if it never did."""
+    return poll
 
 
 @pytest.fixture(scope="session")

@@ -178,3 +178,12 @@ def test_the_command_prints_json_for_scripts_and_plain_text_to_a_pipe(
     assert piped.returncode == 0 and "npumoed running" in piped.stdout and "\x1b[" not in piped.stdout
     as_json = json.loads(npumoed("status", "--json").stdout)
     assert as_json["home"] == str(home) and as_json["current"]["steps"] == 30
+
+
+def test_a_queue_still_being_created_reads_as_not_started(
+    home: Path, npumoed: Callable[..., subprocess.CompletedProcess[str]]
+) -> None:
+    home.mkdir(parents=True)
+    (home / "npumoed.db").touch()  # the first daemon has made the file, not yet its tables
+    result = npumoed("status", "--json")
+    assert result.returncode == 0 and json.loads(result.stdout)["daemon"]["state"] == "never started"

@@ -38,15 +38,6 @@ class Handed:
         return sorted(path.name for path, _ in self.calls)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
-
-
 @pytest.fixture
 def inbox(tmp_path: Path) -> Path:
     folder = tmp_path / "inbox"
@@ -203,14 +194,18 @@ def test_a_symlinked_folder_is_not_entered(inbox: Path, tmp_path: Path) -> None:
     assert handed.calls == []
 
 
-def test_a_file_added_while_running_is_noticed_by_its_events(inbox: Path, running: Callable[..., Handed]) -> None:
+def test_a_file_added_while_running_is_noticed_by_its_events(
+    inbox: Path, running: Callable[..., Handed], wait_for: Callable[..., bool]
+) -> None:
     handed = running()
     time.sleep(0.3)  # the first scan is done
     (inbox / "new.md").write_text("fresh")
     assert wait_for(lambda: handed.names == ["new.md"])
 
 
-def test_a_file_moved_into_the_inbox_counts(inbox: Path, tmp_path: Path, running: Callable[..., Handed]) -> None:
+def test_a_file_moved_into_the_inbox_counts(
+    inbox: Path, tmp_path: Path, running: Callable[..., Handed], wait_for: Callable[..., bool]
+) -> None:
     staged = tmp_path / "download.pdf"
     staged.write_bytes(b"%PDF-1.4 pretend")
     handed = running()
@@ -219,7 +214,9 @@ def test_a_file_moved_into_the_inbox_counts(inbox: Path, tmp_path: Path, running
     assert wait_for(lambda: handed.names == ["download.pdf"])
 
 
-def test_a_folder_moved_in_whole_is_looked_through(inbox: Path, tmp_path: Path, running: Callable[..., Handed]) -> None:
+def test_a_folder_moved_in_whole_is_looked_through(
+    inbox: Path, tmp_path: Path, running: Callable[..., Handed], wait_for: Callable[..., bool]
+) -> None:
     folder = tmp_path / "batch"
     folder.mkdir()
     (folder / "one.txt").write_text("1")
@@ -230,14 +227,16 @@ def test_a_folder_moved_in_whole_is_looked_through(inbox: Path, tmp_path: Path, 
     assert wait_for(lambda: handed.names == ["one.txt", "two.txt"])
 
 
-def test_the_polling_observer_notices_new_files(inbox: Path, running: Callable[..., Handed]) -> None:
+def test_the_polling_observer_notices_new_files(
+    inbox: Path, running: Callable[..., Handed], wait_for: Callable[..., bool]
+) -> None:
     handed = running(polling=True)
     time.sleep(0.3)
     (inbox / "on-a-share.txt").write_text("no inotify here")
     assert wait_for(lambda: handed.names == ["on-a-share.txt"])
 
 
-def test_the_periodic_rescan_finds_what_no_event_reported(inbox: Path, tmp_path: Path) -> None:
+def test_the_periodic_rescan_finds_what_no_event_reported(inbox: Path, wait_for: Callable[..., bool]) -> None:
     handed = Handed()
     watcher = InboxWatcher([inbox], InboxConfig(stable_seconds=0.1, rescan_seconds=0.3), handed)
     watcher.start()
