@@ -85,25 +85,25 @@ class MoeLayer:
 
     def _layout(self) -> None:
         """Per-expert lookup tables for packing: every group's buffer lies back to back in one (rows, H)."""
-        E = self.num_experts
-        self.resident = torch.zeros(E, dtype=torch.bool)
-        self.capacity = torch.zeros(E, dtype=torch.long)
-        self.slot_base = torch.zeros(E, dtype=torch.long)  # first buffer row of the expert's (C, H) slice
-        self.group_of = torch.full((E,), -1, dtype=torch.long)
+        E, device = self.num_experts, self.gate_up.device
+        self.resident = torch.zeros(E, dtype=torch.bool, device=device)
+        self.capacity = torch.zeros(E, dtype=torch.long, device=device)
+        self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
+        self.group_of = torch.full((E,), -1, dtype=torch.long, device=device)
         self.group_rows: list[slice] = []
         row = 0
         for g, group in enumerate(self.groups):
-            ids = torch.tensor(group.experts, dtype=torch.long)
+            ids = torch.tensor(group.experts, dtype=torch.long, device=device)
             if self.resident[ids].any() or ids.unique().numel() != ids.numel():
                 raise ValueError(f"group {g}: an expert of {group.experts} is already in a group")
             self.resident[ids] = True
             self.capacity[ids] = group.capacity
             self.group_of[ids] = g
-            self.slot_base[ids] = row + torch.arange(len(ids)) * group.capacity
+            self.slot_base[ids] = row + torch.arange(len(ids), device=device) * group.capacity
             self.group_rows.append(slice(row, row + len(ids) * group.capacity))
             row += len(ids) * group.capacity
         self.rows = row
-        self.group_slots = torch.tensor([r.stop - r.start for r in self.group_rows], dtype=torch.long)
+        self.group_slots = torch.tensor([r.stop - r.start for r in self.group_rows], dtype=torch.long, device=device)
 
     def __call__(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  stats: DispatchStats | None = None) -> torch.Tensor:
@@ -144,7 +144,7 @@ class MoeLayer:
         expert_s, token_s, weight_s = expert[order], order // k, weight[order]  # (S,) each
 
         first = torch.cumsum(counts, 0) - counts  # (E,) where each expert's run starts in sorted order
-        rank = torch.arange(expert_s.numel()) - first[expert_s]  # (S,) position within its expert's run
+        rank = torch.arange(expert_s.numel(), device=x.device) - first[expert_s]  # (S,) place in its expert's run
         resident = self.resident[expert_s]  # (S,)
         static = resident & (rank < self.capacity[expert_s])  # (S,) fits in the expert's buffer slice
 
@@ -187,7 +187,7 @@ class MoeLayer:
 
     def _group_work(self, counts: torch.Tensor) -> torch.Tensor:
         """(n_groups,) static assignments per group; a group with none is not launched."""
-        work = torch.zeros(len(self.groups), dtype=torch.long)
+        work = torch.zeros(len(self.groups), dtype=torch.long, device=counts.device)
         return work.index_add_(0, self.group_of[self.resident], self._static_per_expert(counts)[self.resident])
 
     def _count(self, stats: DispatchStats, counts: torch.Tensor) -> None:

@@ -108,7 +108,7 @@ class Engine:
         # Each reduce round must at least halve the summaries, or a long document would never finish.
         if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
-                             f"(at most {(context - self._combine.overhead) // 3 - len(self._separator)})")
+                             f"(at most {(context - self._combine.overhead - 2 * len(self._separator)) // 3})")
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
@@ -146,11 +146,32 @@ class Engine:
         run = _Run(on_progress, tokens_total=len(doc))
         self.runtime.stats = DispatchStats()
 
-        # Map: prefill each section (pooling its chunks), then decode its summary from the cache.
         sections = windows(doc, self._section_tokens)
+        chunk_means, chunk_sizes, summaries = self._map(sections, run)
+        summary, rounds = self._reduce(summaries, run)
+
+        document = (chunk_means * chunk_sizes[:, None]).sum(0) / chunk_sizes.sum()  # (H,): mean over every token
+        embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
+        run.seconds["total"] = time.perf_counter() - run.started
+        stats = {
+            "model": self.model_key, "backend": self.settings.backend, "overflow": self.settings.overflow,
+            "plan": str(self.settings.plan) if self.settings.plan is not None else None,
+            "dtype": self.settings.dtype, "tokens": len(doc), "chunks": len(chunk_sizes),
+            "chunk_tokens": self.chunk_tokens, "sections": len(sections), "reduce_rounds": rounds,
+            "seconds": run.seconds, "cpu_seconds": time.process_time() - cpu_start,
+            **self.runtime.stats.to_dict(),
+        }
+        return DocumentResult(summary=self.loaded.tokenizer.decode(summary, skip_special_tokens=True).strip(),
+                              embeddings=embeddings.cpu().numpy(), stats=stats)
+
+    def _map(self, sections: list[Sequence[int]], run: _Run) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+        """Prefill each section, pooling its chunks, then decode its summary from the cache.
+
+        Returns (n_chunks, H) mean final hidden state per chunk, (n_chunks,) tokens per chunk, and
+        each section's summary tokens."""
         chunks_total = sum(math.ceil(len(section) / self.chunk_tokens) for section in sections)
-        means: list[torch.Tensor] = []  # (H,) mean final hidden state per chunk
-        sizes: list[int] = []  # tokens per chunk
+        means: list[torch.Tensor] = []
+        sizes: list[int] = []
         summaries: list[list[int]] = []
         for section in sections:
             tick = time.perf_counter()
@@ -166,8 +187,11 @@ class Engine:
             summaries.append(self._decode(self._summarize, section, cache))
             run.seconds["summary"] += time.perf_counter() - tick
             run.report("summary", len(summaries), len(sections))
+        stacked = torch.stack(means)
+        return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
 
-        # Reduce: combine the summaries, as many at a time as fit the context, until one is left.
+    def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int]:
+        """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds)."""
         tick = time.perf_counter()
         rounds = 0
         while len(summaries) > 1:
@@ -181,22 +205,7 @@ class Engine:
                 summaries.append(self._decode(self._combine, part, cache))
                 run.report("reduce", len(summaries), len(parts))
         run.seconds["reduce"] = time.perf_counter() - tick
-
-        chunk_means = torch.stack(means)  # (n_chunks, H)
-        weights = torch.tensor(sizes, dtype=torch.float32)[:, None]  # (n_chunks, 1)
-        document = (chunk_means * weights).sum(0) / weights.sum()  # (H,): the mean over every token
-        embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
-        run.seconds["total"] = time.perf_counter() - run.started
-        stats = {
-            "model": self.model_key, "backend": self.settings.backend, "overflow": self.settings.overflow,
-            "plan": str(self.settings.plan) if self.settings.plan is not None else None,
-            "dtype": self.settings.dtype, "tokens": len(doc), "chunks": len(means),
-            "chunk_tokens": self.chunk_tokens, "sections": len(sections), "reduce_rounds": rounds,
-            "seconds": run.seconds, "cpu_seconds": time.process_time() - cpu_start,
-            **self.runtime.stats.to_dict(),
-        }
-        summary = self.loaded.tokenizer.decode(summaries[0], skip_special_tokens=True).strip()
-        return DocumentResult(summary=summary, embeddings=embeddings.numpy(), stats=stats)
+        return summaries[0], rounds
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:
         """Prefill without looking at the output (prompt prefixes, parts to combine)."""

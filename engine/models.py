@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -123,7 +123,7 @@ def _resolve(ref: str, *, allow_download: bool, trust_remote_code: bool) -> tupl
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", *(["*.py"] if trust_remote_code else [])]
     try:
         snapshot = snapshot_download(ref, local_files_only=not allow_download, allow_patterns=patterns)
-    except (LocalEntryNotFoundError, HFValidationError) as e:
+    except (LocalEntryNotFoundError, HFValidationError, HfHubHTTPError) as e:
         where = "" if allow_download else " nor in the local Hugging Face cache (downloads are off)"
         raise ModelError(f"{ref}: not a local model folder{where}: {e}") from e
     return Path(snapshot), ref

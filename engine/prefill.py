@@ -24,7 +24,7 @@ def prefill(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int, cache
         raise ValueError(f"chunk length must be positive, got {chunk_tokens}")
     step = model if logits else model.base_model
     for start in range(0, len(ids), chunk_tokens):
-        chunk = torch.tensor([ids[start:start + chunk_tokens]], dtype=torch.long)  # (1, n)
+        chunk = torch.tensor([ids[start:start + chunk_tokens]], dtype=torch.long, device=model.device)  # (1, n)
         out = step(input_ids=chunk, cache=cache, use_cache=True)
         yield out.logits[0] if logits else out.last_hidden_state[0]
 

@@ -42,7 +42,7 @@ class PromptFrame:
 def decode_from_cache(model: PreTrainedModel, prompt: Sequence[int], cache: DynamicCache, max_new_tokens: int,
                       stop_ids: Sequence[int]) -> list[int]:
     """Greedy continuation of `prompt`, whose first tokens `cache` already holds; without the stop token."""
-    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop_ids),
                               pad_token_id=stop_ids[0])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,

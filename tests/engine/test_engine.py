@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from itertools import pairwise
 
 import numpy as np
@@ -133,9 +134,13 @@ def test_bad_settings_are_refused_by_name(folder, change, message):
         EngineSettings(model=folder, **change)
 
 
-def test_a_summary_budget_that_leaves_no_room_in_the_context_is_refused(folder):
-    with pytest.raises(ValueError, match=r"summary_tokens=400 is too large for .* context of 1024"):
+def test_a_summary_budget_that_leaves_no_room_in_the_context_is_refused_naming_the_most_it_allows(folder):
+    with pytest.raises(ValueError, match=r"summary_tokens=400 is too large for .* context of 1024") as refused:
         Engine.load(EngineSettings(model=folder, summary_tokens=400))
+    most = int(re.search(r"at most (\d+)", str(refused.value))[1])
+    Engine.load(EngineSettings(model=folder, summary_tokens=most))
+    with pytest.raises(ValueError, match="too large"):
+        Engine.load(EngineSettings(model=folder, summary_tokens=most + 1))
 
 
 def test_bfloat16_runs_and_gives_finite_embeddings(folder, harbour):
