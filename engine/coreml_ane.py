@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from npumoe.engine.coreml_env import import_coremltools
-from npumoe.engine.grouped import ANE_MAX_CHANNELS
+from .coreml_env import import_coremltools
+from .grouped import ANE_MAX_CHANNELS
 
 # hollance/neural-engine, docs/unsupported-layers.md ("Problematic layers"): gather, dilated
 # convolutions, RNN layers, custom layers.
