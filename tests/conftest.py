@@ -13,15 +13,6 @@ from pathlib import Path
 
 import pytest
 
-# `npumoed` as installed, with the daemon's own commands added if the entry point does not list them yet.
-CLI = """
-from npumoe.daemon.cli import main
-from npumoe.daemon.cli_run import demo, run, status
-for command in (run, status, demo):
-    main.commands.setdefault(command.name, command)
-main()
-"""
-
 
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
@@ -32,7 +23,8 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def npumoed_argv(*args: str) -> list[str]:
-    return [sys.executable, "-c", CLI, *args]
+    """`npumoed ARGS…` with this interpreter (the console script may not be on PATH)."""
+    return [sys.executable, "-m", "npumoe.daemon", *args]
 
 
 @pytest.fixture
