@@ -1,18 +1,23 @@
 """The `coreml` backend off macOS, and how it finds a group's compiled graph."""
 
+import dataclasses
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from npumoe.engine.backends import TorchStaticBackend
 from npumoe.engine.coreml_backend import COMPUTE_UNITS, CoreMLBackend
 from npumoe.engine.coreml_cache import build_folder, compiled_groups, weights_fingerprint
 from npumoe.engine.coreml_convert import GroupGraph, build_packages
 from npumoe.engine.coreml_env import coreml_availability, import_coremltools
 from npumoe.engine.grouped import GroupedExperts
+from npumoe.engine.models import load_model
+from npumoe.engine.runtime import MoeRuntime
 
 not_macos = pytest.mark.skipif(sys.platform == "darwin", reason="describes a machine without Core ML prediction")
 
@@ -85,3 +90,21 @@ def test_submitted_group_graphs_run_in_order_on_the_backends_worker(tmp_path: Pa
     results = CoreMLBackend(tmp_path).submit([(double, b) for b in buffers]).result(timeout=10)
     assert [r.tolist() for r in results] == [(2 * b).tolist() for b in buffers]
     assert all(name.startswith("coreml") for name in ran_on) and len(ran_on) == 2
+
+
+@not_macos
+@torch.inference_mode()
+def test_a_coreml_plan_runs_off_macos_with_torch_static_results(tiny_model: Path, coreml_plan: Callable,
+                                                                tmp_path: Path) -> None:
+    loaded = load_model(tiny_model)
+    _, plan = coreml_plan()
+    ids = torch.randint(0, loaded.model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
+    logits = {}
+    for backend, backend_plan in ((CoreMLBackend(tmp_path), plan),
+                                  (TorchStaticBackend(), dataclasses.replace(plan, backend="torch-static"))):
+        runtime = MoeRuntime(loaded.model, backend, backend_plan)
+        try:
+            logits[backend.name] = loaded.model(ids).logits
+        finally:
+            runtime.detach()
+    torch.testing.assert_close(logits["coreml"], logits["torch-static"], rtol=0, atol=0)
