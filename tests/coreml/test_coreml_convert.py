@@ -103,6 +103,15 @@ def test_packages_are_split_to_stay_under_the_size_limit(tiny: list, tmp_path: P
     assert all(size < six_experts + 16 * 1024 for size in manifest.package_bytes.values())  # + program text
 
 
+def test_projections_wider_than_the_channel_limit_are_split_into_several_convolutions() -> None:
+    hidden, inter = 64, 40000  # two experts' 2 x 40000 intermediate channels would pass 65536
+    gate_up, down = torch.randn(2, 2 * inter, hidden) / 8, torch.randn(2, hidden, inter) / 200
+    function = convert_group(gate_up, down, "silu", capacity=4)._get_mil_internal().functions["main"]
+    op_types = [op.op_type for op in function.operations]
+    assert op_types.count("conv") == 6 and "concat" in op_types  # one expert per chunk, joined on channels
+    assert ane_problems(function) == []
+
+
 def test_a_group_wider_than_the_channel_limit_is_refused_with_the_reason() -> None:
     gate_up, down = torch.randn(2, 2, 40000), torch.randn(2, 40000, 1)  # 2 experts x hidden 40000
     with pytest.raises(ConversionError, match="80000 channels > 65536"):
