@@ -218,7 +218,10 @@ def print_fidelity(results: Sequence[dict], caption: str) -> None:
 
 def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: str, *,
                   baseline: str | None = None) -> None:
-    """One table per case (the values of `case_keys`), then why any implementation was skipped or refused."""
+    """One table per case (the values of `case_keys`), the engine's best exact path, and why any
+    implementation was skipped or refused."""
+    from npumoe.engine.bench_paths import best_engine_row
+
     console = _console()
     cases: dict[tuple, list[dict]] = {}
     for row in results:
@@ -226,6 +229,14 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
     for case, rows in cases.items():
         title = ", ".join(f"{key} {value}" for key, value in zip(case_keys, case, strict=True))
         console.print(results_table(rows, title, baseline))
+        best = best_engine_row(rows)
+        if best is not None:
+            ratios = []
+            if "vs_transformers_best" in best:
+                ratios.append(f"{best['vs_transformers_best']:.2f}× transformers' best")
+            if f"vs_{baseline}" in best:
+                ratios.append(f"{best[f'vs_{baseline}']:.0%} of the {baseline}")
+            console.print(f"  engine's best exact path: {best['impl']}, {', '.join(ratios)}", highlight=False)
         for row in rows:
             if "error" in row:
                 console.print(f"  {row['impl']} {row['status']}: {row['error']}", style="red", highlight=False)
@@ -251,7 +262,7 @@ def results_table(rows: Sequence[dict], title: str, baseline: str | None = None)
 
 def _console() -> Console:
     """Wide enough for the tables when the output is a file or a pipe (a terminal sets its own width)."""
-    return Console(width=None if sys.stdout.isatty() else 132)
+    return Console(width=None if sys.stdout.isatty() else 150)
 
 
 def _note(row: dict) -> str:

@@ -159,3 +159,9 @@ def add_ratios(rows: list[dict], baseline: str | None = None) -> list[dict]:
         if base:
             r[f"vs_{baseline}"] = r["tokens_per_s"] / base
     return rows
+
+
+def best_engine_row(rows: Sequence[dict]) -> dict | None:
+    """The fastest of the engine's exact paths that passed the check (the one a speed target is about)."""
+    passed = [r for r in rows if r["impl"] in ENGINE_PATHS and ENGINE_PATHS[r["impl"]].exact and r["status"] == "ok"]
+    return max(passed, key=lambda r: r["tokens_per_s"], default=None)

@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from npumoe.engine.bench_moe import MoeBenchSettings, run_moe_bench
-from npumoe.engine.bench_paths import IMPLS, TOLERANCE, calibration_from_loads, gate, measure_impls, static_plans
+from npumoe.engine.bench_paths import (
+    IMPLS,
+    TOLERANCE,
+    best_engine_row,
+    calibration_from_loads,
+    gate,
+    measure_impls,
+    static_plans,
+)
 from npumoe.engine.models import moe_experts
 from npumoe.engine.moe_geometry import (
     GEOMETRIES,
@@ -155,3 +163,12 @@ def test_bad_benchmark_settings_are_refused():
         run_moe_bench([TINY], [32], ["fp16"], QUICK, bandwidth=1e10)
     with pytest.raises(ValueError, match="repeats"):
         MoeBenchSettings(threads=1, repeats=0)
+
+
+def test_the_engines_best_path_is_the_fastest_exact_one_that_passed_the_check():
+    rows = [{"impl": "npumoe-cpu", "status": "ok", "tokens_per_s": 10.0},
+            {"impl": "npumoe-torch-static", "status": "refused", "error": "differs"},
+            {"impl": "npumoe-torch-static-prune", "status": "approximate", "tokens_per_s": 99.0},
+            {"impl": "transformers-grouped_mm", "status": "ok", "tokens_per_s": 50.0}]
+    assert best_engine_row(rows)["impl"] == "npumoe-cpu"
+    assert best_engine_row(rows[1:]) is None
