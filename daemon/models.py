@@ -146,5 +146,7 @@ class ModelSlot:
         return True
 
     def unload(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
         self._engine = None
         gc.collect()  # the weights are only freed once the last reference cycle is broken

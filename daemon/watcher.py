@@ -151,13 +151,22 @@ class InboxWatcher:
                 log.exception("could not take %s from the inbox", path)
         return len(ready)
 
-    def drain(self, stopping: threading.Event) -> None:
-        """Scan once and wait until every file found is complete and handed on (for `run --once`)."""
+    def drain(self, stopping: threading.Event, patience: float | None = None) -> int:
+        """Scan once and hand on every file found as it becomes complete (for `run --once`).
+
+        A file still changing after `patience` seconds (default: 10 × stable_seconds, at least 30 s) is left
+        for the next run, so a log that is appended to forever cannot hold `--once` up; returns how many.
+        """
+        patience = max(30.0, 10 * self.config.stable_seconds) if patience is None else patience
+        deadline = time.monotonic() + patience
         self.scan()
-        while self.tracker.waiting and not stopping.is_set():
+        while self.tracker.waiting and not stopping.is_set() and time.monotonic() < deadline:
             self.hand_on_stable()
             stopping.wait(self.tick_seconds)
         self.hand_on_stable()
+        if left := self.tracker.waiting:
+            log.warning("%d file(s) in the inbox are still being written; left for the next run", left)
+        return left
 
     # -- in the background -----------------------------------------------------------------------------
 

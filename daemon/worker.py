@@ -143,7 +143,7 @@ class Worker:
     # -- start and finish -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        for folder in (self.home.outbox, self.home.processed, self.home.failed, self.home.models):
+        for folder in (self.home.root, self.home.outbox, self.home.processed, self.home.failed, self.home.models):
             for leftover in remove_leftovers(folder):
                 log.info("removed %s, left by a run that was killed", leftover)
         # Whoever holds the lock is the only worker there is: every running job was left by a dead one.

@@ -247,3 +247,26 @@ def test_the_periodic_rescan_finds_what_no_event_reported(inbox: Path, wait_for:
         assert wait_for(lambda: handed.names == ["quiet.txt"])
     finally:
         watcher.stop()
+
+
+def test_run_once_does_not_wait_forever_for_a_file_that_keeps_changing(inbox: Path) -> None:
+    (inbox / "done.txt").write_text("complete")
+    growing = inbox / "app.log"
+    stop = threading.Event()
+
+    def append_forever() -> None:
+        with growing.open("a") as f:
+            while not stop.is_set():
+                f.write("another line\n")
+                f.flush()
+                time.sleep(0.05)
+
+    writer = threading.Thread(target=append_forever)
+    writer.start()
+    try:
+        handed = Handed()
+        left = InboxWatcher([inbox], InboxConfig(stable_seconds=0.3), handed).drain(threading.Event(), patience=1.5)
+    finally:
+        stop.set()
+        writer.join()
+    assert handed.names == ["done.txt"] and left == 1

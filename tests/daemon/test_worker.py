@@ -17,6 +17,7 @@ from npumoe.daemon.models import ModelSlot
 from npumoe.daemon.power import UnknownPowerSource
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
+from npumoe.jobs.pipeline import ModelUnavailable
 from npumoe.jobs.queue import Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
@@ -34,7 +35,9 @@ def queue(home: Home) -> Queue:
 
 @pytest.fixture
 def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
-    def make(originals: str = "keep", **worker_options: object) -> Worker:
+    """A `--once` worker on the tiny model; `loader` stands in for loading the engine."""
+
+    def make(originals: str = "keep", loader: Callable[..., object] | None = None) -> Worker:
         config = Config(
             inbox=InboxConfig(stable_seconds=0.1, originals=originals),
             model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
@@ -42,7 +45,8 @@ def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Wor
             cpu=CpuConfig(threads=1, background_priority=False),  # never lower the test runner's own priority
         )
         scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0)
-        return Worker(config, home, queue, once=True, scheduler=scheduler, **worker_options)  # type: ignore[arg-type]
+        model = ModelSlot(config, home.models, loader=loader) if loader else None  # type: ignore[arg-type]
+        return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
 
     return make
 
@@ -155,20 +159,43 @@ class FakeClock:
         return self.now
 
 
+class LoadedEngine:
+    def __init__(self) -> None:
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
 def test_the_model_is_loaded_once_and_unloaded_after_the_idle_timeout(tmp_path: Path) -> None:
-    loads: list[object] = []
+    loads: list[LoadedEngine] = []
     clock = FakeClock()
     config = Config(model=ModelConfig(name=str(tmp_path), idle_unload_seconds=300))
-    slot = ModelSlot(config, tmp_path, loader=lambda settings: loads.append(settings) or object(), clock=clock)
+    slot = ModelSlot(config, tmp_path, loader=lambda settings: loads.append(LoadedEngine()) or loads[-1], clock=clock)
     first = slot.load()
     clock.now += 200
     assert slot.load() is first and len(loads) == 1
     clock.now += 299
     assert not slot.unload_if_idle() and slot.loaded
     clock.now += 2
-    assert slot.unload_if_idle() and not slot.loaded
+    assert slot.unload_if_idle() and not slot.loaded and first.closed
     slot.load()
     assert len(loads) == 2
+
+
+def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
+    home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    (home.inbox / "report.md").write_text(PARAGRAPH)
+
+    def no_weights(settings: object) -> object:
+        raise OSError("no weights here")
+
+    worker = make_worker(loader=no_weights)
+    with pytest.raises(ModelUnavailable, match="no weights here"):
+        worker.run()
+    [job] = queue.list()
+    assert (job.state, job.attempts, job.last_error) == ("queued", 0, None)
 
 
 def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
