@@ -1,6 +1,6 @@
 """Foreground slowdown: a fixed CPU-bound workload on every core, alone and while the daemon works.
 
-    python -m npumoe.daemon.bench_foreground [--rounds 5] [--out bench-foreground.json]
+    npumoed bench foreground [--rounds 5] [--json FILE]   (or: python -m npumoe.daemon.bench_foreground)
 
 The daemon is a real `npumoed run` process on a temporary home with the default config (the
 built-in demo model, default CPU budget and scheduler), fed with copies of the sample documents.
@@ -230,11 +230,11 @@ def show(runs: list[Run], summary: dict[str, Any], processes: int, work: int) ->
               help="Seconds to wait for the daemon to stop or start working before a run.")
 @click.option("--solo-seconds", type=float, default=20.0, show_default=True,
               help="Seconds to measure the daemon alone, for comparison.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("bench-foreground.json"),
-              show_default=True, help="Where to write the results as JSON.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write the machine description, the settings and every run to this JSON file.")
 @click.option("--keep-home", is_flag=True, help="Keep the temporary home (daemon log, outputs).")
 def foreground(rounds: int, work: int, processes: int | None, copies: int, warmup_timeout: float,
-               settle_timeout: float, solo_seconds: float, out: Path, keep_home: bool) -> None:
+               settle_timeout: float, solo_seconds: float, json_path: Path | None, keep_home: bool) -> None:
     """How much the daemon, at default settings, slows a CPU-bound workload that uses every core."""
     processes = processes or psutil.cpu_count() or 1
     home = Path(tempfile.mkdtemp(prefix="npumoed-bench-"))
@@ -256,12 +256,18 @@ def foreground(rounds: int, work: int, processes: int | None, copies: int, warmu
                 runs += [pair["alone"], pair["with daemon"]]
                 if daemon.waiting_documents() == 0:
                     click.echo("warning: the daemon ran out of documents; use more --copies", err=True)
+        daemon.stop()
         summary = summarise(runs, solo)
         show(runs, summary, processes, work)
-        result = {"processes": processes, "work": work, "cores": psutil.cpu_count(), "documents": documents,
-                  "runs": [asdict(r) for r in runs], **summary}
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        click.echo(f"wrote {out}")
+        if json_path is not None:
+            from npumoe.engine.machine import describe_machine  # torch: only when a JSON record is asked for
+
+            settings = {"rounds": rounds, "work": work, "processes": processes, "documents": documents,
+                        "daemon_config": "default"}
+            record = {"machine": describe_machine(processes), "settings": settings,
+                      "results": {"runs": [asdict(r) for r in runs], **summary}}
+            json_path.write_text(json.dumps(record, indent=2) + "\n")
+            click.echo(f"wrote {json_path}")
     finally:
         daemon.stop()
         daemon.queue.close()

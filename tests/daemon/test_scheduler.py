@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from npumoe.daemon.app import App
 from npumoe.daemon.batch import BatchWindow, write_batch_report
-from npumoe.daemon.config import SchedulerConfig
+from npumoe.daemon.cli import main
+from npumoe.daemon.cli_service import pause, resume
+from npumoe.daemon.config import SchedulerConfig, load_config
 from npumoe.daemon.home import Home
+from npumoe.daemon.intake import enqueue
 from npumoe.daemon.power import (
     CachedPowerSource,
     LinuxPowerSource,
@@ -20,6 +29,7 @@ from npumoe.daemon.power import (
     parse_low_power_mode,
     parse_pmset_batt,
 )
+from npumoe.daemon.samples import write_samples
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.jobs.queue import BATCH, INTERACTIVE, Queue
 
@@ -332,3 +342,56 @@ def test_the_power_reading_is_cached_for_a_while() -> None:
     clock[0] = 10.0
     cached.read()
     assert inner.reads == 2
+
+
+# -- pause on a real daemon ------------------------------------------------------------------------
+
+def _detail(queue: Queue, job_id: int) -> dict[str, object]:
+    job = queue.get(job_id)
+    assert job is not None
+    return {"state": job.state, **(json.loads(job.detail) if job.detail else {})}
+
+
+def _wait(condition: Callable[[], bool], what: str, daemon: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert daemon.poll() is None, f"the daemon exited with status {daemon.returncode} waiting for {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f} s"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif("run" not in main.commands, reason="`npumoed run` is not wired into the CLI yet")
+def test_pause_stops_a_running_daemon_within_one_chunk_and_resume_lets_it_go_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    home = Home(tmp_path / "home").ensure()
+    monkeypatch.setenv("NPUMOED_HOME", str(home.root))
+    # Neither the other work on this machine nor idle priority may hold the daemon back: only the pause.
+    (home.root / "config.toml").write_text("[scheduler]\nmax_foreground_load = 1.0\npoll_seconds = 0.5\n"
+                                           "[cpu]\nbackground_priority = false\n")
+    config = load_config()
+    long_log = next(p for p in write_samples(tmp_path / "docs") if p.name == "night-shift-log.txt")
+    queue = Queue(home.database)
+    job, _ = enqueue(queue, long_log, config)
+    daemon = subprocess.Popen([sys.executable, "-m", "npumoe.daemon", "run"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        chunk = config.model.chunk_tokens
+        _wait(lambda: int(_detail(queue, job.id).get("tokens_done") or 0) >= chunk, "first chunk", daemon)
+
+        assert CliRunner().invoke(pause, obj=App()).exit_code == 0
+        at_pause = int(_detail(queue, job.id).get("tokens_done") or 0)
+        _wait(lambda: ((queue.read_daemon() or {}).get("reason") or "").startswith("paused by you"),
+              "pause", daemon)
+        settled = _detail(queue, job.id)
+        time.sleep(2.0)  # four of the daemon's polls
+        assert _detail(queue, job.id) == settled
+        assert settled["state"] == "running"
+        assert int(settled.get("tokens_done") or 0) - at_pause <= chunk
+
+        assert CliRunner().invoke(resume, obj=App()).exit_code == 0
+        _wait(lambda: int(_detail(queue, job.id).get("tokens_done") or 0) > int(settled.get("tokens_done") or 0),
+              "progress after resume", daemon)
+    finally:
+        daemon.terminate()
+        daemon.wait(timeout=60)
+        queue.close()
