@@ -252,6 +252,7 @@ def test_the_periodic_rescan_finds_what_no_event_reported(inbox: Path, wait_for:
 def test_run_once_does_not_wait_forever_for_a_file_that_keeps_changing(inbox: Path) -> None:
     (inbox / "done.txt").write_text("complete")
     growing = inbox / "app.log"
+    growing.write_text("first line\n")
     stop = threading.Event()
 
     def append_forever() -> None:
