@@ -52,14 +52,15 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
               help="Model: a checkpoint folder, a Hugging Face id in the local cache, or \"demo\".")
 @click.option("--data", "data", multiple=True, required=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Calibration document (text, Markdown, HTML, PDF, DOCX); repeat for more.")
+              help="Calibration document (text, Markdown, HTML, PDF, DOCX); more may follow it, or repeat --data.")
+@click.argument("more_data", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Plan JSON to write.")
 @click.option("--chunk", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk length.")
 @click.option("--backend", type=click.Choice(STATIC_BACKENDS), default="torch-static", show_default=True,
               help="Backend the plan is for (its costs are measured here).")
 @click.option("--overflow", type=click.Choice(("prune", "spill")), default="prune", show_default=True,
               help="Overflow policy the tiers are sized for.")
-@click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Experts per group graph.")
@@ -67,10 +68,10 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.option("--threads", type=click.IntRange(min=1), help="Torch threads (default: leave as is).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own Python code.")
 @click.option("--allow-download", is_flag=True, help="Download the model from the Hugging Face Hub if needed.")
-def calibrate_command(model_name: str, data: tuple[Path, ...], out: Path, chunk: int, backend: str, overflow: str,
-                      n_tiers: int, group_size: int, dtype: str, threads: int | None, trust_remote_code: bool,
-                      allow_download: bool) -> None:
-    """Measure expert loads on calibration documents and write an ExpertPlan."""
+def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[Path, ...], out: Path, chunk: int,
+                      backend: str, overflow: str, n_tiers: int, group_size: int, dtype: str, threads: int | None,
+                      trust_remote_code: bool, allow_download: bool) -> None:
+    """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan."""
     _quiet_transformers()
     import torch
 
@@ -83,7 +84,7 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], out: Path, chunk:
     if threads is not None:
         torch.set_num_threads(threads)
     texts = []
-    for path in data:
+    for path in (*data, *more_data):
         try:
             texts.append((path.name, extract_text(path).text))
         except ExtractionError as e:

@@ -57,10 +57,10 @@ class EngineSettings:
 
 @dataclass
 class Progress:
-    phase: str  # "prefill" (chunks of the document) | "summary" (sections) | "reduce" (combined summaries)
+    phase: str  # "prefill" (prefill chunks) | "summary" (sections summarised) | "reduce" (combined summaries)
     chunks_done: int
     chunks_total: int
-    tokens_done: int
+    tokens_done: int  # document tokens prefilled
     tokens_total: int
     elapsed_s: float
 
@@ -165,23 +165,31 @@ class Engine:
                               embeddings=embeddings.cpu().numpy(), stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-        """Prefill each section, pooling its chunks, then decode its summary from the cache.
+        """Prefill each section after the prompt prefix, pooling the document tokens of every chunk, then
+        decode the section's summary from the cache. The prefix shares the first chunk, so no step is
+        a mostly empty launch.
 
-        Returns (n_chunks, H) mean final hidden state per chunk, (n_chunks,) tokens per chunk, and
-        each section's summary tokens."""
-        chunks_total = sum(math.ceil(len(section) / self.chunk_tokens) for section in sections)
+        Returns (n_chunks, H) mean final hidden state per chunk, (n_chunks,) document tokens per chunk,
+        and each section's summary tokens."""
+        prefix = self._summarize.prefix
+        chunks_total = sum(math.ceil((len(prefix) + len(section)) / self.chunk_tokens) for section in sections)
+        chunks_done = 0
         means: list[torch.Tensor] = []
         sizes: list[int] = []
         summaries: list[list[int]] = []
         for section in sections:
             tick = time.perf_counter()
             cache = new_cache(self.loaded.model)
-            self._prefill(self._summarize.prefix, cache)
-            for hidden in prefill(self.loaded.model, section, self.chunk_tokens, cache):  # hidden: (n, H)
-                means.append(hidden.float().mean(0))
-                sizes.append(hidden.shape[0])
-                run.tokens_done += hidden.shape[0]
-                run.report("prefill", len(means), chunks_total)
+            position = 0  # in the prefilled stream: prefix, then section
+            for hidden in prefill(self.loaded.model, [*prefix, *section], self.chunk_tokens, cache):  # (n, H)
+                document = hidden[max(0, len(prefix) - position):]  # this chunk's document tokens
+                position += hidden.shape[0]
+                chunks_done += 1
+                if len(document):
+                    means.append(document.float().mean(0))
+                    sizes.append(len(document))
+                    run.tokens_done += len(document)
+                run.report("prefill", chunks_done, chunks_total)
             run.seconds["prefill"] += time.perf_counter() - tick
             tick = time.perf_counter()
             summaries.append(self._decode(self._summarize, section, cache))

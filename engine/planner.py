@@ -22,7 +22,7 @@ from .cost import CostModel
 from .dispatch import OVERFLOW_POLICIES
 from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
 
-DEFAULT_TIERS = 3
+DEFAULT_TIERS = 4
 DEFAULT_GROUP_SIZE = 4
 DEFAULT_ALIGN = 8
 

@@ -8,9 +8,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from npumoe.daemon import cli_engine
 from npumoe.daemon.cli_engine import calibrate_command, model_group, plan_group
-from npumoe.engine.models import load_model
+from npumoe.engine.backends import BACKENDS
+from npumoe.engine.models import SUPPORTED_FAMILIES, load_model
 from npumoe.engine.plan import ExpertPlan
+from npumoe.engine.planner import DEFAULT_GROUP_SIZE, DEFAULT_TIERS
+from npumoe.engine.tiny import ARCHITECTURES
 
 README = Path(__file__).parents[2] / "README.md"
 
@@ -37,6 +41,24 @@ def test_the_offline_demo_makes_a_model_calibrates_on_the_readme_and_shows_the_p
     assert data["model_key"] == load_model(model).key
     assert data["backend"] == "torch-static" and data["chunk_tokens"] == 512 and data["sources"] == ["README.md"]
     assert len(data["layers"]) == 3
+
+
+def test_several_data_files_may_follow_one_data_option(tmp_path, tiny, harbour, orchard):
+    paths = [tmp_path / "harbour.txt", tmp_path / "orchard.txt"]
+    for path, text in zip(paths, (harbour, orchard), strict=True):
+        path.write_text(text)
+    plan = tmp_path / "plan.json"
+    result = invoke(calibrate_command, "--model", tiny("olmoe"), "--data", *paths, "--chunk", "256", "--out", plan)
+    assert result.exit_code == 0, result.output
+    assert ExpertPlan.load(plan).sources == ("harbour.txt", "orchard.txt")
+
+
+def test_the_commands_offer_what_the_engine_has_without_importing_it():
+    """The CLI lists choices and defaults itself so that `npumoed --help` stays free of torch."""
+    assert cli_engine.ARCHITECTURES == tuple(ARCHITECTURES) == SUPPORTED_FAMILIES
+    assert tuple(name for name, b in BACKENDS.items() if b.static) == cli_engine.STATIC_BACKENDS
+    defaults = {p.name: p.default for p in calibrate_command.params}
+    assert (defaults["n_tiers"], defaults["group_size"]) == (DEFAULT_TIERS, DEFAULT_GROUP_SIZE)
 
 
 def test_plan_show_renders_tiers_and_layers_as_tables(tmp_path, tiny, harbour):

@@ -33,9 +33,15 @@ def reference(folder):
     return load_model(folder)
 
 
-def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(engine, harbour):
+@pytest.fixture(scope="module")
+def prefix(reference) -> list[int]:
+    """The summary prompt's tokens before the document; they share the first prefill chunk."""
+    return PromptFrame.build(reference.tokenizer, SUMMARIZE).prefix
+
+
+def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(engine, harbour, prefix):
     result = engine.process(harbour[:600])
-    chunks = math.ceil(600 / CHUNK)
+    chunks = math.ceil((len(prefix) + 600) / CHUNK)
     assert result.embeddings.shape == (chunks + 1, 64)
     assert result.embeddings.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(result.embeddings, axis=1), 1.0, rtol=1e-5)
@@ -43,15 +49,18 @@ def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(e
     assert isinstance(result.summary, str)
 
 
-def test_embeddings_are_mean_pooled_final_hidden_states_as_one_uncached_forward_gives_them(engine, reference, harbour):
+def test_embeddings_are_mean_pooled_final_hidden_states_as_one_uncached_forward_gives_them(
+        engine, reference, harbour, prefix):
     text = harbour[:500]
     result = engine.process(text)
-    prefix = PromptFrame.build(reference.tokenizer, SUMMARIZE).prefix
     ids = prefix + list(text.encode())
     with torch.no_grad():
-        hidden = reference.model.base_model(torch.tensor([ids])).last_hidden_state[0, len(prefix):]  # (500, H)
-    chunk_means = torch.stack([c.mean(0) for c in hidden.split(CHUNK)])
-    expected = torch.nn.functional.normalize(torch.cat([chunk_means, hidden.mean(0, keepdim=True)]), dim=-1)
+        hidden = reference.model.base_model(torch.tensor([ids])).last_hidden_state[0]  # (P + 500, H)
+    # Chunks cut the prefilled stream (prefix, then document); each pools its document tokens.
+    document_chunks = [c[max(0, len(prefix) - i * CHUNK):] for i, c in enumerate(hidden.split(CHUNK))]
+    chunk_means = torch.stack([c.mean(0) for c in document_chunks])
+    document = hidden[len(prefix):].mean(0, keepdim=True)
+    expected = torch.nn.functional.normalize(torch.cat([chunk_means, document]), dim=-1)
     np.testing.assert_allclose(result.embeddings, expected.numpy(), atol=1e-4)
 
 
@@ -69,7 +78,7 @@ def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine,
     assert result.summary  # the random model does say something
 
 
-def test_stats_are_json_and_name_tokens_chunks_phases_cpu_and_dispatch_counts(engine, harbour):
+def test_stats_are_json_and_name_tokens_chunks_phases_cpu_and_dispatch_counts(engine, harbour, prefix):
     stats = engine.process(harbour[:300]).stats
     json.dumps(stats)
     assert set(stats["seconds"]) == {"prefill", "summary", "reduce", "total"}
@@ -78,17 +87,18 @@ def test_stats_are_json_and_name_tokens_chunks_phases_cpu_and_dispatch_counts(en
                 "padding_fraction", "assignments", "launches"):
         assert key in stats
     # Prefill only (decode is not counted): the prompt prefix and the document, top-8, 3 layers.
-    prefix = len(PromptFrame.build(engine.loaded.tokenizer, SUMMARIZE).prefix)
-    assert stats["assignments"] == (prefix + 300) * 8 * 3 == stats["cpu"]
+    assert stats["assignments"] == (len(prefix) + 300) * 8 * 3 == stats["cpu"]
 
 
-def test_progress_is_reported_after_every_chunk_and_the_summary(engine, harbour):
+def test_progress_is_reported_after_every_chunk_and_the_summary(engine, harbour, prefix):
     seen: list[Progress] = []
     engine.process(harbour[:700], on_progress=seen.append)
     prefill = [p for p in seen if p.phase == "prefill"]
-    assert [p.chunks_done for p in prefill] == list(range(1, 7))
-    assert {p.chunks_total for p in prefill} == {6}
-    assert [p.tokens_done for p in prefill] == [128, 256, 384, 512, 640, 700]
+    chunks = math.ceil((len(prefix) + 700) / CHUNK)
+    assert [p.chunks_done for p in prefill] == list(range(1, chunks + 1))
+    assert {p.chunks_total for p in prefill} == {chunks}
+    assert [p.tokens_done for p in prefill] == [min(700, i * CHUNK - len(prefix)) for i in range(1, chunks + 1)]
+    assert {p.tokens_total for p in prefill} == {700}
     assert seen[-1].phase == "summary" and (seen[-1].chunks_done, seen[-1].chunks_total) == (1, 1)
     assert all(a.elapsed_s <= b.elapsed_s for a, b in pairwise(seen))
 
@@ -100,7 +110,7 @@ def test_raising_from_progress_aborts_the_document_and_leaves_the_engine_usable(
 
     with pytest.raises(KeyboardInterrupt):
         engine.process(harbour[:700], on_progress=stop_after_two)
-    assert engine.process(harbour[:200]).stats["chunks"] == 2
+    assert engine.process(harbour[:200]).stats["tokens"] == 200
 
 
 def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combined(engine, harbour, orchard):

@@ -56,7 +56,7 @@ def test_tiers_minimise_the_total_capacity_handed_out():
 
 
 def test_each_expert_gets_the_smallest_tier_covering_its_aligned_p95_load():
-    plan = plan_for()
+    plan = plan_for(n_tiers=3)
     # Aligned needs 8 x4, 16 x2, 32, 40, 64 x2: (16, 40, 64) hands out 304 slots, (8, 16, 64) 320.
     assert plan.tiers == (16, 40, 64)
     for layer, (_, load) in zip(plan.layers, synthetic_calibration().layers, strict=True):
