@@ -34,12 +34,13 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
     """Measure expert loads on `texts`, given as (source name, text); `on_chunk(done, total)` per chunk."""
     if chunk_tokens > loaded.context_tokens:
         raise ValueError(f"chunk length {chunk_tokens} exceeds the model's context ({loaded.context_tokens})")
+    if not any(text.strip() for _, text in texts):
+        raise ValueError("calibration data holds no text")
     tokenizer = loaded.tokenizer
+    end = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     stream: list[int] = []
     for _, text in texts:
-        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    if len(stream) <= len(texts):
-        raise ValueError("calibration data holds no text")
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + end
 
     window = loaded.context_tokens // chunk_tokens * chunk_tokens  # whole chunks that fit the context
     pieces = windows(stream, window)

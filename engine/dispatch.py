@@ -39,7 +39,7 @@ class DispatchStats:
     launches: int = 0  # group graphs run
     expert_launches: int = 0  # graphs one-per-expert execution would have run for the same work
 
-    def to_dict(self) -> dict[str, float]:
+    def to_dict(self) -> dict[str, int | float]:
         """The counts plus the derived fractions (JSON-serialisable)."""
         return {
             **asdict(self),

@@ -128,7 +128,7 @@ class ExpertPlan:
             overflow=overflow, group_size=group_size, tiers=tiers, cost=cost,
             calibration_tokens=_get(data, "calibration_tokens", int),
             calibration_chunks=_get(data, "calibration_chunks", int),
-            sources=tuple(_get(data, "sources", list)), layers=layers,
+            sources=tuple(_strings(data, "sources")), layers=layers,
         )
 
 
@@ -189,6 +189,13 @@ def _ints(data: dict, key: str, where: str = "") -> Sequence[int]:
     values = _get(data, key, list, where)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise PlanError(f"{where + '.' if where else ''}{key}: must be a list of integers")
+    return values
+
+
+def _strings(data: dict, key: str) -> Sequence[str]:
+    values = _get(data, key, list)
+    if not all(isinstance(v, str) for v in values):
+        raise PlanError(f"{key}: must be a list of strings")
     return values
 
 

@@ -20,7 +20,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from .backends import Backend
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .models import moe_experts
-from .plan import ExpertPlan, PlanError
+from .plan import ExpertPlan, LayerPlan, PlanError
 
 IMPLEMENTATION = "npumoe"
 
@@ -63,9 +63,8 @@ class MoeRuntime:
         self.exact_only = False
         self.layers: list[MoeLayer] = []
         for (_, module), layer_plan in zip(experts, plans, strict=True):
-            groups = [] if layer_plan is None or plan is None else [
-                _static_group(backend, module, group.experts, plan.tiers[group.tier])
-                for group in layer_plan.groups if group.residency == "accelerator"]
+            groups = [_static_group(backend, module, group.experts, plan.tiers[group.tier])
+                      for group in layer_plan.groups if group.residency == "accelerator"] if plan and layer_plan else []
             layer = MoeLayer(module.gate_up_proj, module.down_proj, module.config.hidden_act, groups=groups,
                              overflow=overflow)
             _ATTACHED[module] = (self, layer)
@@ -110,7 +109,7 @@ def _static_group(backend: Backend, experts: nn.Module, ids: tuple[int, ...], ca
     return StaticGroup(experts=ids, capacity=capacity, graph=graph)
 
 
-def _layer_plans(plan: ExpertPlan | None, experts: list[tuple[str, nn.Module]]) -> list:
+def _layer_plans(plan: ExpertPlan | None, experts: list[tuple[str, nn.Module]]) -> list[LayerPlan | None]:
     """The plan's layers in the model's experts order, checked against the model's shapes."""
     if plan is None:
         return [None] * len(experts)
