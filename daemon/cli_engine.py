@@ -59,7 +59,7 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.option("--backend", type=click.Choice(STATIC_BACKENDS), default="torch-static", show_default=True,
               help="Backend the plan is for (its costs are measured here).")
 @click.option("--overflow", type=click.Choice(("prune", "spill")), default="prune", show_default=True,
-              help="Overflow policy the tiers are sized for.")
+              help="Overflow policy to record in the plan (the engine's own setting decides at run time).")
 @click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,

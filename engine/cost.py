@@ -44,9 +44,11 @@ class CostModel:
 
 
 def fit_call_cost(run: Callable[[int], None], small: int, large: int, flops: Callable[[int], float],
-                  repeats: int = 5) -> tuple[float, float]:
-    """(fixed seconds per call, FLOP/s) from timing `run(rows)` at two sizes, best of `repeats`."""
+                  repeats: int = 10) -> tuple[float, float]:
+    """(fixed seconds per call, FLOP/s) from timing `run(rows)` at two sizes, best of `repeats` (the best
+    run is the one least disturbed by other work on the machine)."""
     run(small)  # warm up allocators and kernels
+    run(large)
     t_small, t_large = (min(_seconds(run, rows) for _ in range(repeats)) for rows in (small, large))
     throughput = (flops(large) - flops(small)) / max(t_large - t_small, 1e-9)
     fixed = max(t_small - flops(small) / throughput, 1e-7)

@@ -65,7 +65,7 @@ class ExpertPlan:
     model_key: str
     backend: str
     chunk_tokens: int
-    overflow: str  # the policy the tiers were sized for
+    overflow: str  # chosen at calibration and shown with the plan; EngineSettings.overflow decides at run time
     group_size: int
     tiers: tuple[int, ...]  # capacity of each tier, ascending
     cost: CostModel
