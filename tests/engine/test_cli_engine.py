@@ -19,9 +19,7 @@ from npumoe.engine.tiny import ARCHITECTURES
 README = Path(__file__).parents[2] / "README.md"
 
 
-@pytest.fixture(autouse=True)
-def home(tmp_path, monkeypatch):
-    monkeypatch.setenv("NPUMOED_HOME", str(tmp_path / "home"))
+pytestmark = pytest.mark.usefixtures("home")  # a private NPUMOED_HOME (tests/conftest.py)
 
 
 def invoke(command, *args: str):
