@@ -249,7 +249,8 @@ def results_table(rows: Sequence[dict], title: str, baseline: str | None = None)
                "× transformers": lambda r: _ratio(r.get("vs_transformers_best"))}
     if baseline:
         columns[f"× {baseline}"] = lambda r: _ratio(r.get(f"vs_{baseline}"))
-    columns |= {"padding": lambda r: _percent(r.get("padding_fraction")),
+    columns |= {"in graphs": lambda r: _percent(r.get("static_fraction")),
+                "padding": lambda r: _percent(r.get("padding_fraction")),
                 "spilled": lambda r: _percent(r.get("spilled_fraction")),
                 "dropped": lambda r: _percent(r.get("dropped_fraction")),
                 "rel. error": lambda r: _error(r.get("rel_error"))}
