@@ -26,6 +26,7 @@ from watchdog.observers.polling import PollingObserver
 
 from npumoe.daemon.config import InboxConfig
 from npumoe.daemon.intake import is_ignored, iter_documents
+from npumoe.jobs.pipeline import containing_inbox
 
 log = logging.getLogger(__name__)
 
@@ -205,17 +206,12 @@ class InboxWatcher:
             self._stopping.wait(self.tick_seconds)
 
     def admits(self, path: Path) -> bool:
-        """Whether `path` lies inside an inbox (its parent resolved, the file itself not followed) under a
-        name that is not ignored."""
-        try:
-            parent = path.parent.resolve(strict=True)
-        except OSError:
+        """Whether `path` lies inside an inbox, under a name that is not ignored."""
+        inbox = containing_inbox(path, self.inboxes)
+        if inbox is None:
             return False
-        for inbox in self.inboxes:
-            if parent.is_relative_to(inbox):
-                nested_ok = self.config.recursive or parent == inbox
-                return nested_ok and not is_ignored(parent.relative_to(inbox) / path.name)
-        return False
+        relative = path.parent.resolve().relative_to(inbox) / path.name
+        return (self.config.recursive or len(relative.parts) == 1) and not is_ignored(relative)
 
 
 class _Events(FileSystemEventHandler):

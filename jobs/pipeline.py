@@ -2,8 +2,9 @@
 
 The worker claims a job and hands it to `Pipeline.process`, which always leaves the job in a settled
 state: done, failed (will retry), dead (gave up, original set aside in `failed/` with a `.error.txt`),
-or handed back to the queue untouched when the worker is stopping. A failure never escapes as an
-exception, so one bad document cannot stop the daemon.
+or handed back to the queue untouched when the worker is stopping or the model cannot be loaded (the
+one exception that escapes, ModelUnavailable, so the worker can wait). No document's failure escapes:
+one bad document cannot stop the daemon.
 
 Everything after the snapshot reads a private copy of the document whose hash was checked against the
 job, so the outputs always describe exactly the content that was queued.
@@ -21,7 +22,7 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -98,12 +99,17 @@ class Folders:
     inboxes: tuple[Path, ...]  # resolved; originals are only ever moved or deleted from inside these
 
     def holds(self, path: Path) -> bool:
-        """Whether `path` sits inside an inbox (judged by its real parent folder; the file is not followed)."""
-        try:
-            parent = path.parent.resolve(strict=True)
-        except OSError:
-            return False
-        return any(parent.is_relative_to(inbox) for inbox in self.inboxes)
+        return containing_inbox(path, self.inboxes) is not None
+
+
+def containing_inbox(path: Path, inboxes: Sequence[Path]) -> Path | None:
+    """The (resolved) inbox that really holds `path`: its parent folder resolved, the file itself not followed,
+    so neither a symlinked folder nor a `..` leads anywhere else."""
+    try:
+        parent = path.parent.resolve(strict=True)
+    except OSError:
+        return None
+    return next((inbox for inbox in inboxes if parent.is_relative_to(inbox)), None)
 
 
 @dataclass(frozen=True)
