@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING
 
 from npumoe.daemon.config import Config
 from npumoe.jobs.outputs import temporary_path
-from npumoe.jobs.pipeline import ModelUnavailable
 
 if TYPE_CHECKING:
     from npumoe.engine import Engine, EngineSettings
@@ -116,6 +115,8 @@ class ModelSlot:
         return self._settings
 
     def load(self) -> Engine:
+        from npumoe.jobs.pipeline import ModelUnavailable  # here, so `npumoed status` never imports numpy
+
         self._last_used = self.clock()
         if self._engine is None:
             started = time.perf_counter()
