@@ -209,6 +209,9 @@ class Pipeline:
         try:
             return extract_text(copy, self.policy.limits)
         except ExtractionError as e:
+            # A stop signal reaches the extractor too (Ctrl-C, or systemd signalling the whole group): then
+            # its death is the stop's doing, not the document's, and the checkpoint hands the job back.
+            self.checkpoint()
             raise Failure(e.kind, str(e), retryable=e.kind in RETRYABLE_EXTRACTION) from e
 
     def _run_engine(self, engine: Engine, job: Job, text: str) -> DocumentResult:

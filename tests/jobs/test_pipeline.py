@@ -20,7 +20,8 @@ import pytest
 
 from npumoe.daemon.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress
-from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs import pipeline
+from npumoe.jobs.extract import ExtractionError, ExtractLimits
 from npumoe.jobs.pipeline import Folders, Outcome, Pipeline, Policy, Stop
 from npumoe.jobs.queue import Backoff, Job, Queue
 
@@ -241,6 +242,18 @@ def test_stopping_mid_document_hands_the_job_back_untouched(setup: Setup) -> Non
     assert outcome.state == "queued"
     assert (job.state, job.attempts, job.progress) == ("queued", 0, 0.0)
     assert list(setup.outbox.iterdir()) == [] and (setup.inbox / "notes.md").exists()
+
+
+def test_an_extractor_killed_by_the_same_stop_signal_does_not_fail_the_document(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def killed(*_: object) -> None:
+        raise ExtractionError("corrupt", "the parser crashed on this document (killed by SIGINT)")
+
+    monkeypatch.setattr(pipeline, "extract_text", killed)
+    setup.stop_at_checkpoint = 2  # Ctrl-C: the daemon is stopping when the extractor's death is reported
+    outcome, job = setup.run(setup.document())
+    assert (outcome.state, job.state, job.attempts, job.last_error) == ("queued", "queued", 0, None)
 
 
 def test_a_job_cancelled_mid_document_writes_nothing(setup: Setup) -> None:
