@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -187,3 +189,13 @@ def test_a_queue_still_being_created_reads_as_not_started(
     (home / "npumoed.db").touch()  # the first daemon has made the file, not yet its tables
     result = npumoed("status", "--json")
     assert result.returncode == 0 and json.loads(result.stdout)["daemon"]["state"] == "never started"
+
+
+def test_watch_keeps_printing_fresh_views_until_interrupted(home: Path, start_npumoed: Callable[..., Any]) -> None:
+    home.mkdir(parents=True)
+    a_running_daemon(Queue(home / "npumoed.db"), now=time.time())
+    watching = start_npumoed("status", "--watch", "--interval", "0.2")
+    time.sleep(3)
+    watching.process.send_signal(signal.SIGINT)
+    assert watching.process.wait(timeout=30) == 0
+    assert watching.output().count("npumoed running") >= 2
