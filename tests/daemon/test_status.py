@@ -191,11 +191,12 @@ def test_a_queue_still_being_created_reads_as_not_started(
     assert result.returncode == 0 and json.loads(result.stdout)["daemon"]["state"] == "never started"
 
 
-def test_watch_keeps_printing_fresh_views_until_interrupted(home: Path, start_npumoed: Callable[..., Any]) -> None:
+def test_watch_keeps_printing_fresh_views_until_interrupted(
+    home: Path, start_npumoed: Callable[..., Any], wait_for: Callable[..., bool]
+) -> None:
     home.mkdir(parents=True)
     a_running_daemon(Queue(home / "npumoed.db"), now=time.time())
     watching = start_npumoed("status", "--watch", "--interval", "0.2")
-    time.sleep(3)
+    assert wait_for(lambda: watching.output().count("npumoed running") >= 3)
     watching.process.send_signal(signal.SIGINT)
     assert watching.process.wait(timeout=30) == 0
-    assert watching.output().count("npumoed running") >= 2
