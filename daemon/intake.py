@@ -11,6 +11,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from npumoe.daemon.config import Config
+from npumoe.daemon.models import DEMO
 from npumoe.jobs.queue import INTERACTIVE, Job, Queue
 
 # Files that editors, browsers and the Finder leave behind while they work, and never documents.
@@ -27,7 +28,7 @@ def iter_documents(paths: Iterable[Path], *, recursive: bool = True) -> Iterator
     """Regular files under `paths`, skipping ignored names; symlinked folders are not entered."""
     for path in paths:
         if path.is_dir() and not path.is_symlink():
-            walker = os.walk(path) if recursive else [(str(path), [], os.listdir(path))]
+            walker = os.walk(path) if recursive else [next(os.walk(path), (str(path), [], []))]
             for root, dirs, files in walker:
                 dirs[:] = sorted(d for d in dirs if not is_ignored(Path(d)))
                 for name in sorted(files):
@@ -53,7 +54,8 @@ def sha256_of(path: Path) -> str:
 def job_keys(config: Config) -> tuple[str, str]:
     """(model_key, settings_key): the same document under the same model and settings is one job."""
     m = config.model
-    model = str(Path(m.name).expanduser().resolve()) if Path(m.name).expanduser().exists() else m.name
+    folder = Path(m.name).expanduser()
+    model = str(folder.resolve()) if m.name != DEMO and folder.is_dir() else m.name
     settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
                 "overflow": m.overflow, "dtype": m.dtype, "summary_tokens": m.summary_tokens}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

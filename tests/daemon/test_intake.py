@@ -1,0 +1,41 @@
+"""Which paths become jobs, and the keys that make the same document under the same settings one job."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from npumoe.daemon.config import Config, ModelConfig
+from npumoe.daemon.intake import is_ignored, iter_documents, job_keys
+
+
+@pytest.mark.parametrize("name", [".DS_Store", "._report.pdf", "~$draft.docx", "movie.part", "x.crdownload",
+                                  "notes.tmp", ".Trashes/old.txt", "sub/.hidden/a.md"])
+def test_hidden_temporary_and_partial_names_are_ignored(name: str) -> None:
+    assert is_ignored(Path(name))
+
+
+def test_ordinary_names_are_documents() -> None:
+    assert not is_ignored(Path("Quarterly report (final).pdf"))
+
+
+def test_a_folder_is_walked_only_one_level_when_not_recursive(tmp_path: Path) -> None:
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "sub" / "b.txt").write_text("b")
+    assert list(iter_documents([tmp_path], recursive=False)) == [tmp_path / "a.txt"]
+    assert list(iter_documents([tmp_path])) == [tmp_path / "a.txt", tmp_path / "sub" / "b.txt"]
+
+
+def test_the_demo_model_key_does_not_depend_on_the_current_folder(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    before = job_keys(Config())
+    (tmp_path / "demo").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert job_keys(Config()) == before == ("demo", before[1])
+
+
+def test_settings_that_change_outputs_change_the_key() -> None:
+    assert job_keys(Config())[1] != job_keys(Config(model=ModelConfig(overflow="prune")))[1]
+    assert job_keys(Config())[1] == job_keys(Config(model=ModelConfig(idle_unload_seconds=5)))[1]
