@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,8 +16,31 @@ from npumoe.daemon.intake import enqueue, iter_documents
 from npumoe.jobs.queue import Job
 from npumoe.jobs.schema import STATES
 
+# Commands of the other areas, imported only when named: `npumoed status` must answer fast, and most
+# areas pull in torch, coremltools or the engine.
+AREA_COMMANDS = {
+    "run": "cli_run:run", "status": "cli_run:status", "demo": "cli_run:demo",
+    "install": "cli_service:install", "uninstall": "cli_service:uninstall", "pause": "cli_service:pause",
+    "resume": "cli_service:resume", "batch": "cli_service:batch", "doctor": "cli_service:doctor",
+    "model": "cli_engine:model_group", "calibrate": "cli_engine:calibrate_command", "plan": "cli_engine:plan_group",
+    "compile": "cli_coreml:compile_command", "bench": "cli_bench:bench",
+}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+
+class AreaGroup(click.Group):
+    """The root group: its own commands, plus each area's, loaded from their modules on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *AREA_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in AREA_COMMANDS:
+            return super().get_command(ctx, name)
+        module, attr = AREA_COMMANDS[name].split(":")
+        return getattr(importlib.import_module(f"npumoe.daemon.{module}"), attr)
+
+
+@click.group(cls=AreaGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_path", type=click.Path(path_type=Path, dir_okay=False),
               help="Config file (default: config.toml in the home, when it exists).")
 @click.version_option(package_name="npumoed")
@@ -130,17 +154,3 @@ def _toml(value: object) -> str:
         return "[" + ", ".join(_toml(v) for v in value) + "]"
     return json.dumps(value)  # JSON strings and numbers are valid TOML
 
-
-def _add_area_commands() -> None:
-    """Each area of the daemon keeps its commands in its own module; they meet here."""
-    from npumoe.daemon import cli_bench, cli_coreml, cli_engine, cli_run, cli_service
-
-    for command in (cli_run.run, cli_run.status, cli_run.demo,
-                    cli_service.install, cli_service.uninstall, cli_service.pause, cli_service.resume,
-                    cli_service.batch, cli_service.doctor,
-                    cli_engine.model_group, cli_engine.calibrate_command, cli_engine.plan_group,
-                    cli_coreml.compile_command, cli_bench.bench):
-        main.add_command(command)
-
-
-_add_area_commands()
