@@ -41,7 +41,7 @@ class InboxConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
-    backend: str = choice("cpu", "torch-static", "coreml", "cuda")
+    backend: str = choice("cpu", "torch-static", "coreml")  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     chunk_tokens: int = positive(512)
     overflow: str = choice("spill", "prune")

@@ -31,7 +31,7 @@ def test_values_override_defaults_and_ints_count_as_floats(tmp_path: Path) -> No
     ("[model\n", "not valid TOML"),
     ("[modle]\n", "unknown key 'modle'"),
     ("[model]\nbackends = 'cpu'\n", "unknown key 'model.backends'"),
-    ("[model]\nbackend = 'gpu'\n", "'model.backend' must be one of cpu, torch-static, coreml, cuda"),
+    ("[model]\nbackend = 'gpu'\n", "'model.backend' must be one of cpu, torch-static, coreml"),
     ("[model]\nchunk_tokens = '512'\n", "'model.chunk_tokens' must be an integer"),
     ("[model]\nchunk_tokens = true\n", "'model.chunk_tokens' must be an integer"),
     ("[queue]\nlease_seconds = -1\n", "'queue.lease_seconds' must not be negative"),
