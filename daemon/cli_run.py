@@ -18,7 +18,7 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from sqlalchemy.exc import OperationalError
 
-from npumoe.daemon.app import App, emit_json, pass_app
+from npumoe.daemon.app import App, BadConfig, emit_json, pass_app
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
 from npumoe.daemon.status_view import render_rich, render_text, snapshot
@@ -128,6 +128,9 @@ def _run_worker(
     from npumoe.daemon.worker import AlreadyRunning, Worker
     from npumoe.jobs.pipeline import ModelUnavailable
 
+    plan = Path(config.model.plan).expanduser()
+    if config.model.plan and not plan.is_file():  # checked now: later, each document would look as if it had vanished
+        raise BadConfig(f"'model.plan' names {plan}, which is not a file (make one with `npumoed calibrate`)")
     log_file = setup_logging(app.home.logs, verbose=verbose)
     worker = Worker(config, app.home, app.queue, inboxes=inboxes, once=once, obey_schedule=obey_schedule)
     try:
