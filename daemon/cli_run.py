@@ -94,6 +94,7 @@ def demo(ctx: click.Context) -> None:
 
     app = ctx.find_object(App)
     home, queue = app.home, app.queue
+    _keep_caches_at_home(home)
     os.umask(0o077)
     staged = temporary_path(home.root, "samples")
     try:
@@ -131,6 +132,7 @@ def _run_worker(
     plan = Path(config.model.plan).expanduser()
     if config.model.plan and not plan.is_file():  # checked now: later, each document would look as if it had vanished
         raise BadConfig(f"'model.plan' names {plan}, which is not a file (make one with `npumoed calibrate`)")
+    _keep_caches_at_home(app.home)
     log_file = setup_logging(app.home.logs, verbose=verbose)
     worker = Worker(config, app.home, app.queue, inboxes=inboxes, once=once, obey_schedule=obey_schedule)
     try:
@@ -144,6 +146,12 @@ def _run_worker(
         rejected = f"; {summary.rejected} file(s) could not be queued" if summary.rejected else ""
         later = f"; {summary.waiting} job(s) wait for later (retry or batch window)" if summary.waiting else ""
         click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {app.home.outbox}")
+
+
+def _keep_caches_at_home(home: Home) -> None:
+    """torch makes its compile cache in the system temp folder unless told otherwise; the daemon keeps all
+    of its state in the home."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home.compiled / "torch"))
 
 
 def _show(home: Home) -> None:
