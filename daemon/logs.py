@@ -10,6 +10,16 @@ from pathlib import Path
 
 LOG_NAME = "npumoed.log"
 FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+# Control characters spelled out, newlines included: tab is the only one a message keeps.
+ESCAPES = {code: f"\\x{code:02x}" for code in (*range(32), 127) if code != 9} | {10: "\\n", 13: "\\r"}
+
+
+class OneLineFormatter(logging.Formatter):
+    """One record, one line: a file may be named with newlines (or terminal escapes), and such a name must
+    neither break a log line nor forge one. Tracebacks, added after the message, keep their lines."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(ESCAPES)
 
 
 def setup_logging(logs: Path, *, verbose: bool = False) -> Path:
@@ -27,7 +37,7 @@ def setup_logging(logs: Path, *, verbose: bool = False) -> Path:
         root.removeHandler(handler)
         handler.close()
     for handler in (to_file, to_stderr):
-        handler.setFormatter(logging.Formatter(FORMAT))
+        handler.setFormatter(OneLineFormatter(FORMAT))
         root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     return path
