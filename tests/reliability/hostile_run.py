@@ -28,6 +28,8 @@ from npumoe.jobs.queue import Job
 
 SECRET = "the secret that lives outside every inbox"
 ESCAPING_NAMES = ("up..\\..\\escape.md", "-rf --no-preserve-root.txt")
+FORGED_LOG_LINE = "2001-01-01 00:00:00,000 INFO    npumoe.daemon.worker: job 999 done"
+FORGING_NAME = f"note\n{FORGED_LOG_LINE}\r.txt"  # a name that would write a line of its own into the log
 CONFIG = """
 [inbox]
 stable_seconds = 0.2
@@ -94,7 +96,7 @@ def hostile_run(root: Path, model: Path) -> HostileRun:
             f.write(f"\nThis copy is the {case.replace('_', ' ')} case.\n")
     (inbox / "secret-link.txt").symlink_to(outside / "secret.txt")
     (inbox / "linked-folder").symlink_to(outside / "folder", target_is_directory=True)
-    escaping = {name: inbox / name for name in ESCAPING_NAMES}
+    escaping = {name: inbox / name for name in (*ESCAPING_NAMES, FORGING_NAME)}
     for name, path in escaping.items():
         path.write_text(f"A document called {name!r}, which must stay a plain name.\n")
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
 import hostile_files
 import pytest
 from home_audit import incomplete
-from hostile_run import ESCAPING_NAMES, SECRET, HostileRun
+from hostile_run import ESCAPING_NAMES, FORGED_LOG_LINE, FORGING_NAME, SECRET, HostileRun
 
 from npumoe.jobs.outputs import TMP_PREFIX
 
@@ -56,6 +57,15 @@ def test_a_name_built_to_escape_becomes_one_plain_folder_in_the_outbox(hostile: 
     assert job.state == "done" and out.parent == hostile.home / "outbox"
     assert "\\" not in out.name and not out.name.startswith(("-", "."))  # one plain name, never an option
     assert incomplete(out, job) == ""
+
+
+def test_a_file_name_cannot_break_or_forge_a_line_of_the_log(hostile: HostileRun) -> None:
+    assert hostile.job_for(hostile.escaping[FORGING_NAME]).state == "done"
+    lines = (hostile.home / "logs" / "npumoed.log").read_text().splitlines()
+    record = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR) ")
+    assert [line for line in lines if not record.match(line)] == []
+    assert not [line for line in lines if line.startswith(FORGED_LOG_LINE)]
+    assert any(FORGED_LOG_LINE in line for line in lines)  # it is there, inside the line that names the file
 
 
 @pytest.mark.parametrize("case", UNPROCESSABLE)
