@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from npumoe.daemon.batch import job_meta
-from npumoe.daemon.config import Config
+from npumoe.daemon.config import ConfigError, load_config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.samples import write_samples
@@ -62,25 +62,28 @@ class Run:
 class Daemon:
     """A `npumoed run` process on its own home, and what can be read about it from outside."""
 
-    def __init__(self, home: Path) -> None:
+    def __init__(self, home: Path, config: Path | None = None) -> None:
         self.home = Home(home)
         self.env = {**os.environ, "NPUMOED_HOME": str(home)}
         self.queue = Queue(self.home.ensure().database)
         self.process: subprocess.Popen[bytes] | None = None
+        if config is not None:
+            shutil.copyfile(config, self.home.root / "config.toml")
+        self.config = load_config(self.home.root / "config.toml" if config is not None else None)
 
     def feed(self, copies: int) -> int:
         """Queue the sample documents and `copies` distinct copies of the text-like ones."""
         folder = self.home.root / "bench-documents"
         paths = write_samples(folder)
+        copyable = [p for p in paths if p.suffix in COPYABLE]
         for n in range(copies):
-            for sample in (p for p in list(paths) if p.suffix in COPYABLE):
+            for sample in copyable:
                 copy = folder / f"{sample.stem}-{n}{sample.suffix}"
                 note = f"\n<!-- copy {n} -->\n" if sample.suffix == ".html" else f"\n\nCopy {n}.\n"
                 copy.write_bytes(sample.read_bytes() + note.encode())
                 paths.append(copy)
-        config = Config()
         for path in paths:
-            enqueue(self.queue, path, config)
+            enqueue(self.queue, path, self.config)
         return len(paths)
 
     def start(self) -> None:
@@ -206,8 +209,10 @@ def show(runs: list[Run], summary: dict[str, Any], processes: int, work: int) ->
                       str(run.daemon_tokens), "yes" if run.daemon_working_at_start else "-")
     console.print(table)
     y, solo = summary["daemon_while_yielding"], summary["daemon_alone"]
-    console.print(f"median slowdown: x{summary['median_slowdown_ratio']:.3f} "
-                  f"(alone {summary['median_alone_s']:.3f} s, with the daemon {summary['median_with_daemon_s']:.3f} s)")
+    ratios = summary["ratios"]
+    console.print(f"median slowdown: x{summary['median_slowdown_ratio']:.3f} over {len(ratios)} rounds "
+                  f"(ratios {min(ratios):.3f} to {max(ratios):.3f}; median alone {summary['median_alone_s']:.3f} s, "
+                  f"with the daemon {summary['median_with_daemon_s']:.3f} s)")
     console.print(f"daemon while yielding: {y['tokens_per_s']:.1f} tokens/s, {y['documents_per_s']:.3f} docs/s, "
                   f"{y['cpu_seconds_per_s']:.3f} CPU s/s; working at the start of "
                   f"{y['runs_started_while_working']} of {len(runs) // 2} runs")
@@ -230,15 +235,23 @@ def show(runs: list[Run], summary: dict[str, Any], processes: int, work: int) ->
               help="Seconds to wait for the daemon to stop or start working before a run.")
 @click.option("--solo-seconds", type=float, default=20.0, show_default=True,
               help="Seconds to measure the daemon alone, for comparison.")
+@click.option("--daemon-config", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A config.toml for the daemon instead of the defaults (to compare settings).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also write the machine description, the settings and every run to this JSON file.")
 @click.option("--keep-home", is_flag=True, help="Keep the temporary home (daemon log, outputs).")
 def foreground(rounds: int, work: int, processes: int | None, copies: int, warmup_timeout: float,
-               settle_timeout: float, solo_seconds: float, json_path: Path | None, keep_home: bool) -> None:
+               settle_timeout: float, solo_seconds: float, daemon_config: Path | None, json_path: Path | None,
+               keep_home: bool) -> None:
     """How much the daemon, at default settings, slows a CPU-bound workload that uses every core."""
     processes = processes or psutil.cpu_count() or 1
+    if daemon_config is not None:
+        try:
+            load_config(daemon_config)
+        except ConfigError as e:
+            raise click.BadParameter(str(e), param_hint="--daemon-config") from e
     home = Path(tempfile.mkdtemp(prefix="npumoed-bench-"))
-    daemon = Daemon(home)
+    daemon = Daemon(home, daemon_config)
     try:
         documents = daemon.feed(copies)
         click.echo(f"queued {documents} documents in {home}; starting the daemon")
@@ -263,7 +276,7 @@ def foreground(rounds: int, work: int, processes: int | None, copies: int, warmu
             from npumoe.engine.machine import describe_machine  # torch: only when a JSON record is asked for
 
             settings = {"rounds": rounds, "work": work, "processes": processes, "documents": documents,
-                        "daemon_config": "default"}
+                        "daemon_config": daemon.config.as_dict()}
             record = {"machine": describe_machine(processes), "settings": settings,
                       "results": {"runs": [asdict(r) for r in runs], **summary}}
             json_path.write_text(json.dumps(record, indent=2) + "\n")
