@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from chaos_summary import FIGURES, Figures
+from daemon_toml import daemon_toml
 from hostile_run import HostileRun, hostile_run
 
 
@@ -27,33 +29,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 @pytest.fixture
 def daemon_config(configure: Callable[[str], Path], tiny_model: Path) -> Callable[..., Path]:
-    """Write a config for a real daemon on the tiny model that notices files quickly:
-    `daemon_config(originals="move", max_attempts=30, summary_tokens=2)`."""
+    """Write the home's config for a real daemon on the tiny model, in 64-token chunks:
+    `daemon_config(originals="move", max_attempts=30, summary_tokens=2, background=True)`."""
 
-    def write(*, originals: str = "keep", max_attempts: int = 3, summary_tokens: int = 4) -> Path:
-        return configure(f"""
-[inbox]
-stable_seconds = 0.3
-rescan_seconds = 5
-originals = "{originals}"
-
-[model]
-name = "{tiny_model}"
-chunk_tokens = 64
-summary_tokens = {summary_tokens}
-
-[queue]
-max_attempts = {max_attempts}
-retry_base_seconds = 1
-
-[scheduler]
-max_foreground_load = 1.0  # other test runs share these cores; their load is not what these tests are about
-poll_seconds = 0.3
-
-[cpu]
-threads = 1
-background_priority = false  # at SCHED_IDLE on a busy shared machine the daemon could starve
-""")
+    def write(*, summary_tokens: int = 4, **options: Any) -> Path:
+        model = f'name = "{tiny_model}"\nchunk_tokens = 64\nsummary_tokens = {summary_tokens}'
+        return configure(daemon_toml(model, **options))
 
     return write
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import hostile_files
 from audited_npumoed import run_audited
+from daemon_toml import daemon_toml
 from home_audit import read_jobs
 
 from npumoe.jobs.queue import Job
@@ -30,24 +31,6 @@ SECRET = "the secret that lives outside every inbox"
 ESCAPING_NAMES = ("up..\\..\\escape.md", "-rf --no-preserve-root.txt")
 FORGED_LOG_LINE = "2001-01-01 00:00:00,000 INFO    npumoe.daemon.worker: job 999 done"
 FORGING_NAME = f"note\n{FORGED_LOG_LINE}\r.txt"  # a name that would write a line of its own into the log
-CONFIG = """
-[inbox]
-stable_seconds = 0.2
-originals = "move"
-
-[model]
-name = "{model}"
-chunk_tokens = 64
-summary_tokens = 4
-
-[scheduler]
-max_foreground_load = 1.0
-poll_seconds = 0.2
-
-[cpu]
-threads = 1
-background_priority = false
-"""
 
 
 @dataclass
@@ -88,7 +71,8 @@ def hostile_run(root: Path, model: Path) -> HostileRun:
     (outside / "folder").mkdir(parents=True)
     (outside / "secret.txt").write_text(SECRET)
     (outside / "folder" / "private.md").write_text(f"# Private\n\n{SECRET}, in a folder.\n")
-    (home / "config.toml").write_text(CONFIG.format(model=model))
+    (home / "config.toml").write_text(
+        daemon_toml(f'name = "{model}"\nchunk_tokens = 64\nsummary_tokens = 4', originals="move"))
 
     made = hostile_files.make_all(inbox)
     for case in ("name_with_newline", "name_with_dotdot", "unreadable_file", "name_with_unicode"):

@@ -15,25 +15,12 @@ from pathlib import Path
 
 import pytest
 from audited_npumoed import run_audited
+from daemon_toml import daemon_toml
 from hostile_run import HostileRun
 
 from npumoe.jobs.queue import Queue
 
 DOCUMENT = "A short note about harbour lamps, kept so that the daemon has one thing to read.\n"
-CONFIG = """
-[inbox]
-stable_seconds = 0.2
-
-[model]
-{model}
-
-[scheduler]
-max_foreground_load = 1.0  # other test runs share these cores
-
-[cpu]
-threads = 1
-background_priority = false
-"""
 MARKER_CODE = """
 import os
 from pathlib import Path
@@ -68,7 +55,7 @@ def one_document_home(tmp_path: Path) -> Callable[[str], Path]:
         home = tmp_path / "home"
         (home / "inbox").mkdir(parents=True)
         (home / "inbox" / "note.txt").write_text(DOCUMENT)
-        (home / "config.toml").write_text(CONFIG.format(model=model))
+        (home / "config.toml").write_text(daemon_toml(model))
         return home
 
     return make
