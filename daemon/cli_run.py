@@ -130,7 +130,7 @@ def _run_worker(
     from npumoe.jobs.pipeline import ModelUnavailable
 
     plan = Path(config.model.plan).expanduser()
-    if config.model.plan and not plan.is_file():  # checked now: later, each document would look as if it had vanished
+    if config.model.plan and not plan.is_file():  # now: later each document would look as if it had vanished
         raise BadConfig(f"'model.plan' names {plan}, which is not a file (make one with `npumoed calibrate`)")
     _keep_caches_at_home(app.home)
     log_file = setup_logging(app.home.logs, verbose=verbose)

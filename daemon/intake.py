@@ -69,7 +69,7 @@ def _file_digest(path: str) -> str:
 def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERACTIVE,
             batch_window: str | None = None) -> tuple[Job, bool]:
     model_key, settings_key = job_keys(config)
-    sha256 = sha256_of(path)  # first: a link (a looping one too) or a FIFO is refused before anything follows it
+    sha256 = sha256_of(path)  # first: a link (a looping one too) or a FIFO is refused before it is followed
     where = path.parent.resolve() / path.name  # the folder resolved, never the file itself
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,
                      priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window)
