@@ -16,7 +16,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .backends import get_backend
-from .calibrate import Calibration, _statistics
+from .calibrate import Calibration, load_statistics
 from .dispatch import DispatchStats
 from .plan import ExpertPlan
 from .planner import DEFAULT_GROUP_SIZE, make_plan
@@ -105,7 +105,8 @@ def calibration_from_loads(layers: Sequence[tuple[str, torch.Tensor]], *, chunk_
         raise ValueError(f"every layer needs the same, non-zero number of counted chunks, got {sorted(chunks)}")
     n_chunks = chunks.pop()
     return Calibration(chunk_tokens=chunk_tokens, tokens=chunk_tokens * n_chunks, chunks=n_chunks,
-                       sources=(source,), layers=tuple((name, _statistics(counts.float())) for name, counts in layers))
+                       sources=(source,),
+                       layers=tuple((name, load_statistics(counts.float())) for name, counts in layers))
 
 
 def static_plans(calibration: Calibration, *, model: str, hidden: int, ffn: int,

@@ -59,13 +59,13 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
 
     counted = [i for i, n in enumerate(chunk_lengths) if n == chunk_tokens] or list(range(len(chunk_lengths)))
     layer_loads = tuple(
-        (name, _statistics(torch.stack(calls)[counted].float()))
+        (name, load_statistics(torch.stack(calls)[counted].float()))
         for name, calls in zip(runtime.names, loads, strict=True))
     return Calibration(chunk_tokens=chunk_tokens, tokens=len(stream), chunks=len(counted),
                        sources=tuple(source for source, _ in texts), layers=layer_loads)
 
 
-def _statistics(counts: torch.Tensor) -> ExpertLoad:
+def load_statistics(counts: torch.Tensor) -> ExpertLoad:
     """Per-expert mean, median, 95th percentile and max of (chunks, E) token counts."""
     def values(t: torch.Tensor) -> tuple[float, ...]:
         return tuple(round(v, 3) for v in t.tolist())

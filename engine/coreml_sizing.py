@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import get_backend
-from .calibrate import Calibration, _statistics
+from .calibrate import Calibration, load_statistics
 from .moe_geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 from .plan import ExpertPlan
 from .planner import DEFAULT_GROUP_SIZE, make_plan
@@ -41,7 +41,7 @@ def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512
         prior = routing_prior(geometry, generator)
         draws = [draw_routing(prior, chunk_tokens, geometry.top_k, generator)[0] for _ in range(CALIBRATION_CHUNKS)]
         counts = torch.stack([torch.bincount(index.reshape(-1), minlength=geometry.experts) for index in draws])
-        loads.append((f"layers.{layer}.mlp.experts", _statistics(counts.float())))
+        loads.append((f"layers.{layer}.mlp.experts", load_statistics(counts.float())))
     calibration = Calibration(chunk_tokens=chunk_tokens, tokens=chunk_tokens * CALIBRATION_CHUNKS,
                               chunks=CALIBRATION_CHUNKS, sources=(f"zipf-routing(seed={seed})",), layers=tuple(loads))
     # Residency is the planner's call on measured costs; a sizing build converts every group anyway.
