@@ -3,15 +3,19 @@
 `cpu` has no static graphs: every expert runs on the exact dynamic-shape path. `torch-static`
 runs each group as a `GroupedExperts` module with fixed (G, C, H) shapes: the reference semantics
 for accelerators, available everywhere. Later backends (Core ML, CUDA graphs) build their graphs
-from the same `GroupedExperts` module.
+from the same `GroupedExperts` module, and run a layer's graphs on their device (`submit`) while the
+CPU runs the cold experts.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import torch
 
 from .cost import CostModel, expert_flops, fit_call_cost
-from .dispatch import GroupGraph, expert_ffn
+from .cpu_experts import CpuExperts, run_tasks
+from .dispatch import GraphCalls, GroupGraph, run_now
 from .grouped import GroupedExperts
 
 # Rows per call for the two-point cost fit: one row shows the fixed cost, a full chunk the throughput.
@@ -27,6 +31,11 @@ class Backend:
         capacity C (a compiled backend builds one graph per shape; torch runs any)."""
         raise ValueError(f"the {self.name} backend has no static graphs; plans need a static backend "
                          f"({', '.join(n for n, b in BACKENDS.items() if b.static)})")
+
+    def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
+        """Start a layer's group graphs; the future holds their outputs. Here they run at once, in the
+        caller's thread: a backend with a device of its own runs them there while the CPU works."""
+        return run_now(calls)
 
     def measure_costs(self, hidden: int, ffn: int, dtype: torch.dtype, group_size: int) -> CostModel:
         """Time this backend's group graphs and the exact CPU path at the model's expert geometry."""
@@ -53,10 +62,18 @@ class TorchStaticBackend(Backend):
         launch_s, static_flops = fit_call_cost(
             lambda rows: graph(torch.ones(group_size, rows, hidden, dtype=dtype)), *_FIT_ROWS,
             flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
-        call_s, cpu_flops = fit_call_cost(
-            lambda rows: expert_ffn(torch.ones(rows, hidden, dtype=dtype), gate_up[0], down[0], graph.act),
-            *_FIT_ROWS, flops=lambda rows: expert_flops(rows, hidden, ffn))
-        return CostModel(launch_s=launch_s, static_flops=static_flops, cpu_call_s=call_s, cpu_flops=cpu_flops)
+        # The CPU path runs the same experts side by side, as a layer does: its fixed cost per call is
+        # that of the G calls shared out over the workers, its throughput that of all of them.
+        cpu = CpuExperts(gate_up, down, graph.act_name)
+
+        def cpu_path(rows: int) -> None:
+            x = torch.ones(rows, hidden, dtype=dtype)
+            run_tasks([lambda e=e: cpu(e, x) for e in range(group_size)])
+
+        calls_s, cpu_flops = fit_call_cost(cpu_path, *_FIT_ROWS,
+                                           flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
+        return CostModel(launch_s=launch_s, static_flops=static_flops, cpu_call_s=calls_s / group_size,
+                         cpu_flops=cpu_flops)
 
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (CpuBackend(), TorchStaticBackend())}

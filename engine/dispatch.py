@@ -1,26 +1,40 @@
 """Dispatch and combine for one MoE layer: the engine's hot path.
 
-The router has already chosen (T, k) experts and weights per token on the host. Here the T·k
-token-expert assignments are sorted by expert; each accelerator-resident expert's first C
-assignments (C = its tier's capacity) are packed into its slice of a fixed (G, C, H) group buffer
-and run as one static graph per group; the rest run on the exact CPU path with dynamic shapes:
-experts the plan keeps on the CPU ("cold"), and assignments over capacity when the overflow policy
-is `spill`. Under `prune` those are dropped instead, the least important first
-(importance = router weight × activation norm). Outputs are combined by weighted scatter-add.
+The router has already chosen (T, k) experts and weights per token on the host. Here the S = T·k
+token-expert assignments are sorted by expert once; each expert's assignments are then one slice
+of that order. Each accelerator-resident expert's first C assignments (C = its tier's capacity) are
+packed into its slice of a fixed (G, C, H) group buffer and run as one static graph per group; the
+rest run on the exact CPU path with dynamic shapes: experts the plan keeps on the CPU ("cold"), and
+assignments over capacity when the overflow policy is `spill`. Under `prune` those are dropped
+instead, the least important first (importance = router weight × activation norm). The group graphs
+are submitted to the backend before the CPU work starts, so a backend with a device of its own
+overlaps the two. Every assignment's expert output lands in its row of one (S, H) buffer in token
+order, and the combine is each token's weighted sum of its k rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
+from itertools import accumulate
 
 import torch
-import torch.nn.functional as F
-from transformers.activations import ACT2FN
+
+from .cpu_experts import CpuExperts, Task, run_tasks
 
 OVERFLOW_POLICIES = ("spill", "prune")
 
 GroupGraph = Callable[[torch.Tensor], torch.Tensor]  # (G, C, H) -> (G, C, H)
+GraphCalls = Sequence[tuple[GroupGraph, torch.Tensor]]
+Submit = Callable[[GraphCalls], Future[list[torch.Tensor]]]
+
+
+def run_now(calls: GraphCalls) -> Future[list[torch.Tensor]]:
+    """Run group graphs in the caller's thread, in order; the future is already done."""
+    future: Future[list[torch.Tensor]] = Future()
+    future.set_result([graph(x) for graph, x in calls])
+    return future
 
 
 @dataclass
@@ -57,35 +71,52 @@ class StaticGroup:
     graph: GroupGraph
 
 
-def expert_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-               act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """One gated expert on dynamic rows: (n, H) -> (n, 2I) -> (n, I) -> (n, H)."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(act(gate) * up, down)
+@dataclass(frozen=True)
+class Routed:
+    """One layer call's S = T·k assignments sorted by expert: expert e's run is order[first[e]:][:counts[e]]."""
+
+    k: int
+    order: torch.Tensor  # (S,) assignment ids; assignment t·k + j is token t's j-th choice
+    expert: torch.Tensor  # (S,) each one's expert
+    first: list[int]  # (E,) where each expert's run starts
+    counts: list[int]  # (E,) its length
+
+    @classmethod
+    def sort(cls, top_k_index: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> Routed:
+        sizes = counts.tolist()  # the one host sync of a layer call
+        return cls(k=top_k_index.shape[1], order=order, expert=top_k_index.reshape(-1)[order],
+                   first=[0, *accumulate(sizes[:-1])], counts=sizes)
+
+    @property
+    def token(self) -> torch.Tensor:
+        return self.order // self.k  # (S,)
 
 
 class MoeLayer:
-    """The engine's replacement for one experts module's forward: (T, H) tokens in, (T, H) out."""
+    """The engine's replacement for one experts module's forward: (T, H) tokens in, (T, H) out.
+
+    `submit` starts the group graphs (the backend's, on its device where it has one) and returns a future
+    of their outputs; the CPU work runs meanwhile.
+    """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, *,
-                 groups: list[StaticGroup] | None = None, overflow: str = "spill") -> None:
+                 groups: list[StaticGroup] | None = None, overflow: str = "spill", submit: Submit = run_now) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
-        self.gate_up = gate_up  # (E, 2I, H)
-        self.down = down  # (E, H, I)
-        self.act = ACT2FN[act]
+        self.experts = CpuExperts(gate_up, down, act)
         self.groups = groups or []
         self.overflow = overflow
+        self.submit = submit
         self.loads: list[torch.Tensor] | None = None  # when a list, each call appends its (E,) token counts
-        self._layout()
+        self._layout(gate_up.device)
 
     @property
     def num_experts(self) -> int:
-        return self.gate_up.shape[0]
+        return len(self.experts)
 
-    def _layout(self) -> None:
+    def _layout(self, device: torch.device) -> None:
         """Per-expert lookup tables for packing: every group's buffer lies back to back in one (rows, H)."""
-        E, device = self.num_experts, self.gate_up.device
+        E = self.num_experts
         self.resident = torch.zeros(E, dtype=torch.bool, device=device)
         self.capacity = torch.zeros(E, dtype=torch.long, device=device)
         self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
@@ -114,72 +145,73 @@ class MoeLayer:
         if self.groups:
             y = self._planned(x, top_k_index, top_k_weights, counts)
         else:
-            y = self.exact(x, top_k_index, top_k_weights)
+            y = self.exact(x, top_k_index, top_k_weights, counts)
         if stats is not None:
             self._count(stats, counts)
         return y
 
-    def exact(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def exact(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+              counts: torch.Tensor | None = None) -> torch.Tensor:
         """Every assignment on the exact CPU path (decode steps, and layers without a plan)."""
-        k = top_k_index.shape[1]
-        expert = top_k_index.reshape(-1)  # (S,), S = T·k assignments, token-major
-        order = torch.argsort(expert, stable=True)
-        y = torch.zeros_like(x)  # (T, H)
-        self._exact_into(y, x, order // k, expert[order], top_k_weights.reshape(-1)[order])
-        return y
+        expert = top_k_index.reshape(-1)  # (S,)
+        if counts is None:
+            counts = torch.bincount(expert, minlength=self.num_experts)
+        routed = Routed.sort(top_k_index, torch.argsort(expert, stable=True), counts)
+        out = x.new_empty(expert.numel(), x.shape[1])  # (S, H) each assignment's expert output
+        run_tasks(self._cpu_tasks(out, x, routed, skip=[0] * self.num_experts))
+        return combine(out, top_k_weights)
 
     def _planned(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        k = top_k_index.shape[1]
-        expert = top_k_index.reshape(-1)  # (S,), S = T·k assignments, token-major
-        weight = top_k_weights.reshape(-1)  # (S,)
-
-        # Sort assignments by expert; under prune, the most important first within each expert.
+        H = x.shape[1]
+        expert = top_k_index.reshape(-1)  # (S,)
+        # Sort by expert; under prune, the most important first within each expert.
         if self.overflow == "prune":
-            importance = weight * x.float().norm(dim=-1).repeat_interleave(k)  # (S,)
+            importance = top_k_weights.reshape(-1) * x.float().norm(dim=-1).repeat_interleave(top_k_index.shape[1])
             by_importance = torch.argsort(importance, descending=True, stable=True)
             order = by_importance[torch.argsort(expert[by_importance], stable=True)]
         else:
             order = torch.argsort(expert, stable=True)
-        expert_s, token_s, weight_s = expert[order], order // k, weight[order]  # (S,) each
+        routed = Routed.sort(top_k_index, order, counts)
 
-        first = torch.cumsum(counts, 0) - counts  # (E,) where each expert's run starts in sorted order
-        rank = torch.arange(expert_s.numel(), device=x.device) - first[expert_s]  # (S,) place in its expert's run
-        resident = self.resident[expert_s]  # (S,)
-        static = resident & (rank < self.capacity[expert_s])  # (S,) fits in the expert's buffer slice
-
-        y = torch.zeros_like(x)  # (T, H)
-        self._static_into(y, x, token_s[static], expert_s[static], weight_s[static], rank[static], counts)
-        to_cpu = ~resident if self.overflow == "prune" else ~static  # cold experts, plus spills
-        self._exact_into(y, x, token_s[to_cpu], expert_s[to_cpu], weight_s[to_cpu])
-        return y
-
-    def _static_into(self, y: torch.Tensor, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
-                     weight: torch.Tensor, rank: torch.Tensor, counts: torch.Tensor) -> None:
-        """Pack into the group buffers, run each group with work as one graph, scatter-add back."""
-        H = x.shape[1]
-        slots = self.slot_base[expert] + rank  # (N,) buffer row of each static assignment
+        # Each resident expert's first static_counts[e] assignments go into its buffer slice.
+        static_counts = self._static_per_expert(counts)  # (E,)
+        rank = torch.arange(order.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[routed.expert]
+        static = rank < static_counts[routed.expert]  # (S,)
+        slots = self.slot_base[routed.expert[static]] + rank[static]  # (N,) buffer row of each static assignment
         packed = x.new_zeros(self.rows, H)  # (rows, H): all groups' (G, C, H) buffers; empty slots stay zero
-        packed[slots] = x[token]
-        out = torch.empty_like(packed)
-        for group, rows, work in zip(self.groups, self.group_rows, self._group_work(counts).tolist(), strict=True):
-            if work:
-                out[rows] = group.graph(packed[rows].view(len(group.experts), group.capacity, H)).reshape(-1, H)
-        y.index_add_(0, token, (out[slots] * weight[:, None]).to(y.dtype))
+        packed[slots] = x[routed.token[static]]
+        launched = [g for g, work in enumerate(self._group_work(counts).tolist()) if work]
+        pending = self.submit([(self.groups[g].graph, self._buffer(packed, g)) for g in launched])
 
-    def _exact_into(self, y: torch.Tensor, x: torch.Tensor, token: torch.Tensor, expert: torch.Tensor,
-                    weight: torch.Tensor) -> None:
-        """Exact dynamic-shape expert FFNs on assignments already grouped by expert; scatter-add into y."""
-        if token.numel() == 0:
-            return
-        rows = x[token]  # (N, H), contiguous per expert
-        out = torch.empty_like(rows)
-        experts, sizes = torch.unique_consecutive(expert, return_counts=True)
-        start = 0
-        for e, n in zip(experts.tolist(), sizes.tolist(), strict=True):
-            out[start:start + n] = expert_ffn(rows[start:start + n], self.gate_up[e], self.down[e], self.act)
-            start += n
-        y.index_add_(0, token, (out * weight[:, None]).to(y.dtype))
+        # Meanwhile the CPU runs the rest of every run: cold experts whole, resident ones' overflow under
+        # spill; under prune that overflow is dropped, and its rows of `out` stay zero.
+        out = x.new_zeros(order.numel(), H) if self.overflow == "prune" else x.new_empty(order.numel(), H)
+        skip = counts * self.resident if self.overflow == "prune" else static_counts
+        run_tasks(self._cpu_tasks(out, x, routed, skip=skip.tolist()))
+
+        for g, y in zip(launched, pending.result(), strict=True):
+            packed[self.group_rows[g]] = y.reshape(-1, H)  # the buffer now holds each slot's output
+        out.index_copy_(0, routed.order[static], packed[slots])
+        return combine(out, top_k_weights)
+
+    def _buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
+        """Group g's (G, C, H) view of the packed buffers."""
+        group = self.groups[g]
+        return packed[self.group_rows[g]].view(len(group.experts), group.capacity, packed.shape[1])
+
+    def _cpu_tasks(self, out: torch.Tensor, x: torch.Tensor, routed: Routed, skip: Sequence[int]) -> list[Task]:
+        """One task per expert with CPU work, the longest first. Expert e's task takes the assignments of its
+        run after the first skip[e], and writes out[a] = FFN_e(x[a // k]) for each of them."""
+        token = routed.token  # (S,)
+
+        def task(e: int, lo: int, hi: int) -> Task:
+            return lambda: out.index_copy_(0, routed.order[lo:hi], self.experts(e, x.index_select(0, token[lo:hi])))
+
+        spans = [(routed.first[e] + s, routed.first[e] + n, e)
+                 for e, (n, s) in enumerate(zip(routed.counts, skip, strict=True)) if n > s]
+        spans.sort(key=lambda span: span[0] - span[1])
+        return [task(e, lo, hi) for lo, hi, e in spans]
 
     def _static_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
         """(E,) assignments each expert runs in its group graph."""
@@ -205,3 +237,10 @@ class MoeLayer:
         stats.padding_slots += slots - int(static.sum())
         stats.launches += int(launched.sum())
         stats.expert_launches += int((static > 0).sum())
+
+
+def combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """(T·k, H) expert outputs, token-major, and (T, k) router weights -> (T, H): each token's weighted sum,
+    as a (1, k) x (k, H) matmul per token (accumulated in float32, so a bf16 sum is rounded once)."""
+    T, k = top_k_weights.shape
+    return torch.bmm(top_k_weights.to(out.dtype).view(T, 1, k), out.view(T, k, out.shape[1])).view(T, -1)

@@ -66,7 +66,7 @@ class MoeRuntime:
             groups = [_static_group(backend, module, group.experts, plan.tiers[group.tier])
                       for group in layer_plan.groups if group.residency == "accelerator"] if plan and layer_plan else []
             layer = MoeLayer(module.gate_up_proj, module.down_proj, module.config.hidden_act, groups=groups,
-                             overflow=overflow)
+                             overflow=overflow, submit=backend.submit)
             _ATTACHED[module] = (self, layer)
             self.layers.append(layer)
         self.names = [name for name, _ in experts]

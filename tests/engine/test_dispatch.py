@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from npumoe.engine.backends import get_backend
-from npumoe.engine.dispatch import DispatchStats, MoeLayer, StaticGroup
+from npumoe.engine.cpu_experts import CpuExperts
+from npumoe.engine.dispatch import DispatchStats, GraphCalls, MoeLayer, StaticGroup, run_now
 
 E, H, FFN = 4, 8, 4
 
@@ -31,10 +34,19 @@ def tokens() -> torch.Tensor:
     return x * torch.arange(1, len(ROUTING) + 1, dtype=torch.float32)[:, None]
 
 
-def layer(weights: tuple[torch.Tensor, torch.Tensor], overflow: str, groups=GROUPS) -> MoeLayer:
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two torch threads (the suite runs with one), so the CPU experts are shared out to workers."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def layer(weights: tuple[torch.Tensor, torch.Tensor], overflow: str, groups=GROUPS, submit=run_now) -> MoeLayer:
     gate_up, down = weights
     backend = get_backend("torch-static")
-    return MoeLayer(gate_up, down, "silu", overflow=overflow, groups=[
+    return MoeLayer(gate_up, down, "silu", overflow=overflow, submit=submit, groups=[
         StaticGroup(experts, capacity, backend.build_group(gate_up[list(experts)], down[list(experts)], "silu",
                                                            capacity))
         for experts, capacity in groups])
@@ -111,3 +123,58 @@ def test_an_expert_in_two_groups_is_refused(weights):
 def test_an_unknown_overflow_policy_is_refused(weights):
     with pytest.raises(ValueError, match="overflow must be one of spill, prune"):
         MoeLayer(*weights, "silu", overflow="drop")
+
+
+class RecordedExperts:
+    """A layer's CPU experts, noting each call."""
+
+    def __init__(self, experts: CpuExperts, events: list[str]) -> None:
+        self.experts, self.events = experts, events
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        self.events.append(f"cpu expert {e}")
+        return self.experts(e, x)
+
+
+def test_group_graphs_are_submitted_before_the_cpu_experts_run(weights, tokens, two_threads):
+    events: list[str] = []
+
+    def submit(calls: GraphCalls):
+        events.append(f"submit {len(calls)} graphs")
+        return run_now(calls)
+
+    moe = layer(weights, "spill", submit=submit)
+    moe.experts = RecordedExperts(moe.experts, events)
+    y = moe(tokens, *route())
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
+    # e3 is cold; e0 and e2 spill one assignment each.
+    assert events[0] == "submit 2 graphs" and sorted(events[1:]) == ["cpu expert 0", "cpu expert 2", "cpu expert 3"]
+
+
+def test_the_exact_path_gives_the_same_result_on_one_thread_as_on_two_workers(two_threads):
+    """Skewed routing over many experts in bf16: each expert's rows go through the same single-threaded
+    kernels however the experts are shared out."""
+    g = torch.Generator().manual_seed(2)
+    experts, hidden, ffn, tokens, k = 16, 64, 32, 200, 4
+    gate_up = (torch.randn(experts, 2 * ffn, hidden, generator=g) / hidden**0.5).to(torch.bfloat16)
+    down = (torch.randn(experts, hidden, ffn, generator=g) / ffn**0.5).to(torch.bfloat16)
+    popularity = 1 / torch.arange(1, experts + 1, dtype=torch.float)  # Zipf: expert 0 the busiest
+    index = torch.multinomial(popularity.expand(tokens, -1), k, generator=g)
+    weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(torch.bfloat16)
+    x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
+    moe = MoeLayer(gate_up, down, "silu")
+    on_workers = moe.exact(x, index, weights)
+    torch.set_num_threads(1)
+    assert torch.equal(moe.exact(x, index, weights), on_workers)
+    want = reference(x.float(), (gate_up.float(), down.float()), index.tolist(), weights.float().tolist())
+    assert float((on_workers.float() - want).norm() / want.norm()) < 1e-2
+
+
+def test_a_backend_without_a_device_runs_submitted_graphs_at_once_in_order() -> None:
+    buffers = [torch.ones(2, 4, 8), torch.full((1, 8, 8), 3.0)]
+    pending = get_backend("torch-static").submit([(lambda x: 2 * x, buffers[0]), (lambda x: x + 1, buffers[1])])
+    assert pending.done()
+    assert [r.tolist() for r in pending.result()] == [(2 * buffers[0]).tolist(), (buffers[1] + 1).tolist()]
