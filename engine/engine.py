@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .backends import get_backend
+from .backends import BACKENDS, Backend, get_backend
+from .coreml_backend import COMPUTE_UNITS, CoreMLBackend
 from .dispatch import OVERFLOW_POLICIES, DispatchStats
 from .models import DTYPES, LoadedModel, load_model
 from .plan import ExpertPlan, PlanError
@@ -28,11 +29,13 @@ from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
 from .summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids
 
+BACKEND_NAMES = (*BACKENDS, CoreMLBackend.name)
+
 
 @dataclass(frozen=True)
 class EngineSettings:
     model: str  # local path or Hugging Face id
-    backend: str = "cpu"  # "cpu" | "torch-static"
+    backend: str = "cpu"  # "cpu" | "torch-static" | "coreml"
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
     chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
     overflow: str = "spill"  # "spill" | "prune": what happens to assignments over a tier's capacity
@@ -41,9 +44,17 @@ class EngineSettings:
     trust_remote_code: bool = False
     allow_download: bool = False
     summary_tokens: int = 128  # max new tokens for the summary
+    compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
+    coreml_compute_units: str = "cpu_and_ne"  # "cpu_and_ne" | "all" | "cpu_only" | "cpu_and_gpu"
 
     def __post_init__(self) -> None:
-        get_backend(self.backend)  # raises naming the known backends
+        if self.backend not in BACKEND_NAMES:
+            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
+        if self.backend == CoreMLBackend.name and self.compiled_dir is None:
+            raise ValueError("the coreml backend needs compiled_dir: the folder `npumoed compile` builds graphs in")
+        if self.coreml_compute_units not in COMPUTE_UNITS:
+            raise ValueError(f"coreml_compute_units must be one of {', '.join(COMPUTE_UNITS)}, "
+                             f"got {self.coreml_compute_units!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.dtype not in DTYPES:
@@ -53,6 +64,15 @@ class EngineSettings:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive or None, got {self.threads}")
+
+
+def make_backend(settings: EngineSettings) -> Backend:
+    """The executor `settings` names; Core ML's finds its graphs under `compiled_dir` (off macOS it warns once
+    and runs them with torch-static)."""
+    if settings.backend == CoreMLBackend.name:
+        assert settings.compiled_dir is not None  # checked by the settings
+        return CoreMLBackend(settings.compiled_dir, settings.coreml_compute_units)
+    return get_backend(settings.backend)
 
 
 @dataclass
@@ -93,7 +113,7 @@ class Engine:
         self.settings = settings
         self.loaded = loaded
         self.plan = plan
-        self.runtime = MoeRuntime(loaded.model, get_backend(settings.backend), plan, settings.overflow)
+        self.runtime = MoeRuntime(loaded.model, make_backend(settings), plan, settings.overflow)
         self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)

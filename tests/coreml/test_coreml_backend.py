@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from npumoe.engine import Engine, EngineSettings
 from npumoe.engine.backends import TorchStaticBackend
 from npumoe.engine.coreml_backend import COMPUTE_UNITS, CoreMLBackend
 from npumoe.engine.coreml_cache import build_folder, compiled_groups, weights_fingerprint
@@ -108,3 +109,21 @@ def test_a_coreml_plan_runs_off_macos_with_torch_static_results(tiny_model: Path
         finally:
             runtime.detach()
     torch.testing.assert_close(logits["coreml"], logits["torch-static"], rtol=0, atol=0)
+
+
+@not_macos
+@torch.inference_mode()
+def test_the_engine_builds_the_coreml_backend_from_its_settings_and_falls_back_to_torch_static(
+        tiny_model: Path, coreml_plan: Callable, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path, plan = coreml_plan()
+    static_plan = tmp_path / "static-plan.json"
+    dataclasses.replace(plan, backend="torch-static").save(static_plan)
+    ids = list(range(3, 51))
+    with caplog.at_level(logging.WARNING):
+        coreml = Engine.load(EngineSettings(model=str(tiny_model), backend="coreml", plan=path,
+                                            compiled_dir=tmp_path / "compiled", coreml_compute_units="cpu_only"))
+    assert [r.getMessage() for r in caplog.records if "torch-static instead" in r.getMessage()] != []
+    static = Engine.load(EngineSettings(model=str(tiny_model), backend="torch-static", plan=static_plan))
+    torch.testing.assert_close(coreml.logits(ids), static.logits(ids), rtol=0, atol=0)
+    assert coreml.stats.static > 0  # the plan's groups ran (in torch)
+

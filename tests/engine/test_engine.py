@@ -138,6 +138,8 @@ def test_an_empty_document_is_refused(engine, text):
     ({"dtype": "float16"}, "dtype must be one of float32, bfloat16"),
     ({"chunk_tokens": 0}, "chunk_tokens must be positive"),
     ({"threads": 0}, "threads must be positive"),
+    ({"backend": "coreml"}, "the coreml backend needs compiled_dir"),
+    ({"coreml_compute_units": "gpu_only"}, "coreml_compute_units must be one of cpu_and_ne, all"),
 ])
 def test_bad_settings_are_refused_by_name(folder, change, message):
     with pytest.raises(ValueError, match=message):
