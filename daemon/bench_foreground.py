@@ -168,7 +168,7 @@ def measure(daemon: Daemon, pool: Any, processes: int, work: int, condition: str
     return Run(condition, seconds, daemon.cpu_seconds() - cpu0, tokens1 - tokens0, docs1 - docs0, working)
 
 
-def summarise(runs: list[Run], solo: dict[str, float]) -> dict[str, Any]:
+def summarise(runs: list[Run], solo: dict[str, float], cores: int) -> dict[str, Any]:
     alone = [r for r in runs if r.condition == "alone"]
     with_daemon = [r for r in runs if r.condition != "alone"]
     ratios = [w.seconds / a.seconds for a, w in zip(alone, with_daemon, strict=True)]
@@ -182,6 +182,8 @@ def summarise(runs: list[Run], solo: dict[str, float]) -> dict[str, Any]:
             "tokens_per_s": sum(r.daemon_tokens for r in with_daemon) / busy_s,
             "documents_per_s": sum(r.daemon_documents for r in with_daemon) / busy_s,
             "cpu_seconds_per_s": sum(r.daemon_cpu_seconds for r in with_daemon) / busy_s,
+            # the CPU taken from the foreground at most (cache and memory effects aside)
+            "share_of_all_cores": sum(r.daemon_cpu_seconds for r in with_daemon) / busy_s / cores,
             "runs_started_while_working": sum(r.daemon_working_at_start for r in with_daemon),
         },
         "daemon_alone": solo,
@@ -214,7 +216,8 @@ def show(runs: list[Run], summary: dict[str, Any], processes: int, work: int) ->
                   f"(ratios {min(ratios):.3f} to {max(ratios):.3f}; median alone {summary['median_alone_s']:.3f} s, "
                   f"with the daemon {summary['median_with_daemon_s']:.3f} s)")
     console.print(f"daemon while yielding: {y['tokens_per_s']:.1f} tokens/s, {y['documents_per_s']:.3f} docs/s, "
-                  f"{y['cpu_seconds_per_s']:.3f} CPU s/s; working at the start of "
+                  f"{y['cpu_seconds_per_s']:.3f} CPU s/s ({y['share_of_all_cores']:.1%} of all cores); "
+                  f"working at the start of "
                   f"{y['runs_started_while_working']} of {len(runs) // 2} runs")
     console.print(f"daemon with the machine to itself: {solo['tokens_per_s']:.1f} tokens/s, "
                   f"{solo['documents_per_s']:.3f} docs/s, {solo['cpu_seconds_per_s']:.3f} CPU s/s")
@@ -270,7 +273,7 @@ def foreground(rounds: int, work: int, processes: int | None, copies: int, warmu
                 if daemon.waiting_documents() == 0:
                     click.echo("warning: the daemon ran out of documents; use more --copies", err=True)
         daemon.stop()
-        summary = summarise(runs, solo)
+        summary = summarise(runs, solo, psutil.cpu_count() or 1)
         show(runs, summary, processes, work)
         if json_path is not None:
             from npumoe.engine.machine import describe_machine  # torch: only when a JSON record is asked for

@@ -1,7 +1,4 @@
-"""The commands that manage the daemon as a service: install, uninstall, pause, resume, batch, doctor.
-
-The lead wires them into `npumoed` with `main.add_command(...)` for each of COMMANDS.
-"""
+"""The commands that manage the daemon as a service: install, uninstall, pause, resume, batch, doctor."""
 
 from __future__ import annotations
 
@@ -248,11 +245,4 @@ def _backend_ready(name: str) -> tuple[bool, str]:
         from npumoe.engine.coreml_env import coreml_availability
 
         return coreml_availability()
-    if name == "cuda":
-        import torch
-
-        return (True, torch.cuda.get_device_name(0)) if torch.cuda.is_available() else (False, "no CUDA device")
     return True, "available"
-
-
-COMMANDS = (install, uninstall, pause, resume, batch, doctor)

@@ -95,7 +95,7 @@ class Scheduler:
             return f"thermal pressure is {power.thermal_pressure}"
         load = self.foreground_load()
         if load > c.max_foreground_load:
-            return f"foreground load {load:.0%} > {c.max_foreground_load:.0%}"
+            return f"foreground load {load:.1%} > {c.max_foreground_load:.0%}"
         return ""
 
     def _batch_windows(self, now: datetime, power: PowerState) -> tuple[tuple[str, ...], str]:
