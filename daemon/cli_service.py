@@ -230,12 +230,12 @@ def _energy_check() -> dict[str, str]:
 
 def _backend_checks() -> list[dict[str, str]]:
     """Each backend the config offers: built into the engine here, and able to run on this machine."""
-    from npumoe.engine.backends import BACKENDS  # torch: imported only when asked
+    from npumoe.engine.engine import BACKEND_NAMES  # torch: imported only when asked
 
     choices = next(f for f in dataclasses.fields(ModelConfig) if f.name == "backend").metadata["choices"]
     checks = []
     for name in choices:
-        ok, why = _backend_ready(name) if name in BACKENDS else (False, "not built into this engine yet")
+        ok, why = _backend_ready(name) if name in BACKEND_NAMES else (False, "not built into this engine yet")
         checks.append(_check(f"backend {name}", "ok" if ok else "warn", why))
     return checks
 
