@@ -42,6 +42,7 @@ class StatusSampler:
 
     npumoed: Callable[..., subprocess.CompletedProcess[str]]
     seconds: list[float] = field(default_factory=list)
+    seen: list[str] = field(default_factory=list)  # what each answer said the daemon was doing
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -60,10 +61,19 @@ class StatusSampler:
             answer = self.npumoed("status", "--json", timeout=120)
             self.seconds.append(time.perf_counter() - started)
             try:
-                json.loads(answer.stdout)["daemon"]["state"]
+                daemon = json.loads(answer.stdout)["daemon"]
+                self.seen.append(f"{daemon['state']} {daemon.get('activity') or ''}".strip())
             except (ValueError, KeyError) as e:
+                self.seen.append("no answer")
                 self.errors.append(f"rc {answer.returncode}: {e}: {answer.stderr[-500:]}")
             self._stop.wait(SAMPLE_EVERY_S)
+
+    @property
+    def slowest(self) -> str:
+        if not self.seconds:
+            return "no status answers"
+        seconds, seen = max(zip(self.seconds, self.seen, strict=True))
+        return f"slowest status {seconds:.2f} s, daemon {seen}"
 
 
 def done_count(home: Path) -> int:
@@ -113,7 +123,7 @@ def test_documents_dropped_at_once_or_while_stopped_are_each_processed_exactly_o
     result = audit(home, dropped, originals_moved=True)
     once = sum(job.attempts == 1 for job in result.jobs)
     chaos_figures.add(
-        f"load: {AT_ONCE} at once + {WHILE_STOPPED} while stopped",
+        f"load: {AT_ONCE} at once + {WHILE_STOPPED} while stopped, {sampler.slowest}",
         processed=result.processed,
         duplicates=len(result.duplicates) + (len(result.jobs) - once),  # a second attempt is processing twice
         losses=len(result.losses),
