@@ -43,6 +43,7 @@ class ModelConfig:
     name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
     backend: str = choice("cpu", "torch-static", "coreml")  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
+    coreml_compute_units: str = choice("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")
     chunk_tokens: int = positive(512)
     overflow: str = choice("spill", "prune")
     dtype: str = choice("float32", "bfloat16")

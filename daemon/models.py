@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from npumoe.daemon.config import Config
+from npumoe.daemon.home import Home
 from npumoe.jobs.outputs import temporary_path
 
 if TYPE_CHECKING:
@@ -63,13 +64,13 @@ def demo_model(models_dir: Path) -> Path:
     return target
 
 
-def engine_settings(config: Config, models_dir: Path, *, threads: int | None) -> EngineSettings:
+def engine_settings(config: Config, home: Home, *, threads: int | None) -> EngineSettings:
     """The engine's settings from the config's [model] section, the model name resolved."""
     from npumoe.engine import EngineSettings
 
     m = config.model
     return EngineSettings(
-        model=resolve_model(m.name, models_dir),
+        model=resolve_model(m.name, home.models),
         backend=m.backend,
         plan=Path(m.plan).expanduser() if m.plan else None,
         chunk_tokens=m.chunk_tokens,
@@ -79,6 +80,8 @@ def engine_settings(config: Config, models_dir: Path, *, threads: int | None) ->
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,
         summary_tokens=m.summary_tokens,
+        compiled_dir=home.compiled,
+        coreml_compute_units=m.coreml_compute_units,
     )
 
 
@@ -93,7 +96,7 @@ class ModelSlot:
     """The daemon's one model. `load` (the pipeline's way in) loads it once; `unload_if_idle` lets it go."""
 
     config: Config
-    models_dir: Path
+    home: Home
     threads: int | None = None
     loader: Callable[[EngineSettings], Engine] = load_engine
     clock: Callable[[], float] = time.monotonic
@@ -111,7 +114,7 @@ class ModelSlot:
     @property
     def settings(self) -> EngineSettings:
         if self._settings is None:
-            self._settings = engine_settings(self.config, self.models_dir, threads=self.threads)
+            self._settings = engine_settings(self.config, self.home, threads=self.threads)
         return self._settings
 
     def load(self) -> Engine:

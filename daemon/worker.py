@@ -103,7 +103,7 @@ class Worker:
         self.pid = os.getpid()
         self.inboxes = [Path(p).resolve() for p in inboxes] if inboxes else home.inboxes(config)
         self.folders = Folders(home.outbox, home.processed, home.failed, tuple(self.inboxes))
-        self.model = model or ModelSlot(config, home.models, threads=worker_threads(config.cpu))
+        self.model = model or ModelSlot(config, home, threads=worker_threads(config.cpu))
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take)
         e = config.extract

@@ -13,7 +13,7 @@ from filelock import FileLock
 
 from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
 from npumoe.daemon.home import Home
-from npumoe.daemon.models import ModelSlot
+from npumoe.daemon.models import ModelSlot, engine_settings
 from npumoe.daemon.power import UnknownPowerSource
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
@@ -45,7 +45,7 @@ def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Wor
             cpu=CpuConfig(threads=1, background_priority=False),  # never lower the test runner's own priority
         )
         scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0)
-        model = ModelSlot(config, home.models, loader=loader) if loader else None  # type: ignore[arg-type]
+        model = ModelSlot(config, home, loader=loader) if loader else None  # type: ignore[arg-type]
         return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
 
     return make
@@ -171,7 +171,8 @@ def test_the_model_is_loaded_once_and_unloaded_after_the_idle_timeout(tmp_path: 
     loads: list[LoadedEngine] = []
     clock = FakeClock()
     config = Config(model=ModelConfig(name=str(tmp_path), idle_unload_seconds=300))
-    slot = ModelSlot(config, tmp_path, loader=lambda settings: loads.append(LoadedEngine()) or loads[-1], clock=clock)
+    slot = ModelSlot(config, Home(tmp_path), loader=lambda settings: loads.append(LoadedEngine()) or loads[-1],
+                     clock=clock)
     first = slot.load()
     clock.now += 200
     assert slot.load() is first and len(loads) == 1
@@ -204,3 +205,9 @@ def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFound, match="does not exist"):
         resolve_model(str(tmp_path / "missing"), tmp_path)
     assert resolve_model("Qwen/Qwen3-30B-A3B", tmp_path) == "Qwen/Qwen3-30B-A3B"  # for the engine's HF cache lookup
+
+
+def test_the_coreml_backend_finds_the_graphs_npumoed_compile_built(tmp_path: Path) -> None:
+    config = Config(model=ModelConfig(name=str(tmp_path), backend="coreml", coreml_compute_units="all"))
+    settings = engine_settings(config, Home(tmp_path), threads=1)
+    assert (settings.compiled_dir, settings.coreml_compute_units) == (Home(tmp_path).compiled, "all")
