@@ -15,7 +15,6 @@ import os
 import platform
 import shutil
 import tempfile
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -28,7 +27,7 @@ from .coreml_cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_group
 from .coreml_convert import convert_group
 from .coreml_env import coreml_availability, import_coremltools
 from .cost import CostModel, expert_flops, fit_call_cost
-from .dispatch import GroupGraph
+from .dispatch import GraphCalls, GroupGraph
 from .grouped import from_ane_layout, to_ane_layout
 from .timing import median_seconds
 
@@ -84,10 +83,13 @@ class CoreMLBackend(TorchStaticBackend):
         self.graph_seconds[group.function] = median_seconds(lambda: graph(example))
         return graph
 
-    def submit(self, calls: Sequence[tuple[GroupGraph, torch.Tensor]]) -> Future[list[torch.Tensor]]:
+    def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Run a layer's hot group graphs, in order, on the backend's worker thread, so the caller can run
         the cold experts on the CPU meanwhile. Core ML's Python predict holds the GIL while the Neural
-        Engine works, so the two overlap only inside torch kernels (which release it)."""
+        Engine works, so the two overlap only inside torch kernels (which release it). Without Core ML the
+        graphs run in torch at once: on the CPU they would only compete with the cold experts for cores."""
+        if not self.available:
+            return super().submit(calls)
         return self._worker.submit(lambda: [graph(x) for graph, x in calls])
 
     @torch.inference_mode()

@@ -80,17 +80,21 @@ def test_unfinished_builds_are_never_found(tmp_path: Path) -> None:
     assert compiled_groups(tmp_path, version) == {}
 
 
-def test_submitted_group_graphs_run_in_order_on_the_backends_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("predicts", "thread"), [(True, "coreml"), (False, "MainThread")])
+def test_submitted_group_graphs_run_in_order_on_the_worker_where_core_ml_predicts_else_at_once(
+        tmp_path: Path, predicts: bool, thread: str) -> None:
     ran_on = []
 
     def double(x: torch.Tensor) -> torch.Tensor:
         ran_on.append(threading.current_thread().name)
         return 2 * x
 
+    backend = CoreMLBackend(tmp_path)
+    backend.available = predicts  # the graphs here are plain functions: only where they run is in question
     buffers = [torch.ones(2, 4, 8), torch.full((1, 8, 8), 3.0)]
-    results = CoreMLBackend(tmp_path).submit([(double, b) for b in buffers]).result(timeout=10)
+    results = backend.submit([(double, b) for b in buffers]).result(timeout=10)
     assert [r.tolist() for r in results] == [(2 * b).tolist() for b in buffers]
-    assert all(name.startswith("coreml") for name in ran_on) and len(ran_on) == 2
+    assert len(ran_on) == 2 and all(name.startswith(thread) for name in ran_on)
 
 
 @not_macos
