@@ -14,7 +14,7 @@ import resource
 import sys
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import psutil
 
@@ -61,8 +61,8 @@ class NvmlEnergy:
     It is board energy: it includes every process on the GPU and the GPU's idle draw.
     """
 
-    def __init__(self, library: str = "libnvidia-ml.so.1") -> None:
-        self._nvml = ctypes.CDLL(library)
+    def __init__(self) -> None:
+        self._nvml = ctypes.CDLL("libnvidia-ml.so.1")
         if self._nvml.nvmlInit_v2() != 0:
             raise OSError("nvmlInit failed")
         count = ctypes.c_uint()
@@ -109,39 +109,32 @@ def _platform_name() -> str:
     return "Linux" if sys.platform.startswith("linux") else sys.platform
 
 
-def cpu_seconds(children: bool = True) -> float:
+def cpu_seconds() -> float:
     """User + system CPU seconds of this process (every thread), plus its reaped children."""
-    who = [resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN] if children else [resource.RUSAGE_SELF]
-    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, who))
+    usage = map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return sum(u.ru_utime + u.ru_stime for u in usage)
 
 
 class Meter:
     """Measures a block: `with Meter() as m: ...` then m.cpu_seconds, m.wall_seconds, m.energy_joules."""
 
-    def __init__(self, energy: EnergyCounter | None = None, *, children: bool = True) -> None:
+    def __init__(self, energy: EnergyCounter | None = None) -> None:
         self._energy = energy if energy is not None else system_energy_counter()
-        self._children = children
         self.energy_source = self._energy.description
         self.cpu_seconds = 0.0
         self.wall_seconds = 0.0
         self.energy_joules: float | None = None
 
     def __enter__(self) -> Meter:
-        self._start = (cpu_seconds(self._children), time.perf_counter(), self._energy.read())
+        self._start = (cpu_seconds(), time.perf_counter(), self._energy.read())
         return self
 
     def __exit__(self, *exc: object) -> None:
         cpu, wall, energy = self._start
-        self.cpu_seconds = cpu_seconds(self._children) - cpu
+        self.cpu_seconds = cpu_seconds() - cpu
         self.wall_seconds = time.perf_counter() - wall
         end = self._energy.read()
         self.energy_joules = None if energy is None or end is None else end - energy
-
-    def as_dict(self) -> dict[str, Any]:
-        """The fields meta.json records."""
-        return {"cpu_seconds": round(self.cpu_seconds, 3), "wall_seconds": round(self.wall_seconds, 3),
-                "energy_joules": None if self.energy_joules is None else round(self.energy_joules, 3),
-                "energy_source": self.energy_source}
 
 
 class ForegroundLoad:

@@ -94,7 +94,7 @@ def test_meter_reports_the_energy_a_counter_gives() -> None:
     with Meter(Counter()) as meter:
         pass
     assert meter.energy_joules == 2.5
-    assert meter.as_dict()["energy_source"] == "a fake counter"
+    assert meter.energy_source == "a fake counter"
 
 
 @pytest.mark.skipif(sys.platform == "darwin", reason="macOS measures energy per process")
