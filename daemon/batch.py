@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from datetime import datetime, time, timedelta
 from pathlib import Path
@@ -12,6 +10,7 @@ from typing import Any
 
 from npumoe.daemon.config import WINDOW
 from npumoe.daemon.home import Home
+from npumoe.jobs.outputs import write_file
 from npumoe.jobs.queue import Job, Queue
 from npumoe.jobs.schema import STATES
 
@@ -74,7 +73,8 @@ def write_batch_report(queue: Queue, home: Home, window: str, started: datetime,
         "documents": documents,
     }
     path = home.reports / f"batch-{started:%Y%m%d}-{window.replace(':', '')}.json"
-    _write_atomically(path, json.dumps(report, indent=2) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file(path, (json.dumps(report, indent=2) + "\n").encode("utf-8"))
     return path
 
 
@@ -94,15 +94,3 @@ def job_meta(job: Job) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return meta if isinstance(meta, dict) else {}
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

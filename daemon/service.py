@@ -11,18 +11,19 @@ import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from string import Template
 from xml.sax.saxutils import escape
 
 from npumoe.daemon.home import Home
+from npumoe.jobs.outputs import write_file
 
 LABEL = "io.npumoed.daemon"
 UNIT = "npumoed.service"
-TEMPLATES = Path(__file__).resolve().parent.parent / "launchd"
+TEMPLATES = resources.files("npumoe.launchd")
 
 
 class ServiceError(RuntimeError):
@@ -105,7 +106,8 @@ def carry_out(steps: Sequence[Step], run: Runner = run_command) -> None:
     """Do the steps in order; the first command that must succeed and fails stops with its message."""
     for step in steps:
         if isinstance(step, Write):
-            _write_atomically(step.path, step.text)
+            step.path.parent.mkdir(parents=True, exist_ok=True)
+            write_file(step.path, step.text.encode("utf-8"), mode=0o644)
         elif isinstance(step, Remove):
             step.path.unlink(missing_ok=True)
         else:
@@ -113,19 +115,6 @@ def carry_out(steps: Sequence[Step], run: Runner = run_command) -> None:
             if result.returncode != 0 and step.must_succeed:
                 said = (result.stderr or result.stdout).strip() or f"exit status {result.returncode}"
                 raise ServiceError(f"`{shlex.join(step.argv)}` failed: {said}")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _template(name: str) -> Template:

@@ -65,11 +65,11 @@ def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
     return final
 
 
-def write_file(path: Path, data: bytes) -> Path:
+def write_file(path: Path, data: bytes, *, mode: int = 0o600) -> Path:
     """Write one file under a temporary name and rename it into place."""
     tmp = temporary_path(path.parent, path.name)
     try:
-        _write_durably(tmp, data)
+        _write_durably(tmp, data, mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -123,9 +123,10 @@ def _free_name(folder: Path, name: str) -> Path:
     return target
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+def _write_durably(path: Path, data: bytes, mode: int = 0o600) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     with os.fdopen(fd, "wb") as f:
+        os.fchmod(f.fileno(), mode)  # exactly `mode`, whatever the umask
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
