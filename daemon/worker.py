@@ -120,6 +120,7 @@ class Worker:
         self._wake = threading.Event()
         self._state: dict[str, Any] = {"activity": "starting", "reason": "", "current_job": None}
         self._lost_job: int | None = None
+        self._current: Job | None = None
         self._beat: threading.Thread | None = None
         self._old_handlers: dict[int, Any] = {}
 
@@ -143,7 +144,8 @@ class Worker:
     # -- start and finish -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        for folder in (self.home.root, self.home.outbox, self.home.processed, self.home.failed, self.home.models):
+        for folder in (self.home.root, self.home.outbox, self.home.processed, self.home.failed, self.home.models,
+                       self.home.reports):
             for leftover in remove_leftovers(folder):
                 log.info("removed %s, left by a run that was killed", leftover)
         # Whoever holds the lock is the only worker there is: every running job was left by a dead one.
@@ -230,10 +232,12 @@ class Worker:
     def _work(self, job: Job) -> None:
         log.info("job %d: %s", job.id, job.path)
         self._lost_job = None
+        self._current = job
         self._set("working", "", current_job=job.id)
         try:
             outcome = self.pipeline.process(job)
         finally:
+            self._current = None
             self.model.touch()
             self._set("working", "", current_job=None)
         self.summary.outcomes[outcome.state] += 1
@@ -258,6 +262,9 @@ class Worker:
             if self._lost_job is not None and self._lost_job == self._state["current_job"]:
                 raise Lost
             decision = self._decide()
+            window = self._current.batch_window if self._current else None
+            if window is not None and window not in decision.open_windows:
+                raise Stop(f"its batch window {window} closed")
             if decision.run:
                 if waited:
                     self._set("working", "")

@@ -54,7 +54,10 @@ RETRYABLE_EXTRACTION = frozenset({"timeout", "memory"})
 
 
 class Stop(Exception):
-    """Raised between steps when the worker is shutting down: the job goes back to the queue untouched."""
+    """Raised between steps when the job must wait (shutdown, its batch window closed): it goes back untouched."""
+
+    def __init__(self, why: str = "the daemon is stopping") -> None:
+        super().__init__(why)
 
 
 class Lost(Exception):
@@ -156,9 +159,9 @@ class Pipeline:
         work = temporary_path(self.folders.outbox, f"job{job.id}")
         try:
             return self._process(job, work)
-        except Stop:
+        except Stop as stop:
             self.queue.release(job.id, self.pid)
-            return Outcome(job.id, "queued", "handed back: the daemon is stopping")
+            return Outcome(job.id, "queued", f"handed back: {stop}")
         except ModelUnavailable:
             self.queue.release(job.id, self.pid)
             raise

@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,13 @@ from filelock import FileLock
 
 from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
 from npumoe.daemon.home import Home
+from npumoe.daemon.intake import sha256_of
 from npumoe.daemon.models import ModelSlot, engine_settings
 from npumoe.daemon.power import UnknownPowerSource
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
 from npumoe.jobs.pipeline import ModelUnavailable
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue import BATCH, Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
 
@@ -37,14 +39,16 @@ def queue(home: Home) -> Queue:
 def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
     """A `--once` worker on the tiny model; `loader` stands in for loading the engine."""
 
-    def make(originals: str = "keep", loader: Callable[..., object] | None = None) -> Worker:
+    def make(originals: str = "keep", loader: Callable[..., object] | None = None,
+             clock: Callable[[], datetime] | None = None) -> Worker:
         config = Config(
             inbox=InboxConfig(stable_seconds=0.1, originals=originals),
             model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
             scheduler=SchedulerConfig(poll_seconds=0.1),
             cpu=CpuConfig(threads=1, background_priority=False),  # never lower the test runner's own priority
         )
-        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0)
+        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0,
+                              clock=clock)
         model = ModelSlot(config, home, loader=loader) if loader else None  # type: ignore[arg-type]
         return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
 
@@ -148,6 +152,35 @@ def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_work
     [job] = queue.list()
     assert dict(summary.outcomes) == {"queued": 1}
     assert (job.state, job.attempts) == ("queued", 0)
+    assert list(home.outbox.iterdir()) == []
+
+
+def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
+    queue: Queue, home: Home, make_worker: Callable[..., Worker], tmp_path: Path
+) -> None:
+    document = tmp_path / "archive.md"
+    document.write_text(PARAGRAPH * 40)
+    job, _ = queue.add(document, sha256_of(document), model_key="m", settings_key="s", priority=BATCH,
+                       batch_window="01:00-06:00")
+    now = [datetime(2026, 11, 30, 5, 59)]
+    worker = make_worker(clock=lambda: now[0])
+
+    def close_the_window_mid_document() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            running = queue.list("running")
+            if running and running[0].progress > 0:
+                now[0] = datetime(2026, 11, 30, 6, 1)
+                return
+            time.sleep(0.01)
+
+    closer = threading.Thread(target=close_the_window_mid_document)
+    closer.start()
+    summary = worker.run()
+    closer.join()
+    assert dict(summary.outcomes) == {"queued": 1}
+    after = queue.get(job.id)
+    assert (after.state, after.attempts) == ("queued", 0)
     assert list(home.outbox.iterdir()) == []
 
 
