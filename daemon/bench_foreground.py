@@ -1,6 +1,6 @@
 """Foreground slowdown: a fixed CPU-bound workload on every core, alone and while the daemon works.
 
-    npumoed bench foreground [--rounds 5] [--json FILE]   (or: python -m npumoe.daemon.bench_foreground)
+    npumoed bench foreground [--rounds 5] [--json FILE]
 
 The daemon is a real `npumoed run` process on a temporary home with the default config (the
 built-in demo model, default CPU budget and scheduler), fed with copies of the sample documents.
@@ -291,7 +291,3 @@ def foreground(rounds: int, work: int, processes: int | None, copies: int, warmu
             click.echo(f"kept {home}")
         else:
             shutil.rmtree(home, ignore_errors=True)
-
-
-if __name__ == "__main__":
-    foreground()

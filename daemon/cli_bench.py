@@ -17,6 +17,8 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
+from npumoe.daemon.bench_foreground import foreground
+
 DTYPE_NAMES = ("fp32", "bf16")
 
 _err = Console(stderr=True)
@@ -25,6 +27,9 @@ _err = Console(stderr=True)
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def bench() -> None:
     """Benchmarks: print a table, optionally write JSON with the machine description."""
+
+
+bench.add_command(foreground)
 
 
 def _threads_option(f):

@@ -1,7 +1,7 @@
 """Engine commands: `model make-tiny`, `calibrate` and `plan show`.
 
-The lead wires them into `npumoed` with `main.add_command(...)` for each of COMMANDS. They need
-no home or config (except "demo", the home's built-in model). Torch loads only inside a command.
+They need no home or config (except "demo", the home's built-in model). Torch loads only inside a
+command.
 """
 
 from __future__ import annotations
@@ -136,8 +136,6 @@ def plan_show_command(plan_path: Path, as_json: bool) -> None:
         return
     _show(plan, Console())
 
-
-COMMANDS = (model_group, calibrate_command, plan_group)
 
 
 def _show(plan: ExpertPlan, console: Console) -> None:
