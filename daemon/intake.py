@@ -68,6 +68,10 @@ def _file_digest(path: str) -> str:
 
 def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERACTIVE,
             batch_window: str | None = None) -> tuple[Job, bool]:
+    """Queue one document; a file over `extract.max_mb` is refused before it is read (hashing costs a full read)."""
+    limit = config.extract.max_mb * 2**20
+    if (size := path.lstat().st_size) > limit:
+        raise ValueError(f"it is {size:,} bytes, over the {config.extract.max_mb:g} MB limit (extract.max_mb)")
     model_key, settings_key = job_keys(config)
     sha256 = sha256_of(path)  # first: a link (a looping one too) or a FIFO is refused before it is followed
     where = path.parent.resolve() / path.name  # the folder resolved, never the file itself

@@ -26,7 +26,6 @@ HOSTILE = {
     "zero_bytes": "empty",
     "binary_with_text_extension": "unsupported",
     "encrypted_pdf": "encrypted",
-    "huge_file": "too_large",
 }
 
 
@@ -106,7 +105,8 @@ def test_a_running_daemon_turns_dropped_files_into_outputs_and_bad_ones_into_rea
     made = {}
     for case in HOSTILE:
         make = getattr(hostile_files, case)
-        made[case] = make(inbox, 2**20) if case == "huge_file" else make(inbox)
+        made[case] = make(inbox)
+    huge = hostile_files.huge_file(inbox, 2**20)  # over max_mb: refused before it is even read
     (inbox / "note.txt").write_text(PARAGRAPH)
     assert wait_for(finished(daemon_home, 2 + len(HOSTILE)), timeout=180), daemon.output()
 
@@ -125,6 +125,8 @@ def test_a_running_daemon_turns_dropped_files_into_outputs_and_bad_ones_into_rea
         assert (job["state"], job["error_kind"]) == ("dead", kind), job
         failed = daemon_home / "failed" / Path(job["path"]).name
         assert failed.exists() and job["last_error"] in Path(f"{failed}.error.txt").read_text()
+    assert "over the 0.5 MB limit" in (daemon_home / "failed" / f"{huge.name}.error.txt").read_text()
+    assert huge.name not in by_name
     assert "npumoed running" in status.stdout and "dead (encrypted)" in status.stdout
     after = json.loads(npumoed("status", "--json").stdout)
     assert after["daemon"]["state"] == "stopped" and after["queue"]["done"] == 2

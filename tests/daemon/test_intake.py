@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.daemon.config import Config, ModelConfig
-from npumoe.daemon.intake import is_ignored, iter_documents, job_keys
+from npumoe.daemon.config import Config, ExtractConfig, ModelConfig
+from npumoe.daemon.intake import enqueue, is_ignored, iter_documents, job_keys
+from npumoe.jobs.queue import Queue
 
 
 @pytest.mark.parametrize("name", [".DS_Store", "._report.pdf", "~$draft.docx", "movie.part", "x.crdownload",
@@ -39,3 +40,11 @@ def test_the_demo_model_key_does_not_depend_on_the_current_folder(tmp_path: Path
 def test_settings_that_change_outputs_change_the_key() -> None:
     assert job_keys(Config())[1] != job_keys(Config(model=ModelConfig(overflow="prune")))[1]
     assert job_keys(Config())[1] == job_keys(Config(model=ModelConfig(idle_unload_seconds=5)))[1]
+
+
+def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    huge = tmp_path / "huge.txt"
+    with huge.open("wb") as f:
+        f.truncate(3 * 2**20)  # sparse: nothing to read, only a size
+    with pytest.raises(ValueError, match="over the 2 MB limit"):
+        enqueue(Queue(tmp_path / "q.db"), huge, Config(extract=ExtractConfig(max_mb=2)))

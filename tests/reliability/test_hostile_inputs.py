@@ -22,7 +22,7 @@ from npumoe.jobs.outputs import TMP_PREFIX
 
 # Refused before they are queued: set aside in failed/ with a `.error.txt` that says why.
 REFUSED = {"symlink_outside": "symbolic link", "symlink_loop": "symbolic link", "fifo": "FIFO",
-           "unreadable_file": "permission denied"}
+           "unreadable_file": "permission denied", "huge_file": "MB limit"}
 # Leaves nothing in the inbox: the documents queued by hand, then deleted or rewritten, stand for it.
 NOTHING_TO_SEE = {"deleted_after_seen"}
 READABLE = [case for case, kind in hostile_files.EXPECTED.items() if kind is None]
@@ -81,7 +81,9 @@ def test_an_unprocessable_file_dies_with_its_kind_and_is_set_aside_with_the_reas
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_a_link_fifo_or_unreadable_file_is_refused_with_the_reason_beside_it(hostile: HostileRun, case: str) -> None:
+def test_a_link_fifo_unreadable_or_oversized_file_is_refused_with_the_reason_beside_it(
+    hostile: HostileRun, case: str
+) -> None:
     if case == "unreadable_file" and not hostile.unreadable_enforced:
         pytest.skip("the daemon could read a mode-000 file here (root, and setpriv unavailable): nothing to refuse")
     path = hostile.made[case]
