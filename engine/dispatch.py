@@ -8,12 +8,14 @@ rest run on the exact CPU path with dynamic shapes: experts the plan keeps on th
 assignments over capacity when the overflow policy is `spill`. Under `prune` those are dropped
 instead, the least important first (importance = router weight × activation norm). The group graphs
 are submitted to the backend before the CPU work starts, so a backend with a device of its own
-overlaps the two. Every assignment's expert output lands in its row of one (S, H) buffer in token
-order, and the combine is each token's weighted sum of its k rows.
+overlaps the two. Every assignment's expert output lands in its row of one (S, H) buffer in sorted
+order (an expert's rows are one contiguous slice), and the combine gathers each token's k rows once
+and takes their weighted sum.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
@@ -69,6 +71,27 @@ class StaticGroup:
     experts: tuple[int, ...]
     capacity: int
     graph: GroupGraph
+
+
+class Workspace(threading.local):
+    """Buffers a thread reuses from one layer call to the next. A fresh (S, H) buffer per call costs a page
+    fault per 4 KiB touched (the C allocator maps blocks this large anew each time): about a tenth of a
+    512-token layer call. Each thread holds its largest buffers until it ends."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]."""
+        buffer = self.buffers.get(name)
+        if (buffer is None or buffer.shape[0] < rows or buffer.shape[1] != like.shape[1]
+                or buffer.dtype != like.dtype or buffer.device != like.device):
+            with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
+                buffer = self.buffers[name] = like.new_empty(rows, like.shape[1])
+        return buffer[:rows]
+
+
+_workspace = Workspace()
 
 
 @dataclass(frozen=True)
@@ -157,9 +180,9 @@ class MoeLayer:
         if counts is None:
             counts = torch.bincount(expert, minlength=self.num_experts)
         routed = Routed.sort(top_k_index, torch.argsort(expert, stable=True), counts)
-        out = x.new_empty(expert.numel(), x.shape[1])  # (S, H) each assignment's expert output
+        out = _workspace.get("out", expert.numel(), x)  # (S, H) each assignment's expert output, sorted
         run_tasks(self._cpu_tasks(out, x, routed, skip=[0] * self.num_experts))
-        return combine(out, top_k_weights)
+        return combine(out, routed.order, top_k_weights)
 
     def _planned(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
@@ -179,21 +202,23 @@ class MoeLayer:
         rank = torch.arange(order.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[routed.expert]
         static = rank < static_counts[routed.expert]  # (S,)
         slots = self.slot_base[routed.expert[static]] + rank[static]  # (N,) buffer row of each static assignment
-        packed = x.new_zeros(self.rows, H)  # (rows, H): all groups' (G, C, H) buffers; empty slots stay zero
+        packed = _workspace.get("packed", self.rows, x).zero_()  # (rows, H): every group's (G, C, H) buffer
         packed[slots] = x[routed.token[static]]
         launched = [g for g, work in enumerate(self._group_work(counts).tolist()) if work]
         pending = self.submit([(self.groups[g].graph, self._buffer(packed, g)) for g in launched])
 
         # Meanwhile the CPU runs the rest of every run: cold experts whole, resident ones' overflow under
-        # spill; under prune that overflow is dropped, and its rows of `out` stay zero.
-        out = x.new_zeros(order.numel(), H) if self.overflow == "prune" else x.new_empty(order.numel(), H)
+        # spill; under prune that overflow is dropped, and its rows of `out` (sorted) stay zero.
+        out = _workspace.get("out", order.numel(), x)
+        if self.overflow == "prune":
+            out.zero_()
         skip = counts * self.resident if self.overflow == "prune" else static_counts
         run_tasks(self._cpu_tasks(out, x, routed, skip=skip.tolist()))
 
         for g, y in zip(launched, pending.result(), strict=True):
             packed[self.group_rows[g]] = y.reshape(-1, H)  # the buffer now holds each slot's output
-        out.index_copy_(0, routed.order[static], packed[slots])
-        return combine(out, top_k_weights)
+        out[static] = packed[slots]
+        return combine(out, order, top_k_weights)
 
     def _buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
         """Group g's (G, C, H) view of the packed buffers."""
@@ -202,11 +227,11 @@ class MoeLayer:
 
     def _cpu_tasks(self, out: torch.Tensor, x: torch.Tensor, routed: Routed, skip: Sequence[int]) -> list[Task]:
         """One task per expert with CPU work, the longest first. Expert e's task takes the assignments of its
-        run after the first skip[e], and writes out[a] = FFN_e(x[a // k]) for each of them."""
+        run after the first skip[e]: out[i] = FFN_e(x[token[i]]) for each of their places i in sorted order."""
         token = routed.token  # (S,)
 
         def task(e: int, lo: int, hi: int) -> Task:
-            return lambda: out.index_copy_(0, routed.order[lo:hi], self.experts(e, x.index_select(0, token[lo:hi])))
+            return lambda: out[lo:hi].copy_(self.experts(e, x.index_select(0, token[lo:hi])))
 
         spans = [(routed.first[e] + s, routed.first[e] + n, e)
                  for e, (n, s) in enumerate(zip(routed.counts, skip, strict=True)) if n > s]
@@ -239,8 +264,11 @@ class MoeLayer:
         stats.expert_launches += int((static > 0).sum())
 
 
-def combine(out: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-    """(T·k, H) expert outputs, token-major, and (T, k) router weights -> (T, H): each token's weighted sum,
-    as a (1, k) x (k, H) matmul per token (accumulated in float32, so a bf16 sum is rounded once)."""
+def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """(S, H) expert outputs in sorted order (out[i] belongs to assignment order[i]) and (T, k) router weights
+    -> (T, H): each token's weighted sum, as a (1, k) x (k, H) matmul per token (accumulated in float32, so a
+    bf16 sum is rounded once)."""
     T, k = top_k_weights.shape
-    return torch.bmm(top_k_weights.to(out.dtype).view(T, 1, k), out.view(T, k, out.shape[1])).view(T, -1)
+    # (S, H) token-major: row t·k + j is token t's j-th assignment's output
+    by_token = torch.index_select(out, 0, torch.argsort(order), out=_workspace.get("by_token", len(order), out))
+    return torch.bmm(top_k_weights.to(out.dtype).view(T, 1, k), by_token.view(T, k, -1)).view(T, -1)

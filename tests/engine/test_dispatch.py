@@ -178,3 +178,16 @@ def test_a_backend_without_a_device_runs_submitted_graphs_at_once_in_order() -> 
     pending = get_backend("torch-static").submit([(lambda x: 2 * x, buffers[0]), (lambda x: x + 1, buffers[1])])
     assert pending.done()
     assert [r.tolist() for r in pending.result()] == [(2 * buffers[0]).tolist(), (buffers[1] + 1).tolist()]
+
+
+def test_calls_of_any_size_in_and_out_of_inference_mode_each_give_the_reference(weights, tokens, two_threads):
+    """Layer calls share buffers: a shorter call after a longer one, and one without inference mode after
+    one inside it, must see none of the earlier call."""
+    moe = layer(weights, "spill")
+    for count, mode in ((6, torch.inference_mode), (3, torch.no_grad), (6, torch.no_grad), (2, torch.inference_mode)):
+        routing = route(ROUTING[:count], WEIGHTS[:count])
+        with mode():
+            exact, planned = moe.exact(tokens[:count], *routing), moe(tokens[:count], *routing)
+        want = reference(tokens[:count], weights, ROUTING[:count], WEIGHTS[:count])
+        torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(planned, want, rtol=1e-5, atol=1e-5)
