@@ -105,8 +105,9 @@ class Routed:
     counts: list[int]  # (E,) its length
 
     @classmethod
-    def sort(cls, top_k_index: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> Routed:
-        sizes = counts.tolist()  # the one host sync of a layer call
+    def from_order(cls, top_k_index: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> Routed:
+        """`order` sorts the assignments by expert; counts (E,) are the experts' loads."""
+        sizes = counts.tolist()
         return cls(k=top_k_index.shape[1], order=order, expert=top_k_index.reshape(-1)[order],
                    first=[0, *accumulate(sizes[:-1])], counts=sizes)
 
@@ -179,7 +180,7 @@ class MoeLayer:
         expert = top_k_index.reshape(-1)  # (S,)
         if counts is None:
             counts = torch.bincount(expert, minlength=self.num_experts)
-        routed = Routed.sort(top_k_index, torch.argsort(expert, stable=True), counts)
+        routed = Routed.from_order(top_k_index, torch.argsort(expert, stable=True), counts)
         out = _workspace.get("out", expert.numel(), x)  # (S, H) each assignment's expert output, sorted
         run_tasks(self._cpu_tasks(out, x, routed, skip=[0] * self.num_experts))
         return combine(out, routed.order, top_k_weights)
@@ -195,7 +196,7 @@ class MoeLayer:
             order = by_importance[torch.argsort(expert[by_importance], stable=True)]
         else:
             order = torch.argsort(expert, stable=True)
-        routed = Routed.sort(top_k_index, order, counts)
+        routed = Routed.from_order(top_k_index, order, counts)
 
         # Each resident expert's first static_counts[e] assignments go into its buffer slice.
         static_counts = self._static_per_expert(counts)  # (E,)
@@ -271,4 +272,4 @@ def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor)
     T, k = top_k_weights.shape
     # (S, H) token-major: row t·k + j is token t's j-th assignment's output
     by_token = torch.index_select(out, 0, torch.argsort(order), out=_workspace.get("by_token", len(order), out))
-    return torch.bmm(top_k_weights.to(out.dtype).view(T, 1, k), by_token.view(T, k, -1)).view(T, -1)
+    return torch.bmm(top_k_weights.to(out.dtype).reshape(T, 1, k), by_token.view(T, k, -1)).view(T, -1)
