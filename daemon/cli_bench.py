@@ -307,3 +307,29 @@ def _write_json(path: Path | None, machine: dict, settings: dict, results: list[
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine, "settings": settings, "results": results}, indent=1) + "\n")
     _err.print(f"wrote {path}")
+
+
+@bench.command("queue")
+@click.option("--processes", type=click.IntRange(min=1), default=4, show_default=True,
+              help="OS processes claiming at once.")
+@click.option("--jobs", "n_jobs", type=click.IntRange(min=1), default=2000, show_default=True,
+              help="Jobs in the queue.")
+@click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Fresh queues drained; the median is reported.")
+def queue_bench(processes: int, n_jobs: int, rounds: int) -> None:
+    """Queue claim throughput: processes draining one SQLite queue (claim + complete); duplicates and losses."""
+    import statistics
+    import tempfile
+
+    from npumoe.jobs.claim_bench import run_claim_benchmark
+
+    runs = []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory() as folder:
+            runs.append(run_claim_benchmark(Path(folder) / "queue.db", processes=processes, jobs=n_jobs))
+    table = Table("round", "jobs/s", "seconds", "duplicates", "lost", title=f"{processes} processes × {n_jobs} jobs")
+    for i, run in enumerate(runs, 1):
+        table.add_row(str(i), f"{run.jobs_per_second:,.0f}", f"{run.seconds:.2f}", str(run.duplicates), str(run.lost))
+    Console().print(table)
+    click.echo(f"median {statistics.median(r.jobs_per_second for r in runs):,.0f} jobs/s; "
+               f"duplicates {sum(r.duplicates for r in runs)}, lost {sum(r.lost for r in runs)}")
