@@ -67,3 +67,9 @@ def test_config_show_prints_toml_that_reads_back(home: Path, tmp_path: Path) -> 
     echo = tmp_path / "echo.toml"
     echo.write_text(shown.stdout)
     assert npumoed(home, "--config", str(echo), "config", "show").stdout == shown.stdout
+
+
+def test_the_queue_benchmark_reports_throughput_duplicates_and_losses(home: Path) -> None:
+    result = npumoed(home, "bench", "queue", "--processes", "2", "--jobs", "40", "--rounds", "1")
+    assert result.returncode == 0, result.stderr
+    assert "jobs/s; duplicates 0, lost 0" in result.stdout
