@@ -227,8 +227,10 @@ class MoeLayer:
         return packed[self.group_rows[g]].view(len(group.experts), group.capacity, packed.shape[1])
 
     def _cpu_tasks(self, out: torch.Tensor, x: torch.Tensor, routed: Routed, skip: Sequence[int]) -> list[Task]:
-        """One task per expert with CPU work, the longest first. Expert e's task takes the assignments of its
-        run after the first skip[e]: out[i] = FFN_e(x[token[i]]) for each of their places i in sorted order."""
+        """Tasks for the CPU work, the longest first. Expert e's work is the assignments of its run after the
+        first skip[e]: out[i] = FFN_e(x[token[i]]) for each of their places i in sorted order. It is one task,
+        or several when it is more than a worker's share, so that one hot expert cannot idle the others (each
+        piece reads the expert's weights again, which that many rows amortise)."""
         token = routed.token  # (S,)
 
         def task(e: int, lo: int, hi: int) -> Task:
@@ -236,8 +238,10 @@ class MoeLayer:
 
         spans = [(routed.first[e] + s, routed.first[e] + n, e)
                  for e, (n, s) in enumerate(zip(routed.counts, skip, strict=True)) if n > s]
-        spans.sort(key=lambda span: span[0] - span[1])
-        return [task(e, lo, hi) for lo, hi, e in spans]
+        share = max(1, -(-sum(hi - lo for lo, hi, _ in spans) // torch.get_num_threads()))
+        pieces = [(start, min(start + share, hi), e) for lo, hi, e in spans for start in range(lo, hi, share)]
+        pieces.sort(key=lambda piece: piece[0] - piece[1])
+        return [task(e, lo, hi) for lo, hi, e in pieces]
 
     def _static_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
         """(E,) assignments each expert runs in its group graph."""

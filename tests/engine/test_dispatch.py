@@ -130,12 +130,14 @@ class RecordedExperts:
 
     def __init__(self, experts: CpuExperts, events: list[str]) -> None:
         self.experts, self.events = experts, events
+        self.rows: list[tuple[int, int]] = []  # (expert, rows) per call
 
     def __len__(self) -> int:
         return len(self.experts)
 
     def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
         self.events.append(f"cpu expert {e}")
+        self.rows.append((e, x.shape[0]))
         return self.experts(e, x)
 
 
@@ -191,3 +193,17 @@ def test_calls_of_any_size_in_and_out_of_inference_mode_each_give_the_reference(
         want = reference(tokens[:count], weights, ROUTING[:count], WEIGHTS[:count])
         torch.testing.assert_close(exact, want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(planned, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_expert_with_more_than_a_workers_share_of_the_rows_is_split_between_workers(weights, two_threads):
+    tokens = torch.randn(40, H, generator=torch.Generator().manual_seed(3))
+    routing = [(0, 1 + t % 3) for t in range(40)]  # e0 holds half of the 80 assignments
+    moe = MoeLayer(*weights, "silu")
+    moe.experts = recorded = RecordedExperts(moe.experts, [])
+    y = moe(tokens, *route(routing, [(0.7, 0.3)] * 40))
+    torch.testing.assert_close(y, reference(tokens, weights, routing, [(0.7, 0.3)] * 40), rtol=1e-5, atol=1e-5)
+    assert sorted(n for e, n in recorded.rows if e == 0) == [40]  # two workers: a share is 40 rows
+    torch.set_num_threads(3)  # a share is 27 rows
+    recorded.rows.clear()
+    moe(tokens, *route(routing, [(0.7, 0.3)] * 40))
+    assert sorted(n for e, n in recorded.rows if e == 0) == [13, 27]
