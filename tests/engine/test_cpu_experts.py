@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -104,3 +107,23 @@ def test_tasks_run_in_the_callers_autograd_mode(threads):
     with torch.no_grad():
         run_tasks([record, record])
     assert modes == [(True, False)] * 2 + [(False, False)] * 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_runs_tasks_on_workers_of_its_own(threads):
+    run_tasks([lambda: None] * threads)  # the parent's workers exist
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's worker threads did not come along
+        done: list[int] = []
+        try:
+            run_tasks([lambda i=i: done.append(i) for i in range(4)])
+        finally:
+            os._exit(0 if sorted(done) == [0, 1, 2, 3] else 1)
+    deadline = time.monotonic() + 10
+    while (waited := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if waited == (0, 0):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the child hung waiting for workers it does not have")
+    assert os.waitstatus_to_exitcode(waited[1]) == 0
