@@ -34,18 +34,20 @@ def random_experts(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, to
                                                                            / FFN**0.5).to(dtype)
 
 
-def gated_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+def gated_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, down)
+    return F.linear((F.silu(gate) if act == "silu" else F.gelu(gate)) * up, down)
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(dtype):
+def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(dtype, act):
     gate_up, down = random_experts(dtype)
-    experts = CpuExperts(gate_up, down, "silu")
+    experts = CpuExperts(gate_up, down, act)
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     for e, rows in ((0, 1), (1, 5), (3, 37)):
-        torch.testing.assert_close(experts(e, x[:rows]), gated_ffn(x[:rows], gate_up[e], down[e]), **TOLERANCE[dtype])
+        torch.testing.assert_close(experts(e, x[:rows]), gated_ffn(x[:rows], gate_up[e], down[e], act),
+                                   **TOLERANCE[dtype])
 
 
 @pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 matmul")
