@@ -9,16 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from coreml_compare import logits_by_backend
 
 from npumoe.engine import Engine, EngineSettings
-from npumoe.engine.backends import TorchStaticBackend
 from npumoe.engine.coreml_backend import COMPUTE_UNITS, CoreMLBackend
 from npumoe.engine.coreml_cache import build_folder, compiled_groups, weights_fingerprint
 from npumoe.engine.coreml_convert import GroupGraph, build_packages
 from npumoe.engine.coreml_env import coreml_availability, import_coremltools
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.models import load_model
-from npumoe.engine.runtime import MoeRuntime
 
 not_macos = pytest.mark.skipif(sys.platform == "darwin", reason="describes a machine without Core ML prediction")
 
@@ -104,14 +103,7 @@ def test_a_coreml_plan_runs_off_macos_with_torch_static_results(tiny_model: Path
     loaded = load_model(tiny_model)
     _, plan = coreml_plan()
     ids = torch.randint(0, loaded.model.config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
-    logits = {}
-    for backend, backend_plan in ((CoreMLBackend(tmp_path), plan),
-                                  (TorchStaticBackend(), dataclasses.replace(plan, backend="torch-static"))):
-        runtime = MoeRuntime(loaded.model, backend, backend_plan)
-        try:
-            logits[backend.name] = loaded.model(ids).logits
-        finally:
-            runtime.detach()
+    logits = logits_by_backend(loaded, plan, tmp_path, ids)
     torch.testing.assert_close(logits["coreml"], logits["torch-static"], rtol=0, atol=0)
 
 

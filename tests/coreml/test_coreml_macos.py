@@ -4,13 +4,13 @@ Core ML predicts only on macOS 15+ with its native bindings, so these tests are 
 skipped elsewhere; they have not been run on the project's own (Linux) machines.
 """
 
-import dataclasses
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from coreml_compare import logits_by_backend
 
 from npumoe.engine.backends import TorchStaticBackend
 from npumoe.engine.coreml_backend import CoreMLBackend, CoreMLGroupGraph
@@ -18,7 +18,6 @@ from npumoe.engine.coreml_cache import build_folder
 from npumoe.engine.coreml_convert import build_packages, plan_digest, plan_group_graphs
 from npumoe.engine.coreml_env import coreml_availability, import_coremltools
 from npumoe.engine.models import load_model, moe_experts
-from npumoe.engine.runtime import MoeRuntime
 
 pytestmark = [pytest.mark.macos, pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predicts only on macOS")]
 
@@ -64,14 +63,7 @@ def test_each_group_graph_agrees_with_torch_static(compiled: tuple) -> None:
 def test_model_logits_agree_between_coreml_and_torch_static(compiled: tuple) -> None:
     loaded, plan, root = compiled
     ids = torch.randint(0, loaded.model.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(1))
-    logits = {}
-    for backend, backend_plan in ((CoreMLBackend(root), plan),
-                                  (TorchStaticBackend(), dataclasses.replace(plan, backend="torch-static"))):
-        runtime = MoeRuntime(loaded.model, backend, backend_plan)
-        try:
-            logits[backend.name] = loaded.model(ids).logits
-        finally:
-            runtime.detach()
+    logits = logits_by_backend(loaded, plan, root, ids)
     error = (logits["coreml"] - logits["torch-static"]).norm() / logits["torch-static"].norm()
     assert error < 1e-2  # fp16 expert graphs against fp32 ones
 

@@ -132,21 +132,28 @@ def test_a_pause_holds_the_work_and_says_why_until_resumed(
     assert dict(summary.outcomes) == {"done": 1}
 
 
-def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_worker: Callable[..., Worker]) -> None:
-    (home.inbox / "long.md").write_text(PARAGRAPH * 40)
-    worker = make_worker()
+def mid_document(queue: Queue, action: Callable[[], None]) -> threading.Thread:
+    """A thread that does `action` once the running job has made progress (within 60 s)."""
 
-    def stop_mid_document() -> None:
+    def watch() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             running = queue.list("running")
             if running and running[0].progress > 0:
-                worker.stop()
+                action()
                 return
             time.sleep(0.01)
 
-    stopper = threading.Thread(target=stop_mid_document)
-    stopper.start()
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
+def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_worker: Callable[..., Worker]) -> None:
+    (home.inbox / "long.md").write_text(PARAGRAPH * 40)
+    worker = make_worker()
+
+    stopper = mid_document(queue, worker.stop)
     summary = worker.run()
     stopper.join()
     [job] = queue.list()
@@ -165,17 +172,7 @@ def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
     now = [datetime(2026, 11, 30, 5, 59)]
     worker = make_worker(clock=lambda: now[0])
 
-    def close_the_window_mid_document() -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            running = queue.list("running")
-            if running and running[0].progress > 0:
-                now[0] = datetime(2026, 11, 30, 6, 1)
-                return
-            time.sleep(0.01)
-
-    closer = threading.Thread(target=close_the_window_mid_document)
-    closer.start()
+    closer = mid_document(queue, lambda: now.__setitem__(0, datetime(2026, 11, 30, 6, 1)))
     summary = worker.run()
     closer.join()
     assert dict(summary.outcomes) == {"queued": 1}

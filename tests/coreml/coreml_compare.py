@@ -1,0 +1,29 @@
+"""Running one tiny model's plan through the coreml backend and through torch-static, to compare them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from npumoe.engine.backends import TorchStaticBackend
+from npumoe.engine.coreml_backend import CoreMLBackend
+from npumoe.engine.models import LoadedModel
+from npumoe.engine.plan import ExpertPlan
+from npumoe.engine.runtime import MoeRuntime
+
+
+@torch.inference_mode()
+def logits_by_backend(loaded: LoadedModel, plan: ExpertPlan, compiled: Path,
+                      ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's logits with `plan` run by the coreml backend (graphs under `compiled`) and by torch-static."""
+    logits = {}
+    for backend, backend_plan in ((CoreMLBackend(compiled), plan),
+                                  (TorchStaticBackend(), dataclasses.replace(plan, backend="torch-static"))):
+        runtime = MoeRuntime(loaded.model, backend, backend_plan)
+        try:
+            logits[backend.name] = loaded.model(ids).logits
+        finally:
+            runtime.detach()
+    return logits
