@@ -1,10 +1,11 @@
 """The exact CPU expert path: each expert's rows through its own FFN, experts run side by side.
 
 Two choices make it fast on a CPU:
-- Weights are packed once, when the layer is built, into the blocked layout oneDNN's matmul reads
-  directly; a plain weight is re-laid out by every call, which made the experts' matmuls up to twice
-  as slow (measured on an AVX512-BF16 CPU). Where torch has no oneDNN kernel for the dtype, plain
-  `F.linear` runs instead. The packed weights are a copy: the model keeps its own.
+- Weights are packed once, when the layer is built, into the layout the matmul kernel reads in order.
+  On x86-64 with AVX512-BF16, bf16 experts run the engine's own kernel (bf16_linear), which streams an
+  expert's weights faster than oneDNN at the few dozen rows an expert sees; other x86 CPUs use oneDNN's
+  packed layout (a plain weight is re-laid out by every call, up to twice as slow); elsewhere (Arm:
+  Apple's Accelerate) plain `F.linear` is the fast path. Packed weights are a copy: the model keeps its own.
 - Cores split the experts, not each matmul: every worker thread runs whole experts single-threaded.
   One worker takes the heaviest expert left, the next the lightest, so compute-bound heavy experts
   run beside memory-bound light ones; and a layer waits for its workers once instead of once per
@@ -23,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
+from . import bf16_linear
+
 Task = Callable[[], object]  # run for its effect; what it returns is dropped
 
 # x86 vector extensions torch reports; elsewhere (Arm: Apple's Accelerate) plain F.linear is the fast path.
@@ -36,34 +39,65 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-class CpuExperts:
-    """E gated expert FFNs on dynamic rows, weights in the layout this CPU's matmul wants.
+KERNELS = ("npumoe-bf16", "onednn", "torch")
 
-    gate_up: (E, 2I, H), the gate rows first; down: (E, H, I). Packed weights are a copy, plain ones views.
+
+def kernel_for(*weights: torch.Tensor) -> str:
+    """The fastest matmul kernel here for (…, N, K) weights of one dtype and device: one of KERNELS."""
+    w = weights[0]
+    if w.device.type != "cpu":
+        return "torch"
+    if (w.dtype == torch.bfloat16 and all(bf16_linear.supports(*v.shape[-2:]) for v in weights)
+            and bf16_linear.unavailable() is None):
+        return "npumoe-bf16"
+    return "onednn" if packs(w.dtype) else "torch"
+
+
+class PackedLinear:
+    """y = x · wᵀ for one (N, K) weight, held in the layout `kernel` reads (a copy, except for plain torch)."""
+
+    def __init__(self, w: torch.Tensor, kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+        self.kernel = kernel
+        with torch.no_grad():
+            if kernel == "npumoe-bf16":
+                self.weight = bf16_linear.pack(w)
+            elif kernel == "onednn":
+                self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+            else:
+                self.weight = w
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, K) -> (n, N), written into `out` when given."""
+        if self.kernel == "npumoe-bf16":
+            return bf16_linear.linear(x, self.weight, out)
+        if self.kernel == "onednn":
+            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
+        else:
+            y = F.linear(x, self.weight)
+        return y if out is None else out.copy_(y)
+
+
+class CpuExperts:
+    """E gated expert FFNs on dynamic rows, weights in the layout this CPU's matmul kernel reads.
+
+    gate_up: (E, 2I, H), the gate rows first; down: (E, H, I).
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> None:
         self.act = ACT2FN[act]
-        self.packed = gate_up.device.type == "cpu" and packs(gate_up.dtype)
-        with torch.no_grad():
-            self.gate_up = [self._weight(w) for w in gate_up.detach()]
-            self.down = [self._weight(w) for w in down.detach()]
+        self.kernel = kernel_for(gate_up, down)
+        self.gate_up = [PackedLinear(w, self.kernel) for w in gate_up.detach()]
+        self.down = [PackedLinear(w, self.kernel) for w in down.detach()]
 
     def __len__(self) -> int:
         return len(self.gate_up)
 
-    def __call__(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        """(n, H) rows through expert `expert`: (n, 2I) -> (n, I) -> (n, H)."""
-        gate, up = self._linear(x, self.gate_up[expert]).chunk(2, dim=-1)
-        return self._linear(self.act(gate).mul_(up), self.down[expert])
-
-    def _weight(self, w: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._reorder_linear_weight(w.contiguous()) if self.packed else w
-
-    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
-        return F.linear(x, w)
+    def __call__(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, H) rows through expert `expert`: (n, 2I) -> (n, I) -> (n, H), written into `out` when given."""
+        gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
+        return self.down[expert](self.act(gate).mul_(up), out)
 
 
 class Workers:

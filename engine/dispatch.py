@@ -234,7 +234,7 @@ class MoeLayer:
         token = routed.token  # (S,)
 
         def task(e: int, lo: int, hi: int) -> Task:
-            return lambda: out[lo:hi].copy_(self.experts(e, x.index_select(0, token[lo:hi])))
+            return lambda: self.experts(e, x.index_select(0, token[lo:hi]), out=out[lo:hi])
 
         spans = [(routed.first[e] + s, routed.first[e] + n, e)
                  for e, (n, s) in enumerate(zip(routed.counts, skip, strict=True)) if n > s]

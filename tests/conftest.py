@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Compiled kernels go to a folder of this run's, not the user's cache; set before collection, which
+    asks whether the kernel builds, and inherited by every child process."""
+    os.environ["NPUMOE_CACHE"] = tempfile.mkdtemp(prefix="npumoe-test-cache-")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(os.environ.pop("NPUMOE_CACHE", ""), ignore_errors=True)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from npumoe.engine import bf16_linear
 from npumoe.engine.cpu_experts import CpuExperts, packs, run_tasks
 
 E, H, FFN = 4, 64, 32
@@ -45,15 +46,28 @@ def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(dtype, act):
     gate_up, down = random_experts(dtype)
     experts = CpuExperts(gate_up, down, act)
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = torch.zeros(40, H, dtype=dtype)
     for e, rows in ((0, 1), (1, 5), (3, 37)):
-        torch.testing.assert_close(experts(e, x[:rows]), gated_ffn(x[:rows], gate_up[e], down[e], act),
-                                   **TOLERANCE[dtype])
+        expected = gated_ffn(x[:rows], gate_up[e], down[e], act)
+        torch.testing.assert_close(experts(e, x[:rows]), expected, **TOLERANCE[dtype])
+        experts(e, x[:rows], out=out[2:2 + rows])  # straight into rows of a larger buffer
+        torch.testing.assert_close(out[2:2 + rows], expected, **TOLERANCE[dtype])
+    assert not out[:2].any() and not out[39:].any()
+
+
+@pytest.mark.skipif(bf16_linear.unavailable() is not None, reason=f"no bf16 kernel: {bf16_linear.unavailable()}")
+def test_bf16_experts_run_the_engines_kernel_where_it_builds_and_the_cpu_has_avx512_bf16():
+    experts = CpuExperts(*random_experts(torch.bfloat16), "silu")
+    assert experts.kernel == "npumoe-bf16"
+    assert all(w.weight.shape == (1, H // 2, 64, 2) for w in experts.gate_up)  # (2I/64, H/2, 64, 2)
 
 
 @pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 matmul")
-def test_bf16_weights_are_held_in_onednn_layout_on_a_cpu_with_bf16_matmuls():
-    experts = CpuExperts(*random_experts(torch.bfloat16), "silu")
-    assert experts.packed and all(w.is_mkldnn for w in experts.gate_up + experts.down)
+def test_bf16_weights_the_kernel_cannot_take_are_held_in_onednn_layout():
+    gate_up, down = random_experts(torch.bfloat16)
+    experts = CpuExperts(gate_up[:, :48], down[:, :, :24], "silu")  # 2I = 48: not whole blocks of 64 columns
+    assert experts.kernel == "onednn"
+    assert all(w.weight.is_mkldnn for w in experts.gate_up + experts.down)
 
 
 def test_tasks_run_once_each_on_worker_threads_of_one_torch_thread(threads):

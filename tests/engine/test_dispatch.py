@@ -135,10 +135,10 @@ class RecordedExperts:
     def __len__(self) -> int:
         return len(self.experts)
 
-    def __call__(self, e: int, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, e: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         self.events.append(f"cpu expert {e}")
         self.rows.append((e, x.shape[0]))
-        return self.experts(e, x)
+        return self.experts(e, x, out)
 
 
 def test_group_graphs_are_submitted_before_the_cpu_experts_run(weights, tokens, two_threads):
