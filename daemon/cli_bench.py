@@ -276,7 +276,9 @@ def _note(row: dict) -> str:
         return f"[red]{row['status']}[/red]"
     if row["status"] == "approximate":
         return "approximate: prunes"
-    return f"{row['bound']}-bound" if "bound" in row else ""
+    if "bound" not in row:
+        return ""
+    return f"{row['bound']}-bound" + (f" ({row['compute_kernel']})" if row["bound"] == "compute" else "")
 
 
 def _number(value: float | None) -> str:

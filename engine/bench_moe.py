@@ -98,7 +98,8 @@ def _bench_case(model: PreTrainedModel, geometry: Geometry, prior: torch.Tensor,
                             experts_touched=int(index.unique().numel()), dtype=dtype, bandwidth=bandwidth,
                             warmup=settings.warmup, repeats=settings.repeats)
     rows.append({"impl": "roofline", "status": "ok", "seconds": roofline.seconds,
-                 "tokens_per_s": tokens / roofline.seconds, "bound": roofline.bound, "flops": roofline.flops,
+                 "tokens_per_s": tokens / roofline.seconds, "bound": roofline.bound,
+                 "compute_kernel": roofline.compute_kernel, "flops": roofline.flops,
                  "weight_bytes": roofline.weight_bytes, "compute_s": roofline.compute_s,
                  "memory_s": roofline.memory_s})
     return add_ratios(rows, baseline="roofline")

@@ -2,21 +2,25 @@
 
 Two floors, both measured here rather than taken from a datasheet:
 - compute: the layer's active FLOPs (2·T·k·3·H·I: gate, up and down projections of every routed
-  token) run as one dense matmul of the same FLOPs at the same dtype, the best shape the BLAS gets;
+  token) run as one dense matmul of the same FLOPs at the same dtype, the best shape a matmul gets,
+  timed on every kernel this machine has (torch's, and the engine's own where it runs) and the fastest kept;
 - memory: the bytes of the expert weights the routing touches, read once at the measured bandwidth.
 The roofline time is the larger of the two.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .cpu_experts import PackedLinear, kernel_for, run_tasks
 from .timing import median_seconds
 
-MODEL = ("roofline = max(active FLOPs 2·T·k·3·H·I timed as one dense (T·k, H) x (H, 3I) matmul, "
+MODEL = ("roofline = max(active FLOPs 2·T·k·3·H·I timed as one dense (T·k, H) x (H, 3I) matmul on the fastest "
+         "kernel here, "
          "touched expert-weight bytes / measured copy bandwidth)")
 
 
@@ -26,6 +30,7 @@ class Roofline:
     weight_bytes: int
     compute_s: float
     memory_s: float
+    compute_kernel: str  # the kernel that ran the dense matmul fastest
 
     @property
     def seconds(self) -> float:
@@ -49,7 +54,20 @@ def moe_roofline(*, tokens: int, top_k: int, hidden: int, ffn: int, experts_touc
                          f"hidden={hidden}, ffn={ffn}, experts_touched={experts_touched}, bandwidth={bandwidth}")
     x = torch.randn(tokens * top_k, hidden).to(dtype)  # every routed (token, expert) row
     w = torch.randn(3 * ffn, hidden).to(dtype)  # gate, up and down of one expert, as one (3I, H) weight
-    compute_s = median_seconds(lambda: F.linear(x, w), warmup=warmup, repeats=repeats)
+    times = {kernel: median_seconds(matmul, warmup=warmup, repeats=repeats)
+             for kernel, matmul in dense_matmuls(x, w).items()}
+    compute_kernel = min(times, key=times.__getitem__)
     weight_bytes = experts_touched * 3 * hidden * ffn * w.element_size()
     return Roofline(flops=active_flops(tokens, top_k, hidden, ffn), weight_bytes=weight_bytes,
-                    compute_s=compute_s, memory_s=weight_bytes / bandwidth)
+                    compute_s=times[compute_kernel], memory_s=weight_bytes / bandwidth, compute_kernel=compute_kernel)
+
+
+def dense_matmuls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """x · wᵀ on each kernel available here, every one using all of torch's threads."""
+    matmuls: dict[str, Callable[[], object]] = {"torch": lambda: F.linear(x, w)}
+    kernel = kernel_for(w)
+    if kernel != "torch":  # the experts' packed kernel, its rows shared out to the workers as experts are
+        packed = PackedLinear(w, kernel)
+        parts = x.chunk(torch.get_num_threads())
+        matmuls[kernel] = lambda: run_tasks([lambda part=part: packed(part) for part in parts])
+    return matmuls
