@@ -151,7 +151,7 @@ def doctor(app: App, as_json: bool) -> None:
     Exits 1 when a check fails.
     """
     checks = [_service_check(), *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
-              _power_check(), _load_check(), _cpu_check(app), _energy_check(), *_backend_checks()]
+              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), *_backend_checks()]
     if as_json:
         emit_json({"checks": checks})
     else:
@@ -226,6 +226,17 @@ def _energy_check() -> dict[str, str]:
     counter = system_energy_counter()
     measurable = counter.read() is not None
     return _check("energy", "ok" if measurable else "warn", counter.description)
+
+
+def _kernel_check() -> dict[str, str]:
+    """Which matmul the CPU experts run in bf16: the engine's kernel where it builds, else torch's."""
+    from npumoe.engine import bf16_linear
+
+    why = bf16_linear.unavailable()
+    if why is None:
+        return _check("cpu kernel", "ok", "bf16 experts run the engine's AVX512-BF16 kernel")
+    # Off x86-64 torch's own matmul is the right one; on x86-64 a missing compiler costs speed.
+    return _check("cpu kernel", "warn" if "x86-64" not in why else "ok", f"bf16 experts run torch's matmul: {why}")
 
 
 def _backend_checks() -> list[dict[str, str]]:

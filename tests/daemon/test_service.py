@@ -220,7 +220,7 @@ def test_doctor_reports_every_area(home: Path) -> None:
     assert result.exit_code == 0, checks
     assert checks[f"inbox {home / 'inbox'}"]["status"] == "ok"
     backends = next(f for f in dataclasses.fields(ModelConfig) if f.name == "backend").metadata["choices"]
-    assert {"power state", "foreground load", "CPU budget", "energy",
+    assert {"power state", "foreground load", "CPU budget", "energy", "cpu kernel",
             *(f"backend {name}" for name in backends)} <= checks.keys()
     assert any(name.startswith("service") for name in checks)
     assert checks["backend cpu"]["status"] == "ok"
