@@ -268,7 +268,7 @@ def results_table(rows: Sequence[dict], title: str, baseline: str | None = None)
 
 def _console() -> Console:
     """Wide enough for the tables when the output is a file or a pipe (a terminal sets its own width)."""
-    return Console(width=None if sys.stdout.isatty() else 150)
+    return Console(width=None if sys.stdout.isatty() else 170)
 
 
 def _note(row: dict) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from . import bf16_linear
 from .timing import median_seconds
 
 # CPU features that decide how fast bf16 matmuls can run on x86 (AVX512-BF16 dot products, AMX tiles).
@@ -38,6 +39,7 @@ def describe_machine(threads: int, *, bandwidth_bytes: int = BANDWIDTH_BYTES) ->
         "mkldnn": torch.backends.mkldnn.is_available(),
         "mkldnn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "bf16_cpu_flags": [flag for flag in BF16_FLAGS if flag in cpu_flags()],
+        "npumoe_bf16_kernel": bf16_linear.unavailable() or "available",
         "copy_bandwidth_gbps": round(copy_bandwidth(bandwidth_bytes) / 1e9, 2),
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npumoe.engine import bf16_linear
 from npumoe.engine.machine import copy_bandwidth, describe_machine
 from npumoe.engine.timing import median_seconds
 
@@ -16,6 +17,7 @@ def test_the_machine_description_names_cpu_memory_torch_build_and_measured_bandw
     assert machine["torch"] == torch.__version__
     assert machine["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert isinstance(machine["mkldnn_bf16"], bool) and isinstance(machine["bf16_cpu_flags"], list)
+    assert machine["npumoe_bf16_kernel"] == (bf16_linear.unavailable() or "available")
     assert machine["copy_bandwidth_gbps"] > 0
 
 
