@@ -90,6 +90,11 @@ class CpuExperts:
         self.kernel = kernel_for(gate_up, down)
         self.gate_up = [PackedLinear(w, self.kernel) for w in gate_up.detach()]
         self.down = [PackedLinear(w, self.kernel) for w in down.detach()]
+        self._source = _identity(gate_up, down)
+
+    def packed_from(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        """Whether these are the very weights this was packed from, unchanged since."""
+        return self._source == _identity(gate_up, down)
 
     def __len__(self) -> int:
         return len(self.gate_up)
@@ -98,6 +103,13 @@ class CpuExperts:
         """(n, H) rows through expert `expert`: (n, 2I) -> (n, I) -> (n, H), written into `out` when given."""
         gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
         return self.down[expert](self.act(gate).mul_(up), out)
+
+
+def _identity(*weights: torch.Tensor) -> tuple:
+    """Where each weight lives and how often it has been written to in place (torch counts that, except for
+    tensors made in inference mode, which can be written only inside it)."""
+    return tuple((w.data_ptr(), w.shape, w.stride(), w.dtype, 0 if w.is_inference() else w._version)
+                 for w in weights)
 
 
 class Workers:

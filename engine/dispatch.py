@@ -120,14 +120,16 @@ class MoeLayer:
     """The engine's replacement for one experts module's forward: (T, H) tokens in, (T, H) out.
 
     `submit` starts the group graphs (the backend's, on its device where it has one) and returns a future
-    of their outputs; the CPU work runs meanwhile.
+    of their outputs; the CPU work runs meanwhile. `experts`: these weights already packed for the CPU,
+    where the caller holds them.
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, *,
-                 groups: list[StaticGroup] | None = None, overflow: str = "spill", submit: Submit = run_now) -> None:
+                 groups: list[StaticGroup] | None = None, overflow: str = "spill", submit: Submit = run_now,
+                 experts: CpuExperts | None = None) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
-        self.experts = CpuExperts(gate_up, down, act)
+        self.experts = experts if experts is not None else CpuExperts(gate_up, down, act)
         self.groups = groups or []
         self.overflow = overflow
         self.submit = submit

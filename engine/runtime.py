@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from weakref import WeakKeyDictionary
+from weakref import WeakKeyDictionary, ref
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from .backends import Backend
+from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .models import moe_experts
 from .plan import ExpertPlan, LayerPlan, PlanError
@@ -26,6 +27,10 @@ IMPLEMENTATION = "npumoe"
 
 # experts module -> (its runtime, its layer); weak, so a dropped model takes its entries with it.
 _ATTACHED: WeakKeyDictionary[nn.Module, tuple[MoeRuntime, MoeLayer]] = WeakKeyDictionary()
+# model -> the runtime its experts run through now.
+_RUNNING: WeakKeyDictionary[PreTrainedModel, MoeRuntime] = WeakKeyDictionary()
+# experts module -> its experts packed for the CPU, while a layer uses them: runtimes of one model share one copy.
+_PACKED: WeakKeyDictionary[nn.Module, ref[CpuExperts]] = WeakKeyDictionary()
 
 
 def _npumoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -46,7 +51,8 @@ class MoeRuntime:
     """One `MoeLayer` per experts module of `model`, built from the plan's groups on `backend`.
 
     Without a plan every expert runs on the exact CPU path. Dispatch counts accumulate in `stats`
-    for prefill; inside `decoding()` layers run exact and uncounted (one token per step).
+    for prefill; inside `decoding()` layers run exact and uncounted (one token per step). A new runtime
+    is attached; several runtimes of one model may be built, and `attach()` selects which one runs.
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
@@ -66,19 +72,32 @@ class MoeRuntime:
             groups = [_static_group(backend, module, group.experts, plan.tiers[group.tier])
                       for group in layer_plan.groups if group.residency == "accelerator"] if plan and layer_plan else []
             layer = MoeLayer(module.gate_up_proj, module.down_proj, module.config.hidden_act, groups=groups,
-                             overflow=overflow, submit=backend.submit)
-            _ATTACHED[module] = (self, layer)
+                             overflow=overflow, submit=backend.submit, experts=_cpu_experts(module))
             self.layers.append(layer)
         self.names = [name for name, _ in experts]
         self._experts = [module for _, module in experts]
-        self._previous = model.get_experts_implementation()
-        model.set_experts_implementation(IMPLEMENTATION)
+        self.attach()
+
+    def attach(self) -> None:
+        """Run the model's experts through this runtime's layers, in place of any other runtime's."""
+        running = _RUNNING.get(self.model)
+        if running is self:
+            return
+        # what the model ran before the engine, whichever runtime took it over first
+        self._previous = running._previous if running is not None else self.model.get_experts_implementation()
+        for module, layer in zip(self._experts, self.layers, strict=True):
+            _ATTACHED[module] = (self, layer)
+        _RUNNING[self.model] = self
+        self.model.set_experts_implementation(IMPLEMENTATION)
 
     def detach(self) -> None:
-        """Give the model back its previous experts implementation."""
-        self.model.set_experts_implementation(self._previous)
+        """Give the model back the experts implementation it had before the engine (if this runtime runs)."""
+        if _RUNNING.get(self.model) is not self:
+            return
+        del _RUNNING[self.model]
         for module in self._experts:
             _ATTACHED.pop(module, None)
+        self.model.set_experts_implementation(self._previous)
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -99,6 +118,17 @@ class MoeRuntime:
         finally:
             for layer in self.layers:
                 layer.loads = None
+
+
+def _cpu_experts(module: nn.Module) -> CpuExperts:
+    """The module's experts packed for the CPU: the copy another runtime already holds, if its weights are
+    still the ones it packed, else a new one."""
+    held = _PACKED.get(module)
+    experts = held() if held is not None else None
+    if experts is None or not experts.packed_from(module.gate_up_proj, module.down_proj):
+        experts = CpuExperts(module.gate_up_proj, module.down_proj, module.config.hidden_act)
+        _PACKED[module] = ref(experts)
+    return experts
 
 
 def _static_group(backend: Backend, experts: nn.Module, ids: tuple[int, ...], capacity: int) -> StaticGroup:

@@ -1,0 +1,57 @@
+"""Runtimes on one model: which one runs, and the one packed copy of the weights they share."""
+
+from __future__ import annotations
+
+import torch
+
+from npumoe.engine.backends import get_backend
+from npumoe.engine.models import moe_experts
+from npumoe.engine.moe_geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
+from npumoe.engine.runtime import MoeRuntime
+
+TINY = parse_geometry("64x8x2x32")
+
+
+def tiny_layer():
+    generator = torch.Generator().manual_seed(0)
+    model = build_layer_model(TINY, torch.float32, generator)
+    (_, experts), = moe_experts(model)
+    x = torch.randn(16, TINY.hidden, generator=generator)
+    index, weights = draw_routing(routing_prior(TINY, generator), 16, TINY.top_k, generator)
+    return model, experts, (x, index, weights)
+
+
+def test_runtimes_of_one_model_share_one_packed_copy_of_its_experts():
+    model, _, _ = tiny_layer()
+    first, second = MoeRuntime(model, get_backend("cpu")), MoeRuntime(model, get_backend("cpu"))
+    assert first.layers[0].experts is second.layers[0].experts
+
+
+def test_weights_changed_in_place_are_packed_anew():
+    model, experts, inputs = tiny_layer()
+    first = MoeRuntime(model, get_backend("cpu"))
+    with torch.no_grad():
+        experts.down_proj.mul_(2)
+    second = MoeRuntime(model, get_backend("cpu"))
+    assert second.layers[0].experts is not first.layers[0].experts
+    model.set_experts_implementation("eager")
+    expected = experts(*inputs)
+    second.attach()
+    torch.testing.assert_close(experts(*inputs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_attach_selects_which_runtime_runs_and_detach_gives_back_the_previous_implementation():
+    model, experts, inputs = tiny_layer()
+    model.set_experts_implementation("grouped_mm")
+    before = model.get_experts_implementation()
+    first, second = MoeRuntime(model, get_backend("cpu")), MoeRuntime(model, get_backend("cpu"))
+    experts(*inputs)  # the runtime built last is attached
+    assert (first.stats.layer_calls, second.stats.layer_calls) == (0, 1)
+    first.attach()
+    experts(*inputs)
+    assert (first.stats.layer_calls, second.stats.layer_calls) == (1, 1)
+    second.detach()  # not attached: leaves the first one in place
+    experts(*inputs)
+    assert first.stats.layer_calls == 2
+    first.detach()
+    assert model.get_experts_implementation() == before
