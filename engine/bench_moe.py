@@ -28,7 +28,9 @@ from .bench_paths import (
 )
 from .models import moe_experts
 from .moe_geometry import Geometry, build_layer_model, draw_routing, routing_prior
-from .roofline import moe_roofline
+from .roofline import dense_matmuls, moe_roofline
+
+DENSE = "roofline-dense-"  # the names the roofline's matmuls are timed under
 
 
 @dataclass(frozen=True)
@@ -93,10 +95,17 @@ def _bench_case(model: PreTrainedModel, geometry: Geometry, prior: torch.Tensor,
     def call() -> torch.Tensor:
         return experts(x, index, weights)
 
-    rows = measure_impls(model, plans, call, tokens=tokens, warmup=settings.warmup, repeats=settings.repeats)
+    # The roofline's dense matmuls run in the same rounds as the implementations, so drift moves all alike.
+    dense = dense_matmuls(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
+                          dtype=dtype)
+    timed = measure_impls(model, plans, call, tokens=tokens, warmup=settings.warmup, repeats=settings.repeats,
+                          alongside={DENSE + kernel: matmul for kernel, matmul in dense.items()})
+    rows = [row for row in timed if not row["impl"].startswith(DENSE)]
+    compute_times = {row["impl"].removeprefix(DENSE): row["seconds"] for row in timed
+                     if row["impl"].startswith(DENSE) and row["status"] == "ok"}
     roofline = moe_roofline(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
                             experts_touched=int(index.unique().numel()), dtype=dtype, bandwidth=bandwidth,
-                            warmup=settings.warmup, repeats=settings.repeats)
+                            compute_times=compute_times)
     rows.append({"impl": "roofline", "status": "ok", "seconds": roofline.seconds,
                  "tokens_per_s": tokens / roofline.seconds, "bound": roofline.bound,
                  "compute_kernel": roofline.compute_kernel, "flops": roofline.flops,

@@ -8,9 +8,10 @@ plan calibrated on loads the benchmark measured itself, so a plan never sees the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from transformers import PreTrainedModel
@@ -21,7 +22,7 @@ from .dispatch import DispatchStats
 from .plan import ExpertPlan
 from .planner import DEFAULT_GROUP_SIZE, make_plan
 from .runtime import MoeRuntime
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -53,48 +54,85 @@ IMPLS = (*(f"transformers-{name}" for name in TRANSFORMERS_IMPLS), *ENGINE_PATHS
 REFERENCE = "transformers-eager"
 
 
-@contextmanager
-def selected(model: PreTrainedModel, impl: str, plans: dict[str, ExpertPlan]) -> Iterator[MoeRuntime | None]:
-    """Select `impl` for the model's experts; for the engine's paths, yield the attached runtime."""
+def build_runtime(model: PreTrainedModel, impl: str, plans: dict[str, ExpertPlan]) -> MoeRuntime | None:
+    """The engine's runtime for `impl`, built and left detached; None for transformers' own implementations."""
     if impl.startswith("transformers-"):
-        model.set_experts_implementation(impl.removeprefix("transformers-"))
-        yield None
-        return
+        return None
     if impl not in ENGINE_PATHS:
         raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
     path = ENGINE_PATHS[impl]
     backend = get_backend(path.backend)
     runtime = MoeRuntime(model, backend, plans[path.overflow] if backend.static else None, overflow=path.overflow)
+    runtime.detach()
+    return runtime
+
+
+@contextmanager
+def selected(model: PreTrainedModel, impl: str, runtime: MoeRuntime | None) -> Iterator[None]:
+    """Inside the block the model's experts run `impl`: transformers' by name, the engine's through `runtime`."""
+    if runtime is None:
+        model.set_experts_implementation(impl.removeprefix("transformers-"))
+        yield
+        return
+    runtime.attach()
     try:
-        yield runtime
+        yield
     finally:
         runtime.detach()
 
 
 def measure_impls(model: PreTrainedModel, plans: dict[str, ExpertPlan], run: Callable[[], torch.Tensor], *,
-                  tokens: int, warmup: int, repeats: int) -> list[dict]:
-    """Every implementation on `run()`: checked against transformers-eager, then timed (median seconds).
+                  tokens: int, warmup: int, repeats: int,
+                  alongside: Mapping[str, Callable[[], object]] | None = None) -> list[dict]:
+    """Every implementation on `run()`: checked against transformers-eager, then timed side by side in rounds
+    that run each once (median seconds), so that the machine's drift moves all of them alike.
 
     An implementation that raises is reported (transformers': skipped, cannot run here; the engine's:
-    refused) instead of stopping the benchmark; so is an exact engine path whose output misses.
+    refused) instead of stopping the benchmark; so is an exact engine path whose output misses, which is
+    never timed. The engine's runtimes share one packed copy of the weights. `alongside`: more calls to time
+    in the same rounds (a roofline's), each reported as a row {"impl": name, "status", "seconds"}.
     """
     model.set_experts_implementation("eager")
     reference = run()
-    rows = []
+    rows: dict[str, dict] = {}
+    timed: dict[str, Callable[[], object]] = {}
+    runtimes: list[MoeRuntime] = []
     for impl in IMPLS:
         try:
-            with selected(model, impl, plans) as runtime:
-                row = gate(impl, run(), reference, reference.dtype)
-                if row["status"] != "refused":
-                    if runtime is not None:
-                        row.update(dispatch_fractions(runtime.stats))  # of the checked run
-                    row["seconds"] = median_seconds(run, warmup=warmup, repeats=repeats)
-                    row["tokens_per_s"] = tokens / row["seconds"]
+            runtime = build_runtime(model, impl, plans)
+            if runtime is not None:
+                runtimes.append(runtime)
+            with selected(model, impl, runtime):
+                rows[impl] = gate(impl, run(), reference, reference.dtype)
+            if runtime is not None:
+                rows[impl].update(dispatch_fractions(runtime.stats))  # of the checked run
+            if rows[impl]["status"] != "refused":
+                timed[impl] = partial(_run_selected, model, impl, runtime, run)
         except Exception as e:  # a benchmark reports a broken implementation; it does not stop on it
-            row = {"impl": impl, "status": "refused" if impl in ENGINE_PATHS else "skipped",
-                   "error": f"{type(e).__name__}: {e}"}
-        rows.append(row)
-    return rows
+            rows[impl] = _broken(impl, e)
+    extra = dict(alongside or {})
+    times = interleaved_median_seconds({**timed, **extra}, warmup=warmup, repeats=repeats)
+    for name, seconds in times.items():
+        if name in extra:
+            rows[name] = ({"impl": name, "status": "skipped", "error": f"{type(seconds).__name__}: {seconds}"}
+                          if isinstance(seconds, Exception) else {"impl": name, "status": "ok", "seconds": seconds})
+        elif isinstance(seconds, Exception):
+            rows[name] = _broken(name, seconds)
+        else:
+            rows[name].update(seconds=seconds, tokens_per_s=tokens / seconds)
+    model.set_experts_implementation("eager")
+    return list(rows.values())
+
+
+def _run_selected(model: PreTrainedModel, impl: str, runtime: MoeRuntime | None,
+                  run: Callable[[], torch.Tensor]) -> torch.Tensor:
+    with selected(model, impl, runtime):
+        return run()
+
+
+def _broken(impl: str, error: Exception) -> dict:
+    return {"impl": impl, "status": "refused" if impl in ENGINE_PATHS else "skipped",
+            "error": f"{type(error).__name__}: {error}"}
 
 
 def calibration_from_loads(layers: Sequence[tuple[str, torch.Tensor]], *, chunk_tokens: int,

@@ -10,14 +10,14 @@ The roofline time is the larger of the two.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from .cpu_experts import PackedLinear, kernel_for, run_tasks
-from .timing import median_seconds
+from .timing import interleaved_median_seconds
 
 MODEL = ("roofline = max(active FLOPs 2·T·k·3·H·I timed as one dense (T·k, H) x (H, 3I) matmul on the fastest "
          "kernel here, "
@@ -47,23 +47,33 @@ def active_flops(tokens: int, top_k: int, hidden: int, ffn: int) -> int:
 
 
 def moe_roofline(*, tokens: int, top_k: int, hidden: int, ffn: int, experts_touched: int, dtype: torch.dtype,
-                 bandwidth: float, warmup: int = 2, repeats: int = 5) -> Roofline:
-    """Measure the compute floor at `dtype` and derive the memory floor from `bandwidth` (bytes/s)."""
+                 bandwidth: float, compute_times: Mapping[str, float] | None = None, warmup: int = 2,
+                 repeats: int = 5) -> Roofline:
+    """The compute floor at `dtype` and the memory floor at `bandwidth` (bytes/s).
+
+    `compute_times`: seconds of each of `dense_matmuls(...)`, where the caller timed them beside what it
+    compares with the roofline; otherwise they are timed here.
+    """
     if min(tokens, top_k, hidden, ffn) < 1 or experts_touched < 0 or bandwidth <= 0:
         raise ValueError(f"roofline needs positive sizes and bandwidth, got tokens={tokens}, top_k={top_k}, "
                          f"hidden={hidden}, ffn={ffn}, experts_touched={experts_touched}, bandwidth={bandwidth}")
-    x = torch.randn(tokens * top_k, hidden).to(dtype)  # every routed (token, expert) row
-    w = torch.randn(3 * ffn, hidden).to(dtype)  # gate, up and down of one expert, as one (3I, H) weight
-    times = {kernel: median_seconds(matmul, warmup=warmup, repeats=repeats)
-             for kernel, matmul in dense_matmuls(x, w).items()}
-    compute_kernel = min(times, key=times.__getitem__)
-    weight_bytes = experts_touched * 3 * hidden * ffn * w.element_size()
+    if compute_times is None:
+        compute_times = interleaved_median_seconds(dense_matmuls(tokens=tokens, top_k=top_k, hidden=hidden,
+                                                                 ffn=ffn, dtype=dtype),
+                                                   warmup=warmup, repeats=repeats)
+    compute_kernel = min(compute_times, key=compute_times.__getitem__)
+    weight_bytes = experts_touched * 3 * hidden * ffn * dtype.itemsize
     return Roofline(flops=active_flops(tokens, top_k, hidden, ffn), weight_bytes=weight_bytes,
-                    compute_s=times[compute_kernel], memory_s=weight_bytes / bandwidth, compute_kernel=compute_kernel)
+                    compute_s=compute_times[compute_kernel], memory_s=weight_bytes / bandwidth,
+                    compute_kernel=compute_kernel)
 
 
-def dense_matmuls(x: torch.Tensor, w: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """x · wᵀ on each kernel available here, every one using all of torch's threads."""
+def dense_matmuls(*, tokens: int, top_k: int, hidden: int, ffn: int,
+                  dtype: torch.dtype) -> dict[str, Callable[[], object]]:
+    """The roofline's dense matmul, every routed (token, expert) row times one (3I, H) weight holding an
+    expert's gate, up and down, on each kernel here, every one using all of torch's threads."""
+    x = torch.randn(tokens * top_k, hidden).to(dtype)
+    w = torch.randn(3 * ffn, hidden).to(dtype)
     matmuls: dict[str, Callable[[], object]] = {"torch": lambda: F.linear(x, w)}
     kernel = kernel_for(w)
     if kernel != "torch":  # the experts' packed kernel, its rows shared out to the workers as experts are

@@ -7,7 +7,7 @@ import torch
 
 from npumoe.engine import bf16_linear
 from npumoe.engine.machine import copy_bandwidth, describe_machine
-from npumoe.engine.timing import median_seconds
+from npumoe.engine.timing import interleaved_median_seconds, median_seconds
 
 
 def test_the_machine_description_names_cpu_memory_torch_build_and_measured_bandwidth():
@@ -35,3 +35,23 @@ def test_the_median_is_of_the_timed_runs_after_the_warmup():
 def test_timing_needs_at_least_one_repeat():
     with pytest.raises(ValueError, match="repeats"):
         median_seconds(lambda: None, warmup=0, repeats=0)
+
+
+def test_interleaved_timing_runs_every_function_once_a_round_in_a_rotating_order():
+    calls: list[str] = []
+    times = interleaved_median_seconds({name: lambda name=name: calls.append(name) for name in "abc"},
+                                       warmup=1, repeats=2)
+    assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert set(times) == {"a", "b", "c"} and all(isinstance(t, float) and t >= 0 for t in times.values())
+
+
+def test_a_function_that_raises_leaves_the_rounds_and_its_error_is_returned_for_it():
+    calls: list[str] = []
+
+    def broken() -> None:
+        calls.append("broken")
+        raise RuntimeError("no kernel")
+
+    times = interleaved_median_seconds({"ok": lambda: calls.append("ok"), "broken": broken}, warmup=0, repeats=3)
+    assert calls.count("broken") == 1 and calls.count("ok") == 3
+    assert isinstance(times["broken"], RuntimeError) and isinstance(times["ok"], float)

@@ -91,6 +91,13 @@ def test_the_roofline_is_the_slower_of_compute_and_weight_reads():
     assert roofline.bound == "memory"  # 24 KiB at 1 MB/s is far slower than the matmul
 
 
+def test_the_roofline_takes_the_fastest_dense_matmul_timed_beside_the_implementations():
+    roofline = moe_roofline(tokens=16, top_k=2, hidden=32, ffn=16, experts_touched=4, dtype=torch.bfloat16,
+                            bandwidth=1e12, compute_times={"torch": 5.0, "npumoe-bf16": 2.0})
+    assert (roofline.compute_s, roofline.compute_kernel, roofline.bound) == (2.0, "npumoe-bf16", "compute")
+    assert roofline.weight_bytes == 4 * 3 * 32 * 16 * 2
+
+
 def test_one_run_reports_every_implementation_checked_and_timed_then_the_roofline():
     rows = run_moe_bench([TINY], [32], ["fp32"], QUICK, bandwidth=1e10)
     assert [row["impl"] for row in rows] == [*IMPLS, "roofline"]
@@ -147,6 +154,24 @@ def test_a_transformers_implementation_that_cannot_run_is_skipped_and_the_rest_s
     assert rows["transformers-grouped_mm"]["status"] == "skipped"
     assert "no grouped_mm kernel here" in rows["transformers-grouped_mm"]["error"]
     assert rows["npumoe-torch-static"]["status"] == "ok" and rows["npumoe-torch-static"]["tokens_per_s"] > 0
+
+
+def test_implementations_are_timed_in_alternating_rounds_after_each_is_checked():
+    model, experts, plans, inputs = _tiny_layer()
+    ran: list[str] = []
+
+    def run():
+        ran.append(model.config._experts_implementation)
+        return experts(*inputs)
+
+    with torch.inference_mode():
+        rows = measure_impls(model, plans, run, tokens=32, warmup=0, repeats=3)
+    assert all(row["status"] in ("ok", "approximate") and row["tokens_per_s"] > 0 for row in rows)
+    timed = ran[1 + len(IMPLS):]  # after the reference and one check each
+    assert len(timed) == 3 * len(IMPLS)
+    rounds = [timed[i:i + len(IMPLS)] for i in range(0, len(timed), len(IMPLS))]
+    assert all(sorted(r) == sorted(rounds[0]) for r in rounds)  # every implementation once a round
+    assert model.config._experts_implementation == "eager"  # and the model is left as it was
 
 
 def test_the_gate_tolerates_bf16_rounding_but_not_a_wrong_answer():
