@@ -3,6 +3,8 @@
 For every family, in fp32, within 1e-4 relative (max |engine - eager| / max |eager|), for a prompt
 shorter than one chunk and one several chunks long: on the exact `cpu` backend, and on
 `torch-static` with a tight plan and overflow `spill` (group graphs, cold experts and spills all used).
+In bf16, where every forward rounds, the engine is held to transformers' own bf16 forward: no further
+from the fp32 logits than that is.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from npumoe.engine import Engine, EngineSettings, load_model
+from npumoe.engine import Engine, EngineSettings, bf16_linear, load_model
 from npumoe.engine.calibrate import calibrate
 from npumoe.engine.cost import CostModel
 from npumoe.engine.models import moe_experts
@@ -82,3 +84,18 @@ def test_experts_move_the_logits_well_beyond_the_tolerance(tiny, prompts, arch):
             experts.down_proj.zero_()
         without_experts = model(ids).logits[0]
     assert relative_error(without_experts, want) > 1e-2
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_in_bf16_the_engine_is_as_close_to_fp32_as_transformers_own_bf16_forward(tiny, prompts, arch):
+    folder = tiny(arch)
+    ids = torch.tensor([prompts["long"]])
+    with torch.no_grad():
+        exact = load_model(folder).model(ids).logits[0]
+        eager_bf16 = load_model(folder, dtype="bfloat16").model(ids).logits[0].float()
+    engine = Engine.load(EngineSettings(model=str(folder), chunk_tokens=CHUNK, dtype="bfloat16"))
+    if bf16_linear.unavailable() is None:
+        assert {layer.experts.kernel for layer in engine.runtime.layers} == {"npumoe-bf16"}
+    got = engine.logits(prompts["long"]).float()
+    # bf16 rounding alone moves these tiny random models' logits by 3-60%; a wrong expert would add to that
+    assert relative_error(got, exact) <= 1.25 * relative_error(eager_bf16, exact)
