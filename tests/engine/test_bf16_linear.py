@@ -51,7 +51,7 @@ def test_every_row_count_and_shape_is_within_a_bf16_rounding_of_float64(rows, n,
 @needs_kernel
 def test_rows_are_read_and_written_through_their_strides_and_nothing_else_is_touched():
     x_wide, w = bf16(9, 100, seed=3), bf16(64, 32, seed=4)
-    x = x_wide[:, 10:42]  # (9, 32), row stride 100
+    x = x_wide[:, 11:43]  # (9, 32), row stride 100, rows starting at odd elements
     out_wide = torch.zeros(9, 200, dtype=torch.bfloat16)
     out = out_wide[:, 70:134]  # (9, 64), row stride 200
     assert bf16_linear.linear(x, bf16_linear.pack(w), out).data_ptr() == out.data_ptr()
