@@ -229,14 +229,16 @@ def _energy_check() -> dict[str, str]:
 
 
 def _kernel_check() -> dict[str, str]:
-    """Which matmul the CPU experts run in bf16: the engine's kernel where it builds, else torch's."""
-    from npumoe.engine import bf16_linear
+    """Which matmul the CPU experts run in bf16, and why; a warning where the engine's kernel could run but
+    did not build."""
+    import torch
 
-    why = bf16_linear.unavailable()
-    if why is None:
-        return _check("cpu kernel", "ok", "bf16 experts run the engine's AVX512-BF16 kernel")
-    # Off x86-64 torch's own matmul is the right one; on x86-64 a missing compiler costs speed.
-    return _check("cpu kernel", "warn" if "x86-64" not in why else "ok", f"bf16 experts run torch's matmul: {why}")
+    from npumoe.engine.cpu_experts import bf16_kernel
+
+    kernel, why = bf16_kernel()
+    could = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
+    status = "warn" if could and kernel != "npumoe-bf16" else "ok"
+    return _check("cpu kernel", status, f"bf16 experts: {kernel} ({why})")
 
 
 def _backend_checks() -> list[dict[str, str]]:

@@ -42,13 +42,24 @@ def packs(dtype: torch.dtype) -> bool:
 KERNELS = ("npumoe-bf16", "onednn", "torch")
 
 
+def bf16_kernel() -> tuple[str, str]:
+    """The kernel bf16 experts run on this CPU (where their shapes allow the engine's), and why."""
+    why = bf16_linear.unavailable()
+    if why is None and torch.cpu._is_amx_tile_supported():
+        # Not measured here (no AMX machine): oneDNN's tile matmuls peak far above AVX512-BF16 dot products.
+        why = "this CPU has AMX tiles, which oneDNN's matmuls use"
+    if why is None:
+        return "npumoe-bf16", "the engine's AVX512-BF16 kernel"
+    return ("onednn" if packs(torch.bfloat16) else "torch"), why
+
+
 def kernel_for(*weights: torch.Tensor) -> str:
     """The fastest matmul kernel here for (…, N, K) weights of one dtype and device: one of KERNELS."""
     w = weights[0]
     if w.device.type != "cpu":
         return "torch"
     if (w.dtype == torch.bfloat16 and all(bf16_linear.supports(*v.shape[-2:]) for v in weights)
-            and bf16_linear.unavailable() is None):
+            and bf16_kernel()[0] == "npumoe-bf16"):
         return "npumoe-bf16"
     return "onednn" if packs(w.dtype) else "torch"
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner, Result
 
 from npumoe.daemon.cli import main
@@ -29,6 +30,7 @@ from npumoe.daemon.service import (
     Write,
     carry_out,
 )
+from npumoe.engine import bf16_linear
 from npumoe.jobs.queue import BATCH, Queue
 
 ODD_HOME = "my docs & <notes> 100% $HOME"  # every character the two formats must escape
@@ -224,6 +226,21 @@ def test_doctor_reports_every_area(home: Path) -> None:
             *(f"backend {name}" for name in backends)} <= checks.keys()
     assert any(name.startswith("service") for name in checks)
     assert checks["backend cpu"]["status"] == "ok"
+
+
+@pytest.mark.skipif(not torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported(),
+                    reason="the engine's bf16 kernel is only expected on AVX512-BF16 CPUs without AMX")
+def test_doctor_warns_when_the_bf16_kernel_could_run_but_does_not_build(home: Path, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    bf16_linear._library.cache_clear()  # built already in this process: forget it for the test's span
+    try:
+        checks = {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}
+    finally:
+        bf16_linear._library.cache_clear()
+    assert checks["cpu kernel"]["status"] == "warn"
+    assert "could not build" in checks["cpu kernel"]["detail"]
 
 
 def test_doctor_fails_on_an_inbox_it_cannot_use(home: Path, tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from npumoe.engine import bf16_linear
-from npumoe.engine.cpu_experts import CpuExperts, packs, run_tasks
+from npumoe.engine.cpu_experts import CpuExperts, bf16_kernel, packs, run_tasks
 
 E, H, FFN = 4, 64, 32
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
@@ -60,6 +60,13 @@ def test_bf16_experts_run_the_engines_kernel_where_it_builds_and_the_cpu_has_avx
     experts = CpuExperts(*random_experts(torch.bfloat16), "silu")
     assert experts.kernel == "npumoe-bf16"
     assert all(w.weight.shape == (1, H // 2, 64, 2) for w in experts.gate_up)  # (2I/64, H/2, 64, 2)
+
+
+@pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 matmul")
+def test_on_a_cpu_with_amx_tiles_bf16_experts_leave_the_matmuls_to_onednn(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert bf16_kernel() == ("onednn", "this CPU has AMX tiles, which oneDNN's matmuls use")
+    assert CpuExperts(*random_experts(torch.bfloat16), "silu").kernel == "onednn"
 
 
 @pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 matmul")
