@@ -95,13 +95,10 @@ def measure_impls(model: PreTrainedModel, plans: dict[str, ExpertPlan], run: Cal
     model.set_experts_implementation("eager")
     reference = run()
     rows: dict[str, dict] = {}
-    timed: dict[str, Callable[[], object]] = {}
-    runtimes: list[MoeRuntime] = []
+    timed: dict[str, Callable[[], object]] = {}  # holds the runtimes of the paths it times
     for impl in IMPLS:
         try:
             runtime = build_runtime(model, impl, plans)
-            if runtime is not None:
-                runtimes.append(runtime)
             with selected(model, impl, runtime):
                 rows[impl] = gate(impl, run(), reference, reference.dtype)
             if runtime is not None:

@@ -58,9 +58,8 @@ def kernel_for(*weights: torch.Tensor) -> str:
     w = weights[0]
     if w.device.type != "cpu":
         return "torch"
-    if (w.dtype == torch.bfloat16 and all(bf16_linear.supports(*v.shape[-2:]) for v in weights)
-            and bf16_kernel()[0] == "npumoe-bf16"):
-        return "npumoe-bf16"
+    if w.dtype == torch.bfloat16 and all(bf16_linear.supports(*v.shape[-2:]) for v in weights):
+        return bf16_kernel()[0]
     return "onednn" if packs(w.dtype) else "torch"
 
 

@@ -98,8 +98,8 @@ _workspace = Workspace()
 class Routed:
     """One layer call's S = T·k assignments sorted by expert: expert e's run is order[first[e]:][:counts[e]]."""
 
-    k: int
     order: torch.Tensor  # (S,) assignment ids; assignment t·k + j is token t's j-th choice
+    token: torch.Tensor  # (S,) each one's token
     expert: torch.Tensor  # (S,) each one's expert
     first: list[int]  # (E,) where each expert's run starts
     counts: list[int]  # (E,) its length
@@ -108,12 +108,8 @@ class Routed:
     def from_order(cls, top_k_index: torch.Tensor, order: torch.Tensor, counts: torch.Tensor) -> Routed:
         """`order` sorts the assignments by expert; counts (E,) are the experts' loads."""
         sizes = counts.tolist()
-        return cls(k=top_k_index.shape[1], order=order, expert=top_k_index.reshape(-1)[order],
+        return cls(order=order, token=order // top_k_index.shape[1], expert=top_k_index.reshape(-1)[order],
                    first=[0, *accumulate(sizes[:-1])], counts=sizes)
-
-    @property
-    def token(self) -> torch.Tensor:
-        return self.order // self.k  # (S,)
 
 
 class MoeLayer:
