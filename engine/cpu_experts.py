@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from . import bf16_linear
+from npumoe.engine import bf16_linear
 
 Task = Callable[[], object]  # run for its effect; what it returns is dropped
 

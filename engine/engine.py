@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from .backends import BACKENDS, Backend, get_backend
-from .coreml_backend import COMPUTE_UNITS, CoreMLBackend
+from .coreml.backend import COMPUTE_UNITS, CoreMLBackend
 from .dispatch import OVERFLOW_POLICIES, DispatchStats
 from .models import DTYPES, LoadedModel, load_model
 from .plan import ExpertPlan, PlanError

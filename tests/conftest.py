@@ -108,9 +108,46 @@ def wait_for() -> Callable[..., bool]:
     return poll
 
 
+TEXTS = Path(__file__).parent / "texts"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models on a shared 2-core machine: one thread avoids oversubscription stalls."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo architecture (tiny random-weight Qwen3-MoE), made once per test session."""
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny(arch, seed=0): the folder of a tiny checkpoint, written once per session."""
     from npumoe.engine.tiny import make_tiny
 
-    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("models") / "tiny-qwen3_moe", seed=0)
+    made: dict[tuple[str, int], Path] = {}
+
+    def get(arch: str, seed: int = 0) -> Path:
+        if (arch, seed) not in made:
+            made[arch, seed] = make_tiny(arch, tmp_path_factory.mktemp(f"{arch}-{seed}") / "model", seed=seed)
+        return made[arch, seed]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny: Callable[..., Path]) -> Path:
+    """The demo architecture (tiny random-weight Qwen3-MoE), made once per test session."""
+    return tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def harbour() -> str:
+    return (TEXTS / "harbour.txt").read_text()
+
+
+@pytest.fixture(scope="session")
+def orchard() -> str:
+    return (TEXTS / "orchard.txt").read_text()

@@ -11,14 +11,8 @@ from npumoe.engine.cost import CostModel
 from npumoe.engine.models import load_model, moe_experts
 from npumoe.engine.plan import ExpertLoad, ExpertPlan
 from npumoe.engine.planner import make_plan
-from npumoe.engine.tiny import make_tiny
 
 COST = CostModel(launch_s=1e-4, static_flops=1e10, cpu_call_s=1e-5, cpu_flops=1e10)
-
-
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny("qwen3_moe", tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture

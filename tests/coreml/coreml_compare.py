@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from npumoe.engine.backends import TorchStaticBackend
-from npumoe.engine.coreml_backend import CoreMLBackend
+from npumoe.engine.coreml.backend import CoreMLBackend
 from npumoe.engine.models import LoadedModel
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.runtime import MoeRuntime

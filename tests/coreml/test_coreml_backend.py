@@ -12,10 +12,10 @@ import torch
 from coreml_compare import logits_by_backend
 
 from npumoe.engine import Engine, EngineSettings
-from npumoe.engine.coreml_backend import COMPUTE_UNITS, CoreMLBackend
-from npumoe.engine.coreml_cache import build_folder, compiled_groups, weights_fingerprint
-from npumoe.engine.coreml_convert import GroupGraph, build_packages
-from npumoe.engine.coreml_env import coreml_availability, import_coremltools
+from npumoe.engine.coreml.backend import COMPUTE_UNITS, CoreMLBackend
+from npumoe.engine.coreml.cache import build_folder, compiled_groups, weights_fingerprint
+from npumoe.engine.coreml.convert import GroupGraph, build_packages
+from npumoe.engine.coreml.env import coreml_availability, import_coremltools
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.models import load_model
 

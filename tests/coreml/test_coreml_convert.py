@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from npumoe.engine.coreml_ane import ANE_REJECTED_OPS, ane_problems
-from npumoe.engine.coreml_cache import INPUT_NAME, OUTPUT_NAME, Manifest, build_folder, read_manifest
-from npumoe.engine.coreml_convert import ConversionError, GroupGraph, build_packages, convert_group
-from npumoe.engine.coreml_env import import_coremltools
+from npumoe.engine.coreml.ane import ANE_REJECTED_OPS, ane_problems
+from npumoe.engine.coreml.cache import INPUT_NAME, OUTPUT_NAME, Manifest, build_folder, read_manifest
+from npumoe.engine.coreml.convert import ConversionError, GroupGraph, build_packages, convert_group
+from npumoe.engine.coreml.env import import_coremltools
 from npumoe.engine.models import load_model, moe_experts
 
 ct = import_coremltools()
@@ -35,15 +35,15 @@ def conv_weights(function: Any) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def tiny_weights(tiny_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     model = load_model(tiny_model).model
     return [(experts.gate_up_proj.detach(), experts.down_proj.detach()) for _, experts in moe_experts(model)]
 
 
 @pytest.fixture(scope="module")
-def built(tiny: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+def built(tiny_weights: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
     folder = tmp_path_factory.mktemp("cache") / "build"
-    manifest = build_packages(GROUPS, tiny.__getitem__, "silu", folder, model="tiny", digest="p0")
+    manifest = build_packages(GROUPS, tiny_weights.__getitem__, "silu", folder, model="tiny", digest="p0")
     return folder, manifest
 
 
@@ -78,10 +78,10 @@ def test_functions_hold_no_op_the_neural_engine_rejects(built: tuple[Path, Manif
             assert ane_problems(function) == []
 
 
-def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path, Manifest], tiny: list) -> None:
+def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path, Manifest], tiny_weights: list) -> None:
     folder, manifest = built
     for group in manifest.groups:
-        gate_up, down = tiny[group.layer]
+        gate_up, down = tiny_weights[group.layer]
         experts, inter, hidden = list(group.experts), manifest.intermediate, manifest.hidden
         g = len(experts)
         expected = [gate_up[experts, :inter].reshape(g * inter, hidden, 1, 1),
@@ -93,10 +93,10 @@ def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path,
             assert any(np.array_equal(s, weight.half().numpy()) for s in stored)
 
 
-def test_packages_are_split_to_stay_under_the_size_limit(tiny: list, tmp_path: Path) -> None:
-    hidden, inter = tiny[0][1].shape[1:]
+def test_packages_are_split_to_stay_under_the_size_limit(tiny_weights: list, tmp_path: Path) -> None:
+    hidden, inter = tiny_weights[0][1].shape[1:]
     six_experts = 6 * 3 * hidden * inter * 2  # bytes of fp16 weights
-    manifest = build_packages(GROUPS, tiny.__getitem__, "silu", tmp_path / "build", model="tiny",
+    manifest = build_packages(GROUPS, tiny_weights.__getitem__, "silu", tmp_path / "build", model="tiny",
                               digest="p0", max_package_bytes=six_experts)
     packages = [g.package for g in manifest.groups]
     assert packages[0] == packages[1] != packages[2]  # layer 0's 4 + 2 experts fit; layer 2's 4 more do not

@@ -13,10 +13,10 @@ import torch
 from coreml_compare import logits_by_backend
 
 from npumoe.engine.backends import TorchStaticBackend
-from npumoe.engine.coreml_backend import CoreMLBackend, CoreMLGroupGraph
-from npumoe.engine.coreml_cache import build_folder
-from npumoe.engine.coreml_convert import build_packages, plan_digest, plan_group_graphs
-from npumoe.engine.coreml_env import coreml_availability, import_coremltools
+from npumoe.engine.coreml.backend import CoreMLBackend, CoreMLGroupGraph
+from npumoe.engine.coreml.cache import build_folder
+from npumoe.engine.coreml.convert import build_packages, plan_digest, plan_group_graphs
+from npumoe.engine.coreml.env import coreml_availability, import_coremltools
 from npumoe.engine.models import load_model, moe_experts
 
 pytestmark = [pytest.mark.macos, pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predicts only on macOS")]

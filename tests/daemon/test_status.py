@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from npumoe.daemon.status_view import render_rich, render_text, snapshot
+from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
 from npumoe.jobs.queue import Queue
 
 NOW = 1_800_000_000.0

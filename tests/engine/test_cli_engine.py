@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from npumoe.daemon import cli_engine
-from npumoe.daemon.cli_engine import calibrate_command, model_group, plan_group
+from npumoe.daemon.cli import engine as cli_engine
+from npumoe.daemon.cli.engine import calibrate_command, model_group, plan_group
 from npumoe.engine.backends import BACKENDS
 from npumoe.engine.models import SUPPORTED_FAMILIES, load_model
 from npumoe.engine.plan import ExpertPlan

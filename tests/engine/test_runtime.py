@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from npumoe.engine.backends import get_backend
+from npumoe.engine.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
 from npumoe.engine.models import moe_experts
-from npumoe.engine.moe_geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
 from npumoe.engine.runtime import MoeRuntime
 
 TINY = parse_geometry("64x8x2x32")

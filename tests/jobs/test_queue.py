@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, inspect, text
 
-from npumoe.jobs.claim_bench import run_claim_benchmark
+from npumoe.bench.queue import run_claim_benchmark
 from npumoe.jobs.queue import BATCH, INTERACTIVE, Backoff, Queue
 from npumoe.jobs.schema import SCHEMA_VERSION, jobs, migrate
 

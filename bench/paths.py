@@ -16,12 +16,13 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from .backends import get_backend
-from .calibrate import Calibration, load_statistics
-from .dispatch import DispatchStats
-from .plan import ExpertPlan
-from .planner import DEFAULT_GROUP_SIZE, make_plan
-from .runtime import MoeRuntime
+from npumoe.engine.backends import get_backend
+from npumoe.engine.calibrate import Calibration, load_statistics
+from npumoe.engine.dispatch import DispatchStats
+from npumoe.engine.plan import ExpertPlan
+from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
+from npumoe.engine.runtime import MoeRuntime
+
 from .timing import interleaved_median_seconds
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

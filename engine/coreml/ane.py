@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .coreml_env import import_coremltools
-from .grouped import ANE_MAX_CHANNELS
+from npumoe.engine.grouped import ANE_MAX_CHANNELS
+
+from .env import import_coremltools
 
 # hollance/neural-engine, docs/unsupported-layers.md ("Problematic layers"): gather, dilated
 # convolutions, RNN layers, custom layers.

@@ -18,10 +18,10 @@ from rich.console import Console, RenderableType
 from rich.live import Live
 from sqlalchemy.exc import OperationalError
 
-from npumoe.daemon.app import App, BadConfig, emit_json, pass_app
+from npumoe.daemon.cli.app import App, BadConfig, emit_json, pass_app
+from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
-from npumoe.daemon.status_view import render_rich, render_text, snapshot
 from npumoe.jobs.outputs import temporary_path
 from npumoe.jobs.queue import Queue
 
@@ -187,7 +187,7 @@ def _draw(snap: dict[str, Any] | None, home: Home, *, rich: bool) -> RenderableT
 def _demo_config(ctx: click.Context, config: Config, home: Home, calibration_data: list[Path]) -> Config:
     """The configured settings with the built-in model on the static (NPUMoE) backend, its plan calibrated on
     the samples once and reused after (a new plan would make every sample new work again)."""
-    from npumoe.daemon.cli_engine import calibrate_command
+    from npumoe.daemon.cli.engine import calibrate_command
 
     plan = home.plans / "demo.json"
     if not plan.exists():

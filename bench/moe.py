@@ -19,15 +19,16 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from .bench_paths import (
+from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, routing_prior
+from npumoe.engine.models import moe_experts
+
+from .paths import (
     DTYPES,
     add_ratios,
     calibration_from_loads,
     measure_impls,
     static_plans,
 )
-from .models import moe_experts
-from .moe_geometry import Geometry, build_layer_model, draw_routing, routing_prior
 from .roofline import dense_matmuls, moe_roofline
 
 DENSE = "roofline-dense-"  # the names the roofline's matmuls are timed under

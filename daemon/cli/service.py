@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from npumoe.daemon.app import App, emit_json, pass_app
 from npumoe.daemon.batch import BatchWindow
+from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.config import ModelConfig
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue, iter_documents
@@ -255,7 +255,7 @@ def _backend_checks() -> list[dict[str, str]]:
 
 def _backend_ready(name: str) -> tuple[bool, str]:
     if name == "coreml":
-        from npumoe.engine.coreml_env import coreml_availability
+        from npumoe.engine.coreml.env import coreml_availability
 
         return coreml_availability()
     return True, "available"

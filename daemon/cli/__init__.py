@@ -11,7 +11,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from npumoe.daemon.app import App, emit_json, pass_app
+from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.intake import enqueue, iter_documents
 from npumoe.jobs.queue import Job
 from npumoe.jobs.schema import STATES
@@ -19,11 +19,12 @@ from npumoe.jobs.schema import STATES
 # Commands of the other areas, imported only when named: `npumoed status` must answer fast, and most
 # areas pull in torch, coremltools or the engine.
 AREA_COMMANDS = {
-    "run": "cli_run:run", "status": "cli_run:status", "demo": "cli_run:demo",
-    "install": "cli_service:install", "uninstall": "cli_service:uninstall", "pause": "cli_service:pause",
-    "resume": "cli_service:resume", "batch": "cli_service:batch", "doctor": "cli_service:doctor",
-    "model": "cli_engine:model_group", "calibrate": "cli_engine:calibrate_command", "plan": "cli_engine:plan_group",
-    "compile": "cli_coreml:compile_command", "bench": "cli_bench:bench",
+    "run": "run:run", "status": "run:status", "demo": "run:demo",
+    "install": "service:install", "uninstall": "service:uninstall", "pause": "service:pause",
+    "resume": "service:resume", "batch": "service:batch", "doctor": "service:doctor",
+    "model": "engine:model_group", "calibrate": "engine:calibrate_command", "plan": "engine:plan_group",
+    "compile": "coreml:compile_command",
+    "bench": "npumoe.bench.cli:bench",  # the benchmarks live apart from the product; this is their only door
 }
 
 
@@ -37,7 +38,7 @@ class AreaGroup(click.Group):
         if name not in AREA_COMMANDS:
             return super().get_command(ctx, name)
         module, attr = AREA_COMMANDS[name].split(":")
-        return getattr(importlib.import_module(f"npumoe.daemon.{module}"), attr)
+        return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), attr)
 
 
 @click.group(cls=AreaGroup, context_settings={"help_option_names": ["-h", "--help"]})

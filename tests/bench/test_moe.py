@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npumoe.engine.bench_moe import MoeBenchSettings, run_moe_bench
-from npumoe.engine.bench_paths import (
+from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
+from npumoe.bench.paths import (
     IMPLS,
     TOLERANCE,
     best_engine_row,
@@ -15,8 +15,8 @@ from npumoe.engine.bench_paths import (
     measure_impls,
     static_plans,
 )
-from npumoe.engine.models import moe_experts
-from npumoe.engine.moe_geometry import (
+from npumoe.bench.roofline import active_flops, moe_roofline
+from npumoe.engine.geometry import (
     GEOMETRIES,
     Geometry,
     build_layer_model,
@@ -24,7 +24,7 @@ from npumoe.engine.moe_geometry import (
     parse_geometry,
     routing_prior,
 )
-from npumoe.engine.roofline import active_flops, moe_roofline
+from npumoe.engine.models import moe_experts
 
 TINY = parse_geometry("64x8x2x32")
 QUICK = MoeBenchSettings(threads=1, warmup=0, repeats=1, calibration_chunks=4)

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends import get_backend
-from .calibrate import Calibration, load_statistics
-from .moe_geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
-from .plan import ExpertPlan
-from .planner import DEFAULT_GROUP_SIZE, make_plan
+from npumoe.engine.backends import get_backend
+from npumoe.engine.calibrate import Calibration, load_statistics
+from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
+from npumoe.engine.plan import ExpertPlan
+from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
 
 CALIBRATION_CHUNKS = 16
 

@@ -17,7 +17,7 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from npumoe.daemon.bench_foreground import foreground
+from npumoe.bench.foreground import foreground
 
 DTYPE_NAMES = ("fp32", "bf16")
 
@@ -71,9 +71,9 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
     parsed = _geometries(geometries)
     import torch
 
-    from npumoe.engine.bench_moe import MoeBenchSettings, run_moe_bench
-    from npumoe.engine.machine import describe_machine
-    from npumoe.engine.roofline import MODEL
+    from npumoe.bench.machine import describe_machine
+    from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
+    from npumoe.bench.roofline import MODEL
 
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
@@ -112,8 +112,8 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     parsed = _geometries(geometries)
     import torch
 
-    from npumoe.engine.bench_prefill import PrefillBenchSettings, run_prefill_bench
-    from npumoe.engine.machine import describe_machine
+    from npumoe.bench.machine import describe_machine
+    from npumoe.bench.prefill import PrefillBenchSettings, run_prefill_bench
 
     try:
         settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
@@ -160,8 +160,8 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
 
     import torch
 
-    from npumoe.engine.bench_fidelity import FidelitySettings, run_fidelity_bench
-    from npumoe.engine.machine import describe_machine
+    from npumoe.bench.fidelity import FidelitySettings, run_fidelity_bench
+    from npumoe.bench.machine import describe_machine
     from npumoe.engine.models import ModelError, load_model
     from npumoe.engine.tiny import make_tiny
 
@@ -179,7 +179,7 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
     print_fidelity(results, f"model {loaded.name}, calibrated on {', '.join(name for name, _ in calibration_texts)}, "
                             f"held out: {results[0]['eval_tokens']} tokens, chunk {chunk_tokens}, {threads} threads")
     if plot_path is not None:
-        from npumoe.engine.bench_plot import fidelity_figure
+        from npumoe.bench.plot import fidelity_figure
 
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         fidelity_figure(results).savefig(plot_path, dpi=120)
@@ -190,7 +190,7 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
 
 
 def _geometries(names: Sequence[str]) -> list:
-    from npumoe.engine.moe_geometry import parse_geometry
+    from npumoe.engine.geometry import parse_geometry
 
     try:
         return [parse_geometry(name) for name in names]
@@ -225,7 +225,7 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
                   baseline: str | None = None) -> None:
     """One table per case (the values of `case_keys`), the engine's best exact path, and why any
     implementation was skipped or refused."""
-    from npumoe.engine.bench_paths import best_engine_row
+    from npumoe.bench.paths import best_engine_row
 
     console = _console()
     cases: dict[tuple, list[dict]] = {}
@@ -323,7 +323,7 @@ def queue_bench(processes: int, n_jobs: int, rounds: int) -> None:
     import statistics
     import tempfile
 
-    from npumoe.jobs.claim_bench import run_claim_benchmark
+    from npumoe.bench.queue import run_claim_benchmark
 
     runs = []
     for _ in range(rounds):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npumoe.engine.bench_fidelity import FidelitySettings, agreement, run_fidelity_bench, scaled
-from npumoe.engine.bench_plot import fidelity_figure
+from npumoe.bench.fidelity import FidelitySettings, agreement, run_fidelity_bench, scaled
+from npumoe.bench.plot import fidelity_figure
 from npumoe.engine.calibrate import Calibration
 from npumoe.engine.models import load_model
 from npumoe.engine.plan import ExpertLoad

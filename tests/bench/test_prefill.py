@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npumoe.engine.bench_paths import IMPLS, TOLERANCE
-from npumoe.engine.bench_prefill import PrefillBenchSettings, build_model, run_prefill_bench
+from npumoe.bench.paths import IMPLS, TOLERANCE
+from npumoe.bench.prefill import PrefillBenchSettings, build_model, run_prefill_bench
+from npumoe.engine.geometry import Geometry, parse_geometry
 from npumoe.engine.models import moe_experts
-from npumoe.engine.moe_geometry import Geometry, parse_geometry
 
 TINY = parse_geometry("64x8x2x32")
 

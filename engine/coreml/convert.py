@@ -23,11 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from .coreml_ane import ane_problems
-from .coreml_cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest, weights_fingerprint
-from .coreml_env import import_coremltools
-from .grouped import GroupedExperts
-from .plan import ExpertPlan
+from npumoe.engine.grouped import GroupedExperts
+from npumoe.engine.plan import ExpertPlan
+
+from .ane import ane_problems
+from .cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest, weights_fingerprint
+from .env import import_coremltools
 
 MAX_PACKAGE_BYTES = 1 << 30
 FP16_BYTES = 2

@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npumoe.bench.machine import copy_bandwidth, describe_machine
+from npumoe.bench.timing import interleaved_median_seconds
 from npumoe.engine import bf16_linear
-from npumoe.engine.machine import copy_bandwidth, describe_machine
-from npumoe.engine.timing import interleaved_median_seconds, median_seconds
+from npumoe.engine.timing import median_seconds
 
 
 def test_the_machine_description_names_cpu_memory_torch_build_and_measured_bandwidth():

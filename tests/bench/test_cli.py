@@ -8,7 +8,7 @@ import sys
 
 from click.testing import CliRunner
 
-from npumoe.daemon.cli_bench import bench
+from npumoe.bench.cli import bench
 
 
 def test_bench_moe_prints_a_table_and_writes_machine_and_results(tmp_path):
@@ -55,6 +55,6 @@ def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard)
 
 
 def test_importing_the_bench_commands_does_not_import_torch():
-    code = "import sys, npumoe.daemon.cli_bench; print('torch' in sys.modules)"
+    code = "import sys, npumoe.bench.cli; print('torch' in sys.modules)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "False"

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from matplotlib.figure import Figure
 
-from .bench_fidelity import OVERFLOWS
+from .fidelity import OVERFLOWS
 
 
 def fidelity_figure(rows: Sequence[dict]) -> Figure:

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from npumoe.daemon.app import App, emit_json, pass_app
+from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.models import ModelNotFound, resolve_model
 
 if TYPE_CHECKING:
@@ -54,9 +54,9 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
     """Convert group graphs to Core ML packages for the Neural Engine (fp16, multifunction)."""
     if (geometry and (model_name or plan_path)) or (not geometry and not (model_name and plan_path)):
         raise click.UsageError("give either --model and --plan, or --geometry for a random-weight sizing run")
-    from npumoe.engine.coreml_cache import build_folder, read_manifest
-    from npumoe.engine.coreml_convert import ConversionError, build_packages, plan_digest, plan_group_graphs
-    from npumoe.engine.coreml_env import import_coremltools
+    from npumoe.engine.coreml.cache import build_folder, read_manifest
+    from npumoe.engine.coreml.convert import ConversionError, build_packages, plan_digest, plan_group_graphs
+    from npumoe.engine.coreml.env import import_coremltools
 
     if geometry:
         source = _sizing(geometry, layers, group_size)
@@ -121,8 +121,8 @@ def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:
 
 def _sizing(geometry: str, layers: int, group_size: int) -> Source:
     """Random-weight layers at a real geometry, and a plan for them."""
-    from npumoe.engine.coreml_sizing import sizing_model
-    from npumoe.engine.moe_geometry import parse_geometry
+    from npumoe.engine.coreml.sizing import sizing_model
+    from npumoe.engine.geometry import parse_geometry
 
     try:
         sizing = sizing_model(parse_geometry(geometry), layers=layers, group_size=group_size)

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .cpu_experts import PackedLinear, kernel_for, run_tasks
+from npumoe.engine.cpu_experts import PackedLinear, kernel_for, run_tasks
+
 from .timing import interleaved_median_seconds
 
 MODEL = ("roofline = max(active FLOPs 2·T·k·3·H·I timed as one dense (T·k, H) x (H, 3I) matmul on the fastest "

@@ -19,18 +19,19 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from .backends import get_backend
-from .bench_paths import (
+from npumoe.engine.backends import get_backend
+from npumoe.engine.calibrate import Calibration
+from npumoe.engine.geometry import Geometry, family_config
+from npumoe.engine.prefill import new_cache, prefill
+from npumoe.engine.runtime import MoeRuntime
+
+from .paths import (
     DTYPES,
     add_ratios,
     calibration_from_loads,
     measure_impls,
     static_plans,
 )
-from .calibrate import Calibration
-from .moe_geometry import Geometry, family_config
-from .prefill import new_cache, prefill
-from .runtime import MoeRuntime
 
 
 @dataclass(frozen=True)

@@ -22,14 +22,15 @@ from typing import Any
 
 import torch
 
-from .backends import TorchStaticBackend
-from .coreml_cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, weights_fingerprint
-from .coreml_convert import convert_group
-from .coreml_env import coreml_availability, import_coremltools
-from .cost import CostModel, expert_flops, fit_call_cost
-from .dispatch import GraphCalls, GroupGraph
-from .grouped import from_ane_layout, to_ane_layout
-from .timing import median_seconds
+from npumoe.engine.backends import TorchStaticBackend
+from npumoe.engine.cost import CostModel, expert_flops, fit_call_cost
+from npumoe.engine.dispatch import GraphCalls, GroupGraph
+from npumoe.engine.grouped import from_ane_layout, to_ane_layout
+from npumoe.engine.timing import median_seconds
+
+from .cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, weights_fingerprint
+from .convert import convert_group
+from .env import coreml_availability, import_coremltools
 
 log = logging.getLogger(__name__)
 

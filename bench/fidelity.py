@@ -15,14 +15,15 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from .backends import get_backend
-from .bench_paths import dispatch_fractions
-from .calibrate import Calibration, calibrate
-from .models import LoadedModel, moe_experts
-from .planner import DEFAULT_GROUP_SIZE, make_plan
-from .prefill import new_cache, prefill, windows
-from .runtime import MoeRuntime
-from .timing import median_seconds
+from npumoe.engine.backends import get_backend
+from npumoe.engine.calibrate import Calibration, calibrate
+from npumoe.engine.models import LoadedModel, moe_experts
+from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
+from npumoe.engine.prefill import new_cache, prefill, windows
+from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.timing import median_seconds
+
+from .paths import dispatch_fractions
 
 OVERFLOWS = ("prune", "spill")
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import torch
 
-from . import bf16_linear
-from .timing import median_seconds
+from npumoe.engine import bf16_linear
+from npumoe.engine.timing import median_seconds
 
 # CPU features that decide how fast bf16 matmuls can run on x86 (AVX512-BF16 dot products, AMX tiles).
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
