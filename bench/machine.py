@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import os
 import platform
-import re
-import subprocess
-from pathlib import Path
 
 import psutil
 import torch
 
 from npumoe.engine import bf16_linear
+from npumoe.engine.host import cpu_flags, cpu_model
 from npumoe.engine.timing import median_seconds
 
 # CPU features that decide how fast bf16 matmuls can run on x86 (AVX512-BF16 dot products, AMX tiles).
@@ -42,29 +40,6 @@ def describe_machine(threads: int, *, bandwidth_bytes: int = BANDWIDTH_BYTES) ->
         "npumoe_bf16_kernel": bf16_linear.unavailable() or "available",
         "copy_bandwidth_gbps": round(copy_bandwidth(bandwidth_bytes) / 1e9, 2),
     }
-
-
-def cpu_model() -> str:
-    """The CPU's marketing name, or the architecture when the platform does not say."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        match = re.search(r"^model name\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
-        if match:
-            return match.group(1).strip()
-    if platform.system() == "Darwin":
-        found = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
-        if found.returncode == 0 and found.stdout.strip():
-            return found.stdout.strip()
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return set()
-    match = re.search(r"^flags\s*:\s*(.+)$", cpuinfo.read_text(), re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
 
 
 def copy_bandwidth(nbytes: int = BANDWIDTH_BYTES, *, repeats: int = 5) -> float:

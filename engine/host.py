@@ -1,0 +1,43 @@
+"""The processor the engine runs on: its name and feature flags, and the user cache where what the engine
+builds or measures for this machine is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from pathlib import Path
+
+import platformdirs
+
+
+def cache_root() -> Path:
+    """`$NPUMOE_CACHE`, else the platform's user cache folder for npumoe (it may not exist yet)."""
+    return Path(os.environ.get("NPUMOE_CACHE") or platformdirs.user_cache_dir("npumoe"))
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, or the architecture when the platform does not say."""
+    match = re.search(r"^model name\s*:\s*(.+)$", _cpuinfo(), re.MULTILINE)
+    if match:
+        return match.group(1).strip()
+    if platform.system() == "Darwin":
+        found = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True)
+        if found.returncode == 0 and found.stdout.strip():
+            return found.stdout.strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU feature flags Linux reports (empty elsewhere)."""
+    match = re.search(r"^flags\s*:\s*(.+)$", _cpuinfo(), re.MULTILINE)
+    return set(match.group(1).split()) if match else set()
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return ""
