@@ -8,7 +8,7 @@
  *
  * At the row counts an MoE expert sees in prefill (a few to a few dozen), a plain in-order stream
  * keeps the hardware prefetcher busy and reads the weights faster than oneDNN's small-batch kernels.
- * Built and loaded at run time by bf16_linear.py.
+ * Built and loaded at run time by bf16_linear.py, which asks the CPU for AVX512-BF16 first.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -17,8 +17,6 @@
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #define TILE_ROWS 6
 #define BLOCK 64
-
-int npumoe_cpu_has_avx512bf16(void) { return __builtin_cpu_supports("avx512bf16"); }
 
 static inline TARGET void tile(const int rows, const uint16_t *x, int64_t ldx, const uint16_t *w, int64_t k,
                                uint16_t *y, int64_t ldy) {

@@ -234,11 +234,11 @@ def test_doctor_warns_when_the_bf16_kernel_could_run_but_does_not_build(home: Pa
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", "false")
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
-    bf16_linear._library.cache_clear()  # built already in this process: forget it for the test's span
+    bf16_linear._load.cache_clear()  # built already in this process: forget it for the test's span
     try:
         checks = {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}
     finally:
-        bf16_linear._library.cache_clear()
+        bf16_linear._load.cache_clear()
     assert checks["cpu kernel"]["status"] == "warn"
     assert "could not build" in checks["cpu kernel"]["detail"]
 

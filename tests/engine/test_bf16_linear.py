@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import hashlib
+import os
+import stat
 from pathlib import Path
 
 import pytest
 import torch
+from cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
 
 from npumoe.engine import bf16_linear
 
@@ -80,28 +83,87 @@ def test_inputs_the_kernel_cannot_read_are_refused_before_it_runs(bad):
 
 
 @pytest.fixture
-def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """An empty kernel cache and no loaded library, put back afterwards."""
-    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
-    bf16_linear._library.cache_clear()
-    yield tmp_path
-    bf16_linear._library.cache_clear()
+def fresh_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty kernel cache and nothing built or tried in this process, for the test's span."""
+    fresh_process(monkeypatch, tmp_path)
+    return tmp_path
 
 
 @pytest.mark.skipif(bf16_linear.unavailable() is not None, reason="builds only where the kernel does")
-def test_the_kernel_is_built_once_into_the_cache_under_its_source_hash(fresh_build):
+def test_the_kernel_is_built_once_into_a_private_cache_under_its_source_hash_with_its_content_hash(fresh_build,
+                                                                                                   monkeypatch):
     assert bf16_linear.unavailable() is None
-    built = list((fresh_build / "kernels").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("bf16_linear-") and built[0].suffix == ".so"
-    bf16_linear._library.cache_clear()
-    stamp = built[0].stat().st_mtime_ns
+    folder = fresh_build / "kernels"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    library, = folder.glob("*.so")
+    assert library.name.startswith("bf16_linear-")
+    assert (folder / f"{library.name}.sha256").read_text() == hashlib.sha256(library.read_bytes()).hexdigest()
+    stamp = library.stat().st_mtime_ns
+    fresh_process(monkeypatch)
     assert bf16_linear.unavailable() is None
-    assert built[0].stat().st_mtime_ns == stamp  # loaded again, not rebuilt
+    assert library.stat().st_mtime_ns == stamp  # loaded again, not rebuilt
 
 
-def test_a_compiler_that_fails_leaves_a_reason_and_no_partial_library(fresh_build, monkeypatch):
-    monkeypatch.setenv("CC", "false")
-    reason = bf16_linear.unavailable()
-    assert reason is not None
-    assert "could not build" in reason or "x86-64" in reason  # off x86 it never gets as far as the compiler
-    assert not list(fresh_build.rglob("*.so"))
+@pytest.mark.parametrize("cpu", [ZEN4, SAPPHIRE_RAPIDS], ids=lambda cpu: cpu.name)
+def test_a_compiler_that_fails_is_run_once_and_leaves_a_reason_and_no_library(fresh_build, monkeypatch, cpu):
+    simulate(monkeypatch, cpu)
+    build = fake_build(monkeypatch, fresh_build, fails=True)
+    reasons = {bf16_linear.unavailable() for _ in range(3)}
+    assert len(reasons) == 1 and "could not build the bf16 kernel: fake cc: cannot build this" in reasons.pop()
+    assert len(build.runs) == 1  # tried once per process, not once per experts module
+    with pytest.raises(OSError, match="could not build"):
+        bf16_linear.linear(bf16(1, 64, seed=0), bf16_linear.pack(bf16(64, 64, seed=1)))
+    assert not list(fresh_build.rglob("*.so")) and not build.loaded
+
+
+@pytest.mark.parametrize(("cpu", "reason"), [(ICE_LAKE, "lacks AVX512-BF16"), (INTEL_MAC, "lacks AVX512-BF16"),
+                                             (APPLE_SILICON, "for x86-64 CPUs, this is arm64")],
+                         ids=lambda value: getattr(value, "name", ""))
+def test_a_cpu_that_cannot_run_the_kernel_never_calls_the_compiler(fresh_build, monkeypatch, cpu, reason):
+    simulate(monkeypatch, cpu)
+    build = fake_build(monkeypatch, fresh_build)
+    assert reason in bf16_linear.unavailable()
+    assert build.runs == [] and build.loaded == []
+
+
+def test_cc_may_be_a_command_with_arguments(fresh_build, monkeypatch):
+    simulate(monkeypatch, ZEN4)
+    build = fake_build(monkeypatch, fresh_build)
+    monkeypatch.setenv("CC", f"{os.environ['CC']} --as-ccache-would")
+    assert bf16_linear.unavailable() is None
+    assert build.runs[0].startswith("--as-ccache-would -O3")
+    (path, content), = build.loaded
+    assert path.parent == fresh_build / "kernels" and content == b"built by the fake compiler"
+
+
+@pytest.mark.parametrize("flaw", ["group-writable", "writable by others", "someone else's"])
+def test_a_library_planted_in_a_cache_others_can_write_to_is_not_loaded(fresh_build, monkeypatch, flaw):
+    simulate(monkeypatch, SAPPHIRE_RAPIDS)
+    build = fake_build(monkeypatch, fresh_build)
+    assert bf16_linear.unavailable() is None
+    (built, _), = build.loaded
+    # Whoever can write to the folder replaces the library and its recorded hash alike.
+    built.write_bytes(b"planted")
+    (built.parent / f"{built.name}.sha256").write_text(hashlib.sha256(b"planted").hexdigest())
+    if flaw == "someone else's":
+        monkeypatch.setattr(os, "getuid", lambda: built.parent.stat().st_uid + 1)
+    else:
+        built.parent.chmod(0o770 if flaw == "group-writable" else 0o707)
+    fresh_process(monkeypatch)
+    with pytest.warns(RuntimeWarning, match="kernel cache .* is not safe to load code from: .*private temporary"):
+        assert bf16_linear.unavailable() is None
+    path, content = build.loaded[-1]
+    assert content == b"built by the fake compiler" and not path.is_relative_to(fresh_build)
+    assert not path.exists()  # the private folder is gone once the library is loaded
+
+
+def test_a_cached_library_whose_content_does_not_match_its_hash_is_not_loaded(fresh_build, monkeypatch):
+    simulate(monkeypatch, ZEN4)
+    build = fake_build(monkeypatch, fresh_build)
+    assert bf16_linear.unavailable() is None
+    (built, _), = build.loaded
+    built.write_bytes(b"planted")  # the recorded hash is the build's
+    fresh_process(monkeypatch)
+    assert bf16_linear.unavailable() is None
+    assert build.loaded[-1] == (built, b"built by the fake compiler")  # built again before it was loaded
+    assert len(build.runs) == 2

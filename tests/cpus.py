@@ -1,0 +1,99 @@
+"""Processors the project runs on, simulated by answering torch's and Python's feature probes, and a fake C
+compiler: for tests of what the engine decides from the CPU, whichever CPU runs them.
+
+A simulated CPU answers every probe the engine's choices read (the architecture, torch's vector
+capability, AVX512-BF16, AMX tiles, oneDNN and its bf16), so no answer comes from the machine at hand.
+"""
+
+from __future__ import annotations
+
+import functools
+import platform
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from npumoe.engine import bf16_linear
+
+
+@dataclass(frozen=True)
+class Cpu:
+    name: str
+    arch: str  # platform.machine()
+    capability: str  # torch.backends.cpu.get_cpu_capability()
+    avx512_bf16: bool
+    amx: bool
+    onednn: bool  # torch.backends.mkldnn.is_available()
+    onednn_bf16: bool
+
+
+ZEN4 = Cpu("AMD Zen 4", "x86_64", "AVX512", avx512_bf16=True, amx=False, onednn=True, onednn_bf16=True)
+SAPPHIRE_RAPIDS = Cpu("Intel Xeon with AMX", "x86_64", "AVX512", avx512_bf16=True, amx=True, onednn=True,
+                      onednn_bf16=True)
+ICE_LAKE = Cpu("Intel Xeon with AVX-512 VNNI, no BF16 or AMX", "x86_64", "AVX512", avx512_bf16=False, amx=False,
+               onednn=True, onednn_bf16=True)
+INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=False, onednn=True, onednn_bf16=False)
+APPLE_SILICON = Cpu("Apple silicon", "arm64", "DEFAULT", avx512_bf16=False, amx=False, onednn=False,
+                    onednn_bf16=False)
+CPUS = (ZEN4, SAPPHIRE_RAPIDS, ICE_LAKE, INTEL_MAC, APPLE_SILICON)
+
+
+def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
+    """Make every feature probe answer as `cpu` would, in a fresh process's state (nothing built or chosen
+    yet, see `fresh_process`), for the test's span."""
+    monkeypatch.setattr(platform, "machine", lambda: cpu.arch)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu.capability)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: cpu.avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: cpu.amx)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: cpu.onednn)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: cpu.onednn_bf16)
+    fresh_process(monkeypatch)
+
+
+def fresh_process(monkeypatch: pytest.MonkeyPatch, cache: Path | None = None) -> None:
+    """This process as a new one would start, for the test's span: no kernel built or tried, and (when
+    given) `cache` as the user cache; the process's own state comes back afterwards."""
+    monkeypatch.setattr(bf16_linear, "_load", functools.cache(bf16_linear._load.__wrapped__))
+    if cache is not None:
+        monkeypatch.setenv("NPUMOE_CACHE", str(cache))
+
+
+_FAKE_CC = """
+import pathlib, sys
+args = sys.argv[1:]
+with open({log!r}, "a") as log:
+    log.write(" ".join(args) + "\\n")
+if {fails!r}:
+    sys.exit("fake cc: cannot build this")
+pathlib.Path(args[args.index("-o") + 1]).write_bytes(b"built by the fake compiler")
+"""
+
+
+class FakeBuild:
+    """A C compiler (a Python script, run as `CC="python fake_cc.py"`) that logs each run and writes a
+    stand-in library, and a loader that records what it was asked to load instead of loading it."""
+
+    def __init__(self, folder: Path, fails: bool) -> None:
+        self.log = folder / "cc.log"
+        self.script = folder / "fake_cc.py"
+        self.script.write_text(_FAKE_CC.format(log=str(self.log), fails=fails))
+        self.loaded: list[tuple[Path, bytes]] = []
+
+    @property
+    def runs(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def load(self, path: str) -> object:
+        self.loaded.append((Path(path), Path(path).read_bytes()))
+        return type("FakeLibrary", (), {"npumoe_linear_bf16": type("Function", (), {})()})()
+
+
+def fake_build(monkeypatch: pytest.MonkeyPatch, folder: Path, *, fails: bool = False) -> FakeBuild:
+    build = FakeBuild(folder, fails)
+    monkeypatch.setenv("CC", shlex.join([sys.executable, str(build.script)]))
+    monkeypatch.setattr(bf16_linear.ctypes, "CDLL", build.load)
+    return build
