@@ -3,7 +3,7 @@
 Two floors, both measured here rather than taken from a datasheet:
 - compute: the layer's active FLOPs (2·T·k·3·H·I: gate, up and down projections of every routed
   token) run as one dense matmul of the same FLOPs at the same dtype, the best shape a matmul gets,
-  timed on every kernel this machine has (torch's, and the engine's own where it runs) and the fastest kept;
+  timed on every kernel the experts can run here (torch's, oneDNN's, the engine's own) and the fastest kept;
 - memory: the bytes of the expert weights the routing touches, read once at the measured bandwidth.
 The roofline time is the larger of the two.
 """
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from npumoe.engine.cpu_experts import PackedLinear, kernel_for, run_tasks
+from npumoe.engine.cpu_experts import run_tasks
+from npumoe.engine.cpu_kernels import KERNELS, PackedLinear, unavailable_kernels
 
 from .timing import interleaved_median_seconds
 
@@ -76,9 +77,10 @@ def dense_matmuls(*, tokens: int, top_k: int, hidden: int, ffn: int,
     x = torch.randn(tokens * top_k, hidden).to(dtype)
     w = torch.randn(3 * ffn, hidden).to(dtype)
     matmuls: dict[str, Callable[[], object]] = {"torch": lambda: F.linear(x, w)}
-    kernel = kernel_for(w)
-    if kernel != "torch":  # the experts' packed kernel, its rows shared out to the workers as experts are
+    parts = x.chunk(torch.get_num_threads())
+    unavailable = unavailable_kernels(w)
+    for kernel in (k for k in KERNELS if k != "torch" and k not in unavailable):
+        # the experts' packed kernels, the rows shared out to the workers as experts are
         packed = PackedLinear(w, kernel)
-        parts = x.chunk(torch.get_num_threads())
-        matmuls[kernel] = lambda: run_tasks([lambda part=part: packed(part) for part in parts])
+        matmuls[kernel] = lambda packed=packed: run_tasks([lambda part=part: packed(part) for part in parts])
     return matmuls

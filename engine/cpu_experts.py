@@ -1,11 +1,10 @@
 """The exact CPU expert path: each expert's rows through its own FFN, experts run side by side.
 
 Two choices make it fast on a CPU:
-- Weights are packed once, when the layer is built, into the layout the matmul kernel reads in order.
-  On x86-64 with AVX512-BF16, bf16 experts run the engine's own kernel (bf16_linear), which streams an
-  expert's weights faster than oneDNN at the few dozen rows an expert sees; other x86 CPUs use oneDNN's
-  packed layout (a plain weight is re-laid out by every call, up to twice as slow); elsewhere (Arm:
-  Apple's Accelerate) plain `F.linear` is the fast path. Packed weights are a copy: the model keeps its own.
+- Weights are packed once, when the layer is built, into the layout the matmul kernel reads in order: the
+  kernel measured fastest on this machine for the experts' dtype and shapes (cpu_kernels: the engine's own
+  bf16 kernel, oneDNN's packed matmul, or plain torch, as this CPU allows). Packed weights are a copy: the
+  model keeps its own.
 - Cores split the experts, not each matmul: every worker thread runs whole experts single-threaded.
   One worker takes the heaviest expert left, the next the lightest, so compute-bound heavy experts
   run beside memory-bound light ones; and a layer waits for its workers once instead of once per
@@ -21,83 +20,22 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
-import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from npumoe.engine import bf16_linear
+from .cpu_kernels import PackedLinear, choose_kernel
 
 Task = Callable[[], object]  # run for its effect; what it returns is dropped
 
-# x86 vector extensions torch reports; elsewhere (Arm: Apple's Accelerate) plain F.linear is the fast path.
-_X86 = ("AVX2", "AVX512")
-
-
-def packs(dtype: torch.dtype) -> bool:
-    """Whether this x86 CPU has oneDNN's packed-weight matmul for `dtype` (bf16 needs AVX512 or AMX)."""
-    if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in _X86:
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-KERNELS = ("npumoe-bf16", "onednn", "torch")
-
-
-def bf16_kernel() -> tuple[str, str]:
-    """The kernel bf16 experts run on this CPU (where their shapes allow the engine's), and why."""
-    why = bf16_linear.unavailable()
-    if why is None and torch.cpu._is_amx_tile_supported():
-        # Not measured here (no AMX machine): oneDNN's tile matmuls peak far above AVX512-BF16 dot products.
-        why = "this CPU has AMX tiles, which oneDNN's matmuls use"
-    if why is None:
-        return "npumoe-bf16", "the engine's AVX512-BF16 kernel"
-    return ("onednn" if packs(torch.bfloat16) else "torch"), why
-
-
-def kernel_for(*weights: torch.Tensor) -> str:
-    """The fastest matmul kernel here for (…, N, K) weights of one dtype and device: one of KERNELS."""
-    w = weights[0]
-    if w.device.type != "cpu":
-        return "torch"
-    if w.dtype == torch.bfloat16 and all(bf16_linear.supports(*v.shape[-2:]) for v in weights):
-        return bf16_kernel()[0]
-    return "onednn" if packs(w.dtype) else "torch"
-
-
-class PackedLinear:
-    """y = x · wᵀ for one (N, K) weight, held in the layout `kernel` reads (a copy, except for plain torch)."""
-
-    def __init__(self, w: torch.Tensor, kernel: str) -> None:
-        if kernel not in KERNELS:
-            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
-        self.kernel = kernel
-        with torch.no_grad():
-            if kernel == "npumoe-bf16":
-                self.weight = bf16_linear.pack(w)
-            elif kernel == "onednn":
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
-            else:
-                self.weight = w
-
-    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, K) -> (n, N), written into `out` when given."""
-        if self.kernel == "npumoe-bf16":
-            return bf16_linear.linear(x, self.weight, out)
-        if self.kernel == "onednn":
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        else:
-            y = F.linear(x, self.weight)
-        return y if out is None else out.copy_(y)
-
 
 class CpuExperts:
-    """E gated expert FFNs on dynamic rows, weights in the layout this CPU's matmul kernel reads.
+    """E gated expert FFNs on dynamic rows, weights in the layout of the matmul kernel fastest here.
 
     gate_up: (E, 2I, H), the gate rows first; down: (E, H, I).
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> None:
         self.act = ACT2FN[act]
-        self.kernel = kernel_for(gate_up, down)
+        self.kernel = choose_kernel(gate_up, down).kernel
         self.gate_up = [PackedLinear(w, self.kernel) for w in gate_up.detach()]
         self.down = [PackedLinear(w, self.kernel) for w in down.detach()]
         self._source = _identity(gate_up, down)

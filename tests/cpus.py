@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from npumoe.engine import bf16_linear
+from npumoe.engine import bf16_linear, cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -55,11 +55,35 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
 
 
 def fresh_process(monkeypatch: pytest.MonkeyPatch, cache: Path | None = None) -> None:
-    """This process as a new one would start, for the test's span: no kernel built or tried, and (when
-    given) `cache` as the user cache; the process's own state comes back afterwards."""
+    """This process as a new one would start, for the test's span: no kernel built or tried, no kernel
+    chosen, and (when given) `cache` as the user cache; the process's own state comes back afterwards."""
     monkeypatch.setattr(bf16_linear, "_load", functools.cache(bf16_linear._load.__wrapped__))
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
     if cache is not None:
         monkeypatch.setenv("NPUMOE_CACHE", str(cache))
+
+
+class FakeTimings:
+    """Stands in for `cpu_kernels.time_kernels`: the figures given, and a record of every timing asked."""
+
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        self.calls: list[tuple[str, ...]] = []
+
+    def __call__(self, kernels, gate_up, down) -> dict[str, float]:
+        self.calls.append(tuple(kernels))
+        return {kernel: self.seconds[kernel] for kernel in kernels}
+
+
+def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> FakeTimings:
+    """Timing that finds `fastest` the fastest kernel, with no kernel chosen yet and `cache` as the user cache,
+    so fake figures reach no other test (the kernel this process built, if any, stays loaded)."""
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setenv("NPUMOE_CACHE", str(cache))
+    timings = FakeTimings({kernel: 1e-3 * (1 + i) for i, kernel in
+                           enumerate([fastest, *(k for k in cpu_kernels.KERNELS if k != fastest)])})
+    monkeypatch.setattr(cpu_kernels, "time_kernels", timings)
+    return timings
 
 
 _FAKE_CC = """

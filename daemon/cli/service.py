@@ -229,16 +229,24 @@ def _energy_check() -> dict[str, str]:
 
 
 def _kernel_check() -> dict[str, str]:
-    """Which matmul the CPU experts run in bf16, and why; a warning where the engine's kernel could run but
-    did not build."""
+    """The matmul kernel the CPU experts run and the figures that chose it: for bf16 experts of
+    qwen3-30b-a3b's size (timed now if this machine has not yet), then every other choice cached here; a
+    warning where this CPU could run the engine's own kernel but it did not build."""
     import torch
 
-    from npumoe.engine.cpu_experts import bf16_kernel
+    from npumoe.engine import bf16_linear
+    from npumoe.engine.cpu_kernels import cached_choices, choose_for_shape, shape_class
+    from npumoe.engine.geometry import GEOMETRIES
+    from npumoe.engine.host import cpu_model
 
-    kernel, why = bf16_kernel()
-    could = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()
-    status = "warn" if could and kernel != "npumoe-bf16" else "ok"
-    return _check("cpu kernel", status, f"bf16 experts: {kernel} ({why})")
+    reference = GEOMETRIES["qwen3-30b-a3b"]
+    key = shape_class(torch.bfloat16, reference.hidden, reference.ffn)
+    measured = choose_for_shape(reference.hidden, reference.ffn, torch.bfloat16)
+    choices = [f"{key} ({reference.name}): {measured.describe()}"]
+    choices += [f"{other}: {choice.describe()}" for other, choice in cached_choices().items() if other != key]
+    not_built = bf16_linear.unsupported_cpu() is None and bf16_linear.unavailable() is not None
+    return _check("cpu kernel", "warn" if not_built else "ok",
+                  f"{'; '.join(choices)} (on {cpu_model()}, torch {torch.__version__})")
 
 
 def _backend_checks() -> list[dict[str, str]]:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from cpus import APPLE_SILICON, CPUS, INTEL_MAC, fake_build, fake_timings, fresh_process, simulate
 
-from npumoe.engine import bf16_linear
-from npumoe.engine.cpu_experts import CpuExperts, bf16_kernel, packs, run_tasks
+from npumoe.engine import cpu_kernels
+from npumoe.engine.cpu_experts import CpuExperts, run_tasks
+from npumoe.engine.cpu_kernels import KERNELS, choose_kernel, unavailable_kernels
+from npumoe.engine.host import cpu_model
 
 E, H, FFN = 4, 64, 32
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
@@ -40,11 +45,22 @@ def gated_ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: s
     return F.linear((F.silu(gate) if act == "silu" else F.gelu(gate)) * up, down)
 
 
+def forced(monkeypatch: pytest.MonkeyPatch, cache: Path, kernel: str, *weights: torch.Tensor) -> None:
+    """Make `kernel` the measured choice for these weights, or skip where it cannot run on this machine."""
+    why = unavailable_kernels(*weights).get(kernel)
+    if why is not None:
+        pytest.skip(f"{kernel} cannot run here: {why}")
+    fake_timings(monkeypatch, cache, fastest=kernel)
+
+
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(dtype, act):
+@pytest.mark.parametrize(("dtype", "kernel"), [(torch.float32, "onednn"), (torch.float32, "torch"),
+                                               *((torch.bfloat16, kernel) for kernel in KERNELS)])
+def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(monkeypatch, tmp_path, dtype, act, kernel):
     gate_up, down = random_experts(dtype)
+    forced(monkeypatch, tmp_path, kernel, gate_up, down)
     experts = CpuExperts(gate_up, down, act)
+    assert experts.kernel == kernel
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = torch.zeros(40, H, dtype=dtype)
     for e, rows in ((0, 1), (1, 5), (3, 37)):
@@ -55,26 +71,105 @@ def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(dtype, act):
     assert not out[:2].any() and not out[39:].any()
 
 
-@pytest.mark.skipif(bf16_linear.unavailable() is not None, reason=f"no bf16 kernel: {bf16_linear.unavailable()}")
-def test_bf16_experts_run_the_engines_kernel_where_it_builds_and_the_cpu_has_avx512_bf16():
-    experts = CpuExperts(*random_experts(torch.bfloat16), "silu")
-    assert experts.kernel == "npumoe-bf16"
-    assert all(w.weight.shape == (1, H // 2, 64, 2) for w in experts.gate_up)  # (2I/64, H/2, 64, 2)
+@pytest.mark.parametrize(("kernel", "layout"), [
+    ("npumoe-bf16", lambda w: w.shape == (1, H // 2, 64, 2)),  # (2I/64, H/2, 64, 2)
+    ("onednn", lambda w: w.is_mkldnn),
+    ("torch", lambda w: w.shape == (2 * FFN, H) and not w.is_mkldnn),
+])
+def test_bf16_experts_hold_their_weights_in_the_layout_of_the_chosen_kernel(monkeypatch, tmp_path, kernel, layout):
+    weights = random_experts(torch.bfloat16)
+    forced(monkeypatch, tmp_path, kernel, *weights)
+    experts = CpuExperts(*weights, "silu")
+    assert experts.kernel == kernel and all(layout(w.weight) for w in experts.gate_up)
 
 
-@pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 matmul")
-def test_on_a_cpu_with_amx_tiles_bf16_experts_leave_the_matmuls_to_onednn(monkeypatch):
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    assert bf16_kernel() == ("onednn", "this CPU has AMX tiles, which oneDNN's matmuls use")
-    assert CpuExperts(*random_experts(torch.bfloat16), "silu").kernel == "onednn"
-
-
-@pytest.mark.skipif(not packs(torch.bfloat16), reason="this CPU has no oneDNN bf16 matmul")
-def test_bf16_weights_the_kernel_cannot_take_are_held_in_onednn_layout():
+@pytest.mark.parametrize("cpu", CPUS, ids=lambda cpu: cpu.name)
+def test_the_cpu_features_say_only_which_kernels_can_run(tmp_path, monkeypatch, cpu):
+    simulate(monkeypatch, cpu)
+    fake_build(monkeypatch, tmp_path)
+    can_run = {str(dtype): [k for k in KERNELS if k not in unavailable_kernels(*random_experts(dtype))]
+               for dtype in (torch.bfloat16, torch.float32)}
+    engine_kernel = ["npumoe-bf16"] if cpu.avx512_bf16 else []  # with AMX or without: the timing decides
+    onednn = ["onednn"] if cpu.onednn and cpu.capability in ("AVX2", "AVX512") else []
+    assert can_run == {"torch.bfloat16": [*engine_kernel, *(onednn if cpu.onednn_bf16 else []), "torch"],
+                       "torch.float32": [*onednn, "torch"]}
     gate_up, down = random_experts(torch.bfloat16)
-    experts = CpuExperts(gate_up[:, :48], down[:, :, :24], "silu")  # 2I = 48: not whole blocks of 64 columns
-    assert experts.kernel == "onednn"
-    assert all(w.weight.is_mkldnn for w in experts.gate_up + experts.down)
+    assert "whole blocks of 64" in unavailable_kernels(gate_up[:, :48], down[:, :, :24])["npumoe-bf16"]
+
+
+@pytest.mark.parametrize("cpu", [APPLE_SILICON, INTEL_MAC], ids=lambda cpu: cpu.name)
+def test_where_only_torch_can_run_nothing_is_timed(tmp_path, monkeypatch, cpu):
+    simulate(monkeypatch, cpu)
+    fake_build(monkeypatch, tmp_path)
+    timings = fake_timings(monkeypatch, tmp_path, "torch")
+    choice = choose_kernel(*random_experts(torch.bfloat16))
+    assert (choice.kernel, choice.seconds, timings.calls) == ("torch", {}, [])
+    assert "the only kernel that runs here" in choice.describe() and "npumoe-bf16 cannot" in choice.describe()
+
+
+@pytest.mark.parametrize("fastest", KERNELS)
+def test_the_kernel_measured_fastest_is_chosen(tmp_path, monkeypatch, fastest):
+    timings = fake_timings(monkeypatch, tmp_path, fastest)
+    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})  # all three can run
+    choice = choose_kernel(*random_experts(torch.bfloat16))
+    assert timings.calls == [KERNELS]
+    assert choice.kernel == fastest == min(choice.seconds, key=choice.seconds.__getitem__)
+    assert choice.seconds == timings.seconds
+    assert choice.describe().startswith(f"{fastest}, the fastest measured per expert of 32 rows: {fastest} 1 ms")
+
+
+def test_a_choice_is_cached_with_the_machine_and_reused_by_the_next_process(tmp_path, monkeypatch):
+    timings = fake_timings(monkeypatch, tmp_path, "onednn")
+    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})
+    first = choose_kernel(*random_experts(torch.bfloat16))
+    assert choose_kernel(*random_experts(torch.bfloat16)) == first  # this process remembers
+    fresh_process(monkeypatch)
+    assert choose_kernel(*random_experts(torch.bfloat16)) == first  # the next one reads the cache
+    assert len(timings.calls) == 1
+    cached, = (tmp_path / "cpu-kernels").glob("*.json")
+    held = json.loads(cached.read_text())
+    assert (held["cpu"], held["torch"]) == (cpu_model(), torch.__version__)
+    assert held["choices"] == {f"bfloat16 hidden {H} ffn {FFN}": {"kernel": "onednn", "seconds": timings.seconds}}
+    # Another shape class, or another dtype, is a choice of its own.
+    choose_kernel(*random_experts(torch.float32))
+    gate_up, down = random_experts(torch.bfloat16)
+    choose_kernel(gate_up[:, :, :32], down[:, :32])  # hidden 32
+    assert len(timings.calls) == 3
+
+
+@pytest.mark.parametrize("change", ["another CPU", "another torch", "a kernel that can run now"])
+def test_a_cached_choice_is_timed_again_when_the_machine_or_what_can_run_changed(tmp_path, monkeypatch, change):
+    timings = fake_timings(monkeypatch, tmp_path, "torch")
+    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {"npumoe-bf16": "no compiler"})
+    choose_kernel(*random_experts(torch.bfloat16))
+    fresh_process(monkeypatch)
+    if change == "another CPU":
+        monkeypatch.setattr(cpu_kernels, "cpu_model", lambda: "Another CPU")
+    elif change == "another torch":
+        monkeypatch.setattr(torch, "__version__", "0.0.1")
+    else:
+        monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})  # a compiler came
+    choice = choose_kernel(*random_experts(torch.bfloat16))
+    assert len(timings.calls) == 2 and choice.seconds.keys() == set(timings.calls[-1])
+
+
+def test_kernels_are_timed_single_threaded_as_the_workers_run_them_and_the_caller_keeps_its_threads(
+        tmp_path, monkeypatch, threads):
+    fresh_process(monkeypatch, tmp_path)
+    seen: list[int] = []
+    real = cpu_kernels.time_kernels
+
+    def timed(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(cpu_kernels, "time_kernels", timed)
+    weights = random_experts(torch.float32)
+    if len(cpu_kernels.KERNELS) - len(unavailable_kernels(*weights)) < 2:
+        pytest.skip("only torch's matmul runs here: nothing to time")
+    choice = choose_kernel(*weights)
+    assert seen == [1] and torch.get_num_threads() == threads
+    assert choice.kernel in choice.seconds and all(seconds > 0 for seconds in choice.seconds.values())
 
 
 def test_tasks_run_once_each_on_worker_threads_of_one_torch_thread(threads):
