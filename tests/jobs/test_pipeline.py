@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from npumoe.daemon.measure import Meter
-from npumoe.engine import DocumentResult, EngineSettings, Progress
+from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
+from npumoe.engine.dispatch import DispatchStats
 from npumoe.jobs import pipeline
 from npumoe.jobs.extract import ExtractionError, ExtractLimits
 from npumoe.jobs.pipeline import Folders, Outcome, Pipeline, Policy, Stop
@@ -43,13 +44,9 @@ class StandInEngine:
             on_progress(Progress("prefill", done, self.chunks, 10 * done, 10 * self.chunks, 0.5 * done))
         if self.error is not None:
             raise self.error
-        stats = {
-            "tokens": 10 * self.chunks,
-            "chunks": self.chunks,
-            "chunk_tokens": 10,
-            "dropped_fraction": 0.0,
-            "seconds": {"prefill": 0.1, "summary": 0.2},
-        }
+        stats = RunStats(tokens=10 * self.chunks, chunks=self.chunks, chunk_tokens=10, sections=1, reduce_rounds=0,
+                         seconds={"prefill": 0.1, "summary": 0.2, "reduce": 0.0, "total": 0.3},
+                         dispatch=DispatchStats())
         rows = np.arange((self.chunks + 1) * 4, dtype=np.float32).reshape(self.chunks + 1, 4)
         return DocumentResult(summary="The stand-in summary.", embeddings=rows, stats=stats)
 
