@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hostile_files
+import meta_fields
 import numpy as np
 import pytest
 
@@ -127,6 +128,13 @@ def test_a_document_becomes_three_outputs_and_a_done_job(setup: Setup) -> None:
     assert set(meta["seconds"]) >= {"extract", "prefill", "summary"}
     assert setup.model.engine.texts == [TEXT.strip()]
     assert [p.name for p in setup.outbox.iterdir()] == [out.name]  # the private copy is gone
+
+
+def test_meta_json_holds_every_field_the_readme_documents_once_with_its_type(setup: Setup) -> None:
+    _, job = setup.run(setup.document())
+    meta = json.loads((Path(job.output_dir or "") / "meta.json").read_text())
+    meta_fields.assert_documented_once(meta)
+    assert meta["schema_version"] == 1
 
 
 def test_progress_is_recorded_with_the_job_after_every_chunk(setup: Setup) -> None:
