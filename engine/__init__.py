@@ -1,6 +1,6 @@
 """The NPUMoE engine: MoE prefill on static-shape accelerators (knows nothing of files or queues)."""
 
-from .engine import DocumentResult, Engine, EngineSettings, Progress
+from .engine import DocumentResult, Engine, EngineSettings, Progress, RunStats
 from .models import SUPPORTED_FAMILIES, LoadedModel, ModelError, load_model
 from .plan import ExpertPlan, PlanError
 
@@ -14,5 +14,6 @@ __all__ = [
     "ModelError",
     "PlanError",
     "Progress",
+    "RunStats",
     "load_model",
 ]

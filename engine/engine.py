@@ -85,11 +85,25 @@ class Progress:
     elapsed_s: float
 
 
+@dataclass(frozen=True)
+class RunStats:
+    """What one `process` call did and how long its phases took. The settings it ran with are the engine's
+    (`Engine.settings`, `Engine.model_key`), so they are not repeated here."""
+
+    tokens: int  # document tokens, every one of them read (nothing is truncated)
+    chunks: int  # prefill chunks that held document tokens: one embedding row each
+    chunk_tokens: int  # the prefill chunk length used (a plan's own takes precedence over the settings')
+    sections: int  # parts the document was cut into to fit the model's context
+    reduce_rounds: int  # rounds of combining section summaries; 0 for a one-section document
+    seconds: dict[str, float]  # wall seconds: "prefill", "summary", "reduce", and "total" for the whole call
+    dispatch: DispatchStats  # the MoE layer calls of this run's prefill (decode steps are not counted)
+
+
 @dataclass
 class DocumentResult:
     summary: str
     embeddings: np.ndarray  # float32, (n_chunks + 1, hidden): one L2-normalised row per chunk, last = document
-    stats: dict[str, Any]  # JSON-serialisable run statistics
+    stats: RunStats
 
 
 @dataclass
@@ -161,7 +175,6 @@ class Engine:
         summary; it may block (a pause) or raise (an abort, which propagates)."""
         if not text.strip():
             raise ValueError("document text is empty or whitespace only: nothing to process")
-        cpu_start = time.process_time()
         doc = self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
         run = _Run(on_progress, tokens_total=len(doc))
         self.runtime.stats = DispatchStats()
@@ -173,14 +186,9 @@ class Engine:
         document = (chunk_means * chunk_sizes[:, None]).sum(0) / chunk_sizes.sum()  # (H,): mean over every token
         embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
         run.seconds["total"] = time.perf_counter() - run.started
-        stats = {
-            "model": self.model_key, "backend": self.settings.backend, "overflow": self.settings.overflow,
-            "plan": str(self.settings.plan) if self.settings.plan is not None else None,
-            "dtype": self.settings.dtype, "tokens": len(doc), "chunks": len(chunk_sizes),
-            "chunk_tokens": self.chunk_tokens, "sections": len(sections), "reduce_rounds": rounds,
-            "seconds": run.seconds, "cpu_seconds": time.process_time() - cpu_start,
-            **self.runtime.stats.to_dict(),
-        }
+        stats = RunStats(tokens=len(doc), chunks=len(chunk_sizes), chunk_tokens=self.chunk_tokens,
+                         sections=len(sections), reduce_rounds=rounds, seconds=run.seconds,
+                         dispatch=self.runtime.stats)
         return DocumentResult(summary=self.loaded.tokenizer.decode(summary, skip_special_tokens=True).strip(),
                               embeddings=embeddings.cpu().numpy(), stats=stats)
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from npumoe.jobs.extract import ExtractedText, ExtractionError, ExtractLimits, extract_text
+from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
 from npumoe.jobs.outputs import (
     move_file,
     output_name,
@@ -203,7 +204,7 @@ class Pipeline:
         files = {
             "summary.md": _summary_markdown(source.name, self.model.settings.model, result).encode(),
             "embeddings.npy": _npy(result.embeddings),
-            "meta.json": json.dumps(meta, indent=2, ensure_ascii=False).encode(),
+            "meta.json": meta.to_json(),
         }
         out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
         return self._complete(job, out, source)
@@ -312,34 +313,35 @@ class Pipeline:
         result: DocumentResult,
         meter: Measurement,
         extract_s: float,
-    ) -> dict[str, Any]:
+    ) -> DocumentMeta:
         settings, stats = self.model.settings, result.stats
-        return {
-            "document": source.name,
-            "source": str(source),
-            "sha256": job.sha256,
-            "job_id": job.id,
-            "model": settings.model,
-            "model_key": engine.model_key,
-            "plan": str(settings.plan) if settings.plan else None,
-            "backend": settings.backend,
-            "overflow": settings.overflow,
-            "dtype": settings.dtype,
-            "extraction": {"format": extracted.format, "pages": extracted.pages, "chars": len(extracted.text)},
-            "tokens": stats["tokens"],
-            "chunks": stats["chunks"],
-            "chunk_tokens": stats["chunk_tokens"],
-            "embeddings": {"rows": int(result.embeddings.shape[0]), "dim": int(result.embeddings.shape[1])},
-            "seconds": {"extract": round(extract_s, 4), **{k: round(v, 4) for k, v in stats["seconds"].items()}},
-            "wall_seconds": round(meter.wall_seconds, 4),
-            "cpu_seconds": round(meter.cpu_seconds, 4),
-            "energy_joules": meter.energy_joules,
-            "energy_source": meter.energy_source,
-            "dropped_fraction": stats["dropped_fraction"],
-            "engine_stats": stats,
-            "npumoed_version": version("npumoed"),
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
+        engine_s = {phase: round(seconds, 4) for phase, seconds in stats.seconds.items()}
+        return DocumentMeta(
+            source=str(source),
+            sha256=job.sha256,
+            job_id=job.id,
+            model=settings.model,
+            model_key=engine.model_key,
+            plan=str(settings.plan) if settings.plan else None,
+            backend=settings.backend,
+            overflow=settings.overflow,
+            dtype=settings.dtype,
+            chunk_tokens=stats.chunk_tokens,
+            extraction=Extraction(extracted.format, extracted.pages, len(extracted.text)),
+            tokens=stats.tokens,
+            chunks=stats.chunks,
+            sections=stats.sections,
+            reduce_rounds=stats.reduce_rounds,
+            embeddings=Embeddings(int(result.embeddings.shape[0]), int(result.embeddings.shape[1])),
+            seconds=Seconds(extract=round(extract_s, 4), prefill=engine_s["prefill"], summary=engine_s["summary"],
+                            reduce=engine_s["reduce"], engine=engine_s["total"], total=round(meter.wall_seconds, 4)),
+            cpu_seconds=round(meter.cpu_seconds, 4),
+            energy_joules=meter.energy_joules,
+            energy_source=meter.energy_source,
+            dispatch=stats.dispatch.to_dict(),
+            npumoed_version=version("npumoed"),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
 
 
 def snapshot(source: Path, copy: Path, max_bytes: int) -> str:
@@ -406,7 +408,7 @@ def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
 
 
 def _summary_markdown(name: str, model: str, result: DocumentResult) -> str:
-    facts = [f"model `{model}`", f"{result.stats['chunks']} chunks", f"{result.stats['tokens']} tokens"]
+    facts = [f"model `{model}`", f"{result.stats.chunks} chunks", f"{result.stats.tokens} tokens"]
     title = " ".join(name.split())  # no newlines from a hostile file name in the heading
     return f"# {title}\n\n_{' · '.join(facts)}_\n\n{result.summary.strip()}\n"
 
