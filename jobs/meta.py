@@ -22,8 +22,7 @@ class Extraction:
 
 @dataclass(frozen=True)
 class Embeddings:
-    rows: int  # one per prefill chunk, plus the document vector
-    dim: int
+    dim: int  # the width of each row; there is one row per chunk, plus the document vector
 
 
 @dataclass(frozen=True)
