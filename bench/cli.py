@@ -7,6 +7,7 @@ writes {"machine": ..., "settings": ..., "results": [...]} for the results folde
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -148,7 +149,7 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
               help="At most this many held-out tokens.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the trade-off curves to this PNG.")
+              help="Write the trade-off curves to this PNG (needs the plot extra: matplotlib).")
 @_threads_option
 @_timing_options
 @_json_option
@@ -156,6 +157,8 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
              scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int, plot_path: Path | None, threads: int,
              warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
     """Accuracy against capacity: dropped, spilled and padding fractions, top-1 agreement and KL vs the exact model."""
+    if plot_path is not None:
+        _require_matplotlib()
     import tempfile
 
     import torch
@@ -196,6 +199,12 @@ def _geometries(names: Sequence[str]) -> list:
         return [parse_geometry(name) for name in names]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--geometry") from e
+
+
+def _require_matplotlib() -> None:
+    """--plot draws with matplotlib, an optional extra: say so before a run of minutes, not after it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise click.ClickException("--plot needs matplotlib, which is not installed: pip install 'npumoed[plot]'")
 
 
 def _fidelity_texts(calibration_files: Sequence[Path],

@@ -1,4 +1,7 @@
-"""The fidelity benchmark's trade-off curves as one figure (matplotlib's object API: no pyplot, no GUI)."""
+"""The fidelity benchmark's trade-off curves as one figure (matplotlib's object API: no pyplot, no GUI).
+
+matplotlib is the optional `plot` extra (`pip install 'npumoed[plot]'`); only `bench fidelity --plot` needs it.
+"""
 
 from __future__ import annotations
 

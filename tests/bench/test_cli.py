@@ -54,6 +54,14 @@ def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard)
     assert [row.get("capacity_scale") for row in rows] == [None, 0.5, 0.5, 2.0, 2.0]
 
 
+def test_bench_fidelity_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
+    result = CliRunner().invoke(bench, ["fidelity", "--plot", str(tmp_path / "f.png")])
+    assert result.exit_code == 1
+    assert "--plot needs matplotlib" in result.output and "pip install 'npumoed[plot]'" in result.output
+    assert "exact model" not in result.output and not (tmp_path / "f.png").exists()  # refused before the run
+
+
 def test_importing_the_bench_commands_does_not_import_torch():
     code = "import sys, npumoe.bench.cli; print('torch' in sys.modules)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

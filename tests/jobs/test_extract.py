@@ -10,9 +10,10 @@ from pathlib import Path
 import hostile_files
 import psutil
 import pytest
+from pdf_writer import pdf_bytes
 from pypdf import PdfReader
 
-from npumoe.daemon.samples import SampleDocument, pdf_bytes, sample_documents, write_samples
+from npumoe.daemon.samples import SampleDocument, sample_documents, write_samples
 from npumoe.jobs.extract import (
     ExtractionError,
     ExtractLimits,
