@@ -21,8 +21,10 @@ import pytest
 from npumoe.daemon.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress
 from npumoe.jobs import pipeline
-from npumoe.jobs.extract import ExtractionError, ExtractLimits
-from npumoe.jobs.pipeline import Folders, Outcome, Pipeline, Policy, Stop
+from npumoe.jobs.errors import ExtractionError, Stop
+from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.files import Folders
+from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
 from npumoe.jobs.queue import Backoff, Job, Queue
 
 PID = 4242
