@@ -79,7 +79,8 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[
     from npumoe.engine.calibrate import calibrate
     from npumoe.engine.models import DTYPES, ModelError, load_model, moe_experts
     from npumoe.engine.planner import make_plan
-    from npumoe.jobs.extract import ExtractionError, extract_text
+    from npumoe.jobs.errors import ExtractionError
+    from npumoe.jobs.extract import extract_text
 
     if threads is not None:
         torch.set_num_threads(threads)

@@ -127,7 +127,7 @@ def _run_worker(
 ) -> None:
     from npumoe.daemon.logs import setup_logging
     from npumoe.daemon.worker import AlreadyRunning, Worker
-    from npumoe.jobs.pipeline import ModelUnavailable
+    from npumoe.jobs.errors import ModelUnavailable
 
     plan = Path(config.model.plan).expanduser()
     if config.model.plan and not plan.is_file():  # now: later each document would look as if it had vanished

@@ -23,8 +23,10 @@ from npumoe.daemon.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
 from npumoe.engine.dispatch import DispatchStats
 from npumoe.jobs import pipeline
-from npumoe.jobs.extract import ExtractionError, ExtractLimits
-from npumoe.jobs.pipeline import Folders, Outcome, Pipeline, Policy, Stop
+from npumoe.jobs.errors import ExtractionError, Stop
+from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.files import Folders
+from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
 from npumoe.jobs.queue import Backoff, Job, Queue
 
 PID = 4242
