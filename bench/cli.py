@@ -19,8 +19,10 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from npumoe.bench.foreground import foreground
+from npumoe.engine.vocabulary import BFLOAT16, DTYPE_ALIASES, DTYPES, dtype_name
 
-DTYPE_NAMES = ("fp32", "bf16")
+# Every spelling of a dtype the options take; what reaches the benchmarks and their results is the vocabulary's own.
+DTYPE_SPELLINGS = (*DTYPES, *DTYPE_ALIASES)
 
 _err = Console(stderr=True)
 
@@ -46,6 +48,12 @@ def _timing_options(f):
     return click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs.")(f)
 
 
+def _dtype_option(help_text: str):
+    return click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_SPELLINGS), default=(BFLOAT16,),
+                        show_default=True, help=help_text,
+                        callback=lambda _ctx, _param, values: tuple(dtype_name(v) for v in values))
+
+
 def _json_option(f):
     return click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                         help="Also write the machine description and every result row to this JSON file.")(f)
@@ -57,8 +65,7 @@ def _json_option(f):
                    "or HIDDENxEXPERTSxTOPKxFFN.")
 @click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_NAMES), default=("bf16",),
-              show_default=True, help="Weight and activation dtype (repeatable).")
+@_dtype_option("Weight and activation dtype (repeatable).")
 @click.option("--skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Zipf exponent of expert popularity in the generated routing (0: uniform).")
 @click.option("--calibration-chunks", type=click.IntRange(min=1), default=8, show_default=True,
@@ -99,8 +106,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Length of the prefilled document.")
 @click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prefill chunk length; the KV cache carries across chunks.")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_NAMES), default=("bf16",),
-              show_default=True, help="Model dtype (repeatable).")
+@_dtype_option("Model dtype (repeatable).")
 @click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
               help="Random documents of the same length the engine's plan is calibrated on.")
 @_threads_option

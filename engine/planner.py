@@ -19,8 +19,8 @@ from collections.abc import Sequence
 
 from .calibrate import Calibration
 from .cost import CostModel
-from .dispatch import OVERFLOW_POLICIES
 from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
+from .vocabulary import OVERFLOW_POLICIES, PRUNE
 
 DEFAULT_TIERS = 4
 DEFAULT_GROUP_SIZE = 4
@@ -28,7 +28,7 @@ DEFAULT_ALIGN = 8
 
 
 def make_plan(calibration: Calibration, *, model: str, model_key: str, backend: str, cost: CostModel,
-              hidden: int, ffn: int, overflow: str = "prune", group_size: int = DEFAULT_GROUP_SIZE,
+              hidden: int, ffn: int, overflow: str = PRUNE, group_size: int = DEFAULT_GROUP_SIZE,
               n_tiers: int = DEFAULT_TIERS, align: int = DEFAULT_ALIGN) -> ExpertPlan:
     """The plan for `calibration` on a backend with `cost`; `hidden`/`ffn` are the experts' H and I."""
     if overflow not in OVERFLOW_POLICIES:

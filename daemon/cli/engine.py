@@ -15,12 +15,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from npumoe.engine.vocabulary import DTYPES, FLOAT32, OVERFLOW_POLICIES, PRUNE, TORCH_STATIC
+
 if TYPE_CHECKING:
     from npumoe.engine.plan import ExpertPlan
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe")
-STATIC_BACKENDS = ("torch-static",)
+STATIC_BACKENDS = (TORCH_STATIC,)  # the static backend that needs no compiled graphs to measure its costs
 
 
 @click.group("model")
@@ -56,15 +58,15 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.argument("more_data", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Plan JSON to write.")
 @click.option("--chunk", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk length.")
-@click.option("--backend", type=click.Choice(STATIC_BACKENDS), default="torch-static", show_default=True,
+@click.option("--backend", type=click.Choice(STATIC_BACKENDS), default=TORCH_STATIC, show_default=True,
               help="Backend the plan is for (its costs are measured here).")
-@click.option("--overflow", type=click.Choice(("prune", "spill")), default="prune", show_default=True,
+@click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), default=PRUNE, show_default=True,
               help="Overflow policy to record in the plan (the engine's own setting decides at run time).")
 @click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Experts per group graph.")
-@click.option("--dtype", type=click.Choice(("float32", "bfloat16")), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=FLOAT32, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), help="Torch threads (default: leave as is).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own Python code.")
 @click.option("--allow-download", is_flag=True, help="Download the model from the Hugging Face Hub if needed.")
@@ -77,7 +79,7 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[
 
     from npumoe.engine.backends import get_backend
     from npumoe.engine.calibrate import calibrate
-    from npumoe.engine.models import DTYPES, ModelError, load_model, moe_experts
+    from npumoe.engine.models import TORCH_DTYPES, ModelError, load_model, moe_experts
     from npumoe.engine.planner import make_plan
     from npumoe.jobs.errors import ExtractionError
     from npumoe.jobs.extract import extract_text
@@ -108,7 +110,7 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[
             raise click.ClickException(str(e)) from e
     _, experts = moe_experts(loaded.model)[0]
     n_experts, hidden, ffn = experts.down_proj.shape
-    cost = get_backend(backend).measure_costs(hidden, ffn, DTYPES[dtype], group_size)
+    cost = get_backend(backend).measure_costs(hidden, ffn, TORCH_DTYPES[dtype], group_size)
     plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend=backend, cost=cost,
                      hidden=hidden, ffn=ffn, overflow=overflow, group_size=group_size, n_tiers=n_tiers)
     plan.save(out)

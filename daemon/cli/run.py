@@ -22,10 +22,11 @@ from npumoe.daemon.cli.app import App, BadConfig, emit_json, pass_app
 from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
+from npumoe.engine.vocabulary import TORCH_STATIC
 from npumoe.jobs.outputs import temporary_path
 from npumoe.jobs.queue import Queue
 
-DEMO_BACKEND = "torch-static"  # NPUMoE's static-shape executor, the reference for accelerators
+DEMO_BACKEND = TORCH_STATIC  # NPUMoE's static-shape executor, the reference for accelerators
 DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
 
 

@@ -28,6 +28,7 @@ from npumoe.daemon.service import (
     describe,
     service_manager,
 )
+from npumoe.engine.vocabulary import COREML
 from npumoe.jobs.queue import BATCH
 
 # Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
@@ -243,18 +244,18 @@ def _kernel_check() -> dict[str, str]:
 
 def _backend_checks() -> list[dict[str, str]]:
     """Each backend the config offers: built into the engine here, and able to run on this machine."""
-    from npumoe.engine.engine import BACKEND_NAMES  # torch: imported only when asked
+    from npumoe.engine.backends import REGISTRY  # torch: imported only when asked
 
     choices = next(f for f in dataclasses.fields(ModelConfig) if f.name == "backend").metadata["choices"]
     checks = []
     for name in choices:
-        ok, why = _backend_ready(name) if name in BACKEND_NAMES else (False, "not built into this engine yet")
+        ok, why = _backend_ready(name) if name in REGISTRY else (False, "not built into this engine yet")
         checks.append(_check(f"backend {name}", "ok" if ok else "warn", why))
     return checks
 
 
 def _backend_ready(name: str) -> tuple[bool, str]:
-    if name == "coreml":
+    if name == COREML:
         from npumoe.engine.coreml.env import coreml_availability
 
         return coreml_availability()
