@@ -17,9 +17,8 @@ if TYPE_CHECKING:
 # Each exported name and the module of the engine that defines it.
 _HOMES = {
     "DocumentResult": "engine", "Engine": "engine", "EngineSettings": "engine", "Progress": "engine",
-    "RunStats": "engine",
-    "SUPPORTED_FAMILIES": "models", "LoadedModel": "models", "ModelError": "models", "load_model": "models",
-    "ExpertPlan": "plan", "PlanError": "plan",
+    "RunStats": "engine", "SUPPORTED_FAMILIES": "models", "LoadedModel": "models", "ModelError": "models",
+    "load_model": "models", "ExpertPlan": "plan", "PlanError": "plan",
 }
 
 __all__ = [
