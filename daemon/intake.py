@@ -6,7 +6,8 @@ import fnmatch
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from npumoe.daemon.config import Config
@@ -78,3 +79,34 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
     where = path.parent.resolve() / path.name  # the folder resolved, never the file itself
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,
                      priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window)
+
+
+@dataclass
+class Enqueued:
+    """What `enqueue_paths` made of its paths."""
+
+    jobs: list[tuple[Job, bool]] = field(default_factory=list)  # (job, created now) per document queued or known
+    problems: list[str] = field(default_factory=list)  # "path: why" per document that could not be queued
+
+    @property
+    def failed(self) -> bool:
+        """Every document was refused (and there was at least one)."""
+        return bool(self.problems) and not self.jobs
+
+
+def enqueue_paths(queue: Queue, paths: Iterable[Path], config: Config, *, priority: int = INTERACTIVE,
+                  batch_window: str | None = None,
+                  on_job: Callable[[Path, Job, bool], None] | None = None) -> Enqueued:
+    """Queue every document under `paths` (folders searched as `inbox.recursive` says); one that cannot be
+    queued is noted and the rest go on. `on_job(path, job, created)` runs as each document is queued."""
+    enqueued = Enqueued()
+    for path in iter_documents(paths, recursive=config.inbox.recursive):
+        try:
+            job, created = enqueue(queue, path, config, priority=priority, batch_window=batch_window)
+        except (OSError, ValueError) as e:
+            enqueued.problems.append(f"{path}: {e}")
+            continue
+        enqueued.jobs.append((job, created))
+        if on_job is not None:
+            on_job(path, job, created)
+    return enqueued

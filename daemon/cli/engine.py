@@ -7,8 +7,10 @@ command.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -74,48 +76,43 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[
                       backend: str, overflow: str, n_tiers: int, group_size: int, dtype: str, threads: int | None,
                       trust_remote_code: bool, allow_download: bool) -> None:
     """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan."""
-    _quiet_transformers()
-    import torch
+    calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk, backend=backend, overflow=overflow,
+                        n_tiers=n_tiers, group_size=group_size, dtype=dtype, threads=threads,
+                        trust_remote_code=trust_remote_code, allow_download=allow_download)
 
-    from npumoe.engine.backends import get_backend
-    from npumoe.engine.calibrate import calibrate
-    from npumoe.engine.models import TORCH_DTYPES, ModelError, load_model, moe_experts
-    from npumoe.engine.planner import make_plan
+
+def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, **options: Any) -> None:
+    """What `npumoed calibrate` (and the demo's first run) does: extract the documents' text, have the engine's
+    `calibrate_plan` (given `options`) write the plan to `out`, with a progress bar and a closing line on stderr."""
+    _quiet_transformers()
+    from npumoe.engine.planner import calibrate_plan
     from npumoe.jobs.errors import ExtractionError
     from npumoe.jobs.extract import extract_text
 
-    if threads is not None:
-        torch.set_num_threads(threads)
     texts = []
-    for path in (*data, *more_data):
+    for path in documents:
         try:
             texts.append((path.name, extract_text(path).text))
         except ExtractionError as e:
             raise click.ClickException(f"{path}: {e}") from e
-    try:
-        loaded = load_model(_model_ref(model_name), trust_remote_code=trust_remote_code,
-                            allow_download=allow_download, dtype=dtype)
-    except ModelError as e:
-        raise click.ClickException(str(e)) from e
-
     stderr = Console(stderr=True)
+    try:
+        plan = calibrate_plan(_model_ref(model_name), texts, out, progress=_chunk_bar(stderr), **options)
+    except ValueError as e:  # ModelError among them
+        raise click.ClickException(str(e)) from e
+    stderr.print(f"calibrated {len(plan.layers)} MoE layers x {plan.layers[0].num_experts} experts on "
+                 f"{plan.calibration_tokens} tokens ({plan.calibration_chunks} chunks of {plan.chunk_tokens}); "
+                 f"tiers {list(plan.tiers)}; wrote {out}")
+
+
+@contextmanager
+def _chunk_bar(console: Console) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar of calibration chunks; yields what to call with (done, total) after each chunk."""
     columns = (TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"),
                TimeElapsedColumn())
-    with Progress(*columns, console=stderr) as progress:
+    with Progress(*columns, console=console) as progress:
         task = progress.add_task("calibrate", total=None)
-        try:
-            calibration = calibrate(loaded, texts, chunk_tokens=chunk,
-                                    on_chunk=lambda done, total: progress.update(task, completed=done, total=total))
-        except ValueError as e:
-            raise click.ClickException(str(e)) from e
-    _, experts = moe_experts(loaded.model)[0]
-    n_experts, hidden, ffn = experts.down_proj.shape
-    cost = get_backend(backend).measure_costs(hidden, ffn, TORCH_DTYPES[dtype], group_size)
-    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend=backend, cost=cost,
-                     hidden=hidden, ffn=ffn, overflow=overflow, group_size=group_size, n_tiers=n_tiers)
-    plan.save(out)
-    stderr.print(f"calibrated {len(plan.layers)} MoE layers x {n_experts} experts on {calibration.tokens} tokens "
-                 f"({calibration.chunks} chunks of {chunk}); tiers {list(plan.tiers)}; wrote {out}")
+        yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
 @click.group("plan")
