@@ -28,7 +28,7 @@ from .calibrate import Calibration, calibrate
 from .cost import CostModel
 from .models import load_model, moe_experts
 from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
-from .vocabulary import OVERFLOW_POLICIES, PRUNE
+from .vocabulary import FLOAT32, OVERFLOW_POLICIES, PRUNE
 
 DEFAULT_TIERS = 4
 DEFAULT_GROUP_SIZE = 4
@@ -36,8 +36,8 @@ DEFAULT_ALIGN = 8
 
 
 def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, backend: str,
-                   chunk_tokens: int = 512, overflow: str = "prune", n_tiers: int = DEFAULT_TIERS,
-                   group_size: int = DEFAULT_GROUP_SIZE, dtype: str = "float32", threads: int | None = None,
+                   chunk_tokens: int = 512, overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS,
+                   group_size: int = DEFAULT_GROUP_SIZE, dtype: str = FLOAT32, threads: int | None = None,
                    trust_remote_code: bool = False, allow_download: bool = False,
                    progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
     """Load `model`, calibrate it on `texts` ((source name, text) pairs), measure `backend`'s costs at its

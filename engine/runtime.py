@@ -30,6 +30,7 @@ from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .models import moe_experts
 from .plan import ExpertPlan, LayerPlan, PlanError
+from .vocabulary import SPILL
 
 IMPLEMENTATION = "npumoe"
 
@@ -59,7 +60,7 @@ class MoeRuntime:
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
-                 overflow: str = "spill") -> None:
+                 overflow: str = SPILL) -> None:
         if backend.static and plan is None:
             raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
         if plan is not None and plan.backend != backend.name:
