@@ -7,6 +7,7 @@ writes {"machine": ..., "settings": ..., "results": [...]} for the results folde
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -18,8 +19,10 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from npumoe.bench.foreground import foreground
+from npumoe.engine.vocabulary import BFLOAT16, DTYPE_ALIASES, DTYPES, dtype_name
 
-DTYPE_NAMES = ("fp32", "bf16")
+# Every spelling of a dtype the options take; what reaches the benchmarks and their results is the vocabulary's own.
+DTYPE_SPELLINGS = (*DTYPES, *DTYPE_ALIASES)
 
 _err = Console(stderr=True)
 
@@ -45,6 +48,12 @@ def _timing_options(f):
     return click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs.")(f)
 
 
+def _dtype_option(help_text: str):
+    return click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_SPELLINGS), default=(BFLOAT16,),
+                        show_default=True, help=help_text,
+                        callback=lambda _ctx, _param, values: tuple(dtype_name(v) for v in values))
+
+
 def _json_option(f):
     return click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
                         help="Also write the machine description and every result row to this JSON file.")(f)
@@ -56,8 +65,7 @@ def _json_option(f):
                    "or HIDDENxEXPERTSxTOPKxFFN.")
 @click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_NAMES), default=("bf16",),
-              show_default=True, help="Weight and activation dtype (repeatable).")
+@_dtype_option("Weight and activation dtype (repeatable).")
 @click.option("--skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
               help="Zipf exponent of expert popularity in the generated routing (0: uniform).")
 @click.option("--calibration-chunks", type=click.IntRange(min=1), default=8, show_default=True,
@@ -98,8 +106,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Length of the prefilled document.")
 @click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prefill chunk length; the KV cache carries across chunks.")
-@click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_NAMES), default=("bf16",),
-              show_default=True, help="Model dtype (repeatable).")
+@_dtype_option("Model dtype (repeatable).")
 @click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
               help="Random documents of the same length the engine's plan is calibrated on.")
 @_threads_option
@@ -148,7 +155,7 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
 @click.option("--eval-tokens", type=click.IntRange(min=2), default=4096, show_default=True,
               help="At most this many held-out tokens.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the trade-off curves to this PNG.")
+              help="Write the trade-off curves to this PNG (needs the plot extra: matplotlib).")
 @_threads_option
 @_timing_options
 @_json_option
@@ -156,6 +163,8 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
              scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int, plot_path: Path | None, threads: int,
              warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
     """Accuracy against capacity: dropped, spilled and padding fractions, top-1 agreement and KL vs the exact model."""
+    if plot_path is not None:
+        _require_matplotlib()
     import tempfile
 
     import torch
@@ -196,6 +205,12 @@ def _geometries(names: Sequence[str]) -> list:
         return [parse_geometry(name) for name in names]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--geometry") from e
+
+
+def _require_matplotlib() -> None:
+    """--plot draws with matplotlib, an optional extra: say so before a run of minutes, not after it."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise click.ClickException("--plot needs matplotlib, which is not installed: pip install 'npumoed[plot]'")
 
 
 def _fidelity_texts(calibration_files: Sequence[Path],

@@ -22,10 +22,11 @@ from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
 from npumoe.engine.prefill import new_cache, prefill, windows
 from npumoe.engine.runtime import MoeRuntime
 from npumoe.engine.timing import median_seconds
+from npumoe.engine.vocabulary import PRUNE, SPILL, TORCH_STATIC
 
 from .paths import dispatch_fractions
 
-OVERFLOWS = ("prune", "spill")
+OVERFLOWS = (PRUNE, SPILL)  # the sweep's order: the policy that loses assignments, then the one that keeps them
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def run_fidelity_bench(loaded: LoadedModel, calibration_texts: Sequence[tuple[st
         _, experts = moe_experts(model)[0]
         _, hidden = experts.gate_up_proj.shape[1:]
         ffn = experts.down_proj.shape[2]
-        backend = get_backend("torch-static")
+        backend = get_backend(TORCH_STATIC)
         cost = backend.measure_costs(hidden, ffn, experts.gate_up_proj.dtype, DEFAULT_GROUP_SIZE)
         for scale in settings.scales:
             for overflow in OVERFLOWS:
@@ -85,7 +86,7 @@ def run_fidelity_bench(loaded: LoadedModel, calibration_texts: Sequence[tuple[st
                                  backend=backend.name, cost=cost, hidden=hidden, ffn=ffn, overflow=overflow)
                 runtime = MoeRuntime(model, backend, plan, overflow=overflow)
                 try:
-                    row = {"impl": f"npumoe-torch-static-{overflow}", "capacity_scale": scale, "overflow": overflow,
+                    row = {"impl": f"npumoe-{backend.name}-{overflow}", "capacity_scale": scale, "overflow": overflow,
                            "tiers": list(plan.tiers), **agreement(logits(), exact),
                            **dispatch_fractions(runtime.stats)}
                     report(timed(row))

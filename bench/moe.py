@@ -20,10 +20,9 @@ import torch
 from transformers import PreTrainedModel
 
 from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, routing_prior
-from npumoe.engine.models import moe_experts
+from npumoe.engine.models import TORCH_DTYPES, moe_experts
 
 from .paths import (
-    DTYPES,
     add_ratios,
     calibration_from_loads,
     measure_impls,
@@ -55,16 +54,16 @@ def run_moe_bench(geometries: Sequence[Geometry], tokens: Sequence[int], dtypes:
 
     `bandwidth` (bytes/s) prices the roofline's weight reads; `on_result` sees each row as it lands.
     """
-    unknown = [d for d in dtypes if d not in DTYPES]
+    unknown = [d for d in dtypes if d not in TORCH_DTYPES]
     if unknown or any(t < 1 for t in tokens):
-        raise ValueError(f"dtypes must be among {', '.join(DTYPES)} and token counts positive, "
+        raise ValueError(f"dtypes must be among {', '.join(TORCH_DTYPES)} and token counts positive, "
                          f"got dtypes {list(dtypes)}, tokens {list(tokens)}")
     results: list[dict] = []
     with torch.inference_mode():
         for geometry in geometries:
             for dtype_name in dtypes:
                 generator = torch.Generator().manual_seed(settings.seed)
-                model = build_layer_model(geometry, DTYPES[dtype_name], generator)
+                model = build_layer_model(geometry, TORCH_DTYPES[dtype_name], generator)
                 prior = routing_prior(geometry, generator, skew=settings.skew)
                 for n_tokens in tokens:
                     case = {"geometry": geometry.name, "tokens": n_tokens, "dtype": dtype_name,

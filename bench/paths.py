@@ -22,10 +22,9 @@ from npumoe.engine.dispatch import DispatchStats
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
 from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.vocabulary import CPU, PRUNE, SPILL, TORCH_STATIC
 
 from .timing import interleaved_median_seconds
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # Largest relative L2 error against transformers-eager that still counts as the same output: fp32
 # differs only in summation order; bf16 rounds every intermediate (eager even accumulates in bf16).
@@ -42,14 +41,16 @@ class EnginePath:
     @property
     def exact(self) -> bool:
         """Spill keeps every assignment; prune drops some by design, so its output is approximate."""
-        return self.overflow == "spill"
+        return self.overflow == SPILL
+
+    @property
+    def impl(self) -> str:
+        """Its name among the implementations: `npumoe-<backend>`, with `-prune` when it prunes."""
+        return f"npumoe-{self.backend}" if self.exact else f"npumoe-{self.backend}-{self.overflow}"
 
 
-ENGINE_PATHS = {
-    "npumoe-cpu": EnginePath("cpu", "spill"),
-    "npumoe-torch-static": EnginePath("torch-static", "spill"),
-    "npumoe-torch-static-prune": EnginePath("torch-static", "prune"),
-}
+ENGINE_PATHS = {path.impl: path for path in (EnginePath(CPU, SPILL), EnginePath(TORCH_STATIC, SPILL),
+                                             EnginePath(TORCH_STATIC, PRUNE))}
 
 IMPLS = (*(f"transformers-{name}" for name in TRANSFORMERS_IMPLS), *ENGINE_PATHS)
 REFERENCE = "transformers-eager"
@@ -148,7 +149,7 @@ def calibration_from_loads(layers: Sequence[tuple[str, torch.Tensor]], *, chunk_
 def static_plans(calibration: Calibration, *, model: str, hidden: int, ffn: int,
                  dtype: torch.dtype) -> dict[str, ExpertPlan]:
     """torch-static plans for `calibration`, one per overflow policy, priced by costs measured here."""
-    backend = get_backend("torch-static")
+    backend = get_backend(TORCH_STATIC)
     cost = backend.measure_costs(hidden, ffn, dtype, group_size=DEFAULT_GROUP_SIZE)
     return {path.overflow: make_plan(calibration, model=model, model_key=model, backend=backend.name, cost=cost,
                                      hidden=hidden, ffn=ffn, overflow=path.overflow)

@@ -1,10 +1,15 @@
-"""The fidelity benchmark's trade-off curves as one figure (matplotlib's object API: no pyplot, no GUI)."""
+"""The fidelity benchmark's trade-off curves as one figure (matplotlib's object API: no pyplot, no GUI).
+
+matplotlib is the optional `plot` extra (`pip install 'npumoed[plot]'`); only `bench fidelity --plot` needs it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from matplotlib.figure import Figure
+
+from npumoe.engine.vocabulary import PRUNE, SPILL
 
 from .fidelity import OVERFLOWS
 
@@ -15,7 +20,7 @@ def fidelity_figure(rows: Sequence[dict]) -> Figure:
     exact = next(row for row in rows if row["impl"] == "exact")
     by_policy = {overflow: sorted((row for row in rows if row.get("overflow") == overflow),
                                   key=lambda row: row["capacity_scale"]) for overflow in OVERFLOWS}
-    prune, spill = by_policy["prune"], by_policy["spill"]
+    prune, spill = by_policy[PRUNE], by_policy[SPILL]
     figure = Figure(figsize=(15, 4.5), layout="constrained")
     work, accuracy, tradeoff = figure.subplots(1, 3)
 

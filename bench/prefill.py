@@ -22,11 +22,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from npumoe.engine.backends import get_backend
 from npumoe.engine.calibrate import Calibration
 from npumoe.engine.geometry import Geometry, family_config
+from npumoe.engine.models import TORCH_DTYPES
 from npumoe.engine.prefill import new_cache, prefill
 from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.vocabulary import CPU
 
 from .paths import (
-    DTYPES,
     add_ratios,
     calibration_from_loads,
     measure_impls,
@@ -65,14 +66,14 @@ def build_model(geometry: Geometry, layers: int, dtype: torch.dtype, *, context:
 def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], settings: PrefillBenchSettings, *,
                       on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best."""
-    unknown = [d for d in dtypes if d not in DTYPES]
+    unknown = [d for d in dtypes if d not in TORCH_DTYPES]
     if unknown:
-        raise ValueError(f"dtypes must be among {', '.join(DTYPES)}, got {unknown}")
+        raise ValueError(f"dtypes must be among {', '.join(TORCH_DTYPES)}, got {unknown}")
     results: list[dict] = []
     with torch.inference_mode():
         for geometry in geometries:
             for dtype_name in dtypes:
-                model = build_model(geometry, settings.layers, DTYPES[dtype_name],
+                model = build_model(geometry, settings.layers, TORCH_DTYPES[dtype_name],
                                     context=settings.document_tokens, seed=settings.seed)
                 case = {"geometry": geometry.name, "layers": settings.layers, "dtype": dtype_name,
                         "document_tokens": settings.document_tokens, "chunk_tokens": settings.chunk_tokens,
@@ -107,7 +108,7 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBe
 
 def _calibrate(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:
     """Expert loads of every full chunk of `documents`, recorded on the engine's exact path."""
-    runtime = MoeRuntime(model, get_backend("cpu"))
+    runtime = MoeRuntime(model, get_backend(CPU))
     try:
         with runtime.recording_loads() as loads:
             full = []

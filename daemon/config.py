@@ -11,17 +11,30 @@ import os
 import re
 import tomllib
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 
+from npumoe.engine.vocabulary import (
+    BACKENDS,
+    COMPUTE_UNITS,
+    CPU,
+    DEFAULT_COMPUTE_UNITS,
+    DTYPES,
+    FLOAT32,
+    OVERFLOW_POLICIES,
+    SPILL,
+)
+
 WINDOW = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
 
 
-def choice(default: str, *allowed: str) -> Any:
-    return field(default=default, metadata={"choices": (default, *allowed)})
+def choice(default: str, allowed: Sequence[str]) -> Any:
+    """A key that takes one of `allowed`, `default` when the file leaves it out."""
+    return field(default=default, metadata={"choices": tuple(allowed)})
 
 
 def positive(default: float) -> Any:
@@ -35,18 +48,18 @@ class InboxConfig:
     stable_seconds: float = positive(2.0)  # size and mtime unchanged this long before a file is queued
     rescan_seconds: float = positive(60.0)  # full rescan backs up the event watcher, which can miss events
     polling: bool = False  # a polling observer, for network shares where events do not arrive
-    originals: str = choice("keep", "move", "delete")  # what happens to a document once processed
+    originals: str = choice("keep", ("keep", "move", "delete"))  # what happens to a document once processed
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
-    backend: str = choice("cpu", "torch-static", "coreml")  # "cuda" (CUDA graphs) is not built yet
+    backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
-    coreml_compute_units: str = choice("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")
+    coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
     chunk_tokens: int = positive(512)
-    overflow: str = choice("spill", "prune")
-    dtype: str = choice("float32", "bfloat16")
+    overflow: str = choice(SPILL, OVERFLOW_POLICIES)
+    dtype: str = choice(FLOAT32, DTYPES)
     summary_tokens: int = positive(128)
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network

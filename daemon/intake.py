@@ -6,12 +6,14 @@ import fnmatch
 import hashlib
 import json
 import os
-import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from npumoe.daemon.config import Config
 from npumoe.daemon.models import DEMO
+from npumoe.jobs.errors import FileRefused
+from npumoe.jobs.files import open_regular
 from npumoe.jobs.queue import INTERACTIVE, Job, Queue
 
 # Files that editors, browsers and the Finder leave behind while they work, and never documents.
@@ -39,16 +41,10 @@ def iter_documents(paths: Iterable[Path], *, recursive: bool = True) -> Iterator
             yield path
 
 
-def sha256_of(path: Path) -> str:
-    """The content hash, read without following a symlink and without blocking on a FIFO."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        digest = hashlib.sha256()
-        while block := f.read(1 << 20):
-            digest.update(block)
-    return digest.hexdigest()
+def sha256_of(path: Path, max_bytes: int | None = None) -> str:
+    """The content hash of a regular file of at most `max_bytes`; FileRefused says why a path is not one."""
+    with open_regular(path, max_bytes) as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
 
 
 def job_keys(config: Config) -> tuple[str, str]:
@@ -68,12 +64,49 @@ def _file_digest(path: str) -> str:
 
 def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERACTIVE,
             batch_window: str | None = None) -> tuple[Job, bool]:
-    """Queue one document; a file over `extract.max_mb` is refused before it is read (hashing costs a full read)."""
-    limit = config.extract.max_mb * 2**20
-    if (size := path.lstat().st_size) > limit:
-        raise ValueError(f"it is {size:,} bytes, over the {config.extract.max_mb:g} MB limit (extract.max_mb)")
+    """Queue one document; a file over `extract.max_mb` is refused before it is read (hashing costs a full read).
+
+    Raises FileRefused for a path that is no document (a link, a FIFO, too large, gone).
+    """
+    try:
+        # First: a link (a looping one too) or a FIFO is refused before anything follows it.
+        sha256 = sha256_of(path, int(config.extract.max_mb * 2**20))
+    except FileRefused as refused:
+        if refused.kind != "too_large":
+            raise
+        raise FileRefused(refused.kind, f"{refused} (extract.max_mb)") from None  # the setting that would let it in
     model_key, settings_key = job_keys(config)
-    sha256 = sha256_of(path)  # first: a link (a looping one too) or a FIFO is refused before it is followed
     where = path.parent.resolve() / path.name  # the folder resolved, never the file itself
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,
                      priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window)
+
+
+@dataclass
+class Enqueued:
+    """What `enqueue_paths` made of its paths."""
+
+    jobs: list[tuple[Job, bool]] = field(default_factory=list)  # (job, created now) per document queued or known
+    problems: list[str] = field(default_factory=list)  # "path: why" per document that could not be queued
+
+    @property
+    def failed(self) -> bool:
+        """Every document was refused (and there was at least one)."""
+        return bool(self.problems) and not self.jobs
+
+
+def enqueue_paths(queue: Queue, paths: Iterable[Path], config: Config, *, priority: int = INTERACTIVE,
+                  batch_window: str | None = None,
+                  on_job: Callable[[Path, Job, bool], None] | None = None) -> Enqueued:
+    """Queue every document under `paths` (folders searched as `inbox.recursive` says); one that cannot be
+    queued is noted and the rest go on. `on_job(path, job, created)` runs as each document is queued."""
+    enqueued = Enqueued()
+    for path in iter_documents(paths, recursive=config.inbox.recursive):
+        try:
+            job, created = enqueue(queue, path, config, priority=priority, batch_window=batch_window)
+        except (OSError, ValueError) as e:
+            enqueued.problems.append(f"{path}: {e}")
+            continue
+        enqueued.jobs.append((job, created))
+        if on_job is not None:
+            on_job(path, job, created)
+    return enqueued

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
+from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.outputs import temporary_path
 
 if TYPE_CHECKING:
@@ -118,8 +119,6 @@ class ModelSlot:
         return self._settings
 
     def load(self) -> Engine:
-        from npumoe.jobs.pipeline import ModelUnavailable  # here, so `npumoed status` never imports numpy
-
         self._last_used = self.clock()
         if self._engine is None:
             started = time.perf_counter()

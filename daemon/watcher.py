@@ -26,7 +26,7 @@ from watchdog.observers.polling import PollingObserver
 
 from npumoe.daemon.config import InboxConfig
 from npumoe.daemon.intake import is_ignored, iter_documents
-from npumoe.jobs.pipeline import containing_inbox
+from npumoe.jobs.files import containing_inbox
 
 log = logging.getLogger(__name__)
 

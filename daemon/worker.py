@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import stat
 import threading
 import time
 from collections import Counter
@@ -36,18 +35,11 @@ from npumoe.daemon.models import ModelSlot
 from npumoe.daemon.priority import apply_background_priority, worker_threads
 from npumoe.daemon.scheduler import Decision, Scheduler
 from npumoe.daemon.watcher import InboxWatcher
+from npumoe.jobs.errors import FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.files import Folders, set_aside, settle_original
 from npumoe.jobs.outputs import remove_leftovers
-from npumoe.jobs.pipeline import (
-    Folders,
-    Lost,
-    ModelUnavailable,
-    Pipeline,
-    Policy,
-    Stop,
-    set_aside,
-    settle_original,
-)
+from npumoe.jobs.pipeline import Pipeline, Policy
 from npumoe.jobs.queue import Job, Queue
 
 log = logging.getLogger(__name__)
@@ -285,13 +277,12 @@ class Worker:
         """Queue a document the watcher found complete, or set it aside with the reason it cannot be."""
         try:
             job, created = enqueue(self.queue, path, self.config)
-        except FileNotFoundError:
-            log.info("%s disappeared before it could be queued", path)
-            return
-        except (OSError, ValueError) as e:
-            reason = _refusal(path, e)
-            log.warning("not queued: %s: %s", path, reason)
-            set_aside(path, f"not queued: {reason}\n", self.folders)
+        except (OSError, ValueError) as e:  # FileRefused, a ValueError, says why the file is no document
+            if isinstance(e, FileRefused) and e.kind == "missing":
+                log.info("%s disappeared before it could be queued", path)
+                return
+            log.warning("not queued: %s: %s", path, e)
+            set_aside(path, f"not queued: {e}\n", self.folders)
             self.summary.rejected += 1
             return
         if created:
@@ -331,24 +322,3 @@ class Worker:
             "model_loaded": int(self.model.loaded),
             "inbox_waiting": self.watcher.tracker.waiting,
         }
-
-
-def _refusal(path: Path, error: Exception) -> str:
-    """Why a file in an inbox cannot be queued, in words."""
-    try:
-        mode = os.lstat(path).st_mode
-    except OSError:
-        mode = 0
-    special = {
-        stat.S_ISLNK: "a symbolic link, which npumoed does not follow",
-        stat.S_ISFIFO: "a FIFO",
-        stat.S_ISSOCK: "a socket",
-        stat.S_ISCHR: "a device",
-        stat.S_ISBLK: "a device",
-    }
-    for test, words in special.items():
-        if test(mode):
-            return f"it is {words}"
-    if isinstance(error, PermissionError):
-        return "cannot read it: permission denied"
-    return str(error)

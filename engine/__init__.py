@@ -1,8 +1,25 @@
-"""The NPUMoE engine: MoE prefill on static-shape accelerators (knows nothing of files or queues)."""
+"""The NPUMoE engine: MoE prefill on static-shape accelerators (knows nothing of files or queues).
 
-from .engine import DocumentResult, Engine, EngineSettings, Progress
-from .models import SUPPORTED_FAMILIES, LoadedModel, ModelError, load_model
-from .plan import ExpertPlan, PlanError
+The names below load on first use (PEP 562), so that the engine's torch-free modules, such as
+`npumoe.engine.vocabulary`, can be imported by config and `npumoed status` without loading torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .engine import DocumentResult, Engine, EngineSettings, Progress, RunStats
+    from .models import SUPPORTED_FAMILIES, LoadedModel, ModelError, load_model
+    from .plan import ExpertPlan, PlanError
+
+# Each exported name and the module of the engine that defines it.
+_HOMES = {
+    "DocumentResult": "engine", "Engine": "engine", "EngineSettings": "engine", "Progress": "engine",
+    "RunStats": "engine", "SUPPORTED_FAMILIES": "models", "LoadedModel": "models", "ModelError": "models",
+    "load_model": "models", "ExpertPlan": "plan", "PlanError": "plan",
+}
 
 __all__ = [
     "SUPPORTED_FAMILIES",
@@ -14,5 +31,14 @@ __all__ = [
     "ModelError",
     "PlanError",
     "Progress",
+    "RunStats",
     "load_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value

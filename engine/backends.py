@@ -1,15 +1,22 @@
-"""Executor backends: how a group graph is built and run, and what running it costs here.
+"""Executor backends: how a group graph is built and run, and what running it costs here; and their registry.
 
 `cpu` has no static graphs: every expert runs on the exact dynamic-shape path. `torch-static`
 runs each group as a `GroupedExperts` module with fixed (G, C, H) shapes: the reference semantics
-for accelerators, available everywhere. Later backends (Core ML, CUDA graphs) build their graphs
+for accelerators, available everywhere. The others (`coreml`; CUDA graphs later) build their graphs
 from the same `GroupedExperts` module, and run a layer's graphs on their device (`submit`) while the
 CPU runs the cold experts.
+
+`REGISTRY` holds every backend the vocabulary names. A backend's module is imported only when that
+backend is asked for, so one that brings a runtime of its own (Core ML) costs the others nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,20 +24,45 @@ from .cost import CostModel, expert_flops, fit_call_cost
 from .cpu_experts import CpuExperts, run_tasks
 from .dispatch import GraphCalls, GroupGraph, run_now
 from .grouped import GroupedExperts
+from .vocabulary import COREML, CPU, DEFAULT_COMPUTE_UNITS, TORCH_STATIC
+
+if TYPE_CHECKING:
+    from .coreml.backend import CoreMLBackend
 
 # Rows per call for the two-point cost fit: one row shows the fixed cost, a full chunk the throughput.
 _FIT_ROWS = (1, 256)
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What building a backend may take besides its name; each backend reads only what it needs."""
+
+    compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; coreml needs it
+    compute_units: str = DEFAULT_COMPUTE_UNITS  # where Core ML may run them
+
+
+_NO_OPTIONS = BackendOptions()
 
 
 class Backend:
     name: str = ""
     static: bool = False  # whether it runs group graphs (and so can use an ExpertPlan)
 
+    @classmethod
+    def check(cls, options: BackendOptions) -> None:
+        """Refuse options this backend cannot run with, before anything is loaded for it."""
+
+    @classmethod
+    def build(cls, options: BackendOptions) -> Backend:
+        """This backend as `options` ask for it; cpu and torch-static need none."""
+        cls.check(options)
+        return cls()
+
     def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
         """A (G, C, H) -> (G, C, H) graph for G experts' weights, gate_up (G, 2I, H), down (G, H, I), at
         capacity C (a compiled backend builds one graph per shape; torch runs any)."""
         raise ValueError(f"the {self.name} backend has no static graphs; plans need a static backend "
-                         f"({', '.join(n for n, b in BACKENDS.items() if b.static)})")
+                         f"({', '.join(n for n in REGISTRY if backend_class(n).static)})")
 
     def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Start a layer's group graphs; the future holds their outputs. Here they run at once, in the
@@ -43,11 +75,11 @@ class Backend:
 
 
 class CpuBackend(Backend):
-    name = "cpu"
+    name = CPU
 
 
 class TorchStaticBackend(Backend):
-    name = "torch-static"
+    name = TORCH_STATIC
     static = True
 
     def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
@@ -76,10 +108,26 @@ class TorchStaticBackend(Backend):
                          cpu_flops=cpu_flops)
 
 
-BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (CpuBackend(), TorchStaticBackend())}
+def _coreml() -> type[CoreMLBackend]:
+    from .coreml.backend import CoreMLBackend  # Core ML's loading and graph cache: only for this backend
+
+    return CoreMLBackend
 
 
-def get_backend(name: str) -> Backend:
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
-    return BACKENDS[name]
+# Each backend's name and how to get its class.
+REGISTRY: dict[str, Callable[[], type[Backend]]] = {
+    CPU: lambda: CpuBackend,
+    TORCH_STATIC: lambda: TorchStaticBackend,
+    COREML: _coreml,
+}
+
+
+def backend_class(name: str) -> type[Backend]:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(REGISTRY)}")
+    return REGISTRY[name]()
+
+
+def get_backend(name: str, options: BackendOptions = _NO_OPTIONS) -> Backend:
+    """The backend called `name`, built with `options` (which it checks first)."""
+    return backend_class(name).build(options)

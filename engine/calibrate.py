@@ -18,6 +18,7 @@ from .models import LoadedModel
 from .plan import ExpertLoad
 from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
+from .vocabulary import CPU
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
     window = loaded.context_tokens // chunk_tokens * chunk_tokens  # whole chunks that fit the context
     pieces = windows(stream, window)
     chunk_lengths = [len(chunk) for piece in pieces for chunk in windows(piece, chunk_tokens)]
-    runtime = MoeRuntime(loaded.model, get_backend("cpu"))
+    runtime = MoeRuntime(loaded.model, get_backend(CPU))
     done = 0
     try:
         with runtime.recording_loads() as loads:

@@ -24,8 +24,7 @@ from itertools import accumulate
 import torch
 
 from .cpu_experts import CpuExperts, Task, run_tasks
-
-OVERFLOW_POLICIES = ("spill", "prune")
+from .vocabulary import OVERFLOW_POLICIES, PRUNE, SPILL
 
 GroupGraph = Callable[[torch.Tensor], torch.Tensor]  # (G, C, H) -> (G, C, H)
 GraphCalls = Sequence[tuple[GroupGraph, torch.Tensor]]
@@ -121,7 +120,7 @@ class MoeLayer:
     """
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, *,
-                 groups: list[StaticGroup] | None = None, overflow: str = "spill", submit: Submit = run_now,
+                 groups: list[StaticGroup] | None = None, overflow: str = SPILL, submit: Submit = run_now,
                  experts: CpuExperts | None = None) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
@@ -188,7 +187,7 @@ class MoeLayer:
         H = x.shape[1]
         expert = top_k_index.reshape(-1)  # (S,)
         # Sort by expert; under prune, the most important first within each expert.
-        if self.overflow == "prune":
+        if self.overflow == PRUNE:
             importance = top_k_weights.reshape(-1) * x.float().norm(dim=-1).repeat_interleave(top_k_index.shape[1])
             by_importance = torch.argsort(importance, descending=True, stable=True)
             order = by_importance[torch.argsort(expert[by_importance], stable=True)]
@@ -209,9 +208,9 @@ class MoeLayer:
         # Meanwhile the CPU runs the rest of every run: cold experts whole, resident ones' overflow under
         # spill; under prune that overflow is dropped, and its rows of `out` (sorted) stay zero.
         out = _workspace.get("out", order.numel(), x)
-        if self.overflow == "prune":
+        if self.overflow == PRUNE:
             out.zero_()
-        skip = counts * self.resident if self.overflow == "prune" else static_counts
+        skip = counts * self.resident if self.overflow == PRUNE else static_counts
         run_tasks(self._cpu_tasks(out, x, routed, skip=skip.tolist()))
 
         for g, y in zip(launched, pending.result(), strict=True):
@@ -259,8 +258,8 @@ class MoeLayer:
         stats.assignments += int(counts.sum())
         stats.static += int(static.sum())
         stats.cpu += int((counts * ~self.resident).sum())
-        stats.spilled += over if self.overflow == "spill" else 0
-        stats.dropped += over if self.overflow == "prune" else 0
+        stats.spilled += over if self.overflow == SPILL else 0
+        stats.dropped += over if self.overflow == PRUNE else 0
         stats.slots += slots
         stats.padding_slots += slots - int(static.sum())
         stats.launches += int(launched.sum())

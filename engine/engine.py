@@ -20,38 +20,45 @@ from typing import Any
 import numpy as np
 import torch
 
-from .backends import BACKENDS, Backend, get_backend
-from .coreml.backend import COMPUTE_UNITS, CoreMLBackend
-from .dispatch import OVERFLOW_POLICIES, DispatchStats
-from .models import DTYPES, LoadedModel, load_model
+from .backends import BackendOptions, backend_class, get_backend
+from .dispatch import DispatchStats
+from .models import LoadedModel, load_model
 from .plan import ExpertPlan, PlanError
 from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
 from .summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids
-
-BACKEND_NAMES = (*BACKENDS, CoreMLBackend.name)
+from .vocabulary import (
+    COMPUTE_UNITS,
+    CPU,
+    DEFAULT_COMPUTE_UNITS,
+    DTYPES,
+    FLOAT32,
+    OVERFLOW_POLICIES,
+    PHASES,
+    PREFILL,
+    REDUCE,
+    SPILL,
+    SUMMARY,
+)
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     model: str  # local path or Hugging Face id
-    backend: str = "cpu"  # "cpu" | "torch-static" | "coreml"
+    backend: str = CPU  # one of vocabulary.BACKENDS
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
     chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
-    overflow: str = "spill"  # "spill" | "prune": what happens to assignments over a tier's capacity
-    dtype: str = "float32"  # "float32" | "bfloat16"
+    overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
+    dtype: str = FLOAT32  # one of vocabulary.DTYPES
     threads: int | None = None  # torch intra-op threads; None = leave as is
     trust_remote_code: bool = False
     allow_download: bool = False
     summary_tokens: int = 128  # max new tokens for the summary
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
-    coreml_compute_units: str = "cpu_and_ne"  # "cpu_and_ne" | "all" | "cpu_only" | "cpu_and_gpu"
+    coreml_compute_units: str = DEFAULT_COMPUTE_UNITS  # one of vocabulary.COMPUTE_UNITS
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKEND_NAMES:
-            raise ValueError(f"unknown backend {self.backend!r}; choose one of {', '.join(BACKEND_NAMES)}")
-        if self.backend == CoreMLBackend.name and self.compiled_dir is None:
-            raise ValueError("the coreml backend needs compiled_dir: the folder `npumoed compile` builds graphs in")
+        backend_class(self.backend).check(self.backend_options)  # an unknown name, or options it cannot run with
         if self.coreml_compute_units not in COMPUTE_UNITS:
             raise ValueError(f"coreml_compute_units must be one of {', '.join(COMPUTE_UNITS)}, "
                              f"got {self.coreml_compute_units!r}")
@@ -65,19 +72,14 @@ class EngineSettings:
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive or None, got {self.threads}")
 
-
-def make_backend(settings: EngineSettings) -> Backend:
-    """The executor `settings` names; Core ML's finds its graphs under `compiled_dir` (off macOS it warns once
-    and runs them with torch-static)."""
-    if settings.backend == CoreMLBackend.name:
-        assert settings.compiled_dir is not None  # checked by the settings
-        return CoreMLBackend(settings.compiled_dir, settings.coreml_compute_units)
-    return get_backend(settings.backend)
+    @property
+    def backend_options(self) -> BackendOptions:
+        return BackendOptions(compiled_dir=self.compiled_dir, compute_units=self.coreml_compute_units)
 
 
 @dataclass
 class Progress:
-    phase: str  # "prefill" (prefill chunks) | "summary" (sections summarised) | "reduce" (combined summaries)
+    phase: str  # one of vocabulary.PHASES
     chunks_done: int
     chunks_total: int
     tokens_done: int  # document tokens prefilled
@@ -85,11 +87,25 @@ class Progress:
     elapsed_s: float
 
 
+@dataclass(frozen=True)
+class RunStats:
+    """What one `process` call did and how long its phases took. The settings it ran with are the engine's
+    (`Engine.settings`, `Engine.model_key`), so they are not repeated here."""
+
+    tokens: int  # document tokens, every one of them read (nothing is truncated)
+    chunks: int  # prefill chunks that held document tokens: one embedding row each
+    chunk_tokens: int  # the prefill chunk length used (a plan's own takes precedence over the settings')
+    sections: int  # parts the document was cut into to fit the model's context
+    reduce_rounds: int  # rounds of combining section summaries; 0 for a one-section document
+    seconds: dict[str, float]  # wall seconds: "prefill", "summary", "reduce", and "total" for the whole call
+    dispatch: DispatchStats  # the MoE layer calls of this run's prefill (decode steps are not counted)
+
+
 @dataclass
 class DocumentResult:
     summary: str
     embeddings: np.ndarray  # float32, (n_chunks + 1, hidden): one L2-normalised row per chunk, last = document
-    stats: dict[str, Any]  # JSON-serialisable run statistics
+    stats: RunStats
 
 
 @dataclass
@@ -100,7 +116,7 @@ class _Run:
     tokens_total: int
     tokens_done: int = 0
     started: float = field(default_factory=time.perf_counter)
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(("prefill", "summary", "reduce"), 0.0))
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def report(self, phase: str, done: int, total: int) -> None:
         if self.on_progress is not None:
@@ -113,7 +129,8 @@ class Engine:
         self.settings = settings
         self.loaded = loaded
         self.plan = plan
-        self.runtime = MoeRuntime(loaded.model, make_backend(settings), plan, settings.overflow)
+        backend = get_backend(settings.backend, settings.backend_options)
+        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow)
         self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
@@ -161,7 +178,6 @@ class Engine:
         summary; it may block (a pause) or raise (an abort, which propagates)."""
         if not text.strip():
             raise ValueError("document text is empty or whitespace only: nothing to process")
-        cpu_start = time.process_time()
         doc = self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
         run = _Run(on_progress, tokens_total=len(doc))
         self.runtime.stats = DispatchStats()
@@ -173,14 +189,9 @@ class Engine:
         document = (chunk_means * chunk_sizes[:, None]).sum(0) / chunk_sizes.sum()  # (H,): mean over every token
         embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
         run.seconds["total"] = time.perf_counter() - run.started
-        stats = {
-            "model": self.model_key, "backend": self.settings.backend, "overflow": self.settings.overflow,
-            "plan": str(self.settings.plan) if self.settings.plan is not None else None,
-            "dtype": self.settings.dtype, "tokens": len(doc), "chunks": len(chunk_sizes),
-            "chunk_tokens": self.chunk_tokens, "sections": len(sections), "reduce_rounds": rounds,
-            "seconds": run.seconds, "cpu_seconds": time.process_time() - cpu_start,
-            **self.runtime.stats.to_dict(),
-        }
+        stats = RunStats(tokens=len(doc), chunks=len(chunk_sizes), chunk_tokens=self.chunk_tokens,
+                         sections=len(sections), reduce_rounds=rounds, seconds=run.seconds,
+                         dispatch=self.runtime.stats)
         return DocumentResult(summary=self.loaded.tokenizer.decode(summary, skip_special_tokens=True).strip(),
                               embeddings=embeddings.cpu().numpy(), stats=stats)
 
@@ -209,12 +220,12 @@ class Engine:
                     means.append(document.float().mean(0))
                     sizes.append(len(document))
                     run.tokens_done += len(document)
-                run.report("prefill", chunks_done, chunks_total)
-            run.seconds["prefill"] += time.perf_counter() - tick
+                run.report(PREFILL, chunks_done, chunks_total)
+            run.seconds[PREFILL] += time.perf_counter() - tick
             tick = time.perf_counter()
             summaries.append(self._decode(self._summarize, section, cache))
-            run.seconds["summary"] += time.perf_counter() - tick
-            run.report("summary", len(summaries), len(sections))
+            run.seconds[SUMMARY] += time.perf_counter() - tick
+            run.report(SUMMARY, len(summaries), len(sections))
         stacked = torch.stack(means)
         return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
 
@@ -231,8 +242,8 @@ class Engine:
                 cache = new_cache(self.loaded.model)
                 self._prefill([*self._combine.prefix, *part], cache)
                 summaries.append(self._decode(self._combine, part, cache))
-                run.report("reduce", len(summaries), len(parts))
-        run.seconds["reduce"] = time.perf_counter() - tick
+                run.report(REDUCE, len(summaries), len(parts))
+        run.seconds[REDUCE] = time.perf_counter() - tick
         return summaries[0], rounds
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:

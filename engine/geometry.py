@@ -1,5 +1,8 @@
 """Real MoE layer geometries, built as the family's own transformers experts module on random weights,
-and skewed routing drawn for them: the inputs the MoE benchmarks share.
+and skewed routing drawn for them.
+
+They let the engine work at a real model's sizes without its checkpoint: `npumoed compile --geometry`
+sizes Core ML builds with them, and the measuring tools time layers built from them.
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntry
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .vocabulary import BFLOAT16, DTYPES, FLOAT32
+
 # Families whose experts modules use transformers' fused layout and default gating, checked by tests.
 SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe")
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TORCH_DTYPES = {FLOAT32: torch.float32, BFLOAT16: torch.bfloat16}  # the vocabulary's dtypes as torch's
 
 # Bytes read from each end of a weight file for the fingerprint: enough to tell checkpoints apart,
 # cheap enough for 60 GB models.
@@ -48,7 +50,7 @@ def load_model(
     *,
     trust_remote_code: bool = False,
     allow_download: bool = False,
-    dtype: str = "float32",
+    dtype: str = FLOAT32,
     experts: str = "eager",
 ) -> LoadedModel:
     """Load a supported MoE causal LM and its tokenizer, in eval mode.
@@ -62,7 +64,7 @@ def load_model(
     path, name = _resolve(str(ref), allow_download=allow_download, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=DTYPES[dtype],
+        dtype=TORCH_DTYPES[dtype],
         trust_remote_code=trust_remote_code,
         local_files_only=True,
         experts_implementation=experts,

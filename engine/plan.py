@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .cost import CostModel
-from .dispatch import OVERFLOW_POLICIES
+from .vocabulary import OVERFLOW_POLICIES
 
 PLAN_FORMAT = "npumoe.expert-plan"
 PLAN_VERSION = 1

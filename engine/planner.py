@@ -9,26 +9,60 @@
    graphs with hot ones and the cold ones end up together.
 4. Residency: a group stays on the accelerator when one launch of its padded graph is expected to
    cost no more than running its experts on the exact CPU path (the backend's measured costs).
+
+`calibrate_plan` does it all for a model: load, calibrate, measure the backend's costs, plan, save.
 """
 
 from __future__ import annotations
 
 import math
 from bisect import bisect_right
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
-from .calibrate import Calibration
+import torch
+
+from .backends import get_backend
+from .calibrate import Calibration, calibrate
 from .cost import CostModel
-from .dispatch import OVERFLOW_POLICIES
+from .models import load_model, moe_experts
 from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
+from .vocabulary import FLOAT32, OVERFLOW_POLICIES, PRUNE
 
 DEFAULT_TIERS = 4
 DEFAULT_GROUP_SIZE = 4
 DEFAULT_ALIGN = 8
 
 
+def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, backend: str,
+                   chunk_tokens: int = 512, overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS,
+                   group_size: int = DEFAULT_GROUP_SIZE, dtype: str = FLOAT32, threads: int | None = None,
+                   trust_remote_code: bool = False, allow_download: bool = False,
+                   progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
+    """Load `model`, calibrate it on `texts` ((source name, text) pairs), measure `backend`'s costs at its
+    experts' shape and dtype, and write the plan to `out`; returns the plan.
+
+    `progress`, if given, is entered around the calibration pass only (not the loading or the cost measurement);
+    what it yields, when not None, is called as (chunks done, chunks in all) after each chunk. A model that cannot
+    be loaded raises `ModelError`, unusable calibration settings or data `ValueError` (its parent).
+    """
+    if threads is not None:
+        torch.set_num_threads(threads)
+    loaded = load_model(model, trust_remote_code=trust_remote_code, allow_download=allow_download, dtype=dtype)
+    with progress or nullcontext() as on_chunk:
+        calibration = calibrate(loaded, texts, chunk_tokens=chunk_tokens, on_chunk=on_chunk)
+    _, experts = moe_experts(loaded.model)[0]
+    _, hidden, ffn = experts.down_proj.shape
+    cost = get_backend(backend).measure_costs(hidden, ffn, experts.down_proj.dtype, group_size)
+    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend=backend, cost=cost,
+                     hidden=hidden, ffn=ffn, overflow=overflow, group_size=group_size, n_tiers=n_tiers)
+    plan.save(out)
+    return plan
+
+
 def make_plan(calibration: Calibration, *, model: str, model_key: str, backend: str, cost: CostModel,
-              hidden: int, ffn: int, overflow: str = "prune", group_size: int = DEFAULT_GROUP_SIZE,
+              hidden: int, ffn: int, overflow: str = PRUNE, group_size: int = DEFAULT_GROUP_SIZE,
               n_tiers: int = DEFAULT_TIERS, align: int = DEFAULT_ALIGN) -> ExpertPlan:
     """The plan for `calibration` on a backend with `cost`; `hidden`/`ffn` are the experts' H and I."""
     if overflow not in OVERFLOW_POLICIES:

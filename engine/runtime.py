@@ -1,16 +1,24 @@
 """Attaching the engine to a loaded model through transformers' experts interface.
 
-The engine registers one experts implementation, "npumoe", with `ALL_EXPERTS_FUNCTIONS` and selects
-it with `set_experts_implementation`: the model's own router still runs, then every experts module
-hands (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)) to its `MoeLayer`. Model code is
-not patched; detaching restores the implementation the model had.
+transformers wraps every experts class it can swap out with `use_experts_implementation`: the wrapped
+`forward` looks up the model's current experts implementation (`config._experts_implementation`) in the
+`ExpertsInterface` registry `ALL_EXPERTS_FUNCTIONS` and calls what is registered under that name. This
+module registers `experts_forward` there as "npumoe"; `MoeRuntime.attach` selects it with
+`set_experts_implementation` and puts `(runtime, layer)` on each experts module as `_npumoe_attached`.
+So one experts call takes this path:
+
+    experts module's forward (transformers) -> `experts_forward` (here) -> the module's `MoeRuntime`
+    -> its `MoeLayer` (dispatch.py): planned groups on the backend, every other expert on the exact CPU path
+
+The model's own router still runs: the layer gets (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)).
+Model code is not patched; detaching restores the implementation the model had.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from weakref import WeakKeyDictionary, ref
+from weakref import ref
 
 import torch
 from torch import nn
@@ -22,29 +30,25 @@ from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .models import moe_experts
 from .plan import ExpertPlan, LayerPlan, PlanError
+from .vocabulary import SPILL
 
 IMPLEMENTATION = "npumoe"
 
-# experts module -> (its runtime, its layer); weak, so a dropped model takes its entries with it.
-_ATTACHED: WeakKeyDictionary[nn.Module, tuple[MoeRuntime, MoeLayer]] = WeakKeyDictionary()
-# model -> the runtime its experts run through now.
-_RUNNING: WeakKeyDictionary[PreTrainedModel, MoeRuntime] = WeakKeyDictionary()
-# experts module -> its experts packed for the CPU, while a layer uses them: runtimes of one model share one copy.
-_PACKED: WeakKeyDictionary[nn.Module, ref[CpuExperts]] = WeakKeyDictionary()
 
-
-def _npumoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
-    if self not in _ATTACHED:
+def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """What transformers calls for an experts module while "npumoe" is selected: the attached runtime's layer."""
+    attached = _attached(self)
+    if attached is None:
         raise RuntimeError(f"experts implementation {IMPLEMENTATION!r} is selected, but this "
                            f"{type(self).__name__} is not attached to an engine runtime (use MoeRuntime)")
-    runtime, layer = _ATTACHED[self]
+    runtime, layer = attached
     if runtime.exact_only:
         return layer.exact(hidden_states, top_k_index, top_k_weights)
     return layer(hidden_states, top_k_index, top_k_weights, runtime.stats)
 
 
-ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, _npumoe_experts_forward)
+ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
 
 
 class MoeRuntime:
@@ -56,7 +60,7 @@ class MoeRuntime:
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
-                 overflow: str = "spill") -> None:
+                 overflow: str = SPILL) -> None:
         if backend.static and plan is None:
             raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
         if plan is not None and plan.backend != backend.name:
@@ -80,24 +84,27 @@ class MoeRuntime:
 
     def attach(self) -> None:
         """Run the model's experts through this runtime's layers, in place of any other runtime's."""
-        running = _RUNNING.get(self.model)
+        running = self._running()
         if running is self:
             return
         # what the model ran before the engine, whichever runtime took it over first
         self._previous = running._previous if running is not None else self.model.get_experts_implementation()
         for module, layer in zip(self._experts, self.layers, strict=True):
-            _ATTACHED[module] = (self, layer)
-        _RUNNING[self.model] = self
+            module._npumoe_attached = (self, layer)
         self.model.set_experts_implementation(IMPLEMENTATION)
 
     def detach(self) -> None:
         """Give the model back the experts implementation it had before the engine (if this runtime runs)."""
-        if _RUNNING.get(self.model) is not self:
+        if self._running() is not self:
             return
-        del _RUNNING[self.model]
         for module in self._experts:
-            _ATTACHED.pop(module, None)
+            del module._npumoe_attached
         self.model.set_experts_implementation(self._previous)
+
+    def _running(self) -> MoeRuntime | None:
+        """The runtime the model's experts run through now: every runtime of a model attaches all its modules."""
+        attached = _attached(self._experts[0])
+        return attached[0] if attached is not None else None
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -120,14 +127,20 @@ class MoeRuntime:
                 layer.loads = None
 
 
+def _attached(module: nn.Module) -> tuple[MoeRuntime, MoeLayer] | None:
+    """(runtime, layer) that an experts module runs through, set by `MoeRuntime.attach`; None when detached."""
+    return getattr(module, "_npumoe_attached", None)
+
+
 def _cpu_experts(module: nn.Module) -> CpuExperts:
     """The module's experts packed for the CPU: the copy another runtime already holds, if its weights are
-    still the ones it packed, else a new one."""
-    held = _PACKED.get(module)
+    still the ones it packed, else a new one. The module keeps only a weak reference (`_npumoe_packed`), so
+    the copy goes when the last runtime using it does."""
+    held = getattr(module, "_npumoe_packed", None)
     experts = held() if held is not None else None
     if experts is None or not experts.packed_from(module.gate_up_proj, module.down_proj):
         experts = CpuExperts(module.gate_up_proj, module.down_proj, module.config.hidden_act)
-        _PACKED[module] = ref(experts)
+        module._npumoe_packed = ref(experts)
     return experts
 
 

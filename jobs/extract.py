@@ -1,105 +1,58 @@
 """Document text extraction, isolated: each parse runs in a child process with time, memory and size limits.
 
-The parent opens the file itself (never following a symlink, never blocking on a FIFO, refusing anything but a
-regular file) and hands the child that open descriptor, so the child reads exactly the file that was checked
-even if the path is renamed, replaced or deleted meanwhile. Every failure is an ExtractionError with a kind.
+The parent opens the file itself (`open_regular`: never following a symlink, never blocking on a FIFO,
+refusing anything but a regular file) and hands the child that open descriptor, so the child reads exactly
+the file that was checked even if the path is renamed, replaced or deleted meanwhile. Every failure is an
+ExtractionError with a kind.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
-import stat
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from npumoe.jobs.extract_formats import (
-    FORMATS,
-    KINDS,
-    ExtractedText,
-    ExtractionError,
-    ExtractLimits,
-    sniff_format,
-)
+from npumoe.jobs.errors import ExtractionError, FileRefused
+from npumoe.jobs.extract_formats import FORMATS, ExtractedText, ExtractLimits, sniff_format
+from npumoe.jobs.files import open_regular
 
-__all__ = [
-    "FORMATS",
-    "KINDS",
-    "ExtractLimits",
-    "ExtractedText",
-    "ExtractionError",
-    "detect_format",
-    "extract_text",
-]
+__all__ = ["FORMATS", "ExtractLimits", "ExtractedText", "detect_format", "extract_text"]
 
 DEFAULT_LIMITS = ExtractLimits()
 _CHILD = [sys.executable, "-m", "npumoe.jobs.extract_child"]
-_FILE_TYPES = {
-    stat.S_IFLNK: "a symbolic link (not followed)",
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-}
 
 
 def detect_format(path: Path) -> str:
     """One of FORMATS, judged by the file's content; its extension only breaks ties (text vs Markdown)."""
-    fd, _ = _open_document(Path(path))
-    with os.fdopen(fd, "rb") as file:
+    with _open_document(Path(path)) as file:
         return sniff_format(file, Path(path).suffix)
 
 
 def extract_text(path: Path, limits: ExtractLimits = DEFAULT_LIMITS) -> ExtractedText:
     """The document's plain text, parsed in a child process; raises ExtractionError saying why not."""
     path = Path(path)
-    fd, size = _open_document(path)
-    try:
-        if size > limits.max_bytes:
-            raise ExtractionError("too_large", f"file is {size:,} bytes, over the {limits.max_bytes:,} limit")
-        reply = _run_child(fd, path.suffix, limits)
-    finally:
-        os.close(fd)
+    with _open_document(path, limits.max_bytes) as file:
+        reply = _run_child(file.fileno(), path.suffix, limits)
     if "kind" in reply:
         raise ExtractionError(reply["kind"], reply["message"])
     return ExtractedText(**reply)
 
 
-def _open_document(path: Path) -> tuple[int, int]:
-    """An open descriptor on the regular, non-empty file at `path`, and its size."""
+def _open_document(path: Path, max_bytes: int | None = None) -> BinaryIO:
+    """The regular, non-empty file at `path` (of at most `max_bytes`), open for reading."""
     try:
-        # lstat first, so a FIFO or device is never even opened; O_NOFOLLOW and fstat close the race.
-        _require_regular(path.lstat())
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ExtractionError("unreadable", "file no longer exists") from None
-    except PermissionError:
-        raise ExtractionError("unreadable", "permission denied") from None
-    except OSError as err:
-        if err.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW gives on Linux / on BSD
-            raise ExtractionError("unreadable", f"file is {_FILE_TYPES[stat.S_IFLNK]}") from None
-        raise ExtractionError("unreadable", f"cannot open file: {err.strerror}") from None
-    try:
-        status = os.fstat(fd)
-        _require_regular(status)
-        if status.st_size == 0:
-            raise ExtractionError("empty", "file is empty (0 bytes)")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, status.st_size
-
-
-def _require_regular(status: os.stat_result) -> None:
-    if not stat.S_ISREG(status.st_mode):
-        what = _FILE_TYPES.get(stat.S_IFMT(status.st_mode), "not a regular file")
-        raise ExtractionError("unreadable", f"file is {what}, not a regular file")
+        file = open_regular(path, max_bytes)
+    except FileRefused as refused:
+        raise ExtractionError.from_refusal(refused) from None
+    if os.fstat(file.fileno()).st_size == 0:
+        file.close()
+        raise ExtractionError("empty", "file is empty (0 bytes)")
+    return file
 
 
 def _run_child(fd: int, suffix: str, limits: ExtractLimits) -> dict[str, Any]:

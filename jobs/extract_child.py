@@ -14,7 +14,9 @@ import resource
 import sys
 from dataclasses import asdict
 
-from npumoe.jobs.extract_formats import ExtractedText, ExtractionError, ExtractLimits, extract_bytes
+from npumoe.jobs.errors import ExtractionError, FileRefused
+from npumoe.jobs.extract_formats import ExtractedText, ExtractLimits, extract_bytes
+from npumoe.jobs.files import check_size
 
 
 def main() -> None:
@@ -42,8 +44,10 @@ def _cap_resources(memory_mb: int) -> None:
 def _extract(fd: int, suffix: str, limits: ExtractLimits) -> ExtractedText:
     with os.fdopen(fd, "rb") as file:
         data = file.read()  # sized by fstat; a file growing without end meets the memory cap
-    if len(data) > limits.max_bytes:
-        raise ExtractionError("too_large", f"file grew past the {limits.max_bytes:,} byte limit while read")
+    try:
+        check_size(len(data), limits.max_bytes, while_read=True)
+    except FileRefused as refused:
+        raise ExtractionError.from_refusal(refused) from None
     if not data:
         raise ExtractionError("empty", "file is empty (0 bytes)")
     return extract_bytes(data, suffix, limits)

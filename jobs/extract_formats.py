@@ -1,7 +1,8 @@
 """Document formats: recognise one by its content and turn its bytes into plain text.
 
-This module runs inside the extraction child process, so it imports only the standard library at the top;
-pypdf and python-docx are imported by the one parser that needs them.
+This module runs inside the extraction child process, so at the top it imports only the standard library
+(and the jobs layer's exceptions, which import nothing else); pypdf and python-docx are imported by the one
+parser that needs them.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass, fields
 from html.parser import HTMLParser
 from typing import BinaryIO
 
-KINDS = frozenset({"encrypted", "corrupt", "unsupported", "empty", "too_large", "timeout", "memory", "unreadable"})
+from npumoe.jobs.errors import ExtractionError
+
 FORMATS = ("text", "markdown", "html", "pdf", "docx")
 
 SNIFF_BYTES = 8192
@@ -50,21 +52,6 @@ _FALLBACK_CODECS = ("utf-8", "cp1252", "latin-1")
 _CONTROL_BYTES = bytes(set(range(32)) - set(b"\t\n\r\f\v\x1b") | {0x7F})
 # An HTML page may open with an XML declaration and comments before its first tag.
 _HTML_START = re.compile(r"(\s|<\?xml[^>]*>|<!--.*?-->)*<(!doctype html|html|head|body)\b", re.DOTALL)
-
-
-class ExtractionError(Exception):
-    """Why a document yielded no text: `kind` is one of KINDS, str(err) a one-line message for people."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        if kind not in KINDS:
-            raise ValueError(f"unknown extraction error kind {kind!r}; expected one of {sorted(KINDS)}")
-        message = " ".join(message.split())
-        super().__init__(kind, message)
-        self.kind = kind
-        self.message = message
-
-    def __str__(self) -> str:
-        return self.message
 
 
 @dataclass(frozen=True)

@@ -12,17 +12,13 @@ job, so the outputs always describe exactly the content that was queued.
 
 from __future__ import annotations
 
-import errno
-import hashlib
 import io
 import json
 import logging
-import os
 import re
 import shutil
-import stat
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -32,14 +28,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from npumoe.jobs.extract import ExtractedText, ExtractionError, ExtractLimits, extract_text
-from npumoe.jobs.outputs import (
-    move_file,
-    output_name,
-    temporary_path,
-    write_file,
-    write_folder,
-)
+from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
+from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
+from npumoe.jobs.files import Folders, set_aside, settle_original, snapshot
+from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
+from npumoe.jobs.outputs import output_name, temporary_path, write_folder
 from npumoe.jobs.queue import Job, Queue
 
 if TYPE_CHECKING:
@@ -51,31 +44,6 @@ ORIGINALS = ("keep", "move", "delete")
 # Extraction failures worth another try: the machine was busy or short of memory. The rest are
 # properties of the document and would fail the same way again.
 RETRYABLE_EXTRACTION = frozenset({"timeout", "memory"})
-
-
-class Stop(Exception):
-    """Raised between steps when the job must wait (shutdown, its batch window closed): it goes back untouched."""
-
-    def __init__(self, why: str = "the daemon is stopping") -> None:
-        super().__init__(why)
-
-
-class Lost(Exception):
-    """The job is no longer this worker's (cancelled by the person, or reaped)."""
-
-
-class ModelUnavailable(Exception):
-    """The model could not be loaded: not the document's fault, so the job is handed back, not failed."""
-
-
-class Failure(Exception):
-    """Why this document did not get outputs; `kind` is recorded with the job."""
-
-    def __init__(self, kind: str, message: str, *, retryable: bool = False, set_aside: bool = True) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.retryable = retryable
-        self.set_aside = set_aside  # once dead, move the original to failed/ (not when it is someone else's now)
 
 
 class Model(Protocol):
@@ -92,27 +60,6 @@ class Measurement(Protocol):
     wall_seconds: float
     energy_joules: float | None
     energy_source: str
-
-
-@dataclass(frozen=True)
-class Folders:
-    outbox: Path
-    processed: Path
-    failed: Path
-    inboxes: tuple[Path, ...]  # resolved; originals are only ever moved or deleted from inside these
-
-    def holds(self, path: Path) -> bool:
-        return containing_inbox(path, self.inboxes) is not None
-
-
-def containing_inbox(path: Path, inboxes: Sequence[Path]) -> Path | None:
-    """The (resolved) inbox that really holds `path`: its parent folder resolved, the file itself not followed,
-    so neither a symlinked folder nor a `..` leads anywhere else."""
-    try:
-        parent = path.parent.resolve(strict=True)
-    except OSError:
-        return None
-    return next((inbox for inbox in inboxes if parent.is_relative_to(inbox)), None)
 
 
 @dataclass(frozen=True)
@@ -185,7 +132,7 @@ class Pipeline:
         self._report(job, "reading")
         work.mkdir(mode=0o700)
         copy = work / f"document{_safe_suffix(source)}"
-        sha256 = snapshot(source, copy, self.policy.limits.max_bytes)
+        sha256 = self._snapshot(source, copy)
         if sha256 != job.sha256:
             self._requeue_changed(job, sha256)
         self.checkpoint()
@@ -203,10 +150,22 @@ class Pipeline:
         files = {
             "summary.md": _summary_markdown(source.name, self.model.settings.model, result).encode(),
             "embeddings.npy": _npy(result.embeddings),
-            "meta.json": json.dumps(meta, indent=2, ensure_ascii=False).encode(),
+            "meta.json": meta.to_json(),
         }
         out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
         return self._complete(job, out, source)
+
+    def _snapshot(self, source: Path, copy: Path) -> str:
+        try:
+            return snapshot(source, copy, self.policy.limits.max_bytes)
+        except FileRefused as refused:
+            # A file gone is no longer anyone's to set aside; a permission may be put right, so that one retries.
+            raise Failure(
+                "unreadable" if refused.kind == "denied" else refused.kind,
+                str(refused),
+                retryable=refused.kind == "denied",
+                set_aside=refused.kind != "missing",
+            ) from refused
 
     def _extract(self, copy: Path) -> ExtractedText:
         try:
@@ -312,101 +271,39 @@ class Pipeline:
         result: DocumentResult,
         meter: Measurement,
         extract_s: float,
-    ) -> dict[str, Any]:
+    ) -> DocumentMeta:
         settings, stats = self.model.settings, result.stats
-        return {
-            "document": source.name,
-            "source": str(source),
-            "sha256": job.sha256,
-            "job_id": job.id,
-            "model": settings.model,
-            "model_key": engine.model_key,
-            "plan": str(settings.plan) if settings.plan else None,
-            "backend": settings.backend,
-            "overflow": settings.overflow,
-            "dtype": settings.dtype,
-            "extraction": {"format": extracted.format, "pages": extracted.pages, "chars": len(extracted.text)},
-            "tokens": stats["tokens"],
-            "chunks": stats["chunks"],
-            "chunk_tokens": stats["chunk_tokens"],
-            "embeddings": {"rows": int(result.embeddings.shape[0]), "dim": int(result.embeddings.shape[1])},
-            "seconds": {"extract": round(extract_s, 4), **{k: round(v, 4) for k, v in stats["seconds"].items()}},
-            "wall_seconds": round(meter.wall_seconds, 4),
-            "cpu_seconds": round(meter.cpu_seconds, 4),
-            "energy_joules": meter.energy_joules,
-            "energy_source": meter.energy_source,
-            "dropped_fraction": stats["dropped_fraction"],
-            "engine_stats": stats,
-            "npumoed_version": version("npumoed"),
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
-
-
-def snapshot(source: Path, copy: Path, max_bytes: int) -> str:
-    """Copy the document to `copy`, hashing it on the way; returns the copy's sha256.
-
-    Never follows a symlink, never blocks on a FIFO, refuses anything but a regular file.
-    """
-    try:
-        fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError as e:
-        raise Failure("missing", "the file is gone (deleted or moved after it was queued)", set_aside=False) from e
-    except PermissionError as e:
-        raise Failure("unreadable", "cannot read the file: permission denied", retryable=True) from e
-    except OSError as e:
-        raise Failure("unreadable", f"cannot open the file: {_open_error(e)}") from e
-    digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as f:
-        status = os.fstat(f.fileno())
-        if not stat.S_ISREG(status.st_mode):
-            raise Failure("unreadable", "not a regular file (a folder, FIFO, socket or device)")
-        if status.st_size > max_bytes:
-            raise Failure("too_large", f"file is {status.st_size:,} bytes, over the {max_bytes:,} limit")
-        out_fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        with os.fdopen(out_fd, "wb") as out:
-            copied = 0
-            while block := f.read(1 << 20):
-                copied += len(block)
-                if copied > max_bytes:  # it grew while being read
-                    raise Failure("too_large", f"file grew past the {max_bytes:,}-byte limit while read")
-                digest.update(block)
-                out.write(block)
-    return digest.hexdigest()
-
-
-def settle_original(source: Path, originals: str, folders: Folders) -> str:
-    """Keep, move to processed/ or delete a finished document, by policy; returns what happened, in words.
-
-    Only documents inside an inbox are touched (one queued by hand from elsewhere stays where it is), and a
-    failure here is logged, never raised: the job's result is already safe.
-    """
-    if originals == "keep" or not os.path.lexists(source) or not folders.holds(source):
-        return "kept"
-    try:
-        if originals == "delete":
-            source.unlink()
-            return "deleted"
-        return f"moved to {move_file(source, folders.processed, source.name)}"
-    except OSError as e:
-        log.warning("could not %s %s: %s", originals, source, e)
-        return f"could not {originals} it: {e.strerror or e}"
-
-
-def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
-    """Move a document that will not be processed into failed/, with `<name>.error.txt` beside it."""
-    if not os.path.lexists(source) or not folders.holds(source):
-        return None
-    try:
-        moved = move_file(source, folders.failed, source.name)
-        write_file(moved.with_name(moved.name + ".error.txt"), report.encode())
-    except OSError as e:
-        log.warning("could not move %s to %s: %s", source, folders.failed, e)
-        return None
-    return moved
+        engine_s = {phase: round(seconds, 4) for phase, seconds in stats.seconds.items()}
+        return DocumentMeta(
+            source=str(source),
+            sha256=job.sha256,
+            job_id=job.id,
+            model=settings.model,
+            model_key=engine.model_key,
+            plan=str(settings.plan) if settings.plan else None,
+            backend=settings.backend,
+            overflow=settings.overflow,
+            dtype=settings.dtype,
+            chunk_tokens=stats.chunk_tokens,
+            extraction=Extraction(extracted.format, extracted.pages, len(extracted.text)),
+            tokens=stats.tokens,
+            chunks=stats.chunks,
+            sections=stats.sections,
+            reduce_rounds=stats.reduce_rounds,
+            embeddings=Embeddings(dim=int(result.embeddings.shape[1])),
+            seconds=Seconds(extract=round(extract_s, 4), prefill=engine_s["prefill"], summary=engine_s["summary"],
+                            reduce=engine_s["reduce"], engine=engine_s["total"], total=round(meter.wall_seconds, 4)),
+            cpu_seconds=round(meter.cpu_seconds, 4),
+            energy_joules=meter.energy_joules,
+            energy_source=meter.energy_source,
+            dispatch=stats.dispatch.to_dict(),
+            npumoed_version=version("npumoed"),
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
 
 
 def _summary_markdown(name: str, model: str, result: DocumentResult) -> str:
-    facts = [f"model `{model}`", f"{result.stats['chunks']} chunks", f"{result.stats['tokens']} tokens"]
+    facts = [f"model `{model}`", f"{result.stats.chunks} chunks", f"{result.stats.tokens} tokens"]
     title = " ".join(name.split())  # no newlines from a hostile file name in the heading
     return f"# {title}\n\n_{' · '.join(facts)}_\n\n{result.summary.strip()}\n"
 
@@ -421,9 +318,3 @@ def _safe_suffix(path: Path) -> str:
     """The extension, kept as a hint for extraction, reduced to plain letters and digits."""
     suffix = re.sub(r"[^A-Za-z0-9]", "", path.suffix)[:16]
     return f".{suffix}" if suffix else ""
-
-
-def _open_error(e: OSError) -> str:
-    if e.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW gives for a symlink on Linux / BSD
-        return "it is a symbolic link, which npumoed does not follow"
-    return e.strerror or str(e)

@@ -6,13 +6,14 @@ import importlib
 import json
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from npumoe.daemon.cli.app import App, emit_json, pass_app
-from npumoe.daemon.intake import enqueue, iter_documents
+from npumoe.daemon.intake import Enqueued, enqueue_paths
 from npumoe.jobs.queue import Job
 from npumoe.jobs.schema import STATES
 
@@ -62,22 +63,27 @@ def main(ctx: click.Context, config_path: Path | None) -> None:
 @pass_app
 def add(app: App, paths: tuple[Path, ...], as_json: bool) -> None:
     """Queue documents (files, or folders searched recursively)."""
-    results, problems = [], []
-    for path in iter_documents(paths, recursive=app.config.inbox.recursive):
-        try:
-            job, created = enqueue(app.queue, path, app.config)
-        except (OSError, ValueError) as e:
-            problems.append(f"{path}: {e}")
-            continue
-        results.append({**job.as_dict(), "created": created})
-        if not as_json:
-            verb = "queued" if created else f"already known ({job.state})"
-            click.echo(f"#{job.id} {verb}: {path}")
+    enqueued = enqueue_paths(app.queue, paths, app.config, on_job=None if as_json else echo_job)
     if as_json:
-        emit_json({"jobs": results, "errors": problems})
-    for problem in problems:
+        emit_json({"jobs": job_dicts(enqueued), "errors": enqueued.problems})
+    report_skipped(enqueued)
+
+
+def echo_job(path: Path, job: Job, created: bool, *, queued: str = "queued") -> None:
+    """A document's line as `add` and `batch` print it: `queued` when its job is new, else the job's state."""
+    click.echo(f"#{job.id} {queued if created else f'already known ({job.state})'}: {path}")
+
+
+def job_dicts(enqueued: Enqueued) -> list[dict[str, Any]]:
+    """The queued jobs as `--json` prints them: each job's fields and whether it was created now."""
+    return [{**job.as_dict(), "created": created} for job, created in enqueued.jobs]
+
+
+def report_skipped(enqueued: Enqueued) -> None:
+    """Name each path that could not be queued; exit 1 when that was every one."""
+    for problem in enqueued.problems:
         click.echo(f"npumoed: skipped {problem}", err=True)
-    if problems and not results:
+    if enqueued.failed:
         raise SystemExit(1)
 
 

@@ -7,20 +7,24 @@ command.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from npumoe.engine.vocabulary import DTYPES, FLOAT32, OVERFLOW_POLICIES, PRUNE, TORCH_STATIC
+
 if TYPE_CHECKING:
     from npumoe.engine.plan import ExpertPlan
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe")
-STATIC_BACKENDS = ("torch-static",)
+STATIC_BACKENDS = (TORCH_STATIC,)  # the static backend that needs no compiled graphs to measure its costs
 
 
 @click.group("model")
@@ -56,15 +60,15 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.argument("more_data", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Plan JSON to write.")
 @click.option("--chunk", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk length.")
-@click.option("--backend", type=click.Choice(STATIC_BACKENDS), default="torch-static", show_default=True,
+@click.option("--backend", type=click.Choice(STATIC_BACKENDS), default=TORCH_STATIC, show_default=True,
               help="Backend the plan is for (its costs are measured here).")
-@click.option("--overflow", type=click.Choice(("prune", "spill")), default="prune", show_default=True,
+@click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), default=PRUNE, show_default=True,
               help="Overflow policy to record in the plan (the engine's own setting decides at run time).")
 @click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Experts per group graph.")
-@click.option("--dtype", type=click.Choice(("float32", "bfloat16")), default="float32", show_default=True)
+@click.option("--dtype", type=click.Choice(DTYPES), default=FLOAT32, show_default=True)
 @click.option("--threads", type=click.IntRange(min=1), help="Torch threads (default: leave as is).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own Python code.")
 @click.option("--allow-download", is_flag=True, help="Download the model from the Hugging Face Hub if needed.")
@@ -72,47 +76,43 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[
                       backend: str, overflow: str, n_tiers: int, group_size: int, dtype: str, threads: int | None,
                       trust_remote_code: bool, allow_download: bool) -> None:
     """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan."""
+    calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk, backend=backend, overflow=overflow,
+                        n_tiers=n_tiers, group_size=group_size, dtype=dtype, threads=threads,
+                        trust_remote_code=trust_remote_code, allow_download=allow_download)
+
+
+def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, **options: Any) -> None:
+    """What `npumoed calibrate` (and the demo's first run) does: extract the documents' text, have the engine's
+    `calibrate_plan` (given `options`) write the plan to `out`, with a progress bar and a closing line on stderr."""
     _quiet_transformers()
-    import torch
+    from npumoe.engine.planner import calibrate_plan
+    from npumoe.jobs.errors import ExtractionError
+    from npumoe.jobs.extract import extract_text
 
-    from npumoe.engine.backends import get_backend
-    from npumoe.engine.calibrate import calibrate
-    from npumoe.engine.models import DTYPES, ModelError, load_model, moe_experts
-    from npumoe.engine.planner import make_plan
-    from npumoe.jobs.extract import ExtractionError, extract_text
-
-    if threads is not None:
-        torch.set_num_threads(threads)
     texts = []
-    for path in (*data, *more_data):
+    for path in documents:
         try:
             texts.append((path.name, extract_text(path).text))
         except ExtractionError as e:
             raise click.ClickException(f"{path}: {e}") from e
-    try:
-        loaded = load_model(_model_ref(model_name), trust_remote_code=trust_remote_code,
-                            allow_download=allow_download, dtype=dtype)
-    except ModelError as e:
-        raise click.ClickException(str(e)) from e
-
     stderr = Console(stderr=True)
+    try:
+        plan = calibrate_plan(_model_ref(model_name), texts, out, progress=_chunk_bar(stderr), **options)
+    except ValueError as e:  # ModelError among them
+        raise click.ClickException(str(e)) from e
+    stderr.print(f"calibrated {len(plan.layers)} MoE layers x {plan.layers[0].num_experts} experts on "
+                 f"{plan.calibration_tokens} tokens ({plan.calibration_chunks} chunks of {plan.chunk_tokens}); "
+                 f"tiers {list(plan.tiers)}; wrote {out}")
+
+
+@contextmanager
+def _chunk_bar(console: Console) -> Iterator[Callable[[int, int], None]]:
+    """A progress bar of calibration chunks; yields what to call with (done, total) after each chunk."""
     columns = (TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"),
                TimeElapsedColumn())
-    with Progress(*columns, console=stderr) as progress:
+    with Progress(*columns, console=console) as progress:
         task = progress.add_task("calibrate", total=None)
-        try:
-            calibration = calibrate(loaded, texts, chunk_tokens=chunk,
-                                    on_chunk=lambda done, total: progress.update(task, completed=done, total=total))
-        except ValueError as e:
-            raise click.ClickException(str(e)) from e
-    _, experts = moe_experts(loaded.model)[0]
-    n_experts, hidden, ffn = experts.down_proj.shape
-    cost = get_backend(backend).measure_costs(hidden, ffn, DTYPES[dtype], group_size)
-    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend=backend, cost=cost,
-                     hidden=hidden, ffn=ffn, overflow=overflow, group_size=group_size, n_tiers=n_tiers)
-    plan.save(out)
-    stderr.print(f"calibrated {len(plan.layers)} MoE layers x {n_experts} experts on {calibration.tokens} tokens "
-                 f"({calibration.chunks} chunks of {chunk}); tiers {list(plan.tiers)}; wrote {out}")
+        yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
 @click.group("plan")

@@ -22,10 +22,11 @@ from npumoe.daemon.cli.app import App, BadConfig, emit_json, pass_app
 from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
+from npumoe.engine.vocabulary import TORCH_STATIC
 from npumoe.jobs.outputs import temporary_path
 from npumoe.jobs.queue import Queue
 
-DEMO_BACKEND = "torch-static"  # NPUMoE's static-shape executor, the reference for accelerators
+DEMO_BACKEND = TORCH_STATIC  # NPUMoE's static-shape executor, the reference for accelerators
 DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
 
 
@@ -81,8 +82,8 @@ def read_status(home: Home) -> dict[str, Any] | None:
 
 
 @click.command()
-@click.pass_context
-def demo(ctx: click.Context) -> None:
+@pass_app
+def demo(app: App) -> None:
     """Process the built-in sample documents offline with the tiny demo model, then show where it all went.
 
     The first run makes the model and calibrates an expert plan on the samples, so the documents go through
@@ -92,7 +93,6 @@ def demo(ctx: click.Context) -> None:
     from npumoe.daemon.intake import job_keys, sha256_of
     from npumoe.daemon.samples import write_samples
 
-    app = ctx.find_object(App)
     home, queue = app.home, app.queue
     _keep_caches_at_home(home)
     os.umask(0o077)
@@ -101,7 +101,7 @@ def demo(ctx: click.Context) -> None:
         samples = {path.name: sha256_of(path) for path in write_samples(staged)}
         # The longest sample would triple calibration time and add no routing the others lack.
         calibration_data = sorted(staged.iterdir(), key=lambda p: p.stat().st_size)[:-1]
-        config = _demo_config(ctx, app.config, home, calibration_data)
+        config = _demo_config(app.config, home, calibration_data)
         keys = job_keys(config)
         done = {job.sha256 for job in queue.list("done") if (job.model_key, job.settings_key) == keys}
         new = [name for name, sha in samples.items() if sha not in done]
@@ -127,7 +127,7 @@ def _run_worker(
 ) -> None:
     from npumoe.daemon.logs import setup_logging
     from npumoe.daemon.worker import AlreadyRunning, Worker
-    from npumoe.jobs.pipeline import ModelUnavailable
+    from npumoe.jobs.errors import ModelUnavailable
 
     plan = Path(config.model.plan).expanduser()
     if config.model.plan and not plan.is_file():  # now: later each document would look as if it had vanished
@@ -184,23 +184,16 @@ def _draw(snap: dict[str, Any] | None, home: Home, *, rich: bool) -> RenderableT
 # -- the demo ---------------------------------------------------------------------------------------------
 
 
-def _demo_config(ctx: click.Context, config: Config, home: Home, calibration_data: list[Path]) -> Config:
+def _demo_config(config: Config, home: Home, calibration_data: list[Path]) -> Config:
     """The configured settings with the built-in model on the static (NPUMoE) backend, its plan calibrated on
     the samples once and reused after (a new plan would make every sample new work again)."""
-    from npumoe.daemon.cli.engine import calibrate_command
+    from npumoe.daemon.cli.engine import calibrate_documents
 
     plan = home.plans / "demo.json"
     if not plan.exists():
         click.echo(f"calibrating an expert plan for the demo model on the samples: {plan}")
-        ctx.invoke(
-            calibrate_command,
-            model_name="demo",
-            data=tuple(calibration_data),
-            out=plan,
-            chunk=config.model.chunk_tokens,
-            backend=DEMO_BACKEND,
-            overflow=config.model.overflow,
-        )
+        calibrate_documents("demo", calibration_data, plan, chunk_tokens=config.model.chunk_tokens,
+                            backend=DEMO_BACKEND, overflow=config.model.overflow)
     summary_tokens = min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
     model = dataclasses.replace(
         config.model, name="demo", backend=DEMO_BACKEND, plan=str(plan), summary_tokens=summary_tokens

@@ -6,15 +6,17 @@ import dataclasses
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import click
 
 from npumoe.daemon.batch import BatchWindow
+from npumoe.daemon.cli import echo_job, job_dicts, report_skipped
 from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.config import ModelConfig
 from npumoe.daemon.home import Home
-from npumoe.daemon.intake import enqueue, iter_documents
+from npumoe.daemon.intake import enqueue_paths
 from npumoe.daemon.measure import ForegroundLoad, system_energy_counter
 from npumoe.daemon.power import system_power_source
 from npumoe.daemon.priority import available_cores, worker_threads
@@ -28,6 +30,7 @@ from npumoe.daemon.service import (
     describe,
     service_manager,
 )
+from npumoe.engine.vocabulary import COREML
 from npumoe.jobs.queue import BATCH
 
 # Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
@@ -118,26 +121,14 @@ def batch(app: App, paths: tuple[Path, ...], window: str | None, as_json: bool) 
         window = str(BatchWindow.parse(window))
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--window") from e
-    results, problems = [], []
-    for path in iter_documents(paths, recursive=app.config.inbox.recursive):
-        try:
-            job, created = enqueue(app.queue, path, app.config, priority=BATCH, batch_window=window)
-        except (OSError, ValueError) as e:
-            problems.append(f"{path}: {e}")
-            continue
-        results.append({**job.as_dict(), "created": created})
-        if not as_json:
-            verb = f"queued for {window}" if created else f"already known ({job.state})"
-            click.echo(f"#{job.id} {verb}: {path}")
+    enqueued = enqueue_paths(app.queue, paths, app.config, priority=BATCH, batch_window=window,
+                             on_job=None if as_json else partial(echo_job, queued=f"queued for {window}"))
     if as_json:
-        emit_json({"window": window, "jobs": results, "errors": problems})
-    elif results:
+        emit_json({"window": window, "jobs": job_dicts(enqueued), "errors": enqueued.problems})
+    elif enqueued.jobs:
         ac = " on AC power" if app.config.scheduler.batch_requires_ac else ""
-        click.echo(f"{sum(r['created'] for r in results)} document(s) will run between {window}{ac}")
-    for problem in problems:
-        click.echo(f"npumoed: skipped {problem}", err=True)
-    if problems and not results:
-        raise SystemExit(1)
+        click.echo(f"{sum(created for _, created in enqueued.jobs)} document(s) will run between {window}{ac}")
+    report_skipped(enqueued)
 
 
 # -- doctor -----------------------------------------------------------------------------------------
@@ -251,18 +242,18 @@ def _kernel_check() -> dict[str, str]:
 
 def _backend_checks() -> list[dict[str, str]]:
     """Each backend the config offers: built into the engine here, and able to run on this machine."""
-    from npumoe.engine.engine import BACKEND_NAMES  # torch: imported only when asked
+    from npumoe.engine.backends import REGISTRY  # torch: imported only when asked
 
     choices = next(f for f in dataclasses.fields(ModelConfig) if f.name == "backend").metadata["choices"]
     checks = []
     for name in choices:
-        ok, why = _backend_ready(name) if name in BACKEND_NAMES else (False, "not built into this engine yet")
+        ok, why = _backend_ready(name) if name in REGISTRY else (False, "not built into this engine yet")
         checks.append(_check(f"backend {name}", "ok" if ok else "warn", why))
     return checks
 
 
 def _backend_ready(name: str) -> tuple[bool, str]:
-    if name == "coreml":
+    if name == COREML:
         from npumoe.engine.coreml.env import coreml_availability
 
         return coreml_availability()

@@ -16,11 +16,12 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from npumoe.engine.vocabulary import PREFILL, REDUCE, SUMMARY
 from npumoe.jobs.queue import Job, Queue, pid_alive
 
 STALE_SECONDS = 30.0  # a live pid whose heartbeat is older than this is reported as not responding
 RECENT = 5
-STEPS = {"prefill": "chunks", "summary": "sections", "reduce": "parts"}  # what the engine counts in each phase
+STEPS = {PREFILL: "chunks", SUMMARY: "sections", REDUCE: "parts"}  # what the engine counts in each phase
 
 
 def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) -> dict[str, Any]:

@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from npumoe.engine.backends import TorchStaticBackend
+from npumoe.engine.backends import BackendOptions, TorchStaticBackend
 from npumoe.engine.cost import CostModel, expert_flops, fit_call_cost
 from npumoe.engine.dispatch import GraphCalls, GroupGraph
 from npumoe.engine.grouped import from_ane_layout, to_ane_layout
 from npumoe.engine.timing import median_seconds
+from npumoe.engine.vocabulary import COMPUTE_UNITS, COREML, DEFAULT_COMPUTE_UNITS
 
 from .cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, weights_fingerprint
 from .convert import convert_group
@@ -34,7 +35,6 @@ from .env import coreml_availability, import_coremltools
 
 log = logging.getLogger(__name__)
 
-COMPUTE_UNITS = {"cpu_and_ne": "CPU_AND_NE", "all": "ALL", "cpu_only": "CPU_ONLY", "cpu_and_gpu": "CPU_AND_GPU"}
 # Capacities of the two sample graphs timed for the cost model: one shows the fixed cost of a
 # launch, the other the throughput.
 _FIT_CAPACITIES = (8, 256)
@@ -54,10 +54,23 @@ class CoreMLGroupGraph:
 
 
 class CoreMLBackend(TorchStaticBackend):
-    name = "coreml"
+    name = COREML
     static = True
 
-    def __init__(self, cache_root: Path, compute_units: str = "cpu_and_ne") -> None:
+    @classmethod
+    def check(cls, options: BackendOptions) -> None:
+        if options.compiled_dir is None:
+            raise ValueError("the coreml backend needs compiled_dir: the folder `npumoed compile` builds graphs in")
+
+    @classmethod
+    def build(cls, options: BackendOptions) -> CoreMLBackend:
+        """Core ML's backend finds its graphs under `compiled_dir` (off macOS it warns once and runs them with
+        torch-static)."""
+        cls.check(options)
+        assert options.compiled_dir is not None  # checked just above
+        return cls(options.compiled_dir, options.compute_units)
+
+    def __init__(self, cache_root: Path, compute_units: str = DEFAULT_COMPUTE_UNITS) -> None:
         if compute_units not in COMPUTE_UNITS:
             raise ValueError(f"compute units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}")
         self.cache_root = Path(cache_root)
@@ -117,7 +130,7 @@ class CoreMLBackend(TorchStaticBackend):
 
     def _load(self, path: Path, function: str | None) -> Any:
         ct = import_coremltools()
-        units = getattr(ct.ComputeUnit, COMPUTE_UNITS[self.compute_units])
+        units = getattr(ct.ComputeUnit, self.compute_units.upper())  # the vocabulary spells them in lower case
         if path.suffix == ".mlmodelc":
             return ct.models.CompiledMLModel(str(path), units, function_name=function)
         return ct.models.MLModel(str(path), compute_units=units, function_name=function)

@@ -16,7 +16,8 @@ def test_bench_moe_prints_a_table_and_writes_machine_and_results(tmp_path):
     result = CliRunner().invoke(bench, ["moe", "--geometry", "64x8x2x32", "--tokens", "32", "--dtype", "fp32",
                                         "--threads", "1", "--warmup", "0", "--repeats", "1", "--json", str(out)])
     assert result.exit_code == 0, result.output
-    assert "geometry 64x8x2x32, tokens 32, dtype fp32" in result.output and "roofline" in result.output
+    # "fp32" is the short spelling the option still takes; tables and results say "float32"
+    assert "geometry 64x8x2x32, tokens 32, dtype float32" in result.output and "roofline" in result.output
     data = json.loads(out.read_text())
     assert data["machine"]["threads"] == 1 and data["machine"]["copy_bandwidth_gbps"] > 0
     assert {"cpu", "torch", "torch_cpu_capability", "memory_gib"} <= data["machine"].keys()
@@ -36,7 +37,7 @@ def test_bench_prefill_prints_one_table_per_case():
                                         "32", "--calibration-documents", "1", "--dtype", "fp32", "--threads", "1",
                                         "--warmup", "0", "--repeats", "1"])
     assert result.exit_code == 0, result.output
-    assert "geometry 64x8x2x32, layers 2, dtype fp32, document_tokens 64, chunk_tokens 32" in result.output
+    assert "geometry 64x8x2x32, layers 2, dtype float32, document_tokens 64, chunk_tokens 32" in result.output
     assert "npumoe-torch-static" in result.output
 
 
@@ -52,6 +53,14 @@ def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard)
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     rows = json.loads((tmp_path / "f.json").read_text())["results"]
     assert [row.get("capacity_scale") for row in rows] == [None, 0.5, 0.5, 2.0, 2.0]
+
+
+def test_bench_fidelity_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # what `import matplotlib` sees when it is not installed
+    result = CliRunner().invoke(bench, ["fidelity", "--plot", str(tmp_path / "f.png")])
+    assert result.exit_code == 1
+    assert "--plot needs matplotlib" in result.output and "pip install 'npumoed[plot]'" in result.output
+    assert "exact model" not in result.output and not (tmp_path / "f.png").exists()  # refused before the run
 
 
 def test_importing_the_bench_commands_does_not_import_torch():

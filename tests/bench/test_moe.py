@@ -99,10 +99,10 @@ def test_the_roofline_takes_the_fastest_dense_matmul_timed_beside_the_implementa
 
 
 def test_one_run_reports_every_implementation_checked_and_timed_then_the_roofline():
-    rows = run_moe_bench([TINY], [32], ["fp32"], QUICK, bandwidth=1e10)
+    rows = run_moe_bench([TINY], [32], ["float32"], QUICK, bandwidth=1e10)
     assert [row["impl"] for row in rows] == [*IMPLS, "roofline"]
     for row in rows:
-        assert (row["geometry"], row["tokens"], row["dtype"], row["threads"]) == ("64x8x2x32", 32, "fp32", 1)
+        assert (row["geometry"], row["tokens"], row["dtype"], row["threads"]) == ("64x8x2x32", 32, "float32", 1)
         assert row["tokens_per_s"] > 0 and row["vs_roofline"] > 0
     exact = [row for row in rows if row["impl"] != "roofline" and not row["impl"].endswith("-prune")]
     assert all(row["status"] == "ok" and row["rel_error"] <= TOLERANCE[torch.float32] for row in exact)

@@ -25,7 +25,7 @@ def test_the_model_is_the_familys_causal_lm_with_the_asked_layers_at_the_geometr
 def test_every_implementation_prefills_the_same_document_checked_against_eager():
     settings = PrefillBenchSettings(threads=1, layers=2, document_tokens=96, chunk_tokens=32,
                                     calibration_documents=1, warmup=0, repeats=1)
-    rows = run_prefill_bench([TINY], ["fp32"], settings)
+    rows = run_prefill_bench([TINY], ["float32"], settings)
     assert [row["impl"] for row in rows] == list(IMPLS)
     for row in rows:
         assert (row["geometry"], row["layers"], row["document_tokens"], row["chunk_tokens"]) == (

@@ -12,12 +12,13 @@ import torch
 from coreml_compare import logits_by_backend
 
 from npumoe.engine import Engine, EngineSettings
-from npumoe.engine.coreml.backend import COMPUTE_UNITS, CoreMLBackend
+from npumoe.engine.coreml.backend import CoreMLBackend
 from npumoe.engine.coreml.cache import build_folder, compiled_groups, weights_fingerprint
 from npumoe.engine.coreml.convert import GroupGraph, build_packages
 from npumoe.engine.coreml.env import coreml_availability, import_coremltools
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.models import load_model
+from npumoe.engine.vocabulary import COMPUTE_UNITS
 
 not_macos = pytest.mark.skipif(sys.platform == "darwin", reason="describes a machine without Core ML prediction")
 

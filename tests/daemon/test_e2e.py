@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import hostile_files
+import meta_fields
 import numpy as np
 import pytest
 from sqlalchemy.exc import OperationalError
@@ -82,6 +83,7 @@ def assert_complete_outputs(job: dict) -> None:
     out = Path(job["output_dir"])
     meta = json.loads((out / "meta.json").read_text())
     assert meta["job_id"] == job["id"] and meta["sha256"] == job["sha256"]
+    meta_fields.assert_documented_once(meta)  # written by the real engine, every figure once
     assert np.load(out / "embeddings.npy").shape == (meta["chunks"] + 1, meta["embeddings"]["dim"])
     assert (out / "summary.md").read_text().startswith(f"# {Path(job['path']).name}")
 

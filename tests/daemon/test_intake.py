@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from npumoe.daemon.config import Config, ExtractConfig, ModelConfig
-from npumoe.daemon.intake import enqueue, is_ignored, iter_documents, job_keys
+from npumoe.daemon.intake import enqueue, enqueue_paths, is_ignored, iter_documents, job_keys
 from npumoe.jobs.queue import Queue
 
 
@@ -48,3 +48,19 @@ def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path)
         f.truncate(3 * 2**20)  # sparse: nothing to read, only a size
     with pytest.raises(ValueError, match="over the 2 MB limit"):
         enqueue(Queue(tmp_path / "q.db"), huge, Config(extract=ExtractConfig(max_mb=2)))
+
+
+def test_enqueue_paths_queues_what_it_can_and_names_what_it_cannot(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("a")
+    (docs / "big.txt").write_text("b" * 2**20)
+    queue, config = Queue(tmp_path / "q.db"), Config(extract=ExtractConfig(max_mb=0.5))
+    seen = []
+    first = enqueue_paths(queue, [docs], config, on_job=lambda path, job, created: seen.append((path, created)))
+    assert [(job.path, created) for job, created in first.jobs] == [(str(docs.resolve() / "a.txt"), True)]
+    assert seen == [(docs / "a.txt", True)]
+    assert len(first.problems) == 1 and first.problems[0].startswith(f"{docs / 'big.txt'}: ") and not first.failed
+    again = enqueue_paths(queue, [docs / "a.txt", docs / "big.txt"], config)
+    assert [created for _, created in again.jobs] == [False] and len(again.problems) == 1
+    assert enqueue_paths(queue, [docs / "big.txt"], config).failed

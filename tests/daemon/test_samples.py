@@ -8,9 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+from pdf_writer import text_pdf
 from pypdf import PdfReader
 
-from npumoe.daemon.samples import sample_documents, text_pdf, write_samples
+from npumoe.daemon.samples import sample_documents, write_samples
 from npumoe.jobs.extract import FORMATS, detect_format, extract_text
 
 
@@ -47,6 +48,10 @@ def test_samples_are_byte_identical_on_every_write(tmp_path: Path, monkeypatch: 
 
     for one, other in zip(first, second, strict=True):
         assert one.read_bytes() == other.read_bytes(), one.name
+
+
+def test_every_sample_has_paragraphs_to_check_its_extraction_against() -> None:
+    assert all(document.paragraphs for document in sample_documents())
 
 
 def test_no_sentence_repeats_within_a_paragraph() -> None:

@@ -19,7 +19,7 @@ from npumoe.daemon.models import ModelSlot, engine_settings
 from npumoe.daemon.power import UnknownPowerSource
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
-from npumoe.jobs.pipeline import ModelUnavailable
+from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.queue import BATCH, Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"

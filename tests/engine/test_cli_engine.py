@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from npumoe.daemon.cli import engine as cli_engine
 from npumoe.daemon.cli.engine import calibrate_command, model_group, plan_group
-from npumoe.engine.backends import BACKENDS
+from npumoe.engine.backends import backend_class
 from npumoe.engine.models import SUPPORTED_FAMILIES, load_model
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, DEFAULT_TIERS
@@ -54,7 +54,7 @@ def test_several_data_files_may_follow_one_data_option(tmp_path, tiny, harbour, 
 def test_the_commands_offer_what_the_engine_has_without_importing_it():
     """The CLI lists choices and defaults itself so that `npumoed --help` stays free of torch."""
     assert cli_engine.ARCHITECTURES == tuple(ARCHITECTURES) == SUPPORTED_FAMILIES
-    assert tuple(name for name, b in BACKENDS.items() if b.static) == cli_engine.STATIC_BACKENDS
+    assert all(backend_class(name).static for name in cli_engine.STATIC_BACKENDS)
     defaults = {p.name: p.default for p in calibrate_command.params}
     assert (defaults["n_tiers"], defaults["group_size"]) == (DEFAULT_TIERS, DEFAULT_GROUP_SIZE)
 

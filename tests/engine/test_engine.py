@@ -45,7 +45,7 @@ def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(e
     assert result.embeddings.shape == (chunks + 1, 64)
     assert result.embeddings.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(result.embeddings, axis=1), 1.0, rtol=1e-5)
-    assert result.stats["chunks"] == chunks and result.stats["tokens"] == 600
+    assert result.stats.chunks == chunks and result.stats.tokens == 600
     assert isinstance(result.summary, str)
 
 
@@ -78,16 +78,14 @@ def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine,
     assert result.summary  # the random model does say something
 
 
-def test_stats_are_json_and_name_tokens_chunks_phases_cpu_and_dispatch_counts(engine, harbour, prefix):
+def test_stats_name_tokens_chunks_phases_and_dispatch_counts(engine, harbour, prefix):
     stats = engine.process(harbour[:300]).stats
-    json.dumps(stats)
-    assert set(stats["seconds"]) == {"prefill", "summary", "reduce", "total"}
-    assert stats["cpu_seconds"] > 0
-    for key in ("tokens", "chunks", "chunk_tokens", "dropped", "spilled", "padding_slots", "dropped_fraction",
-                "padding_fraction", "assignments", "launches"):
-        assert key in stats
+    assert set(stats.seconds) == {"prefill", "summary", "reduce", "total"}
+    assert (stats.tokens, stats.chunk_tokens) == (300, CHUNK)
+    json.dumps(stats.dispatch.to_dict())
+    assert {"dropped_fraction", "padding_fraction"} <= stats.dispatch.to_dict().keys()
     # Prefill only (decode is not counted): the prompt prefix and the document, top-8, 3 layers.
-    assert stats["assignments"] == (len(prefix) + 300) * 8 * 3 == stats["cpu"]
+    assert stats.dispatch.assignments == (len(prefix) + 300) * 8 * 3 == stats.dispatch.cpu
 
 
 def test_progress_is_reported_after_every_chunk_and_the_summary(engine, harbour, prefix):
@@ -110,7 +108,7 @@ def test_raising_from_progress_aborts_the_document_and_leaves_the_engine_usable(
 
     with pytest.raises(KeyboardInterrupt):
         engine.process(harbour[:700], on_progress=stop_after_two)
-    assert engine.process(harbour[:200]).stats["tokens"] == 200
+    assert engine.process(harbour[:200]).stats.tokens == 200
 
 
 def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combined(engine, harbour, orchard):
@@ -118,12 +116,12 @@ def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combi
     seen: list[Progress] = []
     result = engine.process(text, on_progress=seen.append)
     stats = result.stats
-    assert stats["tokens"] == len(text.encode()) > engine.loaded.context_tokens  # nothing truncated
-    assert stats["sections"] == math.ceil(stats["tokens"] / engine._section_tokens) >= 2
-    assert stats["reduce_rounds"] >= 1
+    assert stats.tokens == len(text.encode()) > engine.loaded.context_tokens  # nothing truncated
+    assert stats.sections == math.ceil(stats.tokens / engine._section_tokens) >= 2
+    assert stats.reduce_rounds >= 1
     assert {p.phase for p in seen} == {"prefill", "summary", "reduce"}
-    assert result.embeddings.shape[0] == stats["chunks"] + 1
-    assert max(p.tokens_done for p in seen) == stats["tokens"]
+    assert result.embeddings.shape[0] == stats.chunks + 1
+    assert max(p.tokens_done for p in seen) == stats.tokens
 
 
 @pytest.mark.parametrize("text", ["", "  \n\t "])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -14,7 +15,7 @@ from npumoe.engine.backends import get_backend
 from npumoe.engine.calibrate import Calibration, calibrate
 from npumoe.engine.cost import CostModel
 from npumoe.engine.plan import ExpertLoad, ExpertPlan, PlanError
-from npumoe.engine.planner import choose_tiers, make_plan
+from npumoe.engine.planner import calibrate_plan, choose_tiers, make_plan
 from npumoe.engine.runtime import MoeRuntime
 
 ACCELERATOR_FAVOURED = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)
@@ -184,3 +185,22 @@ def test_a_plan_calibrated_for_other_weights_is_refused(qwen3_plan, tiny, tmp_pa
     other = tiny("qwen3_moe", seed=1)
     with pytest.raises(PlanError, match="calibrated for model@"):
         Engine.load(EngineSettings(model=str(other), backend="torch-static", plan=tmp_path / "plan.json"))
+
+
+def test_calibrate_plan_writes_the_plan_it_returns_showing_progress_only_while_calibrating(tiny, harbour, tmp_path):
+    seen: list[tuple[int, int] | str] = []
+
+    @contextmanager
+    def progress():
+        seen.append("open")
+        yield lambda done, total: seen.append((done, total))
+        seen.append("closed")
+
+    folder = tiny("olmoe")
+    plan = calibrate_plan(folder, [("harbour", harbour)], tmp_path / "plan.json", backend="torch-static",
+                          chunk_tokens=128, group_size=2, progress=progress())
+    assert ExpertPlan.load(tmp_path / "plan.json") == plan
+    assert (plan.model_key, plan.backend, plan.chunk_tokens, plan.group_size, plan.sources) == (
+        load_model(folder).key, "torch-static", 128, 2, ("harbour",))
+    total = len(seen) - 2
+    assert seen == ["open", *((done, total) for done in range(1, total + 1)), "closed"]

@@ -10,16 +10,12 @@ from pathlib import Path
 import hostile_files
 import psutil
 import pytest
+from pdf_writer import pdf_bytes
 from pypdf import PdfReader
 
-from npumoe.daemon.samples import SampleDocument, pdf_bytes, sample_documents, write_samples
-from npumoe.jobs.extract import (
-    ExtractionError,
-    ExtractLimits,
-    child_failure,
-    detect_format,
-    extract_text,
-)
+from npumoe.daemon.samples import SampleDocument, sample_documents, write_samples
+from npumoe.jobs.errors import ExtractionError
+from npumoe.jobs.extract import ExtractLimits, child_failure, detect_format, extract_text
 
 LIMITS = ExtractLimits(timeout_s=30, memory_mb=256, max_bytes=8 * 2**20, max_chars=1_000_000)
 FORMAT_OF_SUFFIX = {".txt": "text", ".md": "markdown", ".html": "html", ".pdf": "pdf", ".docx": "docx"}

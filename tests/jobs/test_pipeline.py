@@ -15,14 +15,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import hostile_files
+import meta_fields
 import numpy as np
 import pytest
 
 from npumoe.daemon.measure import Meter
-from npumoe.engine import DocumentResult, EngineSettings, Progress
+from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
+from npumoe.engine.dispatch import DispatchStats
 from npumoe.jobs import pipeline
-from npumoe.jobs.extract import ExtractionError, ExtractLimits
-from npumoe.jobs.pipeline import Folders, Outcome, Pipeline, Policy, Stop
+from npumoe.jobs.errors import ExtractionError, Stop
+from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.files import Folders
+from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
 from npumoe.jobs.queue import Backoff, Job, Queue
 
 PID = 4242
@@ -43,13 +47,9 @@ class StandInEngine:
             on_progress(Progress("prefill", done, self.chunks, 10 * done, 10 * self.chunks, 0.5 * done))
         if self.error is not None:
             raise self.error
-        stats = {
-            "tokens": 10 * self.chunks,
-            "chunks": self.chunks,
-            "chunk_tokens": 10,
-            "dropped_fraction": 0.0,
-            "seconds": {"prefill": 0.1, "summary": 0.2},
-        }
+        stats = RunStats(tokens=10 * self.chunks, chunks=self.chunks, chunk_tokens=10, sections=1, reduce_rounds=0,
+                         seconds={"prefill": 0.1, "summary": 0.2, "reduce": 0.0, "total": 0.3},
+                         dispatch=DispatchStats())
         rows = np.arange((self.chunks + 1) * 4, dtype=np.float32).reshape(self.chunks + 1, 4)
         return DocumentResult(summary="The stand-in summary.", embeddings=rows, stats=stats)
 
@@ -130,6 +130,13 @@ def test_a_document_becomes_three_outputs_and_a_done_job(setup: Setup) -> None:
     assert set(meta["seconds"]) >= {"extract", "prefill", "summary"}
     assert setup.model.engine.texts == [TEXT.strip()]
     assert [p.name for p in setup.outbox.iterdir()] == [out.name]  # the private copy is gone
+
+
+def test_meta_json_holds_every_field_the_readme_documents_once_with_its_type(setup: Setup) -> None:
+    _, job = setup.run(setup.document())
+    meta = json.loads((Path(job.output_dir or "") / "meta.json").read_text())
+    meta_fields.assert_documented_once(meta)
+    assert meta["schema_version"] == 1
 
 
 def test_progress_is_recorded_with_the_job_after_every_chunk(setup: Setup) -> None:

@@ -12,8 +12,7 @@ import random
 from pathlib import Path
 
 import docx
-
-from npumoe.daemon.samples import text_pdf
+from pdf_writer import text_pdf
 
 FORMATS = (".md", ".txt", ".html", ".docx", ".pdf")
 WORDS = (

@@ -1,0 +1,41 @@
+"""The engine's words for its choices: backends, overflow policies, dtypes, Core ML compute units, progress phases.
+
+Config, the command line, the status view and the benchmarks offer and check these values; the engine
+acts on them. Only names live here, no torch: importing this module stays cheap, so `npumoed --help`,
+`npumoed status` and the config loader can use it without loading the engine.
+"""
+
+from __future__ import annotations
+
+# Executor backends (`engine/backends.py` registers one for each name).
+CPU = "cpu"  # exact dynamic-shape experts, no static graphs
+TORCH_STATIC = "torch-static"  # the static group graphs run by torch: the accelerators' reference
+COREML = "coreml"  # the static group graphs run by Core ML on the Neural Engine
+BACKENDS = (CPU, TORCH_STATIC, COREML)
+
+# What happens to token-expert assignments over a tier's capacity.
+SPILL = "spill"  # they run on the exact CPU path: nothing is lost
+PRUNE = "prune"  # the least important are dropped
+OVERFLOW_POLICIES = (SPILL, PRUNE)
+
+# Model and expert dtypes, spelled as torch spells them.
+FLOAT32 = "float32"
+BFLOAT16 = "bfloat16"
+DTYPES = (FLOAT32, BFLOAT16)
+# Short spellings the benchmark commands took before there was one; accepted there, never written out.
+DTYPE_ALIASES = {"fp32": FLOAT32, "bf16": BFLOAT16}
+
+# Where Core ML may run a graph; each is the lower-case name of a `coremltools.ComputeUnit` member.
+COMPUTE_UNITS = ("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")
+DEFAULT_COMPUTE_UNITS = "cpu_and_ne"
+
+# The phases a document's progress reports go through, in order.
+PREFILL = "prefill"  # chunks prefilled
+SUMMARY = "summary"  # sections summarised
+REDUCE = "reduce"  # section summaries combined
+PHASES = (PREFILL, SUMMARY, REDUCE)
+
+
+def dtype_name(spelling: str) -> str:
+    """The one spelling of the dtype `spelling` names (an alias or the name itself)."""
+    return DTYPE_ALIASES.get(spelling, spelling)

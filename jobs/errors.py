@@ -1,0 +1,67 @@
+"""The exceptions of the jobs layer, in one module that imports only the standard library.
+
+The daemon catches these (and `npumoed status` runs without numpy), and the extraction child process
+raises ExtractionError, so nothing here may pull in a heavy dependency.
+"""
+
+from __future__ import annotations
+
+# What an extraction failure can be; the pipeline records the kind with the job.
+KINDS = frozenset({"encrypted", "corrupt", "unsupported", "empty", "too_large", "timeout", "memory", "unreadable"})
+
+
+class FileRefused(ValueError):
+    """`open_regular` would not read this path; `kind` says which check it failed, str() says it in words.
+
+    Kinds: `missing` (gone), `denied` (no permission), `unreadable` (not a regular file, or could not be
+    opened), `too_large` (over the size limit, or grew past it while read).
+    """
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class ExtractionError(Exception):
+    """Why a document yielded no text: `kind` is one of KINDS, str(err) a one-line message for people."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        if kind not in KINDS:
+            raise ValueError(f"unknown extraction error kind {kind!r}; expected one of {sorted(KINDS)}")
+        message = " ".join(message.split())
+        super().__init__(kind, message)
+        self.kind = kind
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    @classmethod
+    def from_refusal(cls, refused: FileRefused) -> ExtractionError:
+        """A file `open_regular` refused: too large, or else (gone, forbidden, not a regular file) unreadable."""
+        return cls("too_large" if refused.kind == "too_large" else "unreadable", str(refused))
+
+
+class Stop(Exception):
+    """Raised between steps when the job must wait (shutdown, its batch window closed): it goes back untouched."""
+
+    def __init__(self, why: str = "the daemon is stopping") -> None:
+        super().__init__(why)
+
+
+class Lost(Exception):
+    """The job is no longer this worker's (cancelled by the person, or reaped)."""
+
+
+class ModelUnavailable(Exception):
+    """The model could not be loaded: not the document's fault, so the job is handed back, not failed."""
+
+
+class Failure(Exception):
+    """Why this document did not get outputs; `kind` is recorded with the job."""
+
+    def __init__(self, kind: str, message: str, *, retryable: bool = False, set_aside: bool = True) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.retryable = retryable
+        self.set_aside = set_aside  # once dead, move the original to failed/ (not when it is someone else's now)

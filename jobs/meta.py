@@ -1,0 +1,69 @@
+"""`meta.json`: what a document's outputs are, how they were made and what making them cost.
+
+Written once, from `DocumentMeta`; every figure has one place in it. The README lists each field
+("Where things go") and tests check a produced file against that list, so change both together, and
+raise SCHEMA_VERSION when a field is renamed, removed or changes type or meaning.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Extraction:
+    format: str  # one of the extractor's FORMATS
+    pages: int | None  # None for formats without pages
+    chars: int  # characters of extracted text handed to the engine
+
+
+@dataclass(frozen=True)
+class Embeddings:
+    dim: int  # the width of each row; there is one row per chunk, plus the document vector
+
+
+@dataclass(frozen=True)
+class Seconds:
+    """Wall seconds. The engine's phases fall inside `engine`; `total` also holds extraction and model loading."""
+
+    extract: float
+    prefill: float
+    summary: float
+    reduce: float
+    engine: float
+    total: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DocumentMeta:
+    schema_version: int = SCHEMA_VERSION
+    source: str  # the document's path when it was queued
+    sha256: str
+    job_id: int
+    model: str  # as configured: "demo", a folder or a Hugging Face id
+    model_key: str  # the model actually loaded, revision included
+    plan: str | None
+    backend: str
+    overflow: str
+    dtype: str
+    chunk_tokens: int
+    extraction: Extraction
+    tokens: int
+    chunks: int
+    sections: int
+    reduce_rounds: int
+    embeddings: Embeddings
+    seconds: Seconds
+    # The daemon's process (all threads) and its reaped children, e.g. the extractor, over `seconds.total`.
+    cpu_seconds: float
+    energy_joules: float | None  # over `seconds.total`; None where the platform does not measure it
+    energy_source: str
+    dispatch: dict[str, int | float]  # DispatchStats.to_dict(): the prefill's MoE dispatch counts and fractions
+    npumoed_version: str
+    created_at: str  # ISO 8601, UTC
+
+    def to_json(self) -> bytes:
+        return (json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n").encode()
