@@ -212,7 +212,9 @@ def _on_one_torch_thread(fn: Callable[[], T]) -> T:
 
 def _cache_file() -> tuple[Path, dict[str, str]]:
     """The file this machine's choices are kept in, and the machine they hold for."""
-    machine = {"cpu": cpu_model(), "torch": torch.__version__}
+    # The kernel's source too: an edited kernel may be faster or slower than the one that was timed.
+    machine = {"cpu": cpu_model(), "torch": torch.__version__,
+               "kernel_source": hashlib.sha256(bf16_linear.SOURCE.read_bytes()).hexdigest()[:16]}
     name = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
     return cache_root() / "cpu-kernels" / f"{name}.json", machine
 
