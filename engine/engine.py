@@ -26,7 +26,7 @@ from .models import LoadedModel, load_model
 from .plan import ExpertPlan, PlanError
 from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
-from .summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids
+from .summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids, without_thinking
 from .vocabulary import (
     COMPUTE_UNITS,
     CPU,
@@ -253,8 +253,9 @@ class Engine:
 
     def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any) -> list[int]:
         with self.runtime.decoding():
-            return decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
+            said = decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
                                      self.settings.summary_tokens, self._stop)
+        return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 
     def close(self) -> None:
         """Detach the engine from the model (its experts implementation goes back to what it was)."""

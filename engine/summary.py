@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -13,6 +14,16 @@ COMBINE = "Combine these partial summaries of one document into a single summary
 
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
+# Chat-template switches that ask for an answer without reasoning first (Qwen3, GLM-4.5), or with the least of it
+# (gpt-oss cannot turn it off). A template gets only the ones it reads.
+THINKING_OFF: dict[str, object] = {"enable_thinking": False, "reasoning_effort": "low"}
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_THINK_BLOCK = re.compile(f"{THINK_OPEN}.*?(?:{THINK_CLOSE}|\\Z)", re.S)  # an unclosed one runs to the end
+# gpt-oss's harmony format: <|channel|>NAME<|message|>TEXT, ended by the next control token or the end
+_HARMONY_MESSAGE = re.compile(r"<\|channel\|>(.*?)<\|message\|>(.*?)(?=<\|(?:end|return|call|start|channel)\|>|\Z)",
+                              re.S)
+
 
 @dataclass(frozen=True)
 class PromptFrame:
@@ -23,12 +34,14 @@ class PromptFrame:
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, instruction: str) -> PromptFrame:
-        """The model's chat template (a user turn, then the assistant's turn opens) when it has one."""
+        """The model's chat template (a user turn, then the assistant's turn opens) when it has one, with
+        thinking turned off where the template has a switch for it."""
         if tokenizer.chat_template:
-            rendered = tokenizer.apply_chat_template(
-                [{"role": "user", "content": f"{instruction}\n\n{_MARK}"}], add_generation_prompt=True,
-                tokenize=False)
-            before, after = rendered.split(_MARK)
+            plain = _render(tokenizer, instruction)
+            # A switch the template reads changes what it renders; one it ignores would be passed for nothing.
+            switches = {name: value for name, value in THINKING_OFF.items()
+                        if _render(tokenizer, instruction, **{name: value}) != plain}
+            before, after = _render(tokenizer, instruction, **switches).split(_MARK)
         else:
             before, after = f"{instruction}\n\n", "\n\nSummary:\n"
         return cls(prefix=_encode(tokenizer, before), suffix=_encode(tokenizer, after))
@@ -58,6 +71,29 @@ def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list
     configured = model.generation_config.eos_token_id
     ids = configured if isinstance(configured, list) else [configured]
     return list(dict.fromkeys(i for i in [*ids, tokenizer.eos_token_id] if i is not None))
+
+
+def without_thinking(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> list[int]:
+    """A decoded answer's tokens with any reasoning the model wrote first taken out; `ids` as they are when
+    there is none."""
+    said = tokenizer.decode(ids, skip_special_tokens=False)
+    answer = strip_thinking(said)
+    return list(ids) if answer == said else _encode(tokenizer, answer.strip())
+
+
+def strip_thinking(text: str) -> str:
+    """`text` without <think>…</think> blocks, or, in gpt-oss's harmony format, only its final channel."""
+    if "<|channel|>" in text:
+        return "".join(body for header, body in _HARMONY_MESSAGE.findall(text) if header.split()[:1] == ["final"])
+    opened, closed = text.find(THINK_OPEN), text.find(THINK_CLOSE)
+    if closed != -1 and (opened == -1 or closed < opened):  # the prompt opened the block: it starts the text
+        text = text[closed + len(THINK_CLOSE):]
+    return _THINK_BLOCK.sub("", text)
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, instruction: str, **switches: object) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": f"{instruction}\n\n{_MARK}"}],
+                                         add_generation_prompt=True, tokenize=False, **switches)
 
 
 def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
