@@ -58,13 +58,11 @@ def _read(data: bytes, max_chars: int) -> tuple[str, int]:
 
 def _has_images(reader: PdfReader) -> bool:
     """True when some page draws an image: an image XObject (directly or inside a form) or an inline image."""
-    from pypdf.generic import ContentStream
-
     for page in reader.pages:
         if _resources_hold_image(page.get("/Resources"), set()):
             return True
         contents = page.get_contents()
-        if contents is not None and any(op == b"INLINE IMAGE" for _, op in ContentStream(contents, reader).operations):
+        if contents is not None and any(operator == b"INLINE IMAGE" for _, operator in contents.operations):
             return True
     return False
 
