@@ -1,8 +1,8 @@
 """DOCX to text: a streaming walk over the package's XML parts, in reading order.
 
-A walk of our own rather than python-docx (which reads only a paragraph's direct runs) or mammoth (an HTML
-converter whose raw-text mode drops footnotes and whose handling of text boxes we cannot steer): the text a
-reader sees in Word is every w:t under the body, including tracked insertions (w:ins), content controls
+A walk of our own rather than python-docx (which reads only a paragraph's direct runs) or mammoth (one more
+dependency, built to convert to HTML, whose choice of what to read in each construct would not be ours): the
+text a reader sees in Word is every w:t under the body, including tracked insertions (w:ins), content controls
 (w:sdt), field results and text boxes (w:txbxContent), minus tracked deletions (w:del, w:moveFrom), field
 instructions, the fallback copy of a drawing (mc:Fallback repeats the text box of mc:Choice) and the
 placeholder a content control shows while empty. Footnotes and endnotes follow the body, as in print.
