@@ -7,7 +7,10 @@ raises ExtractionError, so nothing here may pull in a heavy dependency.
 from __future__ import annotations
 
 # What an extraction failure can be; the pipeline records the kind with the job.
-KINDS = frozenset({"encrypted", "corrupt", "unsupported", "empty", "too_large", "timeout", "memory", "unreadable"})
+# `no_text_layer`: a PDF of images only (a scan), which would need OCR.
+KINDS = frozenset(
+    {"encrypted", "corrupt", "unsupported", "empty", "no_text_layer", "too_large", "timeout", "memory", "unreadable"}
+)
 
 
 class FileRefused(ValueError):
@@ -40,6 +43,11 @@ class ExtractionError(Exception):
     def from_refusal(cls, refused: FileRefused) -> ExtractionError:
         """A file `open_regular` refused: too large, or else (gone, forbidden, not a regular file) unreadable."""
         return cls("too_large" if refused.kind == "too_large" else "unreadable", str(refused))
+
+
+class MissingDependency(Exception):
+    """A package extraction needs is not installed (or will not import): the machine's fault, not the document's,
+    so the job is handed back without spending an attempt. str(err) names the package."""
 
 
 class Stop(Exception):

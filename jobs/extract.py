@@ -3,7 +3,8 @@
 The parent opens the file itself (`open_regular`: never following a symlink, never blocking on a FIFO,
 refusing anything but a regular file) and hands the child that open descriptor, so the child reads exactly
 the file that was checked even if the path is renamed, replaced or deleted meanwhile. Every failure is an
-ExtractionError with a kind.
+ExtractionError with a kind, except a parser library that will not import (MissingDependency: the machine's
+fault, not the document's).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from npumoe.jobs.errors import ExtractionError, FileRefused
+from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency
 from npumoe.jobs.extract_formats import FORMATS, ExtractedText, ExtractLimits, sniff_format
 from npumoe.jobs.files import open_regular
 
@@ -34,12 +35,15 @@ def detect_format(path: Path) -> str:
 
 
 def extract_text(path: Path, limits: ExtractLimits = DEFAULT_LIMITS) -> ExtractedText:
-    """The document's plain text, parsed in a child process; raises ExtractionError saying why not."""
+    """The document's plain text, parsed in a child process; raises ExtractionError saying why not, or
+    MissingDependency when this machine lacks a package the parser needs."""
     path = Path(path)
     with _open_document(path, limits.max_bytes) as file:
         reply = _run_child(file.fileno(), path.suffix, limits)
     if "kind" in reply:
         raise ExtractionError(reply["kind"], reply["message"])
+    if "missing_dependency" in reply:
+        raise MissingDependency(reply["missing_dependency"])
     return ExtractedText(**reply)
 
 

@@ -2,7 +2,8 @@
 
 Reads one JSON request on stdin ({"fd": inherited open file, "suffix": name hint, "limits": ExtractLimits}),
 caps its own address space, parses the file and writes one JSON reply on stdout: the ExtractedText fields,
-or {"kind", "message"} of an ExtractionError. It imports only the standard library and the parser it needs.
+or {"kind", "message"} of an ExtractionError, or {"missing_dependency": message}. It imports only the
+standard library and the parser it needs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import resource
 import sys
 from dataclasses import asdict
 
-from npumoe.jobs.errors import ExtractionError, FileRefused
+from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency
 from npumoe.jobs.extract_formats import ExtractedText, ExtractLimits, extract_bytes
 from npumoe.jobs.files import check_size
 
@@ -27,6 +28,8 @@ def main() -> None:
         reply = asdict(_extract(request["fd"], request["suffix"], limits))
     except ExtractionError as err:
         reply = {"kind": err.kind, "message": str(err)}
+    except MissingDependency as err:
+        reply = {"missing_dependency": str(err)}
     except MemoryError:
         reply = {"kind": "memory", "message": f"extraction ran out of memory (limit {limits.memory_mb} MiB)"}
     sys.stdout.buffer.write(json.dumps(reply, ensure_ascii=False).encode("utf-8"))

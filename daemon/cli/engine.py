@@ -86,14 +86,14 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
     `calibrate_plan` (given `options`) write the plan to `out`, with a progress bar and a closing line on stderr."""
     _quiet_transformers()
     from npumoe.engine.planner import calibrate_plan
-    from npumoe.jobs.errors import ExtractionError
+    from npumoe.jobs.errors import ExtractionError, MissingDependency
     from npumoe.jobs.extract import extract_text
 
     texts = []
     for path in documents:
         try:
             texts.append((path.name, extract_text(path).text))
-        except ExtractionError as e:
+        except (ExtractionError, MissingDependency) as e:
             raise click.ClickException(f"{path}: {e}") from e
     stderr = Console(stderr=True)
     try:

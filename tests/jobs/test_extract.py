@@ -165,10 +165,10 @@ def test_text_over_max_chars_is_too_large_never_truncated(samples: dict[str, Pat
 
 
 def test_a_pdf_without_text_is_empty(tmp_path: Path) -> None:
-    scanned = tmp_path / "scan.pdf"
-    scanned.write_bytes(pdf_bytes([b"q Q"]))  # a page that draws nothing, like a scan with no text layer
+    blank = tmp_path / "blank.pdf"
+    blank.write_bytes(pdf_bytes([b"q Q"]))  # a page that draws nothing: no text, and no image to call it a scan
 
-    assert extraction_error(scanned).kind == "empty"
+    assert extraction_error(blank).kind == "empty"
 
 
 def test_a_zip_that_is_not_a_word_document_is_unsupported(tmp_path: Path) -> None:
