@@ -61,8 +61,8 @@ def _json_option(f):
 
 @bench.command("moe")
 @click.option("--geometry", "geometries", multiple=True, default=("qwen3-30b-a3b",), show_default=True,
-              help="MoE layer geometry (repeatable): qwen3-30b-a3b, phi-3.5-moe, phi-tiny-moe, olmoe-1b-7b, "
-                   "or HIDDENxEXPERTSxTOPKxFFN.")
+              help="MoE layer geometry (repeatable): a model named in engine/geometries.json (e.g. "
+                   "qwen3-30b-a3b, gpt-oss-20b, olmoe-1b-7b), or HIDDENxEXPERTSxTOPKxFFN.")
 @click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
 @_dtype_option("Weight and activation dtype (repeatable).")
