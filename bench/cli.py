@@ -61,8 +61,8 @@ def _json_option(f):
 
 @bench.command("moe")
 @click.option("--geometry", "geometries", multiple=True, default=("qwen3-30b-a3b",), show_default=True,
-              help="MoE layer geometry (repeatable): qwen3-30b-a3b, phi-3.5-moe, phi-tiny-moe, olmoe-1b-7b, "
-                   "or HIDDENxEXPERTSxTOPKxFFN.")
+              help="MoE layer geometry (repeatable): a model named in engine/geometries.json (e.g. "
+                   "qwen3-30b-a3b, gpt-oss-20b, olmoe-1b-7b), or HIDDENxEXPERTSxTOPKxFFN.")
 @click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
 @_dtype_option("Weight and activation dtype (repeatable).")
@@ -103,18 +103,21 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Decoder layers at the real sizes (the rest of the model is left out).")
 @click.option("--document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
-              help="Length of the prefilled document.")
+              help="Length of the prefilled document (e.g. 2048, 8192, 16384, 32768: attention grows with depth).")
 @click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
               help="Prefill chunk length; the KV cache carries across chunks.")
 @_dtype_option("Model dtype (repeatable).")
 @click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
               help="Random documents of the same length the engine's plan is calibrated on.")
+@click.option("--profile", is_flag=True,
+              help="Also split the engine's CPU path's time per part (experts, attention, projections, norms, "
+                   "router, cache, ...) at several depths, beside each part's roofline.")
 @_threads_option
 @_timing_options
 @_json_option
 def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
-            dtypes: tuple[str, ...], calibration_documents: int, threads: int, warmup: int, repeats: int, seed: int,
-            json_path: Path | None) -> None:
+            dtypes: tuple[str, ...], calibration_documents: int, profile: bool, threads: int, warmup: int,
+            repeats: int, seed: int, json_path: Path | None) -> None:
     """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers."""
     parsed = _geometries(geometries)
     import torch
@@ -125,16 +128,20 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     try:
         settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
                                         chunk_tokens=chunk_tokens, calibration_documents=calibration_documents,
-                                        warmup=warmup, repeats=repeats, seed=seed)
+                                        warmup=warmup, repeats=repeats, seed=seed, profile=profile)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
-    results = run_prefill_bench(parsed, dtypes, settings, on_result=_progress)
+    results = run_prefill_bench(parsed, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
+                                on_result=_progress)
     caption = (f"× transformers: against transformers' fastest implementation in the same case. Random weights, "
                f"random-token documents, chunked prefill with the KV cache carried. {threads} threads, "
                f"{machine['cpu']}.")
-    print_results(results, ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens"), caption)
+    case_keys = ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens")
+    print_results([row for row in results if row["impl"] != "profile"], case_keys, caption)
+    if profile:
+        print_profile([row for row in results if row["impl"] == "profile"], case_keys, machine)
     _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "layers": layers,
                                      "calibration_documents": calibration_documents}, results)
 
@@ -312,7 +319,37 @@ def _error(value: float | None) -> str:
     return "" if value is None else f"{value:.1e}"
 
 
+def print_profile(rows: Sequence[dict], case_keys: Sequence[str], machine: dict) -> None:
+    """One table per case: each part's milliseconds, share and distance from its roofline, a column per depth."""
+    from rich.table import Table
+
+    console = _console()
+    cases: dict[tuple, list[dict]] = {}
+    for row in rows:
+        cases.setdefault(tuple(row[key] for key in case_keys), []).append(row)
+    for case, case_rows in cases.items():
+        depths = sorted({row["depth"] for row in case_rows})
+        table = Table(title="profile of npumoe-cpu, " + ", ".join(f"{k} {v}" for k, v in zip(case_keys, case,
+                                                                                           strict=True)))
+        table.add_column("part")
+        for depth in depths:
+            table.add_column(f"depth {depth:,}: ms (share, × roofline)", justify="right")
+        for part in dict.fromkeys(row["part"] for row in case_rows):
+            cells = []
+            for depth in depths:
+                row = next(r for r in case_rows if r["part"] == part and r["depth"] == depth)
+                distance = "—" if row["x_roofline"] is None else f"{row['x_roofline']}×"
+                cells.append(f"{row['ms']:,.1f} ({row['share']:.0%}, {distance})")
+            table.add_row(part, *cells)
+        table.caption = (f"Exclusive time per part in the chunk starting at each depth. Roofline: the part's "
+                         f"FLOPs at this machine's dense-matmul rate or its bytes at {machine['copy_bandwidth_gbps']}"
+                         f" GB/s, whichever is slower; — where the part's work is not counted.")
+        console.print(table)
+
+
 def _progress(row: dict) -> None:
+    if row["impl"] == "profile":
+        return
     case = " ".join(str(row[key]) for key in ("geometry", "tokens", "dtype", "capacity_scale") if key in row)
     speed = f"{row['tokens_per_s']:,.0f} tokens/s" if "tokens_per_s" in row else row["status"]
     _err.print(f"{case} {row['impl']}: {speed}".strip(), style="dim", highlight=False)

@@ -33,6 +33,7 @@ from .paths import (
     measure_impls,
     static_plans,
 )
+from .profile import run_profile
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class PrefillBenchSettings:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
+    profile: bool = False  # also split the engine's CPU path's time per part at each depth
 
     def __post_init__(self) -> None:
         if min(self.threads, self.layers, self.document_tokens, self.chunk_tokens, self.calibration_documents,
@@ -64,8 +66,13 @@ def build_model(geometry: Geometry, layers: int, dtype: torch.dtype, *, context:
 
 
 def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], settings: PrefillBenchSettings, *,
+                      bandwidth: float | None = None,
                       on_result: Callable[[dict], None] | None = None) -> list[dict]:
-    """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best."""
+    """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best;
+    with `settings.profile`, also one row per (depth, part) of the engine's CPU path (`impl` "profile"),
+    its rooflines priced at `bandwidth` (bytes/s)."""
+    if settings.profile and bandwidth is None:
+        raise ValueError("a profile needs the machine's measured bandwidth")
     unknown = [d for d in dtypes if d not in TORCH_DTYPES]
     if unknown:
         raise ValueError(f"dtypes must be among {', '.join(TORCH_DTYPES)}, got {unknown}")
@@ -78,7 +85,10 @@ def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], set
                 case = {"geometry": geometry.name, "layers": settings.layers, "dtype": dtype_name,
                         "document_tokens": settings.document_tokens, "chunk_tokens": settings.chunk_tokens,
                         "threads": settings.threads}
-                for row in _bench_model(model, geometry, settings):
+                rows = _bench_model(model, geometry, settings)
+                if settings.profile:
+                    rows += [{"impl": "profile", **row} for row in _profile(model, settings, bandwidth)]
+                for row in rows:
                     results.append({**case, **row})
                     if on_result is not None:
                         on_result(results[-1])
@@ -104,6 +114,17 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBe
 
     rows = measure_impls(model, plans, run, tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats)
     return add_ratios(rows)
+
+
+def _profile(model: PreTrainedModel, settings: PrefillBenchSettings, bandwidth: float) -> list[dict]:
+    """The engine's exact CPU path (the daemon's default) on a fresh document, part by part."""
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    ids = torch.randint(model.config.vocab_size, (settings.document_tokens,), generator=generator).tolist()
+    runtime = MoeRuntime(model, get_backend(CPU))
+    try:
+        return run_profile(model, ids, settings.chunk_tokens, bandwidth=bandwidth)
+    finally:
+        runtime.detach()
 
 
 def _calibrate(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:

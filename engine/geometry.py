@@ -1,5 +1,5 @@
-"""Real MoE layer geometries, built as the family's own transformers experts module on random weights,
-and skewed routing drawn for them.
+"""Real MoE model geometries, from their published configs, built as the family's own transformers modules on
+random weights, and skewed routing drawn for them.
 
 They let the engine work at a real model's sizes without its checkpoint: `npumoed compile --geometry`
 sizes Core ML builds with them, and the measuring tools time layers built from them.
@@ -7,45 +7,81 @@ sizes Core ML builds with them, and the measuring tools time layers built from t
 
 from __future__ import annotations
 
+import json
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib.resources import files
+from types import MappingProxyType
+from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from .models import moe_experts
+
+# Config keys that may carry the routed expert count; families differ in which one they store.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+# Settings that make every layer an MoE layer, for the one-layer experts model (families that begin with
+# dense layers, such as DeepSeek's `first_k_dense_replace`, would otherwise have none).
+_EVERY_LAYER_MOE = {"first_k_dense_replace": 0, "mlp_only_layers": [], "decoder_sparse_step": 1}
+_PER_LAYER_KEYS = ("layer_types",)  # lists with one entry per layer, cut to the layers built
 
 
 @dataclass(frozen=True)
 class Geometry:
+    """A model's sizes as its config.json publishes them (`config` holds `model_type` and every number
+    that sets the cost of prefill); what is not given stays at the config class's defaults."""
+
     name: str
-    family: str  # transformers model_type whose experts class builds the layer
-    hidden: int
-    experts: int
-    top_k: int
-    ffn: int  # one expert's intermediate size
+    config: Mapping[str, Any] = field(hash=False)
+    checkpoint: str | None = None  # the Hugging Face id the numbers are published with
+    params_b: float | None = None  # total parameters its model card states, in billions
+
+    @classmethod
+    def sized(cls, name: str, family: str, *, hidden: int, experts: int, top_k: int, ffn: int) -> Geometry:
+        """A geometry of `family` given only its MoE sizes, in the keys that family's config stores."""
+        defaults = AutoConfig.for_model(family).to_dict()
+        experts_key = next(key for key in _EXPERT_COUNT_KEYS if key in defaults)
+        ffn_key = "moe_intermediate_size" if "moe_intermediate_size" in defaults else "intermediate_size"
+        return cls(name, MappingProxyType({"model_type": family, "hidden_size": hidden, experts_key: experts,
+                                           "num_experts_per_tok": top_k, ffn_key: ffn}))
+
+    @property
+    def family(self) -> str:
+        """The transformers model_type whose classes build the model."""
+        return self.config["model_type"]
+
+    @property
+    def hidden(self) -> int:
+        return self.config["hidden_size"]
+
+    @property
+    def experts(self) -> int:
+        return next(self.config[key] for key in _EXPERT_COUNT_KEYS if key in self.config)
+
+    @property
+    def top_k(self) -> int:
+        return self.config["num_experts_per_tok"]
+
+    @property
+    def ffn(self) -> int:
+        """One routed expert's intermediate size."""
+        return self.config.get("moe_intermediate_size", self.config.get("intermediate_size"))
 
     def weight_bytes(self, dtype: torch.dtype) -> int:
-        """All experts' weights (gate, up and down) at `dtype`."""
+        """One layer's routed experts' weights (gate, up and down) at `dtype`."""
         return self.experts * 3 * self.hidden * self.ffn * torch.finfo(dtype).bits // 8
 
 
-GEOMETRIES = {g.name: g for g in (
-    Geometry("qwen3-30b-a3b", "qwen3_moe", hidden=2048, experts=128, top_k=8, ffn=768),
-    Geometry("phi-3.5-moe", "phimoe", hidden=4096, experts=16, top_k=2, ffn=6400),
-    Geometry("phi-tiny-moe", "phimoe", hidden=4096, experts=16, top_k=2, ffn=448),
-    Geometry("olmoe-1b-7b", "olmoe", hidden=2048, experts=64, top_k=8, ffn=1024),
-)}
+def _load_geometries() -> dict[str, Geometry]:
+    published = json.loads(files(__package__).joinpath("geometries.json").read_text())["geometries"]
+    return {name: Geometry(name, MappingProxyType(entry["config"]), entry["checkpoint"], entry["params_b"])
+            for name, entry in published.items()}
 
-# Config keys that carry each family's expert count and expert FFN size.
-_FAMILY_KEYS = {
-    "qwen3_moe": ("num_experts", "moe_intermediate_size"),
-    "qwen2_moe": ("num_experts", "moe_intermediate_size"),
-    "olmoe": ("num_experts", "intermediate_size"),
-    "phimoe": ("num_local_experts", "intermediate_size"),
-    "mixtral": ("num_local_experts", "intermediate_size"),
-}
+
+GEOMETRIES = _load_geometries()
 
 _CUSTOM = re.compile(r"(\d+)x(\d+)x(\d+)x(\d+)")
 
@@ -61,15 +97,22 @@ def parse_geometry(text: str) -> Geometry:
     hidden, experts, top_k, ffn = map(int, match.groups())
     if min(hidden, experts, top_k, ffn) < 1 or top_k > experts:
         raise ValueError(f"geometry {text!r}: sizes must be positive and top-k at most the expert count")
-    return Geometry(text, "qwen3_moe", hidden=hidden, experts=experts, top_k=top_k, ffn=ffn)
+    return Geometry.sized(text, "qwen3_moe", hidden=hidden, experts=experts, top_k=top_k, ffn=ffn)
 
 
-def family_config(geometry: Geometry, *, layers: int = 1, **overrides: object):
-    """The family's transformers config at this geometry (other sizes at the family's defaults)."""
-    experts_key, ffn_key = _FAMILY_KEYS[geometry.family]
-    settings = {"hidden_size": geometry.hidden, experts_key: geometry.experts, ffn_key: geometry.ffn,
-                "num_experts_per_tok": geometry.top_k, "num_hidden_layers": layers, **overrides}
-    return AutoConfig.for_model(geometry.family, **settings)
+def family_config(geometry: Geometry, *, layers: int | None = None, **overrides: object) -> PretrainedConfig:
+    """The family's transformers config at this geometry, with the first `layers` layers of the real model
+    (all of them by default): per-layer patterns such as sliding-window or linear-attention layers are cut
+    to match."""
+    settings = dict(geometry.config)
+    if layers is not None:
+        settings["num_hidden_layers"] = layers
+        for key in _PER_LAYER_KEYS:
+            if key in settings:
+                settings[key] = list(settings[key])[:layers]
+    settings.update(overrides)
+    family = settings.pop("model_type")
+    return AutoConfig.for_model(family, **settings)
 
 
 @torch.no_grad()
@@ -80,7 +123,7 @@ def build_layer_model(geometry: Geometry, dtype: torch.dtype, generator: torch.G
     and the model is only there so implementations can be selected the way transformers does it
     (`set_experts_implementation`). Expert weights are random, scaled to keep outputs O(1).
     """
-    config = family_config(geometry, experts_implementation="eager")
+    config = family_config(geometry, layers=1, experts_implementation="eager", **_EVERY_LAYER_MOE)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config).eval()
     experts = layer_experts(model)

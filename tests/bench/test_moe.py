@@ -30,15 +30,18 @@ TINY = parse_geometry("64x8x2x32")
 QUICK = MoeBenchSettings(threads=1, warmup=0, repeats=1, calibration_chunks=4)
 
 
-def test_named_geometries_are_the_real_models():
-    assert GEOMETRIES["qwen3-30b-a3b"] == Geometry("qwen3-30b-a3b", "qwen3_moe", 2048, 128, 8, 768)
-    assert GEOMETRIES["phi-3.5-moe"] == Geometry("phi-3.5-moe", "phimoe", 4096, 16, 2, 6400)
-    assert GEOMETRIES["phi-tiny-moe"] == Geometry("phi-tiny-moe", "phimoe", 4096, 16, 2, 448)
-    assert GEOMETRIES["olmoe-1b-7b"] == Geometry("olmoe-1b-7b", "olmoe", 2048, 64, 8, 1024)
+def test_named_geometries_give_the_real_models_moe_sizes():
+    sizes = {name: (g.family, g.hidden, g.experts, g.top_k, g.ffn) for name, g in GEOMETRIES.items()}
+    assert sizes["qwen3-30b-a3b"] == ("qwen3_moe", 2048, 128, 8, 768)
+    assert sizes["phi-3.5-moe"] == ("phimoe", 4096, 16, 2, 6400)
+    assert sizes["olmoe-1b-7b"] == ("olmoe", 2048, 64, 8, 1024)
+    assert sizes["gpt-oss-20b"] == ("gpt_oss", 2880, 32, 4, 2880)
+    assert sizes["deepseek-v2-lite"] == ("deepseek_v2", 2048, 64, 6, 1408)
 
 
 def test_a_custom_geometry_is_written_hidden_experts_topk_ffn():
-    assert parse_geometry("64x8x2x32") == Geometry("64x8x2x32", "qwen3_moe", 64, 8, 2, 32)
+    assert parse_geometry("64x8x2x32") == Geometry.sized("64x8x2x32", "qwen3_moe", hidden=64, experts=8, top_k=2,
+                                                         ffn=32)
 
 
 @pytest.mark.parametrize("text", ["qwen4", "64x8x2", "64x2x8x32", "0x8x2x32"])
@@ -50,7 +53,7 @@ def test_a_bad_geometry_is_refused_by_name(text):
 @pytest.mark.parametrize(("family", "class_name"), [("qwen3_moe", "Qwen3MoeExperts"), ("phimoe", "PhimoeExperts"),
                                                     ("olmoe", "OlmoeExperts")])
 def test_the_layer_is_the_familys_own_experts_module_in_the_asked_dtype(family, class_name):
-    geometry = Geometry("t", family, hidden=32, experts=4, top_k=2, ffn=16)
+    geometry = Geometry.sized("t", family, hidden=32, experts=4, top_k=2, ffn=16)
     model = build_layer_model(geometry, torch.bfloat16, torch.Generator().manual_seed(0))
     (_, experts), = moe_experts(model)
     assert type(experts).__name__ == class_name
@@ -67,7 +70,7 @@ def test_routing_picks_k_distinct_experts_with_normalised_weights():
 
 
 def test_routing_skew_makes_the_most_popular_expert_the_busiest():
-    geometry = Geometry("g", "qwen3_moe", hidden=8, experts=16, top_k=2, ffn=8)
+    geometry = Geometry.sized("g", "qwen3_moe", hidden=8, experts=16, top_k=2, ffn=8)
     generator = torch.Generator().manual_seed(0)
     prior = routing_prior(geometry, generator, skew=1.5)
     counts = torch.bincount(draw_routing(prior, 2000, 2, generator)[0].reshape(-1), minlength=16)

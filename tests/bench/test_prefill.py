@@ -14,7 +14,7 @@ TINY = parse_geometry("64x8x2x32")
 
 
 def test_the_model_is_the_familys_causal_lm_with_the_asked_layers_at_the_geometry():
-    model = build_model(Geometry("t", "olmoe", hidden=64, experts=8, top_k=2, ffn=32), 2, torch.bfloat16,
+    model = build_model(Geometry.sized("t", "olmoe", hidden=64, experts=8, top_k=2, ffn=32), 2, torch.bfloat16,
                         context=256, seed=0)
     assert type(model).__name__ == "OlmoeForCausalLM" and model.dtype == torch.bfloat16
     experts = moe_experts(model)

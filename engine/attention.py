@@ -1,0 +1,110 @@
+"""The engine's attention for chunked prefill, registered through transformers' attention interface.
+
+transformers' SDPA path copies every KV head once per query head it serves (`repeat_kv`) whenever a mask
+is given on the CPU, which is every chunk after the first; models whose eager attention has per-head sink
+logits (gpt-oss) cannot use SDPA at all and materialise every (query, key) weight. This function runs
+the CPU's fused flash-attention kernel in both cases, exactly:
+- grouped KV heads are shared (`enable_gqa`, or the query heads of a group folded into one sequence);
+- keys that the mask hides from every query of the chunk (all but the last window of a sliding-window
+  layer) are cut off before the kernel, so a window's cost does not grow with the document;
+- sinks: softmax over [scores, sink] equals softmax over the scores times sigmoid(logsumexp - sink),
+  and the flash kernel returns the logsumexp.
+Model code is not patched: `use_engine_attention` selects the function by name on a model whose own
+attention it can stand in for, and gives back the name it replaced.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+IMPLEMENTATION = "npumoe-attention"
+
+
+def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, s_aux: torch.Tensor | None = None,
+                     **kwargs: object) -> tuple[torch.Tensor, None]:
+    """(B, Hq, n, d) queries against (B, Hkv, kv, d) keys and values -> ((B, n, Hq, dv), None)."""
+    for unsupported in ("softcap", "position_bias"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"{IMPLEMENTATION} does not implement {unsupported}")
+    rows = query.shape[2]
+    causal = rows > 1 and attention_mask is None and (is_causal if is_causal is not None
+                                                      else getattr(module, "is_causal", True))
+    if attention_mask is not None:
+        key, value, attention_mask = _visible_keys(key, value, attention_mask)
+    elif causal and key.shape[2] > rows:  # an empty preallocated cache: only the chunk's own keys exist
+        key, value = key[:, :, :rows], value[:, :, :rows]
+    p = dropout if module.training else 0.0
+    if s_aux is None:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p,
+                                             scale=scaling, is_causal=causal, enable_gqa=key.shape[1] != query.shape[1])
+    else:
+        out = _with_sinks(query, key, value, attention_mask, s_aux, scaling=scaling, causal=causal)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _visible_keys(key: torch.Tensor, value: torch.Tensor,
+                  mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys, values and mask without the leading keys no query may see (a boolean mask, or an additive one
+    where -inf hides)."""
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
+    seen = visible.reshape(-1, visible.shape[-1]).any(dim=0)
+    first = int(seen.int().argmax()) if bool(seen.any()) else 0
+    if first == 0:
+        return key, value, mask
+    return key[:, :, first:], value[:, :, first:], mask[..., first:]
+
+
+def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                sinks: torch.Tensor, *, scaling: float | None, causal: bool) -> torch.Tensor:
+    """Flash attention over the scores plus one sink logit per head that takes probability but adds no value."""
+    batch, heads, rows, dim = query.shape
+    groups = key.shape[1]
+    per_group = heads // groups
+    # The query heads of one KV head become one longer sequence, so each KV head is read once; the mask
+    # is repeated for them (it is (…, rows, keys) and the same for every head).
+    folded = query.reshape(batch, groups, per_group * rows, dim)
+    if mask is not None:
+        mask = mask.expand(batch, 1, rows, mask.shape[-1]).repeat(1, 1, per_group, 1)
+    elif causal:
+        offset = key.shape[2] - rows
+        positions = torch.arange(rows, device=query.device).repeat(per_group)
+        mask = (positions[:, None] + offset >= torch.arange(key.shape[2], device=query.device)[None, :])[None, None]
+    if mask is not None and mask.dtype == torch.bool:  # this kernel takes an additive mask in the query's dtype
+        mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        folded, key, value, attn_mask=mask, scale=scaling)
+    out = out.reshape(batch, heads, rows, -1)
+    logsumexp = logsumexp.reshape(batch, heads, rows, 1)
+    return (out.float() * torch.sigmoid(logsumexp - sinks.float().reshape(1, heads, 1, 1))).to(query.dtype)
+
+
+def stands_in_for(model: PreTrainedModel) -> bool:
+    """Whether the engine's attention computes what the model's selected attention does: SDPA, or eager
+    attention that SDPA describes (models that support SDPA, and gpt-oss-style sinks)."""
+    current = model.config._attn_implementation
+    if current == "sdpa":
+        return True
+    if current != "eager":
+        return False
+    return bool(model._supports_sdpa) or any(hasattr(m, "sinks") for m in model.modules()
+                                             if type(m).__name__.endswith("Attention"))
+
+
+def use_engine_attention(model: PreTrainedModel) -> str | None:
+    """Select the engine's attention on `model` where it stands in exactly; the name it replaced, or None."""
+    if model.device.type != "cpu" or not stands_in_for(model):
+        return None
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(IMPLEMENTATION)
+    return previous
+
+
+ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, engine_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])

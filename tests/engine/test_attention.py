@@ -1,0 +1,78 @@
+"""The engine's attention equals the model's own, chunk by chunk with the cache carried, on a grouped-KV
+model and on gpt-oss (sinks, sliding-window layers), and it is what ran."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from npumoe.engine import attention
+from npumoe.engine.attention import IMPLEMENTATION, use_engine_attention
+from npumoe.engine.prefill import new_cache, prefill
+
+SMALL = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+         "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97, "max_position_embeddings": 256}
+FAMILIES = {
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
+                "layer_types": ["sliding_attention", "full_attention"]},
+}
+
+
+def _model(family: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **SMALL, **FAMILIES[family])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    for module in model.modules():  # sinks start at zero; give them weight so they matter
+        if hasattr(module, "sinks"):
+            module.sinks.data.normal_()
+    return model
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    calls = {"sdpa": 0, "sinks": 0}
+    sdpa, sinks = attention.F.scaled_dot_product_attention, attention._with_sinks
+
+    def counting_sdpa(*args, **kwargs):
+        calls["sdpa"] += 1
+        return sdpa(*args, **kwargs)
+
+    def counting_sinks(*args, **kwargs):
+        calls["sinks"] += 1
+        return sinks(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting_sdpa)
+    monkeypatch.setattr(attention, "_with_sinks", counting_sinks)
+    return calls
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.inference_mode()
+def test_chunked_prefill_with_the_engines_attention_equals_eager_on_the_whole_document(family, counted):
+    model = _model(family)
+    ids = torch.randint(SMALL["vocab_size"], (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    model.set_attn_implementation("eager")
+    reference = model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+    assert use_engine_attention(model) == "eager" and model.config._attn_implementation == IMPLEMENTATION
+    chunked = torch.cat(list(prefill(model, ids, 12, new_cache(model))))
+    assert ((chunked - reference).norm() / reference.norm()).item() < 1e-5
+    path = "sinks" if family == "gpt_oss" else "sdpa"
+    assert counted[path] == 4 * SMALL["num_hidden_layers"]  # every layer of every chunk
+
+
+def test_a_sliding_window_layer_only_reads_the_keys_its_window_can_see():
+    key = torch.randn(1, 2, 30, 4)
+    mask = torch.zeros(1, 1, 6, 30, dtype=torch.bool)
+    for row in range(6):  # window of 8 ending at each query's position 24 + row
+        mask[0, 0, row, 17 + row:25 + row] = True
+    kept_key, kept_value, kept_mask = attention._visible_keys(key, -key, mask)
+    assert torch.equal(kept_key, key[:, :, 17:]) and torch.equal(kept_value, -key[:, :, 17:])
+    assert torch.equal(kept_mask, mask[..., 17:])
+
+
+def test_a_model_whose_attention_it_cannot_stand_in_for_keeps_its_own():
+    model = _model("qwen3_moe")
+    model.config._attn_implementation = "flex_attention"
+    assert use_engine_attention(model) is None and model.config._attn_implementation == "flex_attention"
