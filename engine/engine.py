@@ -97,6 +97,7 @@ class RunStats:
     chunk_tokens: int  # the prefill chunk length used (a plan's own takes precedence over the settings')
     sections: int  # parts the document was cut into to fit the model's context
     reduce_rounds: int  # rounds of combining section summaries; 0 for a one-section document
+    generated_tokens: int  # tokens the model wrote for summaries and combines, thinking it was not asked for included
     seconds: dict[str, float]  # wall seconds: "prefill", "summary", "reduce", and "total" for the whole call
     dispatch: DispatchStats  # the MoE layer calls of this run's prefill (decode steps are not counted)
 
@@ -115,6 +116,7 @@ class _Run:
     on_progress: Callable[[Progress], None] | None
     tokens_total: int
     tokens_done: int = 0
+    generated_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
@@ -190,7 +192,8 @@ class Engine:
         embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
         run.seconds["total"] = time.perf_counter() - run.started
         stats = RunStats(tokens=len(doc), chunks=len(chunk_sizes), chunk_tokens=self.chunk_tokens,
-                         sections=len(sections), reduce_rounds=rounds, seconds=run.seconds,
+                         sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
+                         seconds=run.seconds,
                          dispatch=self.runtime.stats)
         return DocumentResult(summary=self.loaded.tokenizer.decode(summary, skip_special_tokens=True).strip(),
                               embeddings=embeddings.cpu().numpy(), stats=stats)
@@ -223,7 +226,7 @@ class Engine:
                 run.report(PREFILL, chunks_done, chunks_total)
             run.seconds[PREFILL] += time.perf_counter() - tick
             tick = time.perf_counter()
-            summaries.append(self._decode(self._summarize, section, cache))
+            summaries.append(self._decode(self._summarize, section, cache, run))
             run.seconds[SUMMARY] += time.perf_counter() - tick
             run.report(SUMMARY, len(summaries), len(sections))
         stacked = torch.stack(means)
@@ -241,7 +244,7 @@ class Engine:
             for part in parts:
                 cache = new_cache(self.loaded.model)
                 self._prefill([*self._combine.prefix, *part], cache)
-                summaries.append(self._decode(self._combine, part, cache))
+                summaries.append(self._decode(self._combine, part, cache, run))
                 run.report(REDUCE, len(summaries), len(parts))
         run.seconds[REDUCE] = time.perf_counter() - tick
         return summaries[0], rounds
@@ -251,10 +254,11 @@ class Engine:
         for _ in prefill(self.loaded.model, ids, self.chunk_tokens, cache):
             pass
 
-    def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any) -> list[int]:
+    def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any, run: _Run) -> list[int]:
         with self.runtime.decoding():
             said = decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
                                      self.settings.summary_tokens, self._stop)
+        run.generated_tokens += len(said)
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 
     def close(self) -> None:

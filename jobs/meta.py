@@ -55,6 +55,7 @@ class DocumentMeta:
     chunks: int
     sections: int
     reduce_rounds: int
+    generated_tokens: int  # summary and combine tokens the model wrote, thinking removed from summary.md included
     embeddings: Embeddings
     seconds: Seconds
     # The daemon's process (all threads) and its reaped children, e.g. the extractor, over `seconds.total`.

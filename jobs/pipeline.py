@@ -290,6 +290,7 @@ class Pipeline:
             chunks=stats.chunks,
             sections=stats.sections,
             reduce_rounds=stats.reduce_rounds,
+            generated_tokens=stats.generated_tokens,
             embeddings=Embeddings(dim=int(result.embeddings.shape[1])),
             seconds=Seconds(extract=round(extract_s, 4), prefill=engine_s["prefill"], summary=engine_s["summary"],
                             reduce=engine_s["reduce"], engine=engine_s["total"], total=round(meter.wall_seconds, 4)),

@@ -130,3 +130,4 @@ def test_the_engine_asks_without_thinking_and_keeps_reasoning_out_of_the_summary
     assert text_of(tokenizer, prompts[0]).endswith(f"<|im_start|>assistant\n{EMPTY_THINKING}")
     assert answers[0], "the random model said nothing, so nothing was left after the reasoning"
     assert result.summary == tokenizer.decode(answers[0], skip_special_tokens=True).strip()
+    assert result.stats.generated_tokens == len(reasoning) + len(answers[0])  # the thinking still counts

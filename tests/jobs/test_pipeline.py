@@ -48,6 +48,7 @@ class StandInEngine:
         if self.error is not None:
             raise self.error
         stats = RunStats(tokens=10 * self.chunks, chunks=self.chunks, chunk_tokens=10, sections=1, reduce_rounds=0,
+                         generated_tokens=3,
                          seconds={"prefill": 0.1, "summary": 0.2, "reduce": 0.0, "total": 0.3},
                          dispatch=DispatchStats())
         rows = np.arange((self.chunks + 1) * 4, dtype=np.float32).reshape(self.chunks + 1, 4)
