@@ -29,9 +29,10 @@ class Handed:
         self.calls: list[tuple[Path, int]] = []
         self.event = threading.Event()
 
-    def __call__(self, path: Path) -> None:
+    def __call__(self, path: Path) -> bool:
         self.calls.append((path, path.lstat().st_size))
         self.event.set()
+        return True  # taken: the watcher marks it handed on
 
     @property
     def names(self) -> list[str]:
