@@ -38,12 +38,10 @@ class MachineFault(Exception):
     """The machine, not the document, stopped the job: an OSError in MACHINE_ERRNOS met in `folder`, or a
     missing dependency (`module`). str() says it for `npumoed status`, e.g. "disk full: 120 MB free in …"."""
 
-    def __init__(self, folder: Path, *, code: int | None = None, module: str | None = None,
-                 detail: str = "") -> None:
+    def __init__(self, folder: Path, *, code: int | None = None, module: str | None = None) -> None:
         self.folder = folder
         self.code = code
         self.module = module
-        self.detail = detail
         super().__init__(self.describe())
 
     def describe(self) -> str:
@@ -53,7 +51,7 @@ class MachineFault(Exception):
         if self.code == errno.ENOSPC:
             free = free_bytes(self.folder)
             what += f": {free / 2**20:,.0f} MB free" if free is not None else ""
-        return f"{what} in {self.folder}" + (f" ({self.detail})" if self.detail else "")
+        return f"{what} in {self.folder}"
 
     def __str__(self) -> str:
         return self.describe()
@@ -80,7 +78,7 @@ def machine_fault(error: BaseException, folder: Path) -> MachineFault | None:
     if isinstance(error, ImportError) and error.name and error.name.partition(".")[0] != OWN_PACKAGE:
         return MachineFault(folder, module=error.name.partition(".")[0])
     if isinstance(error, OSError) and error.errno in MACHINE_ERRNOS:
-        return MachineFault(_existing(folder), code=error.errno, detail=error.strerror or "")
+        return MachineFault(_existing(folder), code=error.errno)
     return None
 
 
