@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from npumoe.engine.vocabulary import PREFILL
 from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
 from npumoe.jobs.faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
@@ -194,6 +195,7 @@ class Pipeline:
             raise Failure(e.kind, str(e), retryable=e.kind in RETRYABLE_EXTRACTION) from e
 
     def _run_engine(self, engine: Engine, job: Job, text: str) -> DocumentResult:
+        self.progressed(PREFILL)  # the model is loaded: from now on, a job that does not move has stalled
         try:
             return engine.process(text, on_progress=lambda p: self._progress(job, p))
         except (Stop, Lost, Failure):  # raised by the checks between chunks and layers: the worker's, not the engine's
