@@ -292,6 +292,7 @@ class Worker:
             if not waited:
                 log.info("pausing job %s: %s", self._state["current_job"], decision.reason)
             waited = True
+            self.stall.moved(self.stall.phase)  # a pause is not a stall
             self._set("waiting", decision.reason)
             self._stopping.wait(self.config.scheduler.poll_seconds)
 

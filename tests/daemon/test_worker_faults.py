@@ -19,9 +19,11 @@ from npumoe.daemon.home import Home
 from npumoe.daemon.models import ModelSlot, load_engine
 from npumoe.daemon.power import UnknownPowerSource
 from npumoe.daemon.scheduler import Scheduler
+from npumoe.daemon.stall import StallWatch
 from npumoe.daemon.worker import Worker
 from npumoe.engine.models import moe_experts
 from npumoe.jobs import outputs
+from npumoe.jobs.pipeline import LOADING
 from npumoe.jobs.queue import Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
@@ -162,3 +164,24 @@ def test_a_restart_does_not_hash_an_unchanged_inbox_again(
     kept.unlink()
     make_worker().run()
     assert queue.handed_files() == {}  # a file that left the inbox is forgotten
+
+
+def test_the_watchdog_counts_time_without_progress_but_not_while_the_model_loads() -> None:
+    now = [0.0]
+    watch = StallWatch(10.0, clock=lambda: now[0])
+    assert watch.stalled_for() is None  # no job
+    watch.start()
+    now[0] = 9.0
+    assert watch.stalled_for() is None
+    watch.moved(LOADING)
+    now[0] = 100.0
+    assert watch.stalled_for() is None  # a slow load is not a hang
+    watch.moved("prefill")
+    now[0] = 110.5
+    assert watch.stalled_for() == 10.5
+    watch.finish()
+    assert watch.stalled_for() is None
+    off = StallWatch(0.0, clock=lambda: now[0])  # 0: the watchdog is off
+    off.start()
+    now[0] = 1e6
+    assert off.stalled_for() is None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from home_audit import read_jobs
 from sqlalchemy.exc import OperationalError
 
@@ -39,6 +40,7 @@ def running_with_progress(home: Path) -> bool:
     return any(job.state == "running" and job.progress > 0 for job in jobs_now(home))
 
 
+@pytest.mark.slow  # four lives of the daemon: `make chaos` runs it
 def test_sigterm_mid_document_again_and_again_never_spends_an_attempt(
     home: Path, daemon_config: Callable[..., Path], start_npumoed: Callable[..., Any],
     npumoed: Callable[..., subprocess.CompletedProcess[str]], wait_for: Callable[..., bool],
