@@ -79,6 +79,9 @@ class QueueConfig:
     lease_seconds: float = positive(120.0)
     retry_base_seconds: float = positive(30.0)
     retry_max_seconds: float = positive(3600.0)
+    # A running job whose progress has not moved this long is stopped and retried (0: never). Longer than
+    # the slowest chunk or summary step: a model loading does not count.
+    stall_seconds: float = positive(900.0)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 from npumoe.daemon.config import Config
 from npumoe.daemon.models import DEMO
 from npumoe.jobs.errors import FileRefused
-from npumoe.jobs.files import open_regular
+from npumoe.jobs.files import identify
 from npumoe.jobs.queue import INTERACTIVE, Job, Queue
 
 # Files that editors, browsers and the Finder leave behind while they work, and never documents.
@@ -43,8 +43,7 @@ def iter_documents(paths: Iterable[Path], *, recursive: bool = True) -> Iterator
 
 def sha256_of(path: Path, max_bytes: int | None = None) -> str:
     """The content hash of a regular file of at most `max_bytes`; FileRefused says why a path is not one."""
-    with open_regular(path, max_bytes) as file:
-        return hashlib.file_digest(file, "sha256").hexdigest()
+    return identify(path, max_bytes)[0]
 
 
 def job_keys(config: Config) -> tuple[str, str]:

@@ -2,6 +2,7 @@
 
 The rules, each switched by a key of [scheduler] in the config, in the order they are checked:
 
+    a fault of the machine (disk full, …)    ─► wait until a probe finds it cleared (always, whatever the config)
     paused by the person (`npumoed pause`)   ─► wait
     on battery (run_on_battery = false)      ─► wait
     battery below min_battery_percent        ─► wait
@@ -19,6 +20,7 @@ power source caches its reading and the foreground load is sampled at most once 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -28,6 +30,7 @@ from npumoe.daemon.batch import BatchWindow
 from npumoe.daemon.config import SchedulerConfig
 from npumoe.daemon.measure import ForegroundLoad
 from npumoe.daemon.power import PowerSource, PowerState, system_power_source
+from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.queue import Queue
 
 log = logging.getLogger(__name__)
@@ -62,6 +65,9 @@ class Scheduler:
         self._power: PowerState | None = None
         self._opened: dict[str, datetime] = {}  # batch windows open by the clock, and when they opened
         self._closed: list[ClosedWindow] = []
+        self._fault: MachineFault | None = None
+        self._fault_words = ""
+        self._next_probe = 0.0
 
     def decide(self) -> Decision:
         now = self.clock()
@@ -69,6 +75,22 @@ class Scheduler:
         open_windows, held = self._batch_windows(now, power)
         reason = self._wait_reason(power)
         return Decision(run=not reason, reason=reason, open_windows=open_windows, held=held)
+
+    def hold(self, fault: MachineFault) -> None:
+        """All work waits until `fault` has cleared (probed at most once per `poll_seconds`)."""
+        self._fault = fault
+        self._fault_words = f"{fault}; waiting until that is put right (no document is blamed)"
+        self._next_probe = time.monotonic() + self.config.poll_seconds
+
+    def fault_reason(self) -> str:
+        """Why work waits for the machine, in words; "" when it does not (any more)."""
+        if self._fault is not None and time.monotonic() >= self._next_probe:
+            if self._fault.cleared():
+                log.info("cleared: %s; going on", self._fault)
+                self._fault = None
+            else:
+                self.hold(self._fault)  # the words again: the free space shown is the space free now
+        return self._fault_words if self._fault is not None else ""
 
     def power_state(self) -> dict[str, Any]:
         """The last power reading, for the daemon's heartbeat row and `npumoed status`."""
@@ -81,6 +103,8 @@ class Scheduler:
 
     def _wait_reason(self, power: PowerState) -> str:
         c = self.config
+        if fault := self.fault_reason():
+            return fault
         if paused := self.queue.get_control("paused"):
             since = paused_since(paused)
             return f"paused by you since {since:%H:%M}" if since else "paused by you"

@@ -5,6 +5,10 @@ only tell the tracker which files to look at; the tracker alone decides when a f
 size and mtime unchanged for `stable_seconds`. Events get lost (an overflowing event queue, a daemon
 that was down), so a full rescan at start and every `rescan_seconds` backs them up.
 
+A file counts as handed on once `on_stable` says its job is committed (else the next rescan offers it
+again), and the files handed on are remembered in the queue's database by identity (device, inode,
+size, mtime), so a restart does not read and hash an unchanged inbox all over again.
+
 Nothing outside an inbox is ever looked at: symlinked folders are not entered, and a file whose real
 parent folder lies outside every inbox is ignored.
 """
@@ -16,8 +20,9 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
@@ -26,14 +31,22 @@ from watchdog.observers.polling import PollingObserver
 
 from npumoe.daemon.config import InboxConfig
 from npumoe.daemon.intake import is_ignored, iter_documents
-from npumoe.jobs.files import containing_inbox
+from npumoe.jobs.files import Identity, containing_inbox
 
 log = logging.getLogger(__name__)
 
-Signature = tuple[int, int, int, int]  # size, mtime in ns, inode, device
+
+class HandedMemory(Protocol):
+    """Where the files handed on are remembered across restarts (the Queue is one)."""
+
+    def handed_files(self) -> dict[str, Identity]: ...
+
+    def remember_handed(self, path: str, identity: Identity) -> None: ...
+
+    def forget_handed(self, paths: Collection[str]) -> None: ...
 
 
-def signature(path: Path) -> Signature | None:
+def signature(path: Path) -> Identity | None:
     """What changes when a file is written to or replaced; None once it is gone (or for a folder).
 
     Links are not followed: a symlink or a FIFO is handed on as itself, for the daemon to refuse with a reason.
@@ -42,22 +55,37 @@ def signature(path: Path) -> Signature | None:
         s = os.lstat(path)
     except OSError:
         return None
-    return None if stat.S_ISDIR(s.st_mode) else (s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev)
+    return None if stat.S_ISDIR(s.st_mode) else Identity.of(s)
 
 
 class StabilityTracker:
     """Files waiting to be complete: each is ready once its signature has not changed for `stable_seconds`.
 
     A file handed on is remembered with its signature, so seeing it again (a rescan, a late event) does
-    nothing until it changes. Thread-safe: events arrive on the observer's thread.
+    nothing until it changes, unless `unhand` says it was not taken after all. Thread-safe: events arrive
+    on the observer's thread.
     """
 
     def __init__(self, stable_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.stable_seconds = stable_seconds
         self.clock = clock
-        self._pending: dict[Path, tuple[Signature, float]] = {}  # signature, and since when it has held
-        self._handed: dict[Path, Signature] = {}
+        self._pending: dict[Path, tuple[Identity, float]] = {}  # signature, and since when it has held
+        self._handed: dict[Path, Identity] = {}
         self._lock = threading.Lock()
+
+    def remember(self, handed: dict[Path, Identity]) -> None:
+        """Files handed on before (by an earlier run): not handed on again unless they changed since."""
+        with self._lock:
+            self._handed.update(handed)
+
+    def handed_as(self, path: Path) -> Identity | None:
+        with self._lock:
+            return self._handed.get(path)
+
+    def unhand(self, path: Path) -> None:
+        """`path` was not taken after all: the next time it is seen, it waits to be handed on again."""
+        with self._lock:
+            self._handed.pop(path, None)
 
     def observe(self, path: Path) -> None:
         current = signature(path)
@@ -91,10 +119,13 @@ class StabilityTracker:
                     ready.append(path)
         return ready
 
-    def forget_except(self, present: set[Path]) -> None:
-        """Drop the memory of handed-on files that are no longer there (moved away, deleted)."""
+    def forget_except(self, present: set[Path]) -> list[Path]:
+        """Drop the memory of handed-on files that are no longer there (moved away, deleted); returns them."""
         with self._lock:
-            self._handed = {p: s for p, s in self._handed.items() if p in present}
+            gone = [p for p in self._handed if p not in present]
+            for path in gone:
+                del self._handed[path]
+        return gone
 
     @property
     def waiting(self) -> int:
@@ -109,14 +140,19 @@ class InboxWatcher:
         self,
         inboxes: Sequence[Path],
         config: InboxConfig,
-        on_stable: Callable[[Path], None],
+        on_stable: Callable[[Path], bool],
         *,
+        memory: HandedMemory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`on_stable(path)` returns whether the file is dealt with (queued, or refused for good)."""
         self.inboxes = [Path(inbox).resolve() for inbox in inboxes]
         self.config = config
         self.on_stable = on_stable
+        self.memory = memory
         self.tracker = StabilityTracker(config.stable_seconds, clock)
+        if memory is not None:
+            self.tracker.remember({Path(path): identity for path, identity in memory.handed_files().items()})
         self.tick_seconds = min(0.5, max(0.05, config.stable_seconds / 4))
         self._observer: BaseObserver | None = None
         self._thread: threading.Thread | None = None
@@ -134,7 +170,9 @@ class InboxWatcher:
             for path in iter_documents([inbox], recursive=self.config.recursive):
                 present.add(path)
                 self.observe(path)
-        self.tracker.forget_except(present)
+        gone = self.tracker.forget_except(present)
+        if gone and self.memory is not None:
+            self.memory.forget_handed([str(path) for path in gone])
         return len(present)
 
     def observe(self, path: Path) -> None:
@@ -147,9 +185,14 @@ class InboxWatcher:
         ready = self.tracker.take_stable()
         for path in ready:
             try:
-                self.on_stable(path)
+                taken = self.on_stable(path)
+                if taken and self.memory is not None and (identity := self.tracker.handed_as(path)):
+                    self.memory.remember_handed(str(path), identity)
             except Exception:  # one file must not stop the watching
                 log.exception("could not take %s from the inbox", path)
+                taken = False
+            if not taken:
+                self.tracker.unhand(path)
         return len(ready)
 
     def drain(self, stopping: threading.Event, patience: float | None = None) -> int:

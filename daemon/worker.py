@@ -1,10 +1,13 @@
 """The daemon's loop: take documents from the inboxes, run the queue's jobs one at a time, report.
 
     start: lock the home ─► clean leftovers ─► requeue jobs a killed run left ─► watch the inboxes
-    loop:  scheduler says wait? ─► record why, sleep
-           claim a job ─► pipeline (checkpoint between chunks: pause, stop, cancel) ─► next
+    loop:  scheduler says wait (or the machine failed: disk full, …)? ─► record why, sleep
+           claim a job ─► pipeline (checkpoint between chunks: pause, stop, cancel; between layers: stop) ─► next
            nothing to do ─► idle; unload the model after `idle_unload_seconds`; `--once`: finish
-    stop (SIGTERM/SIGINT): the running job is handed back to the queue at its next checkpoint
+           every `lease_seconds`: requeue the jobs of workers that died
+    stop (SIGTERM/SIGINT): the running job is handed back to the queue before the next model layer runs
+    stall: a job without progress for `stall_seconds` is stopped and retried; a process stuck in a call that
+           never returns records that and exits (EXIT_STUCK) for the service manager to restart it
 
 One daemon per home, enforced by a lock file the kernel releases when the process dies, so whoever
 holds the lock knows every job still marked running was left by a dead worker.
@@ -30,14 +33,17 @@ from npumoe.daemon.batch import write_batch_report
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
+from npumoe.daemon.layer_checks import LayerChecked
 from npumoe.daemon.measure import Meter
 from npumoe.daemon.models import ModelSlot
 from npumoe.daemon.priority import apply_background_priority, worker_threads
 from npumoe.daemon.scheduler import Decision, Scheduler
+from npumoe.daemon.stall import StallWatch
 from npumoe.daemon.watcher import InboxWatcher
-from npumoe.jobs.errors import FileRefused, Lost, ModelUnavailable, Stop
+from npumoe.jobs.errors import Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract import ExtractLimits
-from npumoe.jobs.files import Folders, set_aside, settle_original
+from npumoe.jobs.faults import MachineFault, machine_fault
+from npumoe.jobs.files import Folders, set_aside
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
 from npumoe.jobs.queue import Job, Queue
@@ -46,6 +52,7 @@ log = logging.getLogger(__name__)
 
 BEAT_SECONDS = 2.0  # how often the heartbeat row (and the running job's lease) is renewed
 MODEL_RETRY_SECONDS = 60.0  # after a model failed to load, wait this long before trying again
+EXIT_STUCK = 75  # EX_TEMPFAIL: the process gave up on a call that never returned; the service restarts it
 
 
 class AlreadyRunning(RuntimeError):
@@ -97,7 +104,11 @@ class Worker:
         self.folders = Folders(home.outbox, home.processed, home.failed, tuple(self.inboxes))
         self.model = model or ModelSlot(config, home, threads=worker_threads(config.cpu))
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
-        self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take)
+        # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
+        # run that stopped between "done" and moving it must be seen again, to be moved.
+        memory = queue if config.inbox.originals == "keep" else None
+        self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take, memory=memory)
+        self.stall = StallWatch(config.queue.stall_seconds)
         e = config.extract
         policy = Policy(
             config.inbox.originals,
@@ -105,13 +116,16 @@ class Worker:
             config.queue.lease_seconds,
         )
         self.pipeline = Pipeline(
-            queue, self.folders, policy, self.model, worker_pid=self.pid, meter=Meter, checkpoint=self._checkpoint
+            queue, self.folders, policy, LayerChecked(self.model, self._interrupt), worker_pid=self.pid,
+            meter=Meter, checkpoint=self._checkpoint, progressed=self.stall.moved,
         )
         self.summary = RunSummary()
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._state: dict[str, Any] = {"activity": "starting", "reason": "", "current_job": None}
         self._lost_job: int | None = None
+        self._stalled_job: int | None = None
+        self._next_reap = 0.0
         self._current: Job | None = None
         self._beat: threading.Thread | None = None
         self._old_handlers: dict[int, Any] = {}
@@ -202,6 +216,7 @@ class Worker:
                 self._set("waiting", decision.reason)
                 self._wait(poll)
                 continue
+            self._reap_now_and_then()
             job = self.queue.claim(
                 self.pid, lease_seconds=self.config.queue.lease_seconds, open_windows=decision.open_windows
             )
@@ -220,15 +235,28 @@ class Worker:
                     raise
                 self._set("waiting", f"the model could not be loaded: {e}")
                 self._wait(MODEL_RETRY_SECONDS)
+            except MachineFault as fault:
+                log.warning("job %d handed back, its attempt not counted: %s", job.id, fault)
+                self.scheduler.hold(fault)
+
+    def _reap_now_and_then(self) -> None:
+        """Requeue the jobs of workers that died (their lease ran out), once every `lease_seconds`."""
+        if time.monotonic() < self._next_reap:
+            return
+        self._next_reap = time.monotonic() + self.config.queue.lease_seconds
+        for job_id in self.queue.reap():
+            log.info("job %d: its worker stopped renewing the lease; queued again", job_id)
 
     def _work(self, job: Job) -> None:
         log.info("job %d: %s", job.id, job.path)
-        self._lost_job = None
+        self._lost_job = self._stalled_job = None
         self._current = job
         self._set("working", "", current_job=job.id)
+        self.stall.start()
         try:
             outcome = self.pipeline.process(job)
         finally:
+            self.stall.finish()
             self._current = None
             self.model.touch()
             self._set("working", "", current_job=None)
@@ -238,7 +266,8 @@ class Worker:
 
     def _decide(self) -> Decision:
         if not self.obey_schedule:
-            return Decision(run=True, reason="", open_windows=tuple(self.queue.open_windows_needed()))
+            fault = self.scheduler.fault_reason()  # a full disk is full whatever the schedule says
+            return Decision(run=not fault, reason=fault, open_windows=tuple(self.queue.open_windows_needed()))
         decision = self.scheduler.decide()
         for closed in self.scheduler.closed_windows():
             report = write_batch_report(self.queue, self.home, closed.window, closed.started, closed.ended)
@@ -249,8 +278,7 @@ class Worker:
         """Between steps and chunks: stop, notice a cancel, or wait while the scheduler says so."""
         waited = False
         while True:
-            if self._stopping.is_set():
-                raise Stop
+            self._interrupt()
             if self._lost_job is not None and self._lost_job == self._state["current_job"]:
                 raise Lost
             decision = self._decide()
@@ -264,8 +292,17 @@ class Worker:
             if not waited:
                 log.info("pausing job %s: %s", self._state["current_job"], decision.reason)
             waited = True
+            self.stall.moved(self.stall.phase)  # a pause is not a stall
             self._set("waiting", decision.reason)
             self._stopping.wait(self.config.scheduler.poll_seconds)
+
+    def _interrupt(self) -> None:
+        """Cheap enough to run before every model layer: a stop hands the job back, a stall fails this attempt."""
+        if self._stopping.is_set():
+            raise Stop
+        if self._stalled_job is not None and self._stalled_job == self._state["current_job"]:
+            raise Failure("stalled", f"no progress for over {self.stall.stall_seconds:g} s while {self.stall.phase} "
+                          "(queue.stall_seconds); stopped, to be tried again", retryable=True)
 
     def _wait(self, seconds: float) -> None:
         self._wake.wait(seconds)
@@ -273,23 +310,31 @@ class Worker:
 
     # -- the inboxes (called on the watcher's thread) ----------------------------------------------------
 
-    def _take(self, path: Path) -> None:
-        """Queue a document the watcher found complete, or set it aside with the reason it cannot be."""
+    def _take(self, path: Path) -> bool:
+        """Queue a document the watcher found complete, or set it aside with the reason it cannot be.
+
+        Returns whether the file is dealt with: False when the machine failed (an I/O error on a network
+        share, …), so the watcher offers it again at its next rescan instead of forgetting it.
+        """
         try:
             job, created = enqueue(self.queue, path, self.config)
         except (OSError, ValueError) as e:  # FileRefused, a ValueError, says why the file is no document
+            if (fault := machine_fault(e, path.parent)) is not None:
+                log.warning("not queued yet: %s: %s", path, fault)
+                return False
             if isinstance(e, FileRefused) and e.kind == "missing":
                 log.info("%s disappeared before it could be queued", path)
-                return
+                return True
             log.warning("not queued: %s: %s", path, e)
             set_aside(path, f"not queued: {e}\n", self.folders)
             self.summary.rejected += 1
-            return
+            return True
         if created:
             log.info("queued job %d: %s", job.id, path)
             self._wake.set()
         elif job.state == "done":  # finished earlier, e.g. stopped between "done" and moving the original
-            settle_original(path, self.config.inbox.originals, self.folders)
+            self.pipeline.settle(job, path)
+        return True
 
     # -- what `npumoed status` reads ---------------------------------------------------------------------
 
@@ -304,7 +349,9 @@ class Worker:
         while not self._stopping.wait(BEAT_SECONDS):
             try:
                 job_id = self._state["current_job"]
-                if job_id is not None and not self.queue.heartbeat(
+                if job_id is not None and (stalled := self.stall.stalled_for()) is not None:
+                    self._on_stall(job_id, stalled)  # and the lease is no longer renewed
+                elif job_id is not None and not self.queue.heartbeat(
                     job_id, self.pid, lease_seconds=self.config.queue.lease_seconds
                 ):
                     self._lost_job = job_id
@@ -313,6 +360,24 @@ class Worker:
                 )
             except Exception:  # a busy database must not end the heartbeat for good
                 log.exception("heartbeat failed")
+
+    def _on_stall(self, job_id: int, stalled: float) -> None:
+        """First ask the job to stop at its next check; if it has not reached one after as long again (at least
+        a few beats, at most a minute), it is stuck in a call that never returns: record that and exit."""
+        if self._stalled_job != job_id:
+            log.warning("job %d: no progress for %.0f s while %s; stopping it", job_id, stalled, self.stall.phase)
+            self._stalled_job = job_id
+            return
+        grace = min(max(self.stall.stall_seconds, 3 * BEAT_SECONDS), 60.0)
+        if stalled < self.stall.stall_seconds + grace:
+            return
+        reason = (f"no progress for {stalled:.0f} s while {self.stall.phase}, and stuck in a call that did not "
+                  "return; npumoed exited to be restarted")
+        self.queue.fail(job_id, self.pid, reason, kind="stalled", retryable=True)
+        log.critical("job %d: %s", job_id, reason)
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        os._exit(EXIT_STUCK)
 
     def _counters(self) -> dict[str, int]:
         return {

@@ -3,7 +3,7 @@
 Every reader of a document (intake hashing it, the pipeline copying it, extraction parsing it) opens it with
 `open_regular`, so they refuse the same files for the same reasons, in the same words. Originals are only
 ever moved or deleted from inside an inbox (`Folders.holds`): a document queued by hand from elsewhere is
-never touched.
+never touched, and one that is no longer the file that was read (`Identity`) is never touched either.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from npumoe.jobs.errors import FileRefused
+from npumoe.jobs.faults import MACHINE_ERRNOS
 from npumoe.jobs.outputs import move_file, write_file
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,29 @@ FILE_KINDS = {
 # Never follow a link, never wait on a FIFO's writer, never let a terminal become ours, never leak into children.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
+CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which file a path held, and which version of it: equal identities mean the same, unchanged file."""
+
+    device: int
+    inode: int
+    size: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> Identity:
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+
+    @classmethod
+    def at(cls, path: Path) -> Identity | None:
+        """The identity of what is at `path` now (a link as itself); None when nothing is."""
+        try:
+            return cls.of(os.lstat(path))
+        except OSError:
+            return None
 
 
 def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
@@ -42,7 +66,8 @@ def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
 
     Raises FileRefused saying why not. lstat comes first, so a FIFO or a device is never even opened;
     O_NOFOLLOW and an fstat of the open descriptor close the race with a rename in between. The size is
-    judged before a byte is read.
+    judged before a byte is read. A fault of the machine (an I/O error, a stale network share) is raised as
+    the OSError it is: it says nothing about the file, and the same file may read fine a minute later.
     """
     try:
         _require_regular(os.lstat(path).st_mode)
@@ -54,6 +79,8 @@ def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW gives for a link on Linux / on BSD
             raise _not_regular(stat.S_IFLNK) from None
+        if e.errno in MACHINE_ERRNOS:
+            raise
         raise FileRefused("unreadable", f"cannot open the file: {e.strerror or e}") from None
     file = os.fdopen(fd, "rb")
     try:
@@ -87,13 +114,23 @@ def _not_regular(file_type: int) -> FileRefused:
     return FileRefused("unreadable", f"the file is {kind}, not a regular file")
 
 
-def snapshot(source: Path, copy: Path, max_bytes: int) -> str:
-    """Copy the document to `copy` (a new private file), hashing it on the way; returns the copy's sha256.
+def identify(path: Path, max_bytes: int | None = None) -> tuple[str, Identity]:
+    """The content hash of a regular file of at most `max_bytes`, and the identity of the file it read;
+    FileRefused says why a path is not one."""
+    with open_regular(path, max_bytes) as file:
+        identity = Identity.of(os.fstat(file.fileno()))
+        return hashlib.file_digest(file, "sha256").hexdigest(), identity
+
+
+def snapshot(source: Path, copy: Path, max_bytes: int) -> tuple[str, Identity]:
+    """Copy the document to `copy` (a new private file), hashing it on the way; returns the copy's sha256
+    and the identity of the file it was read from (as it was opened: a change while reading shows).
 
     Raises FileRefused for what `open_regular` refuses, and for a file that grows past `max_bytes` meanwhile.
     """
     digest = hashlib.sha256()
     with open_regular(source, max_bytes) as file:
+        identity = Identity.of(os.fstat(file.fileno()))
         out_fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with os.fdopen(out_fd, "wb") as out:
             copied = 0
@@ -102,7 +139,7 @@ def snapshot(source: Path, copy: Path, max_bytes: int) -> str:
                 check_size(copied, max_bytes, while_read=True)
                 digest.update(block)
                 out.write(block)
-    return digest.hexdigest()
+    return digest.hexdigest(), identity
 
 
 @dataclass(frozen=True)
@@ -126,14 +163,17 @@ def containing_inbox(path: Path, inboxes: Sequence[Path]) -> Path | None:
     return next((inbox for inbox in inboxes if parent.is_relative_to(inbox)), None)
 
 
-def settle_original(source: Path, originals: str, folders: Folders) -> str:
-    """Keep, move to processed/ or delete a finished document, by policy; returns what happened, in words.
+def settle_original(source: Path, originals: str, folders: Folders, identity: Identity) -> str:
+    """Keep, move to processed/ or delete a finished document, by policy; returns what happened, in words
+    (CHANGED when `source` no longer holds the file of `identity`, the one that was processed).
 
     Only documents inside an inbox are touched (one queued by hand from elsewhere stays where it is), and a
     failure here is logged, never raised: the job's result is already safe.
     """
     if originals == "keep" or not os.path.lexists(source) or not folders.holds(source):
         return "kept"
+    if Identity.at(source) != identity:  # saved again, or replaced, since it was read: not ours to settle
+        return CHANGED
     try:
         if originals == "delete":
             source.unlink()
@@ -150,7 +190,7 @@ def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
         return None
     try:
         moved = move_file(source, folders.failed, source.name)
-        write_file(moved.with_name(moved.name + ".error.txt"), report.encode())
+        write_file(moved.with_name(moved.name + ".error.txt"), report.encode(errors="replace"))
     except OSError as e:
         log.warning("could not move %s to %s: %s", source, folders.failed, e)
         return None

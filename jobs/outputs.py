@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"
-MAX_STEM = 80
+NAME_MAX_BYTES = 255  # the longest file name most file systems take (ext4, APFS, NTFS), in bytes
+MAX_STEM = 80  # characters, for names people read
+_TOKEN = 9  # "-" and 8 hex digits: the sha8 of an output name, or a temporary name's random part
+# The longest name made from a stem: the temporary name of the old output folder a rewrite replaces,
+# `.tmp-old-<stem>-<sha8>-<hex8>`; capping the stem so that fits keeps every name derived from it legal.
+MAX_STEM_BYTES = NAME_MAX_BYTES - len(f"{TMP_PREFIX}old-") - 2 * _TOKEN
 
 
 def output_name(source_name: str, sha256: str) -> str:
@@ -27,16 +32,30 @@ def output_name(source_name: str, sha256: str) -> str:
 def safe_stem(name: str) -> str:
     """The name without its extension, reduced to letters, digits, `.`, `-` and `_`, never hidden or empty.
 
-    Slashes, `..`, newlines and control characters all become `_`; Unicode letters stay.
+    Slashes, `..`, newlines and control characters (and bytes of a name that is not UTF-8) all become `_`;
+    Unicode letters stay. At most MAX_STEM characters and MAX_STEM_BYTES bytes of UTF-8: 80 CJK characters
+    are 240 bytes, too long for a file name once the prefixes and suffixes are added.
     """
     stem = unicodedata.normalize("NFC", name).rsplit("/", 1)[-1]
     stem = stem.rsplit(".", 1)[0] if "." in stem.lstrip(".") else stem
     stem = re.sub(r"[^\w.-]+", "_", stem).strip("._-")
-    return stem[:MAX_STEM] or "document"
+    return truncate_utf8(stem[:MAX_STEM], MAX_STEM_BYTES).rstrip("._-") or "document"
+
+
+def truncate_utf8(text: str, max_bytes: int) -> str:
+    """The longest prefix of `text` whose UTF-8 form is at most `max_bytes` (never half a character)."""
+    encoded = text.encode("utf-8", "surrogateescape")
+    if len(encoded) <= max_bytes:
+        return text
+    return encoded[:max_bytes].decode("utf-8", "ignore")
 
 
 def temporary_path(folder: Path, label: str) -> Path:
-    """A fresh hidden name in `folder`, recognised (and cleaned) as a leftover if its writer dies."""
+    """A fresh hidden name in `folder`, recognised (and cleaned) as a leftover if its writer dies.
+
+    The label is only a hint for people, cut so that the name stays within NAME_MAX_BYTES.
+    """
+    label = truncate_utf8(label, NAME_MAX_BYTES - len(TMP_PREFIX) - _TOKEN)
     return folder / f"{TMP_PREFIX}{label}-{secrets.token_hex(4)}"
 
 

@@ -2,9 +2,10 @@
 
 The worker claims a job and hands it to `Pipeline.process`, which always leaves the job in a settled
 state: done, failed (will retry), dead (gave up, original set aside in `failed/` with a `.error.txt`),
-or handed back to the queue untouched when the worker is stopping or the model cannot be loaded (the
-one exception that escapes, ModelUnavailable, so the worker can wait). No document's failure escapes:
-one bad document cannot stop the daemon.
+or handed back to the queue untouched, without spending an attempt, when the worker is stopping, the
+model cannot be loaded or the machine failed (disk full, I/O error: see faults.py). The last two escape
+as ModelUnavailable and MachineFault, so the worker can wait. No document's failure escapes: one bad
+document cannot stop the daemon.
 
 Everything after the snapshot reads a private copy of the document whose hash was checked against the
 job, so the outputs always describe exactly the content that was queued.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import re
 import shutil
 import time
@@ -28,9 +30,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from npumoe.engine.vocabulary import PREFILL
 from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
-from npumoe.jobs.files import Folders, set_aside, settle_original, snapshot
+from npumoe.jobs.faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
+from npumoe.jobs.files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
 from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
 from npumoe.jobs.outputs import output_name, temporary_path, write_folder
 from npumoe.jobs.queue import Job, Queue
@@ -44,6 +48,7 @@ ORIGINALS = ("keep", "move", "delete")
 # Extraction failures worth another try: the machine was busy or short of memory. The rest are
 # properties of the document and would fail the same way again.
 RETRYABLE_EXTRACTION = frozenset({"timeout", "memory"})
+LOADING = "loading the model"  # the phase reported while the model loads (it reports no progress meanwhile)
 
 
 class Model(Protocol):
@@ -92,8 +97,10 @@ class Pipeline:
         worker_pid: int,
         meter: Callable[[], AbstractContextManager[Measurement]],
         checkpoint: Callable[[], None] = lambda: None,
+        progressed: Callable[[str], None] = lambda phase: None,
     ) -> None:
-        """`checkpoint` runs between steps and between chunks: it may block (a pause) or raise Stop."""
+        """`checkpoint` runs between steps and between chunks: it may block (a pause) or raise Stop (or a
+        Failure, for a job the worker gave up on). `progressed(phase)` is told each time the job moves on."""
         self.queue = queue
         self.folders = folders
         self.policy = policy
@@ -101,6 +108,7 @@ class Pipeline:
         self.pid = worker_pid
         self.meter = meter
         self.checkpoint = checkpoint
+        self.progressed = progressed
 
     def process(self, job: Job) -> Outcome:
         work = temporary_path(self.folders.outbox, f"job{job.id}")
@@ -109,7 +117,7 @@ class Pipeline:
         except Stop as stop:
             self.queue.release(job.id, self.pid)
             return Outcome(job.id, "queued", f"handed back: {stop}")
-        except ModelUnavailable:
+        except (ModelUnavailable, MachineFault):
             self.queue.release(job.id, self.pid)
             raise
         except Lost:
@@ -117,6 +125,9 @@ class Pipeline:
         except Failure as failure:
             return self._fail(job, failure)
         except Exception as e:  # a bug of ours must not stop the daemon: record it and go on
+            if (fault := machine_fault(e, self.folders.outbox)) is not None:
+                self.queue.release(job.id, self.pid)
+                raise fault from e
             log.exception("job %d: unexpected error", job.id)
             return self._fail(job, Failure("internal", f"internal error: {type(e).__name__}: {e}", retryable=True))
         finally:
@@ -127,12 +138,12 @@ class Pipeline:
         finished = self._finished_output(job)
         if finished is not None:  # an earlier attempt wrote everything, then stopped before marking it done
             log.info("job %d: outputs already complete in %s", job.id, finished)
-            return self._complete(job, finished, source)
+            return self._complete(job, finished, source, identity=None)
 
         self._report(job, "reading")
         work.mkdir(mode=0o700)
         copy = work / f"document{_safe_suffix(source)}"
-        sha256 = self._snapshot(source, copy)
+        sha256, identity = self._snapshot(source, copy)
         if sha256 != job.sha256:
             self._requeue_changed(job, sha256)
         self.checkpoint()
@@ -143,6 +154,7 @@ class Pipeline:
             extracted = self._extract(copy)
             extract_s = time.perf_counter() - started
             self.checkpoint()
+            self._report(job, LOADING)
             engine = self.model.load()
             result = self._run_engine(engine, job, extracted.text)
 
@@ -152,12 +164,18 @@ class Pipeline:
             "embeddings.npy": _npy(result.embeddings),
             "meta.json": meta.to_json(),
         }
-        out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
-        return self._complete(job, out, source)
+        with blamed_on(self.folders.outbox):
+            out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
+        return self._complete(job, out, source, identity)
 
-    def _snapshot(self, source: Path, copy: Path) -> str:
+    def _snapshot(self, source: Path, copy: Path) -> tuple[str, Identity]:
         try:
             return snapshot(source, copy, self.policy.limits.max_bytes)
+        except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (the outbox's)
+            fault = machine_fault(e, source.parent if e.errno in READ_FAULTS else self.folders.outbox)
+            if fault is None:
+                raise
+            raise fault from e
         except FileRefused as refused:
             # A file gone is no longer anyone's to set aside; a permission may be put right, so that one retries.
             raise Failure(
@@ -177,9 +195,10 @@ class Pipeline:
             raise Failure(e.kind, str(e), retryable=e.kind in RETRYABLE_EXTRACTION) from e
 
     def _run_engine(self, engine: Engine, job: Job, text: str) -> DocumentResult:
+        self.progressed(PREFILL)  # the model is loaded: from now on, a job that does not move has stalled
         try:
             return engine.process(text, on_progress=lambda p: self._progress(job, p))
-        except (Stop, Lost):
+        except (Stop, Lost, Failure):  # raised by the checks between chunks and layers: the worker's, not the engine's
             raise
         except MemoryError as e:
             raise Failure("memory", "the model ran out of memory on this document", retryable=True) from e
@@ -211,6 +230,7 @@ class Pipeline:
         )
 
     def _report(self, job: Job, phase: str, *, progress: float | None = None, **detail: Any) -> None:
+        self.progressed(phase)
         if not self.queue.heartbeat(
             job.id,
             self.pid,
@@ -242,11 +262,41 @@ class Pipeline:
             return None
         return out if meta.get("job_id") == job.id and meta.get("sha256") == job.sha256 else None
 
-    def _complete(self, job: Job, out: Path, source: Path) -> Outcome:
+    def _complete(self, job: Job, out: Path, source: Path, identity: Identity | None) -> Outcome:
+        """Mark the job done, then settle the original: only the very file that was read (`identity`; None when
+        this attempt did not read it), and a file saved again meanwhile is queued as a new document instead."""
         if not self.queue.complete(job.id, self.pid, output_dir=str(out)):
             raise Lost
-        settle_original(source, self.policy.originals, self.folders)
+        self.settle(job, source, identity)
         return Outcome(job.id, "done", output_dir=out)
+
+    def settle(self, job: Job, source: Path, identity: Identity | None = None) -> None:
+        """Keep, move or delete the original of the done `job` by policy, if `source` still holds its content."""
+        if self.policy.originals == "keep":
+            return
+        if identity is None:
+            identity = self._identify_as(job, source)
+            if identity is None:
+                return
+        if settle_original(source, self.policy.originals, self.folders, identity) == CHANGED:
+            log.info("job %d: %s changed after it was read; not %s", job.id, source, self.policy.originals)
+            self._identify_as(job, source)
+
+    def _identify_as(self, job: Job, source: Path) -> Identity | None:
+        """The identity of `source` if it still holds the content of `job`; otherwise its new content is queued
+        (as `_requeue_changed` would) and None returned, and so is None for a file that can no longer be read."""
+        try:
+            sha256, identity = identify(source, self.policy.limits.max_bytes)
+        except (OSError, ValueError) as e:
+            log.info("job %d: %s not settled: %s", job.id, source, e)
+            return None
+        if sha256 == job.sha256:
+            return identity
+        try:
+            self._requeue_changed(job, sha256)
+        except Failure as changed:
+            log.info("job %d: %s", job.id, changed)
+        return None
 
     def _fail(self, job: Job, failure: Failure) -> Outcome:
         reason = str(failure)
@@ -275,7 +325,7 @@ class Pipeline:
         settings, stats = self.model.settings, result.stats
         engine_s = {phase: round(seconds, 4) for phase, seconds in stats.seconds.items()}
         return DocumentMeta(
-            source=str(source),
+            source=_readable(str(source)),
             sha256=job.sha256,
             job_id=job.id,
             model=settings.model,
@@ -303,9 +353,14 @@ class Pipeline:
         )
 
 
+def _readable(text: str) -> str:
+    """`text` as valid Unicode: the bytes of a name that is not UTF-8 (surrogate escapes) shown as \\xNN."""
+    return os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
 def _summary_markdown(name: str, model: str, result: DocumentResult) -> str:
     facts = [f"model `{model}`", f"{result.stats.chunks} chunks", f"{result.stats.tokens} tokens"]
-    title = " ".join(name.split())  # no newlines from a hostile file name in the heading
+    title = " ".join(_readable(name).split())  # no newlines from a hostile file name in the heading
     return f"# {title}\n\n_{' · '.join(facts)}_\n\n{result.summary.strip()}\n"
 
 

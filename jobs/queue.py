@@ -15,17 +15,18 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import psutil
-from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
+from sqlalchemy import Connection, Engine, create_engine, delete, event, func, insert, select, update
 from sqlalchemy.pool import NullPool
 
-from npumoe.jobs.schema import STATES, control, daemon, jobs, migrate
+from npumoe.jobs.files import Identity
+from npumoe.jobs.schema import STATES, control, daemon, inbox_files, jobs, migrate
 
 CLAIMABLE = ("queued", "failed")
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
@@ -244,13 +245,22 @@ class Queue:
             ).rowcount == 1
 
     def reap(self, alive: Callable[[int], bool] = pid_alive) -> list[int]:
-        """Requeue the jobs of lost workers (lease expired or pid gone); dead once out of attempts."""
+        """Requeue the jobs of lost workers (lease expired or pid gone); dead once out of attempts.
+
+        Cheap enough to run periodically: it only reads, unless there is a job to requeue.
+        """
         now = self.clock()
-        with self._tx() as conn:
-            running = conn.execute(select(jobs).where(jobs.c.state == "running")).all()
-            lost = [j for j in running
+
+        def lost_among(running: Sequence[Any]) -> list[Any]:
+            return [j for j in running
                     if (j.lease_until is not None and j.lease_until < now)
                     or j.worker_pid is None or not alive(j.worker_pid)]
+
+        with self._read.connect() as conn:
+            if not lost_among(conn.execute(select(jobs).where(jobs.c.state == "running")).all()):
+                return []
+        with self._tx() as conn:
+            lost = lost_among(conn.execute(select(jobs).where(jobs.c.state == "running")).all())
             for j in lost:
                 out_of_attempts = j.attempts >= j.max_attempts
                 conn.execute(
@@ -320,6 +330,26 @@ class Queue:
                 select(jobs.c.batch_window).distinct()
                 .where(jobs.c.state.in_(CLAIMABLE), jobs.c.batch_window.is_not(None))
             ).scalars())
+
+    # -- the inbox files already handed on (so a restart does not hash them again) ----------------
+
+    def handed_files(self) -> dict[str, Identity]:
+        with self._read.connect() as conn:
+            rows = conn.execute(select(inbox_files)).all()
+        return {r.path: Identity(r.device, r.inode, r.size, r.mtime_ns) for r in rows}
+
+    def remember_handed(self, path: str, identity: Identity) -> None:
+        values = {"device": identity.device, "inode": identity.inode, "size": identity.size,
+                  "mtime_ns": identity.mtime_ns}
+        with self._tx() as conn:
+            if conn.execute(update(inbox_files).where(inbox_files.c.path == path).values(**values)).rowcount == 0:
+                conn.execute(insert(inbox_files).values(path=path, **values))
+
+    def forget_handed(self, paths: Collection[str]) -> None:
+        if not paths:
+            return
+        with self._tx() as conn:
+            conn.execute(delete(inbox_files).where(inbox_files.c.path.in_(list(paths))))
 
     # -- the daemon's heartbeat row and the person's switches ------------------------------------
 

@@ -6,9 +6,35 @@ and only adds: an existing database is never dropped or rebuilt.
 
 from __future__ import annotations
 
-from sqlalchemy import Column, Connection, Float, Integer, MetaData, String, Table, Text
+import os
+from typing import Any
+
+from sqlalchemy import Column, Connection, Dialect, Float, Integer, MetaData, String, Table, Text
+from sqlalchemy.types import TypeDecorator
 
 metadata = MetaData()
+
+
+class FsPath(TypeDecorator[str]):
+    """A file path, stored losslessly: as text when it is valid UTF-8, else as its raw bytes (a name that is
+    not UTF-8 on Linux, which Python holds with surrogate escapes and sqlite3 cannot encode as text). Read
+    back, it is the same `str` Python gave (os.fsdecode), so opening it finds the same file."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return os.fsencode(value)
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
+        return os.fsdecode(value) if isinstance(value, bytes) else value
+
 
 STATES = ("queued", "running", "done", "failed", "dead", "cancelled")
 
@@ -16,7 +42,7 @@ jobs = Table(
     "jobs",
     metadata,
     Column("id", Integer, primary_key=True),
-    Column("path", Text, nullable=False),
+    Column("path", FsPath, nullable=False),
     Column("sha256", String(64), nullable=False),
     Column("model_key", Text, nullable=False),
     Column("settings_key", Text, nullable=False),
@@ -64,6 +90,16 @@ control = Table(  # v3: the person's switches (pause), kept apart from what the 
     Column("value", Text, nullable=False),
 )
 
+inbox_files = Table(  # v4: inbox files already handed on, so a restart does not hash them all again
+    "inbox_files",
+    metadata,
+    Column("path", FsPath, primary_key=True),
+    Column("device", Integer, nullable=False),
+    Column("inode", Integer, nullable=False),
+    Column("size", Integer, nullable=False),
+    Column("mtime_ns", Integer, nullable=False),
+)
+
 MIGRATIONS: list[list[str]] = [
     [  # 1: the first queue
         """CREATE TABLE jobs (
@@ -103,6 +139,12 @@ MIGRATIONS: list[list[str]] = [
             power TEXT, counters TEXT
         )""",
         "CREATE TABLE control (key VARCHAR(64) PRIMARY KEY, value TEXT NOT NULL)",
+    ],
+    [  # 4: the inbox files handed on, by identity (device, inode, size, mtime)
+        """CREATE TABLE inbox_files (
+            path TEXT PRIMARY KEY, device INTEGER NOT NULL, inode INTEGER NOT NULL, size INTEGER NOT NULL,
+            mtime_ns INTEGER NOT NULL
+        )""",
     ],
 ]
 

@@ -29,9 +29,10 @@ class Handed:
         self.calls: list[tuple[Path, int]] = []
         self.event = threading.Event()
 
-    def __call__(self, path: Path) -> None:
+    def __call__(self, path: Path) -> bool:
         self.calls.append((path, path.lstat().st_size))
         self.event.set()
+        return True  # taken: the watcher marks it handed on
 
     @property
     def names(self) -> list[str]:
@@ -271,3 +272,20 @@ def test_run_once_does_not_wait_forever_for_a_file_that_keeps_changing(inbox: Pa
         stop.set()
         writer.join()
     assert handed.names == ["done.txt"] and left == 1
+
+
+def test_a_file_not_taken_is_offered_again_at_the_next_scan(inbox: Path) -> None:
+    doc = inbox / "a.txt"
+    doc.write_text("queued once the queue can take it")
+    offered: list[Path] = []
+    answers = iter([False, True])  # the first time, queueing failed (a busy database, an I/O error)
+
+    def take(path: Path) -> bool:
+        offered.append(path)
+        return next(answers)
+
+    watcher = InboxWatcher([inbox], InboxConfig(stable_seconds=0.0), take)
+    watcher.drain(threading.Event())
+    watcher.drain(threading.Event())  # the next rescan
+    watcher.drain(threading.Event())  # and one after it: taken by now, so not offered again
+    assert offered == [doc, doc]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from npumoe.jobs.errors import FileRefused
-from npumoe.jobs.files import open_regular, snapshot
+from npumoe.jobs.files import Identity, open_regular, snapshot
 
 
 def refusal(path: Path, max_bytes: int | None = None) -> FileRefused:
@@ -49,8 +49,9 @@ def test_a_file_over_the_limit_is_refused_in_the_units_of_the_setting(tmp_path: 
 
 def test_a_snapshot_is_a_private_copy_with_its_hash(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"hello")
-    sha256 = snapshot(tmp_path / "a.txt", tmp_path / "copy", 5)
+    sha256, identity = snapshot(tmp_path / "a.txt", tmp_path / "copy", 5)
     assert sha256 == "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
+    assert identity == Identity.at(tmp_path / "a.txt")  # the file it read: what settling the original checks
     assert (tmp_path / "copy").read_bytes() == b"hello" and (tmp_path / "copy").stat().st_mode & 0o777 == 0o600
 
 

@@ -6,10 +6,13 @@ specify the pipeline's own behaviour; the real engine runs in tests/daemon/test_
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import sqlite3
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,10 +25,12 @@ import pytest
 from npumoe.daemon.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
 from npumoe.engine.dispatch import DispatchStats
-from npumoe.jobs import pipeline
+from npumoe.jobs import files, outputs, pipeline
 from npumoe.jobs.errors import ExtractionError, Stop
 from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.files import Folders
+from npumoe.jobs.outputs import temporary_path
 from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
 from npumoe.jobs.queue import Backoff, Job, Queue
 
@@ -304,3 +309,114 @@ def test_a_file_name_with_a_newline_gets_a_safe_output_folder(setup: Setup) -> N
     assert outcome.state == "done"
     assert Path(job.output_dir or "").name == f"two_lines-{job.sha256[:8]}"
     assert os.listdir(setup.outbox) == [f"two_lines-{job.sha256[:8]}"]
+
+
+# -- faults of the machine, and originals that changed ----------------------------------------------------
+
+
+class FailingOpen:
+    """`os` as jobs/files.py sees it, except that opening `path` fails with `code` (counted) while `failing`."""
+
+    def __init__(self, path: Path, code: int) -> None:
+        self.path, self.code, self.failing, self.calls = str(path), code, True, 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def open(self, path: object, *args: object, **kwargs: object) -> int:
+        if self.failing and os.fspath(path) == self.path:  # type: ignore[arg-type]
+            self.calls += 1
+            raise OSError(self.code, os.strerror(self.code), self.path)
+        return os.open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE])
+def test_an_io_error_reading_the_inbox_never_costs_an_attempt_nor_sets_the_document_aside(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    path = setup.document()
+    failing = FailingOpen(path, code)
+    monkeypatch.setattr(files, "os", failing)
+    job = setup.claim(path, max_attempts=3)
+    for _ in range(5):  # more tries than the job has attempts: none of them is spent
+        with pytest.raises(MachineFault, match=str(setup.inbox)) as fault:
+            setup.pipeline("delete").process(job)
+        assert fault.value.code == code and fault.value.cleared()  # transient: the folder itself lists fine
+        after = setup.queue.get(job.id)
+        assert after is not None and (after.state, after.attempts, after.last_error) == ("queued", 0, None)
+        job = setup.queue.claim(PID, lease_seconds=60) or job
+    assert failing.calls == 5 and path.exists() and list(setup.failed.iterdir()) == []
+    failing.failing = False  # the share is back
+    assert setup.pipeline().process(job).state == "done"
+
+
+def test_a_full_disk_hands_the_job_back_and_says_how_much_is_free(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    written: list[Path] = []
+    real_write = outputs._write_durably
+
+    def full(path: Path, data: bytes, mode: int = 0o600) -> None:
+        written.append(path)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(outputs, "_write_durably", full)
+    path = setup.document()
+    job = setup.claim(path, max_attempts=1)
+    with pytest.raises(MachineFault) as fault:
+        setup.pipeline().process(job)
+    assert written and re.fullmatch(rf"disk full: [\d,]+ MB free in {re.escape(str(setup.outbox))}", str(fault.value))
+    assert not fault.value.cleared()  # the probe writes through the same (full) path
+    after = setup.queue.get(job.id)
+    assert after is not None and (after.state, after.attempts) == ("queued", 0)
+    assert os.listdir(setup.outbox) == []  # no half-written output, no leftover temporary
+    monkeypatch.setattr(outputs, "_write_durably", real_write)
+    assert fault.value.cleared()
+    again = setup.queue.claim(PID, lease_seconds=60)
+    assert again is not None and setup.pipeline().process(again).state == "done"
+
+
+def test_a_long_cjk_name_gives_names_that_fit_in_255_bytes(setup: Setup) -> None:
+    name = "長い日本語の報告書" * 8 + "第二版の要約.md"  # 78 characters (234 bytes of UTF-8), then ".md"
+    assert len(name) == 81  # once over 255 bytes as a temporary name: ".tmp-" + 234 + "-sha8" + "-hex8"
+    outcome, job = setup.run(setup.document(name))
+    assert outcome.state == "done"
+    out = Path(job.output_dir or "")
+    assert out.name.startswith("長い日本語の報告書") and out.name.endswith(job.sha256[:8])
+    longest = temporary_path(setup.outbox, f"old-{out.name}").name  # what replacing that output would be called
+    assert len(out.name.encode()) <= len(longest.encode()) <= 255
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="APFS only takes UTF-8 names")
+def test_a_name_that_is_not_utf8_is_stored_losslessly_and_processed(setup: Setup) -> None:
+    raw = os.fsencode(setup.inbox) + b"/r\xe9sum\xe9 \xff.txt"  # Latin-1 bytes, as an old archive might hold
+    with open(raw, "wb") as f:
+        f.write(TEXT.encode())
+    path = Path(os.fsdecode(raw))
+    outcome, job = setup.run(path, "move")
+    assert outcome.state == "done" and os.fsencode(job.path) == raw
+    assert os.listdir(os.fsencode(setup.processed)) == [b"r\xe9sum\xe9 \xff.txt"]
+    meta = json.loads((Path(job.output_dir or "") / "meta.json").read_text())
+    assert meta["source"].endswith("r\\xe9sum\\xe9 \\xff.txt")
+
+
+@pytest.mark.parametrize("originals", ["delete", "move"])
+def test_a_file_saved_again_after_its_snapshot_is_not_settled_and_its_new_content_is_queued(
+    setup: Setup, originals: str
+) -> None:
+    path = setup.document()
+    new_text = TEXT + "\nSaved again while the first version was being read.\n"
+
+    def save_again_after_the_snapshot() -> None:
+        setup.checkpoints += 1
+        if setup.checkpoints == 1:  # the first checkpoint comes right after the snapshot
+            replacement = setup.root / "editor-temp"
+            replacement.write_text(new_text)
+            os.replace(replacement, path)  # how editors save: a new file renamed over the old one
+
+    setup._checkpoint = save_again_after_the_snapshot  # type: ignore[method-assign]
+    outcome, job = setup.run(path, originals)
+    assert outcome.state == "done" and job.sha256 == hashlib.sha256(TEXT.encode()).hexdigest()
+    assert path.read_text() == new_text and list(setup.processed.iterdir()) == []
+    [new] = setup.queue.list("queued")
+    assert new.sha256 == hashlib.sha256(new_text.encode()).hexdigest() and new.path == job.path
