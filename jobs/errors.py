@@ -47,7 +47,11 @@ class ExtractionError(Exception):
 
 class MissingDependency(Exception):
     """A package extraction needs is not installed (or will not import): the machine's fault, not the document's,
-    so the job is handed back without spending an attempt. str(err) names the package."""
+    so the job is handed back without spending an attempt. `module` is the top-level module that is missing."""
+
+    def __init__(self, message: str, module: str) -> None:
+        super().__init__(message)
+        self.module = module
 
 
 class Stop(Exception):

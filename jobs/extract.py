@@ -43,7 +43,7 @@ def extract_text(path: Path, limits: ExtractLimits = DEFAULT_LIMITS) -> Extracte
     if "kind" in reply:
         raise ExtractionError(reply["kind"], reply["message"])
     if "missing_dependency" in reply:
-        raise MissingDependency(reply["missing_dependency"])
+        raise MissingDependency(reply["missing_dependency"], reply["module"])
     return ExtractedText(**reply)
 
 

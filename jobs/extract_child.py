@@ -29,7 +29,7 @@ def main() -> None:
     except ExtractionError as err:
         reply = {"kind": err.kind, "message": str(err)}
     except MissingDependency as err:
-        reply = {"missing_dependency": str(err)}
+        reply = {"missing_dependency": str(err), "module": err.module}
     except MemoryError:
         reply = {"kind": "memory", "message": f"extraction ran out of memory (limit {limits.memory_mb} MiB)"}
     sys.stdout.buffer.write(json.dumps(reply, ensure_ascii=False).encode("utf-8"))

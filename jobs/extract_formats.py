@@ -99,7 +99,7 @@ def extract_bytes(data: bytes, suffix: str, limits: ExtractLimits) -> ExtractedT
         text, pages = _PARSERS[fmt](data, limits)
     except ImportError as err:
         message = f"reading this {_LABELS[fmt]} needs a Python package that will not import: {err}"
-        raise MissingDependency(message) from err
+        raise MissingDependency(message, (err.name or "").partition(".")[0]) from err
     except (ExtractionError, MissingDependency, MemoryError):
         raise
     except Exception as err:  # parsers meet hostile input with every kind of exception; all mean the same

@@ -26,7 +26,8 @@ def pdf_text(data: bytes, max_chars: int) -> tuple[str, int]:
     try:
         return _read(data, max_chars)
     except DependencyError as err:
-        raise MissingDependency(f"reading this PDF needs a package that is not installed: {err}") from err
+        raise MissingDependency(f"reading this PDF needs a package that is not installed: {err}",
+                                "cryptography") from err  # pypdf's only optional dependency for text
 
 
 def _read(data: bytes, max_chars: int) -> tuple[str, int]:

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from npumoe.jobs.errors import MissingDependency
 from npumoe.jobs.outputs import NAME_MAX_BYTES, temporary_path, write_file
 
 # errno -> words for people; the first group is met writing, the second reading (on a network share too).
@@ -75,6 +76,8 @@ def machine_fault(error: BaseException, folder: Path) -> MachineFault | None:
     it is not one, so the caller treats it as before."""
     if isinstance(error, MachineFault):
         return error
+    if isinstance(error, MissingDependency) and error.module:
+        return MachineFault(folder, module=error.module)
     if isinstance(error, ImportError) and error.name and error.name.partition(".")[0] != OWN_PACKAGE:
         return MachineFault(folder, module=error.name.partition(".")[0])
     if isinstance(error, OSError) and error.errno in MACHINE_ERRNOS:

@@ -26,7 +26,7 @@ from npumoe.daemon.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
 from npumoe.engine.dispatch import DispatchStats
 from npumoe.jobs import files, outputs, pipeline
-from npumoe.jobs.errors import ExtractionError, Stop
+from npumoe.jobs.errors import ExtractionError, MissingDependency, Stop
 from npumoe.jobs.extract import ExtractLimits
 from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.files import Folders
@@ -348,6 +348,25 @@ def test_an_io_error_reading_the_inbox_never_costs_an_attempt_nor_sets_the_docum
     assert failing.calls == 5 and path.exists() and list(setup.failed.iterdir()) == []
     failing.failing = False  # the share is back
     assert setup.pipeline().process(job).state == "done"
+
+
+def test_a_missing_package_is_the_machines_fault_and_clears_once_it_imports(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = []
+
+    def without_cryptography(path: Path, limits: ExtractLimits) -> None:
+        calls.append(path)
+        raise MissingDependency("reading this PDF needs a package that is not installed", "cryptography")
+
+    monkeypatch.setattr(pipeline, "extract_text", without_cryptography)
+    path = setup.document()
+    job = setup.claim(path, max_attempts=1)
+    with pytest.raises(MachineFault, match="the Python module 'cryptography' cannot be imported") as fault:
+        setup.pipeline().process(job)
+    assert calls and fault.value.module == "cryptography" and fault.value.cleared()  # it is installed here
+    after = setup.queue.get(job.id)
+    assert after is not None and (after.state, after.attempts) == ("queued", 0) and path.exists()
 
 
 def test_a_full_disk_hands_the_job_back_and_says_how_much_is_free(
