@@ -135,12 +135,19 @@ def choose_kernel(gate_up: torch.Tensor, down: torch.Tensor) -> KernelChoice:
     if candidates == ["torch"] or len(gate_up) == 0:  # nothing to compare
         return KernelChoice("torch", {}, unavailable)
     key = shape_class(gate_up.dtype, *down.shape[-2:])  # down: (E, H, I)
+    return choose_measured(key, candidates, unavailable, lambda: time_kernels(candidates, gate_up, down), _CACHE)
+
+
+def choose_measured(key: str, candidates: Sequence[str], unavailable: dict[str, str],
+                    timer: Callable[[], dict[str, float]], cache: ChoiceCache) -> KernelChoice:
+    """The fastest of `candidates` for the shape class `key`: this process's choice, else the cached one, else
+    timed now by `timer` (median seconds per kernel, run on one torch thread) and cached."""
     with _choices_lock:
-        choice = _choices.get(key) or _cached(key, unavailable)
+        choice = _choices.get(key) or cache.get(key, unavailable)
         if choice is None or choice.seconds.keys() != set(candidates):  # new here, or what can run has changed
-            seconds = _on_one_torch_thread(lambda: time_kernels(candidates, gate_up, down))
+            seconds = _on_one_torch_thread(timer)
             choice = KernelChoice(min(seconds, key=seconds.__getitem__), seconds, unavailable)
-            _remember(key, choice)
+            cache.remember(key, choice)
         _choices[key] = choice
     return choice
 
@@ -169,6 +176,12 @@ def time_kernels(kernels: Sequence[str], gate_up: torch.Tensor, down: torch.Tens
         project_up(x)
         project_down(h)
 
+    return time_in_turns(kernels, count, run)
+
+
+def time_in_turns(kernels: Sequence[str], count: int, run: Callable[[str, int], None]) -> dict[str, float]:
+    """Median seconds of `run(kernel, expert)` for each kernel, after every kernel has run every one of `count`
+    experts once, timed in turns (so the machine's drift moves all alike) rotating over the experts."""
     for kernel in kernels:  # warm-up: every packed weight touched once
         for expert in range(count):
             run(kernel, expert)
@@ -210,47 +223,60 @@ def _on_one_torch_thread(fn: Callable[[], T]) -> T:
     return result
 
 
-def _cache_file() -> tuple[Path, dict[str, str]]:
-    """The file this machine's choices are kept in, and the machine they hold for."""
-    # The kernel's source too: an edited kernel may be faster or slower than the one that was timed.
-    machine = {"cpu": cpu_model(), "torch": torch.__version__,
-               "kernel_source": hashlib.sha256(bf16_linear.SOURCE.read_bytes()).hexdigest()[:16]}
-    name = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "cpu-kernels" / f"{name}.json", machine
+class ChoiceCache:
+    """The user-cache file where one family of kernels keeps this machine's choices, one file per machine: the
+    CPU model, the torch version and the hash of the kernels' own `sources` (an edited kernel may be faster or
+    slower than the one that was timed)."""
+
+    def __init__(self, store: str, sources: Sequence[Path]) -> None:
+        self.store = store
+        self.sources = tuple(sources)
+
+    def _file(self) -> tuple[Path, dict[str, str]]:
+        """The file this machine's choices are kept in, and the machine they hold for."""
+        digest = hashlib.sha256(b"".join(source.read_bytes() for source in self.sources)).hexdigest()[:16]
+        machine = {"cpu": cpu_model(), "torch": torch.__version__, "kernel_source": digest}
+        name = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:16]
+        return cache_root() / self.store / f"{name}.json", machine
+
+    def choices(self) -> dict[str, KernelChoice]:
+        """Every choice this machine has cached, by shape class (without what cannot run: that is not cached)."""
+        path, machine = self._file()
+        try:
+            held = json.loads(path.read_text())
+            if {key: held[key] for key in machine} != machine:
+                return {}
+            choices = {key: KernelChoice(entry["kernel"], {k: float(s) for k, s in entry["seconds"].items()}, {})
+                       for key, entry in held["choices"].items()}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not a file we wrote
+            return {}
+        return {key: choice for key, choice in choices.items() if choice.kernel in choice.seconds}
+
+    def get(self, key: str, unavailable: dict[str, str]) -> KernelChoice | None:
+        choice = self.choices().get(key)
+        return None if choice is None else KernelChoice(choice.kernel, choice.seconds, unavailable)
+
+    def remember(self, key: str, choice: KernelChoice) -> None:
+        """Add a choice to this machine's cache file, replaced whole so no reader sees half of it."""
+        path, machine = self._file()
+        entries = {k: {"kernel": c.kernel, "seconds": c.seconds} for k, c in self.choices().items()}
+        entries[key] = {"kernel": choice.kernel, "seconds": choice.seconds}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".writing-", suffix=".json")
+        except OSError:  # a read-only cache: this process keeps its choice, the next one times again
+            return
+        try:
+            with os.fdopen(fd, "w") as file:
+                json.dump({**machine, "choices": entries}, file, indent=1)
+            os.replace(partial, path)
+        except OSError:
+            Path(partial).unlink(missing_ok=True)
+
+
+_CACHE = ChoiceCache("cpu-kernels", (bf16_linear.SOURCE,))
 
 
 def cached_choices() -> dict[str, KernelChoice]:
-    """Every choice this machine has cached, by shape class (without what cannot run: that is not cached)."""
-    path, machine = _cache_file()
-    try:
-        held = json.loads(path.read_text())
-        if {key: held[key] for key in machine} != machine:
-            return {}
-        choices = {key: KernelChoice(entry["kernel"], {k: float(s) for k, s in entry["seconds"].items()}, {})
-                   for key, entry in held["choices"].items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # none yet, or not a file we wrote
-        return {}
-    return {key: choice for key, choice in choices.items() if choice.kernel in choice.seconds}
-
-
-def _cached(key: str, unavailable: dict[str, str]) -> KernelChoice | None:
-    choice = cached_choices().get(key)
-    return None if choice is None else KernelChoice(choice.kernel, choice.seconds, unavailable)
-
-
-def _remember(key: str, choice: KernelChoice) -> None:
-    """Add a choice to this machine's cache file, replaced whole so no reader sees half of it."""
-    path, machine = _cache_file()
-    entries = {k: {"kernel": c.kernel, "seconds": c.seconds} for k, c in cached_choices().items()}
-    entries[key] = {"kernel": choice.kernel, "seconds": choice.seconds}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".writing-", suffix=".json")
-    except OSError:  # a read-only cache: this process keeps its choice, the next one times again
-        return
-    try:
-        with os.fdopen(fd, "w") as file:
-            json.dump({**machine, "choices": entries}, file, indent=1)
-        os.replace(partial, path)
-    except OSError:
-        Path(partial).unlink(missing_ok=True)
+    """Every float-kernel choice this machine has cached, by shape class."""
+    return _CACHE.choices()

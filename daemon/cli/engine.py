@@ -1,4 +1,5 @@
-"""Engine commands: `model make-tiny`, `calibrate` and `plan show`.
+"""Engine commands: `model make-tiny` (and weights.py's `model quantize`, `model size`), `calibrate` and
+`plan show`.
 
 They need no home or config (except "demo", the home's built-in model). Torch loads only inside a
 command.
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from npumoe.daemon.cli.weights import quantize_command, size_command
 from npumoe.engine.vocabulary import DTYPES, FLOAT32, OVERFLOW_POLICIES, PRUNE, TORCH_STATIC
 
 if TYPE_CHECKING:
@@ -30,6 +32,10 @@ STATIC_BACKENDS = (TORCH_STATIC,)  # the static backend that needs no compiled g
 @click.group("model")
 def model_group() -> None:
     """Model utilities."""
+
+
+model_group.add_command(quantize_command)
+model_group.add_command(size_command)
 
 
 @model_group.command("make-tiny")

@@ -1,0 +1,126 @@
+"""Quantized weight formats for the experts: int8 per output channel and int4 in groups along K.
+
+- int8: w[n, k] ≈ q[n, k] · scale[n], q in [-127, 127] (symmetric; -128 unused so -q never overflows).
+- int4: w[n, k] ≈ (q[n, k] − 8) · scale[n, g] + zero[n, g] for k in group g of INT4_GROUP columns, q in [0, 15]:
+  asymmetric, each group's codes spanning its own min..max. With random (Gaussian) expert weights the zero point
+  takes a real geometry layer's error from 15.9 % (symmetric) to 13.7 % at group 32, and from 17.7 % to 15.7 % at
+  group 64; group 32 costs half a bit more per weight than 64 (5 bits against 4.5 with bf16 scale and zero).
+  Codes are stored two a byte, the even k in the low nibble: a plain layout any kernel (or Core ML) can read,
+  which each kernel repacks for itself.
+
+Weights are quantized by rounding to nearest; `reference_linear` is the dequantized matmul the kernels are
+checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT8, INT4 = "int8", "int4"
+FORMATS = (INT8, INT4)
+INT4_GROUP = 32
+_INT8_MAX = 127
+_INT4_LEVELS = 15
+_INT4_MIDDLE = 8
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One (N, K) weight in a quantized format (see the module's docstring for what each tensor holds)."""
+
+    format: str
+    codes: torch.Tensor  # int8 (N, K) | uint8 (N, K/2)
+    scale: torch.Tensor  # int8: (N,) float32 | int4: (N, K/group) bfloat16
+    zero: torch.Tensor | None = None  # int4: (N, K/group) bfloat16, the value code 8 stands for
+    group: int | None = None  # int4: columns per scale
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        n, width = self.codes.shape
+        return (n, width * 2 if self.format == INT4 else width)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.zero) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The (N, K) float weight these codes stand for."""
+        if self.format == INT8:
+            return (self.codes.float() * self.scale.float()[:, None]).to(dtype)
+        n, k = self.shape
+        codes = unpack_int4(self.codes).float().reshape(n, k // self.group, self.group)
+        w = (codes - _INT4_MIDDLE) * self.scale.float()[..., None] + self.zero.float()[..., None]
+        return w.reshape(n, k).to(dtype)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors to store, by the suffix they are stored under."""
+        held = {"codes": self.codes, "scale": self.scale}
+        if self.zero is not None:
+            held["zero"] = self.zero
+        return held
+
+    @classmethod
+    def from_tensors(cls, format: str, tensors: dict[str, torch.Tensor]) -> QuantizedWeight:
+        """A weight from what `tensors()` stored (the group follows from the shapes)."""
+        check_format(format)
+        codes, scale = tensors["codes"], tensors["scale"]
+        if format == INT8:
+            return cls(INT8, codes, scale)
+        return cls(INT4, codes, scale, tensors["zero"], group=codes.shape[1] * 2 // scale.shape[1])
+
+
+def check_format(format: str) -> None:
+    if format not in FORMATS:
+        raise ValueError(f"weights format must be one of {', '.join(FORMATS)}, got {format!r}")
+
+
+def int4_fits(in_features: int, group: int = INT4_GROUP) -> bool:
+    return in_features > 0 and in_features % group == 0 and group % 2 == 0
+
+
+def quantize(w: torch.Tensor, format: str, *, group: int = INT4_GROUP) -> QuantizedWeight:
+    """An (N, K) float weight in `format` (int4 needs K a multiple of `group`)."""
+    check_format(format)
+    if w.ndim != 2 or not w.is_floating_point():
+        raise ValueError(f"quantize needs a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
+    w = w.detach().float()
+    if format == INT8:
+        scale = w.abs().amax(dim=1) / _INT8_MAX
+        scale = torch.where(scale > 0, scale, 1.0)  # an all-zero row: any scale gives zero codes
+        codes = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
+        return QuantizedWeight(INT8, codes, scale)
+    n, k = w.shape
+    if not int4_fits(k, group):
+        raise ValueError(f"int4 needs the input width ({k}) to be a multiple of its even group size {group}")
+    grouped = w.reshape(n, k // group, group)
+    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+    # bf16 scale and zero, rounded before the codes are chosen so that the codes fit what is stored
+    scale = ((high - low) / _INT4_LEVELS).to(torch.bfloat16)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = (low + _INT4_MIDDLE * scale.float()).to(torch.bfloat16)
+    codes = torch.round((grouped - zero.float()[..., None]) / scale.float()[..., None] + _INT4_MIDDLE)
+    codes = codes.clamp_(0, _INT4_LEVELS).to(torch.uint8).reshape(n, k)
+    return QuantizedWeight(INT4, pack_int4(codes), scale, zero, group)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0..15 -> (N, K/2) uint8, the even k in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K/2) uint8 -> (N, K) uint8 codes 0..15."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x · ŵᵀ in float32 with ŵ the dequantized weight: what every quantized kernel approximates."""
+    return (x.float() @ weight.dequantize().T).to(x.dtype)
+
+
+def relative_error(approximate: torch.Tensor, exact: torch.Tensor) -> float:
+    """‖approximate − exact‖ / ‖exact‖, in float64."""
+    exact = exact.double()
+    return float((approximate.double() - exact).norm() / exact.norm())
