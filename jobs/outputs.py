@@ -7,6 +7,8 @@ killed half-way leaves only `.tmp-…` entries, which `remove_leftovers` deletes
 
 from __future__ import annotations
 
+import gzip
+import io
 import os
 import re
 import secrets
@@ -15,8 +17,12 @@ import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
+
 TMP_PREFIX = ".tmp-"
 MAX_STEM = 80
+TEXT_FILE = "text.txt.gz"  # the extracted text the model read, so a search hit can show its passage
+OFFSETS_FILE = "offsets.npy"  # int64 (chunks, 2): each chunk's [start, end) character offsets in that text
 
 
 def output_name(source_name: str, sha256: str) -> str:
@@ -33,6 +39,26 @@ def safe_stem(name: str) -> str:
     stem = stem.rsplit(".", 1)[0] if "." in stem.lstrip(".") else stem
     stem = re.sub(r"[^\w.-]+", "_", stem).strip("._-")
     return stem[:MAX_STEM] or "document"
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """`array` as the bytes of a .npy file."""
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def compressed_text(text: str) -> bytes:
+    """`text` as gzip bytes, the same bytes for the same text (no timestamp inside)."""
+    return gzip.compress(text.encode(), mtime=0)
+
+
+def read_text(folder: Path) -> str | None:
+    """The extracted text kept in an output folder; None for outputs written before it was kept."""
+    try:
+        return gzip.decompress((folder / TEXT_FILE).read_bytes()).decode()
+    except FileNotFoundError:
+        return None
 
 
 def temporary_path(folder: Path, label: str) -> Path:
