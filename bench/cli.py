@@ -387,3 +387,39 @@ def queue_bench(processes: int, n_jobs: int, rounds: int) -> None:
     Console().print(table)
     click.echo(f"median {statistics.median(r.jobs_per_second for r in runs):,.0f} jobs/s; "
                f"duplicates {sum(r.duplicates for r in runs)}, lost {sum(r.lost for r in runs)}")
+
+
+@bench.command("search")
+@click.option("--documents", type=click.IntRange(min=1), default=10_000, show_default=True,
+              help="Documents in the index.")
+@click.option("--chunks", type=click.IntRange(min=1), default=8, show_default=True, help="Chunks per document.")
+@click.option("--dim", "dims", multiple=True, type=click.IntRange(min=1), default=(64, 2048), show_default=True,
+              help="Vector width (repeatable); 64 is the demo model's.")
+@click.option("-k", "k", type=click.IntRange(min=1), default=10, show_default=True, help="Chunks asked for.")
+@click.option("--queries", type=click.IntRange(min=1), default=50, show_default=True, help="Timed queries.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed for the vectors.")
+@_json_option
+def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, queries: int, seed: int,
+                 json_path: Path | None) -> None:
+    """Search query latency on an index of random vectors (sqlite-vec, exact): median and p95 for k chunks."""
+    import dataclasses
+    import tempfile
+
+    from npumoe.bench.machine import describe_machine
+    from npumoe.bench.search import run_search_benchmark
+
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for dim in dims:
+            _err.print(f"filling {documents:,} documents × {chunks} chunks at {dim} dimensions", style="dim")
+            results.append(run_search_benchmark(Path(folder), dim=dim, documents=documents, chunks=chunks, k=k,
+                                                queries=queries, seed=seed))
+    table = Table("dim", "chunks", "fill s", "MB", f"median ms (k={k})", "p95 ms",
+                  title=f"search: {documents:,} documents × {chunks} chunks, {queries} queries")
+    for r in results:
+        table.add_row(str(r.dim), f"{r.documents * r.chunks_per_document:,}", f"{r.fill_seconds:.1f}",
+                      f"{r.database_mb:,.0f}", f"{r.median_ms:.1f}", f"{r.p95_ms:.1f}")
+    Console().print(table)
+    _write_json(json_path, describe_machine(1), {"documents": documents, "chunks": chunks, "k": k,
+                                                  "queries": queries, "seed": seed},
+                [dataclasses.asdict(r) for r in results])

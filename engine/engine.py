@@ -5,14 +5,15 @@ prompt around them. Each section is prefilled chunk by chunk (fixed chunk length
 carried across chunks) and summarised by greedy decoding from the prefilled cache. With more than
 one section the section summaries are combined (map, then reduce, repeated until one is left):
 a long document is never silently truncated. Embeddings are the final hidden states mean-pooled
-per chunk and over the whole document, L2-normalised.
+per chunk and over the whole document, L2-normalised; `embed` makes a search query's vector the
+same way, so queries and chunks share one space.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,7 @@ class RunStats:
 class DocumentResult:
     summary: str
     embeddings: np.ndarray  # float32, (n_chunks + 1, hidden): one L2-normalised row per chunk, last = document
+    spans: np.ndarray  # int64, (n_chunks, 2): each chunk's [start, end) character offsets in the text
     stats: RunStats
 
 
@@ -180,7 +182,9 @@ class Engine:
         summary; it may block (a pause) or raise (an abort, which propagates)."""
         if not text.strip():
             raise ValueError("document text is empty or whitespace only: nothing to process")
-        doc = self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        tokenizer = self.loaded.tokenizer
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+        doc = encoded["input_ids"]
         run = _Run(on_progress, tokens_total=len(doc))
         self.runtime.stats = DispatchStats()
 
@@ -188,15 +192,18 @@ class Engine:
         chunk_means, chunk_sizes, summaries = self._map(sections, run)
         summary, rounds = self._reduce(summaries, run)
 
-        document = (chunk_means * chunk_sizes[:, None]).sum(0) / chunk_sizes.sum()  # (H,): mean over every token
+        document = _token_mean(chunk_means, chunk_sizes)
         embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
+        token_ends = np.cumsum(chunk_sizes.cpu().numpy().astype(np.int64))  # chunks follow each other in `doc`
+        spans = (_offset_spans(encoded["offset_mapping"], token_ends) if tokenizer.is_fast
+                 else _decoded_spans(tokenizer, doc, token_ends))
         run.seconds["total"] = time.perf_counter() - run.started
         stats = RunStats(tokens=len(doc), chunks=len(chunk_sizes), chunk_tokens=self.chunk_tokens,
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
-        return DocumentResult(summary=self.loaded.tokenizer.decode(summary, skip_special_tokens=True).strip(),
-                              embeddings=embeddings.cpu().numpy(), stats=stats)
+        return DocumentResult(summary=tokenizer.decode(summary, skip_special_tokens=True).strip(),
+                              embeddings=embeddings.cpu().numpy(), spans=spans, stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Prefill each section after the prompt prefix, pooling the document tokens of every chunk, then
@@ -205,7 +212,7 @@ class Engine:
 
         Returns (n_chunks, H) mean final hidden state per chunk, (n_chunks,) document tokens per chunk,
         and each section's summary tokens."""
-        prefix = self._summarize.prefix
+        prefix = self._summarize.prefix  # only its length counts here: _pool_chunks puts it before each section
         chunks_total = sum(math.ceil((len(prefix) + len(section)) / self.chunk_tokens) for section in sections)
         chunks_done = 0
         means: list[torch.Tensor] = []
@@ -214,15 +221,13 @@ class Engine:
         for section in sections:
             tick = time.perf_counter()
             cache = new_cache(self.loaded.model)
-            position = 0  # in the prefilled stream: prefix, then section
-            for hidden in prefill(self.loaded.model, [*prefix, *section], self.chunk_tokens, cache):  # (n, H)
-                document = hidden[max(0, len(prefix) - position):]  # this chunk's document tokens
-                position += hidden.shape[0]
+            for pooled in self._pool_chunks(section, cache):
                 chunks_done += 1
-                if len(document):
-                    means.append(document.float().mean(0))
-                    sizes.append(len(document))
-                    run.tokens_done += len(document)
+                if pooled is not None:
+                    mean, size = pooled
+                    means.append(mean)
+                    sizes.append(size)
+                    run.tokens_done += size
                 run.report(PREFILL, chunks_done, chunks_total)
             run.seconds[PREFILL] += time.perf_counter() - tick
             tick = time.perf_counter()
@@ -231,6 +236,31 @@ class Engine:
             run.report(SUMMARY, len(summaries), len(sections))
         stacked = torch.stack(means)
         return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
+
+    def _pool_chunks(self, section: Sequence[int], cache: Any) -> Iterator[tuple[torch.Tensor, int] | None]:
+        """Prefill the summary prompt's prefix then `section` into `cache`, one chunk at a time; for each chunk
+        yield the mean final hidden state (H,) of its section tokens and their count, or None when the chunk
+        holds only prefix tokens."""
+        prefix = self._summarize.prefix
+        position = 0  # in the prefilled stream: prefix, then section
+        for hidden in prefill(self.loaded.model, [*prefix, *section], self.chunk_tokens, cache):  # (n, H)
+            tokens = hidden[max(0, len(prefix) - position):]  # this chunk's section tokens
+            position += hidden.shape[0]
+            yield (tokens.float().mean(0), len(tokens)) if len(tokens) else None
+
+    def embed(self, text: str) -> np.ndarray:
+        """(H,) float32 vector of a text, such as a search query, made exactly as a document's vector is: each
+        section after the same prompt prefix, in the same chunks, final hidden states mean-pooled over the
+        text's tokens, L2-normalised. No summary is decoded."""
+        if not text.strip():
+            raise ValueError("text is empty or whitespace only: nothing to embed")
+        ids = self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        self.runtime.stats = DispatchStats()
+        pooled = [chunk for section in windows(ids, self._section_tokens)
+                  for chunk in self._pool_chunks(section, new_cache(self.loaded.model)) if chunk is not None]
+        means = torch.stack([mean for mean, _ in pooled])
+        sizes = torch.tensor([size for _, size in pooled], dtype=torch.float32, device=means.device)
+        return torch.nn.functional.normalize(_token_mean(means, sizes), dim=-1).cpu().numpy()
 
     def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int]:
         """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds)."""
@@ -264,3 +294,24 @@ class Engine:
     def close(self) -> None:
         """Detach the engine from the model (its experts implementation goes back to what it was)."""
         self.runtime.detach()
+
+
+def _token_mean(means: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """(H,) mean over every token, from per-chunk means (n, H) and token counts (n,)."""
+    return (means * sizes[:, None]).sum(0) / sizes.sum()
+
+
+def _offset_spans(offsets: Sequence[tuple[int, int]], token_ends: np.ndarray) -> np.ndarray:
+    """(n, 2) character spans of consecutive token ranges ending at `token_ends`, from the tokenizer's offsets."""
+    starts = np.concatenate([[0], token_ends[:-1]])
+    return np.array([[offsets[a][0], offsets[b - 1][1]] for a, b in zip(starts, token_ends, strict=True)],
+                    dtype=np.int64).reshape(-1, 2)
+
+
+def _decoded_spans(tokenizer: Any, ids: Sequence[int], token_ends: np.ndarray) -> np.ndarray:
+    """The same for a tokenizer without offsets (a slow, Python one): each chunk's decoded length, added up.
+    Approximate where a chunk boundary splits a character or the decoder changes spacing."""
+    starts = np.concatenate([[0], token_ends[:-1]])
+    lengths = [len(tokenizer.decode(ids[a:b])) for a, b in zip(starts, token_ends, strict=True)]
+    ends = np.cumsum(lengths, dtype=np.int64)
+    return np.stack([ends - lengths, ends], axis=1).reshape(-1, 2)

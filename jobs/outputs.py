@@ -7,6 +7,8 @@ killed half-way leaves only `.tmp-…` entries, which `remove_leftovers` deletes
 
 from __future__ import annotations
 
+import gzip
+import io
 import os
 import re
 import secrets
@@ -14,6 +16,10 @@ import shutil
 import unicodedata
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numpy is imported where it is used: the extraction child imports this module (through
+    import numpy as np  # files.py) under a capped address space, which numpy's thread buffers would eat into
 
 TMP_PREFIX = ".tmp-"
 NAME_MAX_BYTES = 255  # the longest file name most file systems take (ext4, APFS, NTFS), in bytes
@@ -22,6 +28,8 @@ _TOKEN = 9  # "-" and 8 hex digits: the sha8 of an output name, or a temporary n
 # The longest name made from a stem: the temporary name of the old output folder a rewrite replaces,
 # `.tmp-old-<stem>-<sha8>-<hex8>`; capping the stem so that fits keeps every name derived from it legal.
 MAX_STEM_BYTES = NAME_MAX_BYTES - len(f"{TMP_PREFIX}old-") - 2 * _TOKEN
+TEXT_FILE = "text.txt.gz"  # the extracted text the model read, so a search hit can show its passage
+OFFSETS_FILE = "offsets.npy"  # int64 (chunks, 2): each chunk's [start, end) character offsets in that text
 
 
 def output_name(source_name: str, sha256: str) -> str:
@@ -48,6 +56,28 @@ def truncate_utf8(text: str, max_bytes: int) -> str:
     if len(encoded) <= max_bytes:
         return text
     return encoded[:max_bytes].decode("utf-8", "ignore")
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    """`array` as the bytes of a .npy file."""
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def compressed_text(text: str) -> bytes:
+    """`text` as gzip bytes, the same bytes for the same text (no timestamp inside)."""
+    return gzip.compress(text.encode(), mtime=0)
+
+
+def read_text(folder: Path) -> str | None:
+    """The extracted text kept in an output folder; None for outputs written before it was kept."""
+    try:
+        return gzip.decompress((folder / TEXT_FILE).read_bytes()).decode()
+    except FileNotFoundError:
+        return None
 
 
 def temporary_path(folder: Path, label: str) -> Path:

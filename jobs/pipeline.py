@@ -13,7 +13,6 @@ job, so the outputs always describe exactly the content that was queued.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -35,8 +34,17 @@ from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, Mode
 from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
 from npumoe.jobs.faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
 from npumoe.jobs.files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
+from npumoe.jobs.index import IndexEntry, write_entry
 from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
-from npumoe.jobs.outputs import output_name, temporary_path, write_folder
+from npumoe.jobs.outputs import (
+    OFFSETS_FILE,
+    TEXT_FILE,
+    compressed_text,
+    npy_bytes,
+    output_name,
+    temporary_path,
+    write_folder,
+)
 from npumoe.jobs.queue import Job, Queue
 
 if TYPE_CHECKING:
@@ -161,7 +169,9 @@ class Pipeline:
         meta = self._meta(job, source, engine, extracted, result, meter, extract_s)
         files = {
             "summary.md": _summary_markdown(source.name, self.model.settings.model, result).encode(),
-            "embeddings.npy": _npy(result.embeddings),
+            "embeddings.npy": npy_bytes(np.asarray(result.embeddings, dtype=np.float32)),
+            OFFSETS_FILE: npy_bytes(np.asarray(result.spans, dtype=np.int64)),
+            TEXT_FILE: compressed_text(extracted.text),
             "meta.json": meta.to_json(),
         }
         with blamed_on(self.folders.outbox):
@@ -263,9 +273,12 @@ class Pipeline:
         return out if meta.get("job_id") == job.id and meta.get("sha256") == job.sha256 else None
 
     def _complete(self, job: Job, out: Path, source: Path, identity: Identity | None) -> Outcome:
-        """Mark the job done, then settle the original: only the very file that was read (`identity`; None when
-        this attempt did not read it), and a file saved again meanwhile is queued as a new document instead."""
-        if not self.queue.complete(job.id, self.pid, output_dir=str(out)):
+        """Mark the job done and index its outputs in the same transaction, then settle the original: only the
+        very file that was read (`identity`; None when this attempt did not read it), and a file saved again
+        meanwhile is queued as a new document instead."""
+        entry = IndexEntry.read(out)  # from the files just written: what `npumoed reindex` would read too
+        if not self.queue.complete(job.id, self.pid, output_dir=str(out),
+                                   on_done=lambda conn: write_entry(conn, entry)):
             raise Lost
         self.settle(job, source, identity)
         return Outcome(job.id, "done", output_dir=out)
@@ -362,12 +375,6 @@ def _summary_markdown(name: str, model: str, result: DocumentResult) -> str:
     facts = [f"model `{model}`", f"{result.stats.chunks} chunks", f"{result.stats.tokens} tokens"]
     title = " ".join(_readable(name).split())  # no newlines from a hostile file name in the heading
     return f"# {title}\n\n_{' · '.join(facts)}_\n\n{result.summary.strip()}\n"
-
-
-def _npy(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, np.asarray(array, dtype=np.float32))
-    return buffer.getvalue()
 
 
 def _safe_suffix(path: Path) -> str:

@@ -25,6 +25,7 @@ import psutil
 from sqlalchemy import Connection, Engine, create_engine, delete, event, func, insert, select, update
 from sqlalchemy.pool import NullPool
 
+from npumoe.jobs import sqlite
 from npumoe.jobs.files import Identity
 from npumoe.jobs.schema import STATES, control, daemon, inbox_files, jobs, migrate
 
@@ -90,11 +91,12 @@ def pid_alive(pid: int) -> bool:
 
 def _engine(path: Path, *, immediate: bool, read_only: bool = False) -> Engine:
     url = f"sqlite:///file:{path}?mode=ro&uri=true" if read_only else f"sqlite:///{path}"
-    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 30})
+    engine = create_engine(url, module=sqlite.driver, poolclass=NullPool, connect_args={"timeout": 30})
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _: Any) -> None:
         dbapi_conn.isolation_level = None  # pysqlite's own BEGIN would defer the lock; we issue ours
+        sqlite.load_extensions(dbapi_conn)  # the search index's vector tables live in this database
         if not read_only:
             dbapi_conn.execute("PRAGMA journal_mode=WAL")
             dbapi_conn.execute("PRAGMA synchronous=NORMAL")
@@ -207,14 +209,20 @@ class Queue:
             updated = conn.execute(update(jobs).where(*self._owned(job_id, worker_pid)).values(**values))
         return updated.rowcount == 1
 
-    def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None) -> bool:
+    def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None,
+                 on_done: Callable[[sqlite.Connection], None] | None = None) -> bool:
+        """Mark the job done. `on_done` runs on the same connection inside the same transaction (the search
+        index writes there), so the job is done and indexed together, or neither if either fails."""
         now = self.clock()
         with self._tx() as conn:
-            return conn.execute(
+            done = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
                 .values(state="done", progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
                         lease_until=None, last_error=None, error_kind=None)
             ).rowcount == 1
+            if done and on_done is not None:
+                on_done(conn.connection.dbapi_connection)
+            return done
 
     def fail(self, job_id: int, worker_pid: int, error: str, *, kind: str = "error",
              retryable: bool = True) -> str | None:

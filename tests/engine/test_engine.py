@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from npumoe.engine import Engine, EngineSettings, Progress, load_model
+from npumoe.engine import engine as engine_module
 from npumoe.engine.summary import SUMMARIZE, PromptFrame, stop_ids
 
 CHUNK = 128
@@ -165,3 +166,47 @@ def test_the_model_key_is_the_loaded_checkpoint_key_and_close_restores_eager(fol
     assert engine.loaded.model.config._experts_implementation == "npumoe"
     engine.close()
     assert engine.loaded.model.config._experts_implementation == "eager"
+
+
+def test_each_chunk_knows_the_characters_its_tokens_came_from(engine, harbour, prefix):
+    text = "Grüße — " + harbour[:600]  # multi-byte characters: one character, several byte tokens
+    result = engine.process(text)
+    spans = result.spans.tolist()
+    assert len(spans) == result.stats.chunks and result.spans.dtype == np.int64
+    assert spans[0][0] == 0 and spans[-1][1] == len(text)
+    assert all(a[1] <= b[0] + 1 for a, b in pairwise(spans))  # consecutive (a split character is in both)
+    ascii_spans = engine.process(harbour[:600]).spans  # one byte, one token, one character
+    sizes = [CHUNK - len(prefix), *[CHUNK] * (len(ascii_spans) - 2)]
+    assert (ascii_spans[:-1, 1] - ascii_spans[:-1, 0]).tolist() == sizes
+
+
+def test_spans_come_from_decoded_lengths_for_a_tokenizer_without_offsets(engine, harbour, monkeypatch):
+    with_offsets = engine.process(harbour[:600]).spans
+    calls = []
+    decoded_spans = engine_module._decoded_spans
+    monkeypatch.setattr(engine_module, "_decoded_spans", lambda *args: calls.append(args) or decoded_spans(*args))
+    monkeypatch.setattr(type(engine.loaded.tokenizer), "is_fast", property(lambda self: False))
+    decoded = engine.process(harbour[:600]).spans
+    assert len(calls) == 1
+    np.testing.assert_array_equal(decoded, with_offsets)  # ASCII: a chunk's decoded length is its byte count
+
+
+@pytest.mark.parametrize("length", [300, 700])
+def test_a_texts_vector_is_made_the_way_a_documents_vector_is(engine, harbour, orchard, length):
+    text = harbour[:length]
+    vector = engine.embed(text)
+    assert vector.shape == (64,) and vector.dtype == np.float32
+    np.testing.assert_allclose(vector, engine.process(text).embeddings[-1], atol=1e-5)
+    assert float(vector @ engine.embed(orchard[:length])) < 0.9999  # another text, another vector
+
+
+def test_a_text_longer_than_a_section_is_embedded_section_by_section(engine, harbour, orchard):
+    text = harbour + "\n\n" + orchard
+    result = engine.process(text)
+    assert result.stats.sections >= 2
+    np.testing.assert_allclose(engine.embed(text), result.embeddings[-1], atol=1e-5)
+
+
+def test_an_empty_text_is_not_embedded(engine):
+    with pytest.raises(ValueError, match="empty or whitespace only"):
+        engine.embed(" \n")

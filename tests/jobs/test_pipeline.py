@@ -30,7 +30,8 @@ from npumoe.jobs.errors import ExtractionError, MissingDependency, Stop
 from npumoe.jobs.extract import ExtractLimits
 from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.files import Folders
-from npumoe.jobs.outputs import temporary_path
+from npumoe.jobs.index import SearchIndex
+from npumoe.jobs.outputs import read_text, temporary_path
 from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
 from npumoe.jobs.queue import Backoff, Job, Queue
 
@@ -57,7 +58,9 @@ class StandInEngine:
                          seconds={"prefill": 0.1, "summary": 0.2, "reduce": 0.0, "total": 0.3},
                          dispatch=DispatchStats())
         rows = np.arange((self.chunks + 1) * 4, dtype=np.float32).reshape(self.chunks + 1, 4)
-        return DocumentResult(summary="The stand-in summary.", embeddings=rows, stats=stats)
+        cuts = np.linspace(0, len(text), self.chunks + 1).astype(np.int64)
+        spans = np.stack([cuts[:-1], cuts[1:]], axis=1)  # the text in equal parts, one per chunk
+        return DocumentResult(summary="The stand-in summary.", embeddings=rows, spans=spans, stats=stats)
 
 
 @dataclass
@@ -119,13 +122,16 @@ def setup(tmp_path: Path) -> Setup:
     return Setup(tmp_path)
 
 
-def test_a_document_becomes_three_outputs_and_a_done_job(setup: Setup) -> None:
+def test_a_document_becomes_five_outputs_and_a_done_job(setup: Setup) -> None:
     outcome, job = setup.run(setup.document())
     assert outcome.state == "done" and job.state == "done"
     out = Path(job.output_dir or "")
     assert out.parent == setup.outbox and out.name == f"notes-{job.sha256[:8]}"
-    assert sorted(p.name for p in out.iterdir()) == ["embeddings.npy", "meta.json", "summary.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "embeddings.npy", "meta.json", "offsets.npy", "summary.md", "text.txt.gz"]
     assert np.load(out / "embeddings.npy").shape == (4, 4)  # three chunks plus the document vector
+    assert read_text(out) == TEXT.strip()  # the text the engine read, kept for showing passages
+    assert np.load(out / "offsets.npy").tolist() == [[0, 31], [31, 62], [62, 93]]
     summary = (out / "summary.md").read_text()
     assert summary.startswith("# notes.md\n") and "The stand-in summary." in summary
     meta = json.loads((out / "meta.json").read_text())
@@ -439,3 +445,22 @@ def test_a_file_saved_again_after_its_snapshot_is_not_settled_and_its_new_conten
     assert path.read_text() == new_text and list(setup.processed.iterdir()) == []
     [new] = setup.queue.list("queued")
     assert new.sha256 == hashlib.sha256(new_text.encode()).hexdigest() and new.path == job.path
+
+
+def test_a_done_document_is_in_the_search_index(setup: Setup) -> None:
+    _, job = setup.run(setup.document())
+    index = SearchIndex(setup.root / "queue.db")
+    try:
+        (itself,) = index.similar(job.id, 5)
+    finally:
+        index.close()
+    assert itself.document.job_id == job.id and itself.document.output_dir == job.output_dir
+
+
+def test_a_document_that_cannot_be_indexed_is_not_done(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(conn: object, entry: object) -> None:
+        raise RuntimeError("index refused")
+
+    monkeypatch.setattr(pipeline, "write_entry", refuse)
+    outcome, job = setup.run(setup.document())
+    assert outcome.state == job.state == "failed" and "index refused" in (job.last_error or "")

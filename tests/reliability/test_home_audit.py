@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from home_audit import audit
 
-from npumoe.jobs.outputs import output_name, temporary_path, write_folder
+from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, output_name, temporary_path, write_folder
 from npumoe.jobs.queue import Queue
 
 PID = 4242
@@ -44,7 +44,7 @@ class FakeHome:
         meta = {"job_id": job.id, "sha256": sha, "chunks": 2, "embeddings": {"dim": 4}}
         out = write_folder(self.root / "outbox", output_name(name, sha),
                            {"summary.md": f"# {name}\n".encode(), "embeddings.npy": npy(3),
-                            "meta.json": json.dumps(meta).encode()})
+                            "meta.json": json.dumps(meta).encode(), OFFSETS_FILE: b"", TEXT_FILE: b""})
         assert self.queue.complete(job.id, PID, output_dir=str(out))
         self.dropped[sha] = name
         return sha
@@ -77,7 +77,7 @@ def test_a_half_written_output_folder_is_a_loss(fake_home: FakeHome) -> None:
     sha, name = next(iter(home.dropped.items()))
     (home.root / "outbox" / output_name(name, sha) / "embeddings.npy").unlink()
     result = audit(home.root, home.dropped, originals_moved=True)
-    assert result.losses == [f"{name}: output folder holds ['meta.json', 'summary.md']"]
+    assert result.losses == [f"{name}: output folder holds ['meta.json', 'offsets.npy', 'summary.md', 'text.txt.gz']"]
 
 
 def test_the_same_document_done_twice_is_a_duplicate(fake_home: FakeHome) -> None:

@@ -1,0 +1,172 @@
+"""`npumoed search`, `similar` and `reindex`: finding things in what was processed.
+
+`search` loads the configured model itself to embed the query (a running daemon's copy is not
+shared): the price is one model load per search, which the README states. `similar` and
+`reindex` need no model.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.text import Text
+
+from npumoe.daemon.cli.app import App, emit_json, pass_app
+from npumoe.daemon.home import Home
+from npumoe.jobs.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
+from npumoe.jobs.outputs import read_text
+from npumoe.jobs.passages import Passage, passage, query_terms
+
+HIGHLIGHT = "bold yellow"
+
+
+@click.command()
+@click.argument("query")
+@click.option("-k", "k", type=click.IntRange(1, 1000), default=10, show_default=True,
+              help="How many chunks to return, grouped by document.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@pass_app
+def search(app: App, query: str, k: int, as_json: bool) -> None:
+    """The passages of processed documents that best match QUERY.
+
+    The query is embedded by the configured model exactly as document chunks are, and each chunk is scored
+    by that vector's cosine similarity and by how much of the query's words it holds. Loads the model.
+    """
+    from npumoe.daemon.cli.engine import _quiet_transformers
+    from npumoe.daemon.models import engine_settings, load_engine
+
+    if not query.strip():
+        raise click.BadParameter("the query is empty", param_hint="QUERY")
+    index = _open(app.home)
+    try:
+        if not index.models():
+            raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
+        _quiet_transformers()
+        try:
+            engine = load_engine(engine_settings(app.config, app.home, threads=None))
+        except Exception as e:  # any failure to load is the model's, and the person needs its words
+            raise click.ClickException(f"cannot load the model {app.config.model.name}: {e}") from e
+        try:
+            results = index.search(engine.model_key, engine.embed(query), query, k)
+        except NotIndexed as e:
+            raise click.ClickException(str(e)) from e
+        finally:
+            engine.close()
+    finally:
+        index.close()
+    terms = query_terms(query)
+    rows = [_result(hits, terms) for hits in results]
+    if as_json:
+        emit_json({"query": query, "model_key": engine.model_key, "results": rows})
+        return
+    _print_results(rows, terms)
+
+
+@click.command()
+@click.argument("document")
+@click.option("-k", "k", type=click.IntRange(1, 1000), default=10, show_default=True,
+              help="How many documents to list, the document itself first.")
+@click.option("--json", "as_json", is_flag=True, help="Print the documents as JSON.")
+@pass_app
+def similar(app: App, document: str, k: int, as_json: bool) -> None:
+    """The processed documents nearest to DOCUMENT (a file that was processed, or its job id)."""
+    index = _open(app.home)
+    try:
+        neighbours = index.similar(_job_id(app, document), k)
+    except NotIndexed as e:
+        raise click.ClickException(str(e)) from e
+    finally:
+        index.close()
+    if as_json:
+        emit_json({"document": document, "similar": [_neighbour(n) for n in neighbours]})
+        return
+    console = Console()
+    for rank, n in enumerate(neighbours, 1):
+        line = Text(f"{rank:>2}. {n.score:.3f}  ")
+        line.append(n.document.source, style="bold")
+        line.append(f"  (#{n.document.job_id})  {n.document.summary}", style="dim")
+        console.print(line)
+
+
+@click.command("reindex")
+@pass_app
+def reindex_command(app: App) -> None:
+    """Rebuild the search index from the outbox (its embeddings.npy, offsets.npy and text.txt.gz files).
+
+    Holds the database's write lock while it runs: best while the daemon is paused or stopped.
+    """
+    app.queue  # noqa: B018 -- opening the queue creates the database when there is none yet
+    done = reindex(app.home.database, app.home.outbox)
+    for problem in done.skipped:
+        click.echo(f"npumoed: skipped {problem}", err=True)
+    click.echo(f"indexed {done.documents} document(s) from {app.home.outbox}")
+
+
+def _open(home: Home) -> SearchIndex:
+    try:
+        return SearchIndex(home.database)
+    except FileNotFoundError as e:
+        raise click.ClickException(f"nothing is indexed yet: {e}") from e
+
+
+def _job_id(app: App, document: str) -> int:
+    """A job id as given, or the newest done job of a file's content."""
+    from npumoe.daemon.intake import sha256_of
+    from npumoe.jobs.errors import FileRefused
+
+    path = Path(document).expanduser()
+    if re.fullmatch(r"#?\d+", document) and not path.exists():
+        return int(document.lstrip("#"))
+    try:
+        sha256 = sha256_of(path)
+    except FileRefused as e:
+        raise click.BadParameter(f"{e} (give a processed file or a job id)", param_hint="DOCUMENT") from e
+    done = [job.id for job in app.queue.list("done") if job.sha256 == sha256]
+    if not done:
+        raise click.ClickException(f"{path} has not been processed (no done job has its content)")
+    return max(done)
+
+
+def _result(hits: DocumentHits, terms: list[str]) -> dict[str, Any]:
+    doc = hits.document
+    text = read_text(Path(doc.output_dir))
+    passages = []
+    for chunk in hits.chunks:
+        shown: Passage | None = None
+        if text is not None and chunk.start is not None and chunk.end is not None:
+            shown = passage(text, chunk.start, chunk.end, terms)
+        passages.append({"chunk": chunk.ordinal, "score": round(chunk.score, 4), "cosine": round(chunk.cosine, 4),
+                         "words": round(chunk.words, 4),
+                         "phrase": chunk.phrase, "start": shown.start if shown else None,
+                         "end": shown.end if shown else None, "text": shown.text if shown else None})
+    return {"job_id": doc.job_id, "source": doc.source, "output_dir": doc.output_dir, "summary": doc.summary,
+            "score": round(hits.score, 4), "passages": passages}
+
+
+def _neighbour(n: Neighbour) -> dict[str, Any]:
+    return {"job_id": n.document.job_id, "source": n.document.source, "output_dir": n.document.output_dir,
+            "summary": n.document.summary, "score": round(n.score, 4)}
+
+
+def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
+    console = Console()
+    if not rows:
+        console.print("no matches")
+    words = re.compile(r"(?<![^\W_])(" + "|".join(map(re.escape, terms)) + r")(?![^\W_])", re.IGNORECASE)
+    for rank, row in enumerate(rows, 1):
+        heading = Text(f"{rank:>2}. {row['score']:.3f}  ")  # Text, not markup: names and passages print as they are
+        heading.append(row["source"], style="bold")
+        heading.append(f"  (#{row['job_id']})")
+        console.print(heading)
+        if row["summary"]:
+            console.print(Text(f"    {row['summary']}", style="dim"))
+        for shown in row["passages"]:
+            line = Text(f"    {shown['score']:.3f}  ")
+            body = Text(shown["text"] if shown["text"] is not None else f"(chunk {shown['chunk']}: no text kept)")
+            if terms:
+                body.highlight_regex(words, HIGHLIGHT)
+            console.print(line + body)

@@ -1,0 +1,124 @@
+"""`npumoed search`, `similar` and `reindex` on the sample documents, processed by the daemon with the tiny model.
+
+The samples are written from one pool of sentences: every sentence of five of them also appears in another
+sample. Text that names one document is therefore a run of two sentences found together only in it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from npumoe.daemon.cli import main
+from npumoe.daemon.cli.search import _print_results
+from npumoe.daemon.samples import FILENAMES, sample_documents, write_samples
+from npumoe.jobs import sqlite
+from npumoe.jobs.index import _drop_tables
+
+CONFIG = """
+[model]
+name = "{model}"
+chunk_tokens = 128
+summary_tokens = 8
+
+[scheduler]
+max_foreground_load = 1.0  # other test runs share these cores
+
+[cpu]
+threads = 1
+background_priority = false
+"""
+
+
+def flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def identifying_text(filename: str) -> str:
+    """The first two consecutive sentences of a sample that appear together in no other sample."""
+    others = [flat(" ".join(d.paragraphs)) for d in sample_documents() if d.filename != filename]
+    (document,) = (d for d in sample_documents() if d.filename == filename)
+    for paragraph in document.paragraphs:
+        sentences = re.split(r"(?<=\.) ", paragraph)
+        for pair in map(" ".join, pairwise(sentences)):
+            if not any(flat(pair) in other for other in others):
+                return pair
+    raise AssertionError(f"{filename} has no two sentences of its own")
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A home whose daemon processed the six samples once (`npumoed run --once`)."""
+    root = tmp_path_factory.mktemp("search") / "home"
+    root.mkdir()
+    (root / "config.toml").write_text(CONFIG.format(model=tiny_model))
+    inbox = root / "inbox"
+    write_samples(inbox)
+    done = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once", "--inbox", str(inbox)],
+                          env={**os.environ, "NPUMOED_HOME": str(root)}, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and "6 done" in done.stdout, done.stdout + done.stderr
+    return root
+
+
+def npumoed(home: Path, *args: str) -> Any:
+    result = CliRunner().invoke(main, list(args), env={"NPUMOED_HOME": str(home)}, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout) if "--json" in args else result.stdout
+
+
+@pytest.mark.parametrize("filename", FILENAMES)
+def test_text_copied_from_a_sample_finds_it_first_with_the_passage_that_holds_the_text(
+        home: Path, filename: str) -> None:
+    copied = identifying_text(filename)
+    found = npumoed(home, "search", copied, "--json")
+    best = found["results"][0]
+    assert Path(best["source"]).name == filename
+    assert flat(copied) in best["passages"][0]["text"]
+    assert best["passages"][0]["phrase"] is True
+
+
+def test_similar_lists_a_document_itself_first_at_one_then_the_others_ranked(home: Path) -> None:
+    for name in FILENAMES:
+        found = npumoed(home, "similar", str(home / "inbox" / name), "--json")["similar"]
+        assert Path(found[0]["source"]).name == name and found[0]["score"] == pytest.approx(1.0, abs=1e-4)
+        assert sorted(Path(d["source"]).name for d in found) == sorted(FILENAMES)
+        assert [d["score"] for d in found] == sorted((d["score"] for d in found), reverse=True)
+
+
+def test_reindex_after_deleting_the_index_gives_the_same_results(home: Path) -> None:
+    queries = [identifying_text(name) for name in FILENAMES[:2]] + ["energy budget at night"]
+    before = [npumoed(home, "search", q, "--json") for q in queries], npumoed(home, "similar", "1", "--json")
+    conn = sqlite.connect(home / "npumoed.db")
+    _drop_tables(conn)
+    conn.close()
+    gone = CliRunner().invoke(main, ["similar", "1"], env={"NPUMOED_HOME": str(home)})
+    assert gone.exit_code == 1 and "not in the search index" in gone.output
+
+    assert "indexed 6 document(s)" in npumoed(home, "reindex")
+    assert ([npumoed(home, "search", q, "--json") for q in queries], npumoed(home, "similar", "1", "--json")) == before
+
+
+def test_search_prints_documents_with_their_passages(home: Path) -> None:
+    copied = identifying_text("battery-budget.html")
+    shown = npumoed(home, "search", copied, "-k", "3")
+    assert "battery-budget.html" in shown.splitlines()[0] and flat(copied) in flat(shown)
+
+
+def test_names_and_passages_print_as_they_are_not_as_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    rows = [{"job_id": 3, "source": "/in/[bold]notes[/bold].txt", "summary": "[red]first[/red] line", "score": 0.9,
+             "passages": [{"chunk": 0, "score": 0.9, "text": "A [link=x]tide[/link] came in."},
+                          {"chunk": 1, "score": 0.4, "text": None}]}]
+    _print_results(rows, ["tide"])
+    shown = capsys.readouterr().out
+    assert "/in/[bold]notes[/bold].txt" in shown and "[red]first[/red] line" in shown
+    assert "A [link=x]tide[/link] came in." in shown and "(chunk 1: no text kept)" in shown

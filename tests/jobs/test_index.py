@@ -1,0 +1,204 @@
+"""The search index: written with the job's completion, searched by vector and words, rebuilt from the outbox."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from npumoe.jobs import index as index_module
+from npumoe.jobs import sqlite
+from npumoe.jobs.index import IndexEntry, NotIndexed, OutputsUnreadable, SearchIndex, reindex, write_entry
+from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
+from npumoe.jobs.queue import Queue
+
+PID = 77
+MODEL = "tiny@0"
+DIM = 8
+
+
+def unit(*values: float) -> np.ndarray:
+    v = np.zeros(DIM, dtype=np.float32)
+    v[: len(values)] = values
+    return v / np.linalg.norm(v)
+
+
+class Home:
+    """A queue database and an outbox, with documents done through the queue as the pipeline does it."""
+
+    def __init__(self, root: Path) -> None:
+        self.database, self.outbox = root / "npumoed.db", root / "outbox"
+        self.outbox.mkdir(parents=True)
+        self.queue = Queue(self.database)
+
+    def done(self, name: str, paragraphs: list[str], vectors: list[np.ndarray], *, model_key: str = MODEL,
+             settings_key: str = "s", keep_text: bool = True) -> int:
+        """A document of one chunk per paragraph, written and completed; returns its job id."""
+        job, _ = self.queue.add(f"/in/{name}", name.ljust(64, "0"), model_key=model_key, settings_key=settings_key)
+        claimed = self.queue.claim(PID, lease_seconds=60)
+        assert claimed is not None and claimed.id == job.id
+        folder = self.write(name, job.id, paragraphs, vectors, model_key=model_key, keep_text=keep_text)
+        entry = IndexEntry.read(folder)
+        assert self.queue.complete(job.id, PID, output_dir=str(folder), on_done=lambda c: write_entry(c, entry))
+        return job.id
+
+    def write(self, name: str, job_id: int, paragraphs: list[str], vectors: list[np.ndarray], *,
+              model_key: str = MODEL, keep_text: bool = True) -> Path:
+        text = "\n\n".join(paragraphs)
+        starts = [text.index(p) for p in paragraphs]
+        spans = np.array([[s, s + len(p)] for s, p in zip(starts, paragraphs, strict=True)], dtype=np.int64)
+        rows = np.stack([*vectors, unit(*np.mean(vectors, axis=0))])
+        files = {"summary.md": f"# {name}\n\n_facts_\n\nAbout {name}.\nMore.\n".encode(),
+                 "embeddings.npy": npy_bytes(rows),
+                 "meta.json": json.dumps({"job_id": job_id, "model_key": model_key, "source": f"/in/{name}"}).encode()}
+        if keep_text:
+            files |= {OFFSETS_FILE: npy_bytes(spans), TEXT_FILE: compressed_text(text)}
+        return write_folder(self.outbox, name, files)
+
+    def search(self, query: str, vector: np.ndarray, k: int = 10) -> list[tuple[str, int, float]]:
+        index = SearchIndex(self.database)
+        try:
+            return [(Path(hits.document.source).name, chunk.ordinal, round(chunk.score, 5))
+                    for hits in index.search(MODEL, vector, query, k) for chunk in hits.chunks]
+        finally:
+            index.close()
+
+    def similar(self, job_id: int) -> list[tuple[str, float]]:
+        index = SearchIndex(self.database)
+        try:
+            return [(Path(n.document.source).name, round(n.score, 5)) for n in index.similar(job_id, 10)]
+        finally:
+            index.close()
+
+    def count(self, table: str) -> int:
+        conn = sqlite.connect(self.database, read_only=True)
+        try:
+            return conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+        finally:
+            conn.close()
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Home:
+    return Home(tmp_path)
+
+
+@pytest.fixture
+def archive(home: Home) -> Home:
+    home.done("tides.txt", ["The tide came in at dusk and the boats rocked.", "Gulls watched the harbour wall."],
+              [unit(1, 0), unit(1, 0.2)])
+    home.done("orchard.txt", ["Apples ripened slowly in the late sun.", "The boats of the orchard are baskets."],
+              [unit(0, 1), unit(0.3, 1)])
+    home.done("ledger.txt", ["Accounts were settled at the end of the month."], [unit(0.5, 0.5, 1)])
+    return home
+
+
+def test_a_completed_job_is_searchable_by_vector(archive: Home) -> None:
+    hits = archive.search("zzz", unit(0, 1, 0.01))  # no word matches: the vectors alone rank
+    assert hits[0][:2] == ("orchard.txt", 0) and hits[1][:2] == ("orchard.txt", 1)
+    assert [name for name, _, _ in hits][2:] == ["ledger.txt", "tides.txt", "tides.txt"]
+    assert hits[0][2] == pytest.approx(0.5 * float(unit(0, 1) @ unit(0, 1, 0.01)), abs=1e-5)
+
+
+def test_the_query_words_outrank_vectors_and_the_exact_phrase_outranks_scattered_words(archive: Home) -> None:
+    far = unit(0, 0, 0, 1)  # orthogonal to every chunk: cosine 0 everywhere
+    assert archive.search("harbour wall", far)[0][:2] == ("tides.txt", 1)
+    exact, scattered = archive.search("boats rocked", far)[0], archive.search("rocked boats", far)[0]
+    assert exact[:2] == scattered[:2] == ("tides.txt", 0)
+    assert exact[2] == pytest.approx(0.5) and scattered[2] == pytest.approx(0.25)  # all words; in order or not
+
+
+def test_k_limits_the_chunks_returned(archive: Home) -> None:
+    assert len(archive.search("boats", unit(1, 0), k=2)) == 2
+
+
+def test_similar_lists_the_document_itself_first_at_one_then_the_nearest(archive: Home) -> None:
+    found = archive.similar(1)
+    assert found[0] == ("tides.txt", pytest.approx(1.0, abs=1e-5))
+    assert [name for name, _ in found] == ["tides.txt", "ledger.txt", "orchard.txt"]
+    assert found[1][1] > found[2][1]
+
+
+def test_a_failing_index_write_leaves_the_job_undone_and_the_index_unchanged(home: Home) -> None:
+    home.done("before.txt", ["Already here."], [unit(1)])
+    job, _ = home.queue.add("/in/a.txt", "a" * 64, model_key=MODEL, settings_key="s")
+    home.queue.claim(PID, lease_seconds=60)
+    folder = home.write("a.txt", job.id, ["Some words."], [unit(1)])
+    entry = IndexEntry.read(folder)
+
+    def write_then_fail(conn: sqlite.Connection) -> None:
+        write_entry(conn, entry)
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        home.queue.complete(job.id, PID, output_dir=str(folder), on_done=write_then_fail)
+    assert home.queue.get(job.id).state == "running"
+    assert home.count("search_documents") == 1 and home.count("search_chunks") == 1
+
+
+def test_a_rerun_replaces_its_rows_and_a_job_that_takes_over_a_folder_replaces_the_old_jobs(home: Home) -> None:
+    first = home.done("a.txt", ["Old words here.", "More old words."], [unit(1), unit(1, 1)])
+    folder = home.write("a.txt", first, ["New words."], [unit(0, 1)])
+    conn = sqlite.connect(home.database)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        write_entry(conn, IndexEntry.read(folder))  # the same job indexed again
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+    assert home.count("search_documents") == 1 and home.count("search_chunks") == 1
+    assert home.search("old", unit(0, 1))[0][:2] == ("a.txt", 0) and len(home.search("old", unit(0, 1))) == 1
+    second = home.done("a.txt", ["Newer words."], [unit(0, 0, 1)], settings_key="other")  # same content, same folder
+    assert home.count("search_documents") == 1 and home.similar(second)[0][0] == "a.txt"
+    with pytest.raises(NotIndexed):
+        home.similar(first)
+
+
+def test_reindex_after_deleting_the_index_gives_the_same_results(archive: Home) -> None:
+    queries = [("harbour", unit(1, 0)), ("boats", unit(0, 1)), ("zzz", unit(0.5, 0.5, 1))]
+    before = [archive.search(q, v) for q, v in queries], [archive.similar(j) for j in (1, 2, 3)]
+    conn = sqlite.connect(archive.database)
+    index_module._drop_tables(conn)
+    conn.close()
+    with pytest.raises(NotIndexed):
+        archive.similar(1)
+    done = reindex(archive.database, archive.outbox)
+    assert (done.documents, done.skipped) == (3, [])
+    assert ([archive.search(q, v) for q, v in queries], [archive.similar(j) for j in (1, 2, 3)]) == before
+
+
+def test_reindex_skips_unreadable_folders_and_names_them(archive: Home) -> None:
+    (archive.outbox / "broken").mkdir()
+    (archive.outbox / ".tmp-half-written").mkdir()
+    done = reindex(archive.database, archive.outbox)
+    assert done.documents == 3 and len(done.skipped) == 1 and "broken" in done.skipped[0]
+
+
+def test_outputs_from_before_text_was_kept_are_indexed_by_their_vectors(home: Home) -> None:
+    job = home.done("old.txt", ["Words nobody can search."], [unit(1)], keep_text=False)
+    assert home.search("words", unit(1)) == [("old.txt", 0, pytest.approx(0.5))]
+    index = SearchIndex(home.database)
+    chunk = index.search(MODEL, unit(1), "words", 1)[0].chunks[0]
+    index.close()
+    assert (chunk.start, chunk.end, chunk.words) == (None, None, 0.0) and job == 1
+
+
+def test_models_do_not_mix(archive: Home) -> None:
+    archive.done("other.txt", ["The boats again."], [unit(1, 0, 0, 0, 0, 0, 1, 0)], model_key="other@1")
+    assert {name for name, _, _ in archive.search("boats", unit(1, 0))} == {"tides.txt", "orchard.txt", "ledger.txt"}
+    index = SearchIndex(archive.database)
+    try:
+        assert index.models() == {MODEL: 3, "other@1": 1}
+        with pytest.raises(NotIndexed, match="no documents are indexed for model unknown@2"):
+            index.search("unknown@2", unit(1), "boats", 5)
+    finally:
+        index.close()
+
+
+def test_a_folder_whose_embeddings_do_not_match_its_offsets_is_refused(home: Home) -> None:
+    folder = home.write("a.txt", 1, ["One.", "Two."], [unit(1), unit(0, 1)])
+    (folder / OFFSETS_FILE).write_bytes(npy_bytes(np.zeros((3, 2), dtype=np.int64)))
+    with pytest.raises(OutputsUnreadable, match="one span per chunk"):
+        IndexEntry.read(folder)
