@@ -1,12 +1,16 @@
 """The queue's tables, and the forward migrations that bring any older database up to them.
 
-The database records its schema version in `PRAGMA user_version`. Each migration moves it up by one
-and only adds: an existing database is never dropped or rebuilt.
+One schema for SQLite and PostgreSQL. The database records its schema version (SQLite in `PRAGMA
+user_version`, PostgreSQL in a one-row table; see queue_dialects). Each migration moves it up by one and
+only adds: an existing database is never dropped or rebuilt. The migrations are SQL both dialects accept,
+save for the spelling of an auto-numbered id, which the dialect adapts.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import Column, Connection, Float, Integer, MetaData, String, Table, Text
+
+from npumoe.jobs.queue_dialects import dialect_of
 
 metadata = MetaData()
 
@@ -38,6 +42,10 @@ jobs = Table(
     Column("error_kind", String(32)),
     Column("detail", Text),  # JSON: chunks, tokens, rate, phase of the running job
     Column("batch_window", String(16)),  # "HH:MM-HH:MM": runs only inside it
+    # v4: which worker runs (or ran) it, and the machine it must run on when its file is local to one
+    Column("worker_host", String(255)),
+    Column("worker_started", Float),  # the worker process's start time: with host and pid, its identity
+    Column("pinned_host", String(255)),
 )
 
 daemon = Table(  # v3: one row, written by the running daemon, read by `npumoed status`
@@ -55,6 +63,9 @@ daemon = Table(  # v3: one row, written by the running daemon, read by `npumoed 
     Column("backend", Text),
     Column("power", Text),  # JSON
     Column("counters", Text),  # JSON
+    # v4: one row per daemon (a home on a host) when several share a queue
+    Column("host", String(255)),
+    Column("home", Text),
 )
 
 control = Table(  # v3: the person's switches (pause), kept apart from what the daemon writes
@@ -104,23 +115,33 @@ MIGRATIONS: list[list[str]] = [
         )""",
         "CREATE TABLE control (key VARCHAR(64) PRIMARY KEY, value TEXT NOT NULL)",
     ],
+    [  # 4: several machines on one queue: who runs a job, jobs pinned to a machine, one row per daemon
+        "ALTER TABLE jobs ADD COLUMN worker_host VARCHAR(255)",
+        "ALTER TABLE jobs ADD COLUMN worker_started FLOAT",
+        "ALTER TABLE jobs ADD COLUMN pinned_host VARCHAR(255)",
+        "ALTER TABLE daemon ADD COLUMN host VARCHAR(255)",
+        "ALTER TABLE daemon ADD COLUMN home TEXT",
+        "CREATE UNIQUE INDEX daemon_worker ON daemon (host, home)",
+    ],
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def schema_version(conn: Connection) -> int:
-    return conn.exec_driver_sql("PRAGMA user_version").scalar_one()
+    return dialect_of(conn).schema_version(conn)
 
 
 def migrate(conn: Connection, target: int = SCHEMA_VERSION) -> int:
     """Apply the migrations past the database's version, up to `target`; returns the new version."""
-    version = schema_version(conn)
+    dialect = dialect_of(conn)
+    dialect.lock_schema(conn)
+    version = dialect.schema_version(conn)
     if version > SCHEMA_VERSION:
         raise RuntimeError(f"database schema v{version} is newer than this npumoed (v{SCHEMA_VERSION}); "
                            "upgrade npumoed")
     for number in range(version + 1, target + 1):
         for statement in MIGRATIONS[number - 1]:
-            conn.exec_driver_sql(statement)
-        conn.exec_driver_sql(f"PRAGMA user_version = {number}")
+            conn.exec_driver_sql(dialect.ddl(statement))
+        dialect.set_schema_version(conn, number)
     return max(version, target)
