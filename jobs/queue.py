@@ -17,7 +17,9 @@ its own host; a job of a worker on another machine comes back when its lease exp
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import random
 import socket
 import threading
@@ -30,9 +32,12 @@ from typing import Any
 
 import psutil
 from sqlalchemy import Connection, func, insert, select, update
+from sqlalchemy.exc import DBAPIError
 
 from npumoe.jobs.queue_dialects import open_dialect
 from npumoe.jobs.schema import STATES, control, daemon, jobs, migrate
+
+log = logging.getLogger(__name__)
 
 CLAIMABLE = ("queued", "failed")
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
@@ -113,6 +118,24 @@ def same_process(pid: int, started: float | None) -> bool:
     return started is None or now_started is None or abs(now_started - started) < 1.0
 
 
+def _reconnecting(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a queue operation once more when the server dropped the connection under it (a restart): the
+    transaction was rolled back, or, had it committed, the second run finds the work done and says so."""
+
+    @functools.wraps(method)
+    def run(self: Queue, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except DBAPIError as e:
+            if not e.connection_invalidated:
+                raise
+            log.warning("the queue server dropped the connection during %s (%s); trying again",
+                        method.__name__, str(e.orig).strip())
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Queue:
     """The queue API: the worker loop and the CLI never write SQL of their own.
 
@@ -159,6 +182,7 @@ class Queue:
 
     # -- adding ---------------------------------------------------------------------------------
 
+    @_reconnecting
     def add(self, path: str | Path, sha256: str, *, model_key: str, settings_key: str,
             priority: int = INTERACTIVE, max_attempts: int = 3,
             batch_window: str | None = None, pinned: bool = False) -> tuple[Job, bool]:
@@ -186,6 +210,7 @@ class Queue:
 
     # -- the worker's side ------------------------------------------------------------------------
 
+    @_reconnecting
     def claim(self, worker_pid: int, *, lease_seconds: float,
               open_windows: Sequence[str] = ()) -> Job | None:
         """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
@@ -212,6 +237,7 @@ class Queue:
             ).first()
         return Job.from_row(row) if row else None
 
+    @_reconnecting
     def heartbeat(self, job_id: int, worker_pid: int, *, lease_seconds: float,
                   progress: float | None = None, detail: dict[str, Any] | None = None) -> bool:
         """Renew the lease (and record progress). False: the job is no longer this worker's."""
@@ -225,6 +251,7 @@ class Queue:
             updated = conn.execute(update(jobs).where(*self._owned(job_id, worker_pid)).values(**values))
         return updated.rowcount == 1
 
+    @_reconnecting
     def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None) -> bool:
         now = self.clock()
         with self._tx() as conn:
@@ -234,6 +261,7 @@ class Queue:
                         lease_until=None, last_error=None, error_kind=None)
             ).rowcount == 1
 
+    @_reconnecting
     def fail(self, job_id: int, worker_pid: int, error: str, *, kind: str = "error",
              retryable: bool = True) -> str | None:
         """Record a failure: back off and retry while attempts remain, else dead. Returns the new state."""
@@ -252,6 +280,7 @@ class Queue:
             )
             return state
 
+    @_reconnecting
     def release(self, job_id: int, worker_pid: int) -> bool:
         """Hand a job back untouched (graceful shutdown): queued again, the attempt not counted."""
         now = self.clock()
@@ -265,6 +294,7 @@ class Queue:
                 self.dialect.notify(conn)
             return released
 
+    @_reconnecting
     def reap(self, alive: Callable[[int], bool] | None = None) -> list[int]:
         """Requeue the jobs of lost workers; dead once out of attempts.
 
@@ -307,11 +337,13 @@ class Queue:
 
     # -- the person's side ------------------------------------------------------------------------
 
+    @_reconnecting
     def retry(self, job_id: int) -> Job:
         """Queue a failed, dead or cancelled job again now, with its attempts reset."""
         return self._set_state(job_id, "queued", ("failed", "dead", "cancelled"),
                                attempts=0, run_after=self.clock(), finished_at=None)
 
+    @_reconnecting
     def cancel(self, job_id: int) -> Job:
         """Cancel a waiting or running job; a running worker notices at its next heartbeat."""
         return self._set_state(job_id, "cancelled", ("queued", "failed", "running"),
@@ -333,11 +365,13 @@ class Queue:
 
     # -- reading ----------------------------------------------------------------------------------
 
+    @_reconnecting
     def get(self, job_id: int) -> Job | None:
         with self._read.connect() as conn:
             row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
         return Job.from_row(row) if row else None
 
+    @_reconnecting
     def list(self, state: str | None = None, limit: int | None = None, *,
              newest_first: bool = False) -> list[Job]:
         if state is not None and state not in STATES:
@@ -349,11 +383,13 @@ class Queue:
         with self._read.connect() as conn:
             return [Job.from_row(r) for r in conn.execute(query.order_by(order).limit(limit))]
 
+    @_reconnecting
     def counts(self) -> dict[str, int]:
         with self._read.connect() as conn:
             found = dict(conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all())
         return {state: found.get(state, 0) for state in STATES}
 
+    @_reconnecting
     def open_windows_needed(self) -> list[str]:
         """The batch windows that waiting jobs are held for."""
         with self._read.connect() as conn:
@@ -364,6 +400,7 @@ class Queue:
 
     # -- the daemon's heartbeat row and the person's switches ------------------------------------
 
+    @_reconnecting
     def write_daemon(self, **values: Any) -> None:
         """Write this daemon's row (this home's; on a shared queue, this home on this host's)."""
         for key in ("power", "counters"):
@@ -374,11 +411,13 @@ class Queue:
             if conn.execute(update(daemon).where(*self._daemon_key()).values(**values)).rowcount == 0:
                 conn.execute(insert(daemon).values(**({} if self.shared else {"id": 1}), **values))
 
+    @_reconnecting
     def read_daemon(self) -> dict[str, Any] | None:
         with self._read.connect() as conn:
             row = conn.execute(select(daemon).where(*self._daemon_key())).first()
         return _daemon_dict(row) if row is not None else None
 
+    @_reconnecting
     def workers(self) -> list[dict[str, Any]]:
         """Every daemon's row: on a shared queue, one per home on every machine."""
         with self._read.connect() as conn:
@@ -389,12 +428,14 @@ class Queue:
         # A home's own SQLite file has one daemon row; a shared queue has one per home on each host.
         return (daemon.c.host == self.host, daemon.c.home == self.home) if self.shared else (daemon.c.id == 1,)
 
+    @_reconnecting
     def set_control(self, key: str, value: Any) -> None:
         with self._tx() as conn:
             encoded = json.dumps(value)
             if conn.execute(update(control).where(control.c.key == key).values(value=encoded)).rowcount == 0:
                 conn.execute(insert(control).values(key=key, value=encoded))
 
+    @_reconnecting
     def get_control(self, key: str, default: Any = None) -> Any:
         with self._read.connect() as conn:
             value = conn.execute(select(control.c.value).where(control.c.key == key)).scalar()

@@ -42,7 +42,8 @@ class App:
     @cached_property
     def queue(self) -> Queue:
         q = self.config.queue
-        queue = Queue(self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds))
+        queue = Queue(q.url or self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds),
+                      home=self.home.root)
         self._opened.append(queue)
         return queue
 
