@@ -83,3 +83,31 @@ def test_a_document_added_on_one_machine_is_processed_by_another_into_the_shared
     assert [(j["state"], j["worker_host"], j["output_dir"]) for j in jobs] == [("done", worker["host"], str(output))]
     table = npumoed(laptop, "jobs").stdout
     assert worker["host"] in table and "done" in table
+
+
+def test_status_shows_every_worker_judging_other_hosts_by_their_heartbeat(postgres: PostgresServer) -> None:
+    from npumoe.daemon.cli.status_view import STALE_SECONDS, render_text, snapshot
+    from npumoe.jobs.queue import Queue
+
+    url, now = postgres.new_database(), 1_800_000_000.0
+    here, there = Queue(url, home="/home/me/npumoed"), Queue(url, host="attic-mac", home="/Users/a/npumoed")
+    job, _ = there.add("/Volumes/archive/long.pdf", "f" * 64, model_key="m", settings_key="s")
+    there.claim(4242, lease_seconds=600)
+    there.heartbeat(job.id, 4242, lease_seconds=600, progress=0.5)
+    # pid 4242 may not exist here: on another host only the heartbeat counts
+    there.write_daemon(pid=4242, started_at=now - 600, heartbeat_at=now - 2, activity="working", current_job=job.id,
+                       counters={"done": 7})
+    here.write_daemon(pid=os.getpid(), started_at=now - 60, heartbeat_at=now - STALE_SECONDS - 5, activity="idle",
+                      counters={})
+    snap = snapshot(here, now=now)
+    workers = {w["host"]: w for w in snap["workers"]}
+    assert (workers["attic-mac"]["state"], workers["attic-mac"]["job"]["progress"]) == ("running", 0.5)
+    assert workers[here.host]["state"] == "not responding" and snap["daemon"]["pid"] == os.getpid()
+    text = render_text(snap)
+    assert "workers:" in text
+    line = "attic-mac /Users/a/npumoed · pid 4242 · running · working · heartbeat 2s ago · #1 long.pdf 50% · 7 done"
+    assert line in text
+    there.write_daemon(heartbeat_at=now - STALE_SECONDS - 5)
+    assert {w["host"]: w["state"] for w in snapshot(here, now=now)["workers"]}["attic-mac"] == "not responding"
+    here.close()
+    there.close()
