@@ -370,23 +370,32 @@ def _write_json(path: Path | None, machine: dict, settings: dict, results: list[
               help="Jobs in the queue.")
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True,
               help="Fresh queues drained; the median is reported.")
-def queue_bench(processes: int, n_jobs: int, rounds: int) -> None:
-    """Queue claim throughput: processes draining one SQLite queue (claim + complete); duplicates and losses."""
+@click.option("--url", help="Also a PostgreSQL queue at this postgresql://… URL (a schema of its own, dropped after).")
+def queue_bench(processes: int, n_jobs: int, rounds: int, url: str | None) -> None:
+    """Queue claim throughput: processes draining one queue (claim + complete); duplicates and losses.
+
+    SQLite always; with --url, PostgreSQL too, in the same run, rounds taken in turn.
+    """
     import statistics
-    import tempfile
 
-    from npumoe.bench.queue import run_claim_benchmark
+    from npumoe.bench.queue import fresh_queue, run_claim_benchmark
 
-    runs = []
+    queues = {"sqlite": None, **({"postgresql": url} if url else {})}
+    runs: dict[str, list] = {name: [] for name in queues}
     for _ in range(rounds):
-        with tempfile.TemporaryDirectory() as folder:
-            runs.append(run_claim_benchmark(Path(folder) / "queue.db", processes=processes, jobs=n_jobs))
-    table = Table("round", "jobs/s", "seconds", "duplicates", "lost", title=f"{processes} processes × {n_jobs} jobs")
-    for i, run in enumerate(runs, 1):
-        table.add_row(str(i), f"{run.jobs_per_second:,.0f}", f"{run.seconds:.2f}", str(run.duplicates), str(run.lost))
+        for name, server in queues.items():
+            with fresh_queue(server) as location:
+                runs[name].append(run_claim_benchmark(location, processes=processes, jobs=n_jobs))
+    table = Table("queue", "round", "jobs/s", "seconds", "duplicates", "lost",
+                  title=f"{processes} processes × {n_jobs} jobs")
+    for name, done in runs.items():
+        for i, run in enumerate(done, 1):
+            table.add_row(name, str(i), f"{run.jobs_per_second:,.0f}", f"{run.seconds:.2f}", str(run.duplicates),
+                          str(run.lost))
     Console().print(table)
-    click.echo(f"median {statistics.median(r.jobs_per_second for r in runs):,.0f} jobs/s; "
-               f"duplicates {sum(r.duplicates for r in runs)}, lost {sum(r.lost for r in runs)}")
+    for name, done in runs.items():
+        click.echo(f"{name}: median {statistics.median(r.jobs_per_second for r in done):,.0f} jobs/s; "
+                   f"duplicates {sum(r.duplicates for r in done)}, lost {sum(r.lost for r in done)}")
 
 
 @bench.command("search")

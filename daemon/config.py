@@ -30,6 +30,7 @@ from npumoe.engine.vocabulary import (
 )
 
 WINDOW = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
+QUEUE_URL = re.compile(r"^(postgresql(\+psycopg)?://.*)?$")
 
 
 def choice(default: str, allowed: Sequence[str]) -> Any:
@@ -73,8 +74,15 @@ class ExtractConfig:
     max_mb: float = positive(100.0)
 
 
+def matching(default: str, pattern: re.Pattern[str], words: str) -> Any:
+    """A string key that must match `pattern`; `words` say how, in the error."""
+    return field(default=default, metadata={"pattern": pattern, "words": words})
+
+
 @dataclass(frozen=True)
 class QueueConfig:
+    # empty: the SQLite file in the home; postgresql://user@server/db: a queue several machines share
+    url: str = matching("", QUEUE_URL, "be empty or a postgresql://… URL")
     max_attempts: int = positive(3)
     lease_seconds: float = positive(120.0)
     retry_base_seconds: float = positive(30.0)
@@ -92,7 +100,7 @@ class SchedulerConfig:
     respect_thermal_pressure: bool = True
     max_foreground_load: float = positive(0.75)  # fraction of all cores busy with other processes
     # local time; jobs queued with `npumoed batch` run only inside it
-    batch_window: str = field(default="01:00-06:00", metadata={"pattern": WINDOW})
+    batch_window: str = matching("01:00-06:00", WINDOW, "look like HH:MM-HH:MM")
     batch_requires_ac: bool = True
     poll_seconds: float = positive(5.0)
 
@@ -104,6 +112,11 @@ class CpuConfig:
 
 
 @dataclass(frozen=True)
+class OutboxConfig:
+    folder: str = ""  # empty: <home>/outbox; else a folder (on storage all machines share) for every output
+
+
+@dataclass(frozen=True)
 class Config:
     inbox: InboxConfig = field(default_factory=InboxConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -111,6 +124,7 @@ class Config:
     queue: QueueConfig = field(default_factory=QueueConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cpu: CpuConfig = field(default_factory=CpuConfig)
+    outbox: OutboxConfig = field(default_factory=OutboxConfig)
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -183,7 +197,7 @@ def _check(kind: Any, value: Any, meta: Any, path: Path, name: str) -> Any:
     if "min" in meta and value < meta["min"]:
         raise ConfigError(f"{path}: '{name}' must not be negative, got {value!r}")
     if "pattern" in meta and not meta["pattern"].match(value):
-        raise ConfigError(f"{path}: '{name}' must look like HH:MM-HH:MM, got {value!r}")
+        raise ConfigError(f"{path}: '{name}' must {meta['words']}, got {value!r}")
     return value
 
 

@@ -62,8 +62,10 @@ def _file_digest(path: str) -> str:
 
 
 def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERACTIVE,
-            batch_window: str | None = None) -> tuple[Job, bool]:
+            batch_window: str | None = None, pinned: bool = False) -> tuple[Job, bool]:
     """Queue one document; a file over `extract.max_mb` is refused before it is read (hashing costs a full read).
+
+    `pinned`: the file is this machine's own (an inbox), so on a shared queue only this machine may take it.
 
     Raises FileRefused for a path that is no document (a link, a FIFO, too large, gone).
     """
@@ -77,7 +79,8 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
     model_key, settings_key = job_keys(config)
     where = path.parent.resolve() / path.name  # the folder resolved, never the file itself
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,
-                     priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window)
+                     priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window,
+                     pinned=pinned)
 
 
 @dataclass

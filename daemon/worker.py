@@ -10,7 +10,9 @@
            never returns records that and exits (EXIT_STUCK) for the service manager to restart it
 
 One daemon per home, enforced by a lock file the kernel releases when the process dies, so whoever
-holds the lock knows every job still marked running was left by a dead worker.
+holds the lock knows every job still marked running in the home's own queue was left by a dead worker.
+On a queue several homes and machines share, the worker is known by host, pid and start time, and only
+jobs whose worker is gone (on this host) or whose lease expired (anywhere) are taken back.
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ class Worker:
         self.obey_schedule = obey_schedule
         self.pid = os.getpid()
         self.inboxes = [Path(p).resolve() for p in inboxes] if inboxes else home.inboxes(config)
-        self.folders = Folders(home.outbox, home.processed, home.failed, tuple(self.inboxes))
+        # `[outbox] folder`: outputs go to storage several machines share; else to the home's own outbox.
+        self.outbox = Path(config.outbox.folder).expanduser().resolve() if config.outbox.folder else home.outbox
+        self.folders = Folders(self.outbox, home.processed, home.failed, tuple(self.inboxes))
         self.model = model or ModelSlot(config, home, threads=worker_threads(config.cpu))
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
         # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
@@ -118,6 +122,7 @@ class Worker:
         self.pipeline = Pipeline(
             queue, self.folders, policy, LayerChecked(self.model, self._interrupt), worker_pid=self.pid,
             meter=Meter, checkpoint=self._checkpoint, progressed=self.stall.moved,
+            local_index=home.database if queue.shared else None,
         )
         self.summary = RunSummary()
         self._stopping = threading.Event()
@@ -154,8 +159,10 @@ class Worker:
                        self.home.reports):
             for leftover in remove_leftovers(folder):
                 log.info("removed %s, left by a run that was killed", leftover)
-        # Whoever holds the lock is the only worker there is: every running job was left by a dead one.
-        for job_id in self.queue.reap(alive=lambda pid: False):
+        self.outbox.mkdir(parents=True, exist_ok=True)  # a shared one is not swept: others are writing there
+        # Whoever holds the lock of a home's own queue is the only worker there is: every running job was
+        # left by a dead one. A shared queue's running jobs are other workers' unless their worker is gone.
+        for job_id in self.queue.reap(alive=None if self.queue.shared else lambda pid: False):
             log.info("job %d was running when npumoed last stopped; queued again", job_id)
         if applied := apply_background_priority(self.config.cpu):
             log.info("running at background priority: %s", ", ".join(applied))
@@ -175,6 +182,7 @@ class Worker:
         log.info("npumoed %d started; watching %s", self.pid, ", ".join(map(str, self.inboxes)))
         self._beat = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
         self._beat.start()
+        self.queue.listen(self._wake.set, self._stopping)  # a shared queue's NOTIFY ends an idle wait at once
         if self.once:
             self.watcher.drain(self._stopping)
         else:
@@ -317,7 +325,7 @@ class Worker:
         share, …), so the watcher offers it again at its next rescan instead of forgetting it.
         """
         try:
-            job, created = enqueue(self.queue, path, self.config)
+            job, created = enqueue(self.queue, path, self.config, pinned=True)  # this machine's inbox: its file
         except (OSError, ValueError) as e:  # FileRefused, a ValueError, says why the file is no document
             if (fault := machine_fault(e, path.parent)) is not None:
                 log.warning("not queued yet: %s: %s", path, fault)

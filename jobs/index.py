@@ -151,6 +151,22 @@ class Reindexed:
     skipped: list[str]  # output folders that could not be read, with the reason
 
 
+def write_local(database: Path, entry: IndexEntry) -> None:
+    """Index one document in this machine's own database, in a transaction of its own: what a worker does when
+    the queue lives elsewhere (a shared PostgreSQL queue), so each machine's index holds the documents it made."""
+    conn = sqlite.connect(database)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        write_entry(conn, entry)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    finally:
+        conn.close()
+
+
 def reindex(database: Path, outbox: Path) -> Reindexed:
     """Drop the index and build it again from every output folder, in one transaction: a search meanwhile sees
     the old index whole, then the new one."""

@@ -34,7 +34,7 @@ from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, Mode
 from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
 from npumoe.jobs.faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
 from npumoe.jobs.files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
-from npumoe.jobs.index import IndexEntry, write_entry
+from npumoe.jobs.index import IndexEntry, write_entry, write_local
 from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
 from npumoe.jobs.outputs import (
     OFFSETS_FILE,
@@ -106,9 +106,12 @@ class Pipeline:
         meter: Callable[[], AbstractContextManager[Measurement]],
         checkpoint: Callable[[], None] = lambda: None,
         progressed: Callable[[str], None] = lambda phase: None,
+        local_index: Path | None = None,
     ) -> None:
         """`checkpoint` runs between steps and between chunks: it may block (a pause) or raise Stop (or a
-        Failure, for a job the worker gave up on). `progressed(phase)` is told each time the job moves on."""
+        Failure, for a job the worker gave up on). `progressed(phase)` is told each time the job moves on.
+        `local_index`: the home's own database, where done documents are indexed when the queue is shared (on
+        SQLite the index is written in the transaction that marks the job done)."""
         self.queue = queue
         self.folders = folders
         self.policy = policy
@@ -117,6 +120,7 @@ class Pipeline:
         self.meter = meter
         self.checkpoint = checkpoint
         self.progressed = progressed
+        self.local_index = local_index
 
     def process(self, job: Job) -> Outcome:
         work = temporary_path(self.folders.outbox, f"job{job.id}")
@@ -277,8 +281,17 @@ class Pipeline:
         very file that was read (`identity`; None when this attempt did not read it), and a file saved again
         meanwhile is queued as a new document instead."""
         entry = IndexEntry.read(out)  # from the files just written: what `npumoed reindex` would read too
-        if not self.queue.complete(job.id, self.pid, output_dir=str(out),
-                                   on_done=lambda conn: write_entry(conn, entry)):
+        if self.queue.shared:
+            done = self.queue.complete(job.id, self.pid, output_dir=str(out))
+            if done and self.local_index is not None:
+                try:
+                    write_local(self.local_index, entry)
+                except Exception:  # the job is done all the same; `npumoed reindex` rebuilds the index
+                    log.exception("job %d: done, but could not be added to this machine's search index", job.id)
+        else:
+            done = self.queue.complete(job.id, self.pid, output_dir=str(out),
+                                       on_done=lambda conn: write_entry(conn, entry))
+        if not done:
             raise Lost
         self.settle(job, source, identity)
         return Outcome(job.id, "done", output_dir=out)

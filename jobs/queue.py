@@ -1,19 +1,28 @@
-"""A durable job queue on SQLite: one table, six states, one statement that claims a job.
+"""A durable job queue on SQLite or PostgreSQL: one table, six states, one statement that claims a job.
 
     queued ──claim──► running ──complete──► done
       ▲                  │ fail ──► failed (run_after = now + backoff) ──claim──► running …
       │                  │ fail, attempts used up ──► dead
       └── release/reap ──┘ cancel ──► cancelled          retry: failed/dead/cancelled ──► queued
 
-Every write runs in `BEGIN IMMEDIATE`, so two claimers serialise on SQLite's write lock instead of
-both reading the same row. No transaction stays open while a job is worked on: the worker holds a
-lease, renews it with `heartbeat`, and `reap` returns the jobs of workers that died.
+On SQLite every write runs in `BEGIN IMMEDIATE`, so two claimers serialise on the write lock instead of
+both reading the same row; on PostgreSQL the claim skips rows another transaction holds (`FOR UPDATE SKIP
+LOCKED`), so workers on several machines never take the same job nor wait on each other. No transaction
+stays open while a job is worked on: the worker holds a lease, renews it with `heartbeat`, and `reap`
+returns the jobs of workers that died.
+
+A worker is known by host, pid and process start time. Whether its process is alive can be asked only on
+its own host; a job of a worker on another machine comes back when its lease expires.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import random
+import socket
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
@@ -22,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from sqlalchemy import Connection, Engine, create_engine, delete, event, func, insert, select, update
-from sqlalchemy.pool import NullPool
+from sqlalchemy import Connection, delete, func, insert, select, update
+from sqlalchemy.exc import DBAPIError
 
-from npumoe.jobs import sqlite
 from npumoe.jobs.files import Identity
+from npumoe.jobs.queue_dialects import open_dialect
 from npumoe.jobs.schema import STATES, control, daemon, inbox_files, jobs, migrate
+
+log = logging.getLogger(__name__)
 
 CLAIMABLE = ("queued", "failed")
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
@@ -57,6 +68,9 @@ class Job:
     error_kind: str | None
     detail: str | None
     batch_window: str | None
+    worker_host: str | None
+    worker_started: float | None
+    pinned_host: str | None
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -89,47 +103,66 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def _engine(path: Path, *, immediate: bool, read_only: bool = False) -> Engine:
-    url = f"sqlite:///file:{path}?mode=ro&uri=true" if read_only else f"sqlite:///{path}"
-    engine = create_engine(url, module=sqlite.driver, poolclass=NullPool, connect_args={"timeout": 30})
+def process_started(pid: int) -> float | None:
+    """When process `pid` of this machine started; None when there is no such process."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
 
-    @event.listens_for(engine, "connect")
-    def _connect(dbapi_conn: Any, _: Any) -> None:
-        dbapi_conn.isolation_level = None  # pysqlite's own BEGIN would defer the lock; we issue ours
-        sqlite.load_extensions(dbapi_conn)  # the search index's vector tables live in this database
-        if not read_only:
-            dbapi_conn.execute("PRAGMA journal_mode=WAL")
-            dbapi_conn.execute("PRAGMA synchronous=NORMAL")
-        dbapi_conn.execute("PRAGMA busy_timeout=30000")
 
-    @event.listens_for(engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+def same_process(pid: int, started: float | None) -> bool:
+    """Process `pid` is alive and is the one that started at `started` (not a later process given its pid)."""
+    if not pid_alive(pid):
+        return False
+    now_started = process_started(pid)
+    return started is None or now_started is None or abs(now_started - started) < 1.0
 
-    return engine
+
+def _reconnecting(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run a queue operation once more when the server dropped the connection under it (a restart): the
+    transaction was rolled back, or, had it committed, the second run finds the work done and says so."""
+
+    @functools.wraps(method)
+    def run(self: Queue, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except DBAPIError as e:
+            if not e.connection_invalidated:
+                raise
+            log.warning("the queue server dropped the connection during %s (%s); trying again",
+                        method.__name__, str(e.orig).strip())
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class Queue:
-    """The queue API: the worker loop and the CLI never write SQL of their own."""
+    """The queue API: the worker loop and the CLI never write SQL of their own.
 
-    def __init__(self, path: Path, *, read_only: bool = False, backoff: Backoff = Backoff(),
-                 clock: Callable[[], float] = time.time) -> None:
-        self.path = Path(path)
+    `location` is a SQLite file, or a `postgresql://…` URL for a queue that several machines share.
+    `host` and `home` say which daemon this is, for its row in the daemon table.
+    """
+
+    def __init__(self, location: Path | str, *, read_only: bool = False, backoff: Backoff = Backoff(),
+                 clock: Callable[[], float] = time.time, host: str | None = None,
+                 home: Path | str | None = None) -> None:
+        self.dialect = open_dialect(location)
+        self.path = getattr(self.dialect, "path", None)  # the SQLite file; None for a server
+        self.location = str(location)
         self.backoff = backoff
         self.clock = clock
-        if read_only:
-            if not self.path.exists():
-                raise FileNotFoundError(f"no queue database at {self.path}")
-            self._write = None
-            self._read = _engine(self.path, immediate=False, read_only=True)
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if not self.path.exists():
-            self.path.touch(mode=0o600)
-        self._write = _engine(self.path, immediate=True)
-        self._read = _engine(self.path, immediate=False)
-        with self._tx() as conn:
-            migrate(conn)
+        self.host = host or socket.gethostname()
+        self.home = str(home if home is not None else self.path.parent if self.path else "")
+        self._write, self._read = self.dialect.engines(read_only=read_only)
+        if not read_only:
+            with self._tx() as conn:
+                migrate(conn)
+
+    @property
+    def shared(self) -> bool:
+        """Whether workers of other homes and machines may share this queue (PostgreSQL)."""
+        return self.dialect.shared
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
@@ -141,29 +174,34 @@ class Queue:
     def close(self) -> None:
         for engine in (self._write, self._read):
             if engine is not None:
-                engine.dispose()
+                engine.engine.dispose()
+
+    def listen(self, wake: Callable[[], None], stop: threading.Event) -> threading.Thread | None:
+        """Call `wake` whenever a job may have become claimable anywhere (PostgreSQL's NOTIFY), until `stop`.
+        None on SQLite, where the only worker learns of new jobs from its own watcher or its next poll."""
+        return self.dialect.listen(wake, stop)
 
     # -- adding ---------------------------------------------------------------------------------
 
+    @_reconnecting
     def add(self, path: str | Path, sha256: str, *, model_key: str, settings_key: str,
             priority: int = INTERACTIVE, max_attempts: int = 3,
-            batch_window: str | None = None) -> tuple[Job, bool]:
-        """Queue a document; the same content with the same model and settings is one job.
+            batch_window: str | None = None, pinned: bool = False) -> tuple[Job, bool]:
+        """Queue a document; the same content with the same model and settings is one job, on every machine.
 
-        Returns the job and whether it was created (False: it already existed, and is left as it is).
+        `pinned`: the path is readable on this machine only (its own inbox), so on a shared queue only this
+        host's worker may claim it. Returns the job and whether it was created (False: it already existed,
+        and is left as it is).
         """
         now = self.clock()
+        values = dict(path=str(path), sha256=sha256, model_key=model_key, settings_key=settings_key,
+                      state="queued", priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
+                      progress=0.0, created_at=now, updated_at=now, batch_window=batch_window,
+                      pinned_host=self.host if pinned and self.shared else None)
         with self._tx() as conn:
-            row = conn.execute(
-                insert(jobs)
-                .values(path=str(path), sha256=sha256, model_key=model_key, settings_key=settings_key,
-                        state="queued", priority=priority, attempts=0, max_attempts=max_attempts,
-                        run_after=now, progress=0.0, created_at=now, updated_at=now,
-                        batch_window=batch_window)
-                .prefix_with("OR IGNORE")
-                .returning(*jobs.c)
-            ).first()
+            row = conn.execute(self.dialect.insert_new(jobs, values).returning(*jobs.c)).first()
             if row is not None:
+                self.dialect.notify(conn)
                 return Job.from_row(row), True
             existing = conn.execute(
                 select(jobs).where(jobs.c.sha256 == sha256, jobs.c.model_key == model_key,
@@ -173,6 +211,7 @@ class Queue:
 
     # -- the worker's side ------------------------------------------------------------------------
 
+    @_reconnecting
     def claim(self, worker_pid: int, *, lease_seconds: float,
               open_windows: Sequence[str] = ()) -> Job | None:
         """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
@@ -180,9 +219,11 @@ class Queue:
         runnable = (
             select(jobs.c.id)
             .where(jobs.c.state.in_(CLAIMABLE), jobs.c.run_after <= now,
-                   jobs.c.batch_window.is_(None) | jobs.c.batch_window.in_(list(open_windows)))
+                   jobs.c.batch_window.is_(None) | jobs.c.batch_window.in_(list(open_windows)),
+                   jobs.c.pinned_host.is_(None) | (jobs.c.pinned_host == self.host))
             .order_by(jobs.c.priority.desc(), jobs.c.run_after, jobs.c.id)
             .limit(1)
+            .with_for_update(skip_locked=True)  # PostgreSQL: pass over rows other claimers hold
             .scalar_subquery()
         )
         with self._tx() as conn:
@@ -190,12 +231,14 @@ class Queue:
                 update(jobs)
                 .where(jobs.c.id == runnable)
                 .values(state="running", attempts=jobs.c.attempts + 1, worker_pid=worker_pid,
+                        worker_host=self.host, worker_started=process_started(worker_pid),
                         lease_until=now + lease_seconds, heartbeat_at=now, updated_at=now, progress=0.0,
                         detail=None)
                 .returning(*jobs.c)
             ).first()
         return Job.from_row(row) if row else None
 
+    @_reconnecting
     def heartbeat(self, job_id: int, worker_pid: int, *, lease_seconds: float,
                   progress: float | None = None, detail: dict[str, Any] | None = None) -> bool:
         """Renew the lease (and record progress). False: the job is no longer this worker's."""
@@ -209,10 +252,11 @@ class Queue:
             updated = conn.execute(update(jobs).where(*self._owned(job_id, worker_pid)).values(**values))
         return updated.rowcount == 1
 
+    @_reconnecting
     def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None,
-                 on_done: Callable[[sqlite.Connection], None] | None = None) -> bool:
-        """Mark the job done. `on_done` runs on the same connection inside the same transaction (the search
-        index writes there), so the job is done and indexed together, or neither if either fails."""
+                 on_done: Callable[[Any], None] | None = None) -> bool:
+        """Mark the job done. `on_done` gets the DB-API connection inside the same transaction (the search
+        index writes there on SQLite), so the job is done and indexed together, or neither if either fails."""
         now = self.clock()
         with self._tx() as conn:
             done = conn.execute(
@@ -224,12 +268,13 @@ class Queue:
                 on_done(conn.connection.dbapi_connection)
             return done
 
+    @_reconnecting
     def fail(self, job_id: int, worker_pid: int, error: str, *, kind: str = "error",
              retryable: bool = True) -> str | None:
         """Record a failure: back off and retry while attempts remain, else dead. Returns the new state."""
         now = self.clock()
         with self._tx() as conn:
-            job = conn.execute(select(jobs).where(*self._owned(job_id, worker_pid))).first()
+            job = conn.execute(select(jobs).where(*self._owned(job_id, worker_pid)).with_for_update()).first()
             if job is None:
                 return None
             retry = retryable and job.attempts < job.max_attempts
@@ -242,55 +287,75 @@ class Queue:
             )
             return state
 
+    @_reconnecting
     def release(self, job_id: int, worker_pid: int) -> bool:
         """Hand a job back untouched (graceful shutdown): queued again, the attempt not counted."""
         now = self.clock()
         with self._tx() as conn:
-            return conn.execute(
+            released = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
                 .values(state="queued", attempts=jobs.c.attempts - 1, worker_pid=None, lease_until=None,
                         progress=0.0, detail=None, updated_at=now)
             ).rowcount == 1
+            if released:
+                self.dialect.notify(conn)
+            return released
 
-    def reap(self, alive: Callable[[int], bool] = pid_alive) -> list[int]:
-        """Requeue the jobs of lost workers (lease expired or pid gone); dead once out of attempts.
+    @_reconnecting
+    def reap(self, alive: Callable[[int], bool] | None = None) -> list[int]:
+        """Requeue the jobs of lost workers; dead once out of attempts.
 
-        Cheap enough to run periodically: it only reads, unless there is a job to requeue.
+        A worker is lost when its lease expired, or, for a worker on this host only, when its process is gone:
+        `alive(pid)` says, by default whether that pid is still the process that claimed the job. Rows another
+        transaction holds are left for the next reap. Cheap enough to run periodically: it only reads unless
+        there is a job to requeue.
         """
         now = self.clock()
-
-        def lost_among(running: Sequence[Any]) -> list[Any]:
-            return [j for j in running
-                    if (j.lease_until is not None and j.lease_until < now)
-                    or j.worker_pid is None or not alive(j.worker_pid)]
-
         with self._read.connect() as conn:
-            if not lost_among(conn.execute(select(jobs).where(jobs.c.state == "running")).all()):
+            running = conn.execute(select(jobs).where(jobs.c.state == "running")).all()
+            if not any(self._lost(j, now, alive) for j in running):
                 return []
         with self._tx() as conn:
-            lost = lost_among(conn.execute(select(jobs).where(jobs.c.state == "running")).all())
+            running = conn.execute(
+                select(jobs).where(jobs.c.state == "running").with_for_update(skip_locked=True)
+            ).all()
+            lost = [j for j in running if self._lost(j, now, alive)]
             for j in lost:
                 out_of_attempts = j.attempts >= j.max_attempts
                 conn.execute(
                     update(jobs).where(jobs.c.id == j.id)
                     .values(state="dead" if out_of_attempts else "queued", worker_pid=None, lease_until=None,
                             updated_at=now, finished_at=now if out_of_attempts else None,
-                            error_kind="lost", last_error=f"worker {j.worker_pid} stopped during attempt "
-                                                          f"{j.attempts} (lease expired or process gone)")
+                            error_kind="lost", last_error=f"worker {j.worker_pid} on {j.worker_host or self.host} "
+                                                          f"stopped during attempt {j.attempts} "
+                                                          "(lease expired or process gone)")
                 )
+            if lost:
+                self.dialect.notify(conn)
         return [j.id for j in lost]
 
-    @staticmethod
-    def _owned(job_id: int, worker_pid: int) -> tuple[Any, ...]:
-        return jobs.c.id == job_id, jobs.c.state == "running", jobs.c.worker_pid == worker_pid
+    def _lost(self, job: Any, now: float, alive: Callable[[int], bool] | None) -> bool:
+        if job.lease_until is not None and job.lease_until < now:
+            return True
+        if job.worker_host not in (None, self.host):
+            return False  # another machine's process cannot be asked after: its lease decides
+        if job.worker_pid is None:
+            return True
+        return not (alive(job.worker_pid) if alive else same_process(job.worker_pid, job.worker_started))
+
+    def _owned(self, job_id: int, worker_pid: int) -> tuple[Any, ...]:
+        return (jobs.c.id == job_id, jobs.c.state == "running", jobs.c.worker_pid == worker_pid,
+                jobs.c.worker_host == self.host)
 
     # -- the person's side ------------------------------------------------------------------------
 
+    @_reconnecting
     def retry(self, job_id: int) -> Job:
         """Queue a failed, dead or cancelled job again now, with its attempts reset."""
         return self._set_state(job_id, "queued", ("failed", "dead", "cancelled"),
                                attempts=0, run_after=self.clock(), finished_at=None)
 
+    @_reconnecting
     def cancel(self, job_id: int) -> Job:
         """Cancel a waiting or running job; a running worker notices at its next heartbeat."""
         return self._set_state(job_id, "cancelled", ("queued", "failed", "running"),
@@ -298,7 +363,7 @@ class Queue:
 
     def _set_state(self, job_id: int, state: str, allowed: tuple[str, ...], **values: Any) -> Job:
         with self._tx() as conn:
-            job = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+            job = conn.execute(select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
             if job is None:
                 raise KeyError(f"no job {job_id}")
             if job.state not in allowed:
@@ -306,15 +371,19 @@ class Queue:
                 raise ValueError(f"job {job_id} is {job.state}; only {allowed_text} jobs can be {state}")
             row = conn.execute(update(jobs).where(jobs.c.id == job_id).returning(*jobs.c)
                                .values(state=state, updated_at=self.clock(), **values)).one()
+            if state in CLAIMABLE:
+                self.dialect.notify(conn)
         return Job.from_row(row)
 
     # -- reading ----------------------------------------------------------------------------------
 
+    @_reconnecting
     def get(self, job_id: int) -> Job | None:
         with self._read.connect() as conn:
             row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
         return Job.from_row(row) if row else None
 
+    @_reconnecting
     def list(self, state: str | None = None, limit: int | None = None, *,
              newest_first: bool = False) -> list[Job]:
         if state is not None and state not in STATES:
@@ -326,11 +395,13 @@ class Queue:
         with self._read.connect() as conn:
             return [Job.from_row(r) for r in conn.execute(query.order_by(order).limit(limit))]
 
+    @_reconnecting
     def counts(self) -> dict[str, int]:
         with self._read.connect() as conn:
             found = dict(conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all())
         return {state: found.get(state, 0) for state in STATES}
 
+    @_reconnecting
     def open_windows_needed(self) -> list[str]:
         """The batch windows that waiting jobs are held for."""
         with self._read.connect() as conn:
@@ -361,31 +432,50 @@ class Queue:
 
     # -- the daemon's heartbeat row and the person's switches ------------------------------------
 
+    @_reconnecting
     def write_daemon(self, **values: Any) -> None:
+        """Write this daemon's row (this home's; on a shared queue, this home on this host's)."""
         for key in ("power", "counters"):
             if key in values and not isinstance(values[key], str | None):
                 values[key] = json.dumps(values[key])
+        values.update(host=self.host, home=self.home)
         with self._tx() as conn:
-            if conn.execute(update(daemon).where(daemon.c.id == 1).values(**values)).rowcount == 0:
-                conn.execute(insert(daemon).values(id=1, **values))
+            if conn.execute(update(daemon).where(*self._daemon_key()).values(**values)).rowcount == 0:
+                conn.execute(insert(daemon).values(**({} if self.shared else {"id": 1}), **values))
 
+    @_reconnecting
     def read_daemon(self) -> dict[str, Any] | None:
         with self._read.connect() as conn:
-            row = conn.execute(select(daemon).where(daemon.c.id == 1)).first()
-        if row is None:
-            return None
-        d = dict(row._mapping)
-        for key in ("power", "counters"):
-            d[key] = json.loads(d[key]) if d[key] else None
-        return d
+            row = conn.execute(select(daemon).where(*self._daemon_key())).first()
+        return _daemon_dict(row) if row is not None else None
 
+    @_reconnecting
+    def workers(self) -> list[dict[str, Any]]:
+        """Every daemon's row: on a shared queue, one per home on every machine."""
+        with self._read.connect() as conn:
+            rows = conn.execute(select(daemon).order_by(daemon.c.host, daemon.c.home)).all()
+        return [_daemon_dict(row) for row in rows]
+
+    def _daemon_key(self) -> tuple[Any, ...]:
+        # A home's own SQLite file has one daemon row; a shared queue has one per home on each host.
+        return (daemon.c.host == self.host, daemon.c.home == self.home) if self.shared else (daemon.c.id == 1,)
+
+    @_reconnecting
     def set_control(self, key: str, value: Any) -> None:
         with self._tx() as conn:
             encoded = json.dumps(value)
             if conn.execute(update(control).where(control.c.key == key).values(value=encoded)).rowcount == 0:
                 conn.execute(insert(control).values(key=key, value=encoded))
 
+    @_reconnecting
     def get_control(self, key: str, default: Any = None) -> Any:
         with self._read.connect() as conn:
             value = conn.execute(select(control.c.value).where(control.c.key == key)).scalar()
         return json.loads(value) if value is not None else default
+
+
+def _daemon_dict(row: Any) -> dict[str, Any]:
+    d = dict(row._mapping)
+    for key in ("power", "counters"):
+        d[key] = json.loads(d[key]) if d[key] else None
+    return d

@@ -1,27 +1,34 @@
 """The queue's tables, and the forward migrations that bring any older database up to them.
 
-The database records its schema version in `PRAGMA user_version`. Each migration moves it up by one
-and only adds: an existing database is never dropped or rebuilt.
+One schema for SQLite and PostgreSQL. The database records its schema version (SQLite in `PRAGMA
+user_version`, PostgreSQL in a one-row table; see queue_dialects). Each migration moves it up by one and
+only adds: an existing database is never dropped or rebuilt. The migrations are SQL both dialects accept,
+save for the spelling of an auto-numbered id, which the dialect adapts.
 """
 
 from __future__ import annotations
 
+import base64
 import os
 from typing import Any
 
 from sqlalchemy import Column, Connection, Dialect, Float, Integer, MetaData, String, Table, Text
 from sqlalchemy.types import TypeDecorator
 
+from npumoe.jobs.queue_dialects import dialect_of
+
 metadata = MetaData()
 
 
 class FsPath(TypeDecorator[str]):
-    """A file path, stored losslessly: as text when it is valid UTF-8, else as its raw bytes (a name that is
-    not UTF-8 on Linux, which Python holds with surrogate escapes and sqlite3 cannot encode as text). Read
-    back, it is the same `str` Python gave (os.fsdecode), so opening it finds the same file."""
+    """An absolute file path, stored losslessly: as text when it is valid UTF-8, else as its raw bytes (a name
+    that is not UTF-8 on Linux, which Python holds with surrogate escapes and neither database takes as text):
+    SQLite keeps them as a BLOB, PostgreSQL's text column as `BYTES_PREFIX` + base64 (no absolute path starts
+    so). Read back, it is the same `str` Python gave (os.fsdecode), so opening it finds the same file."""
 
     impl = Text
     cache_ok = True
+    BYTES_PREFIX = "base64:"
 
     def process_bind_param(self, value: Any, dialect: Dialect) -> Any:
         if value is None:
@@ -29,10 +36,13 @@ class FsPath(TypeDecorator[str]):
         try:
             value.encode("utf-8")
         except UnicodeEncodeError:
-            return os.fsencode(value)
+            raw = os.fsencode(value)
+            return raw if dialect.name == "sqlite" else self.BYTES_PREFIX + base64.b64encode(raw).decode()
         return value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> str | None:
+        if isinstance(value, str) and value.startswith(self.BYTES_PREFIX):
+            return os.fsdecode(base64.b64decode(value.removeprefix(self.BYTES_PREFIX)))
         return os.fsdecode(value) if isinstance(value, bytes) else value
 
 
@@ -64,6 +74,10 @@ jobs = Table(
     Column("error_kind", String(32)),
     Column("detail", Text),  # JSON: chunks, tokens, rate, phase of the running job
     Column("batch_window", String(16)),  # "HH:MM-HH:MM": runs only inside it
+    # v4: which worker runs (or ran) it, and the machine it must run on when its file is local to one
+    Column("worker_host", String(255)),
+    Column("worker_started", Float),  # the worker process's start time: with host and pid, its identity
+    Column("pinned_host", String(255)),
 )
 
 daemon = Table(  # v3: one row, written by the running daemon, read by `npumoed status`
@@ -81,6 +95,9 @@ daemon = Table(  # v3: one row, written by the running daemon, read by `npumoed 
     Column("backend", Text),
     Column("power", Text),  # JSON
     Column("counters", Text),  # JSON
+    # v4: one row per daemon (a home on a host) when several share a queue
+    Column("host", String(255)),
+    Column("home", Text),
 )
 
 control = Table(  # v3: the person's switches (pause), kept apart from what the daemon writes
@@ -146,23 +163,33 @@ MIGRATIONS: list[list[str]] = [
             mtime_ns INTEGER NOT NULL
         )""",
     ],
+    [  # 5: several machines on one queue: who runs a job, jobs pinned to a machine, one row per daemon
+        "ALTER TABLE jobs ADD COLUMN worker_host VARCHAR(255)",
+        "ALTER TABLE jobs ADD COLUMN worker_started FLOAT",
+        "ALTER TABLE jobs ADD COLUMN pinned_host VARCHAR(255)",
+        "ALTER TABLE daemon ADD COLUMN host VARCHAR(255)",
+        "ALTER TABLE daemon ADD COLUMN home TEXT",
+        "CREATE UNIQUE INDEX daemon_worker ON daemon (host, home)",
+    ],
 ]
 
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
 def schema_version(conn: Connection) -> int:
-    return conn.exec_driver_sql("PRAGMA user_version").scalar_one()
+    return dialect_of(conn).schema_version(conn)
 
 
 def migrate(conn: Connection, target: int = SCHEMA_VERSION) -> int:
     """Apply the migrations past the database's version, up to `target`; returns the new version."""
-    version = schema_version(conn)
+    dialect = dialect_of(conn)
+    dialect.lock_schema(conn)
+    version = dialect.schema_version(conn)
     if version > SCHEMA_VERSION:
         raise RuntimeError(f"database schema v{version} is newer than this npumoed (v{SCHEMA_VERSION}); "
                            "upgrade npumoed")
     for number in range(version + 1, target + 1):
         for statement in MIGRATIONS[number - 1]:
-            conn.exec_driver_sql(statement)
-        conn.exec_driver_sql(f"PRAGMA user_version = {number}")
+            conn.exec_driver_sql(dialect.ddl(statement))
+        dialect.set_schema_version(conn, number)
     return max(version, target)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from postgres_server import PostgresServer
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -120,6 +121,23 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL server for the whole session, started when a test first asks for it; each test
+    takes a fresh database of it with `postgres.new_database()`."""
+    server = PostgresServer.start_new()
+    yield server
+    server.close()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def queue_location(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str:
+    """Where a test's queue lives, once per dialect: a fresh SQLite file, or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return tmp_path / "q.db"
+    return request.getfixturevalue("postgres").new_database()
 
 
 @pytest.fixture(scope="session")

@@ -99,9 +99,10 @@ def list_jobs(app: App, state: str | None, limit: int | None, as_json: bool) -> 
     if as_json:
         emit_json({"jobs": [job.as_dict() for job in found]})
         return
-    table = Table("id", "state", "tries", "progress", "updated", "document", "last error", box=None)
+    table = Table("id", "state", "host", "tries", "progress", "updated", "document", "last error", box=None)
     for job in found:
-        table.add_row(str(job.id), job.state, f"{job.attempts}/{job.max_attempts}", f"{job.progress:.0%}",
+        table.add_row(str(job.id), job.state, job.worker_host or "", f"{job.attempts}/{job.max_attempts}",
+                      f"{job.progress:.0%}",
                       datetime.fromtimestamp(job.updated_at).strftime("%m-%d %H:%M"), job.path,
                       job.last_error or "")
     Console().print(table if found else "no jobs")

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import click
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 from npumoe.daemon.config import Config, ConfigError, load_config
 from npumoe.daemon.home import Home
@@ -42,7 +44,12 @@ class App:
     @cached_property
     def queue(self) -> Queue:
         q = self.config.queue
-        queue = Queue(self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds))
+        try:
+            queue = Queue(q.url or self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds),
+                          home=self.home.root)
+        except OperationalError as e:
+            where = make_url(q.url).render_as_string(hide_password=True) if q.url else self.home.database
+            raise click.ClickException(f"cannot open the queue at {where}: {str(e.orig).strip()}") from e
         self._opened.append(queue)
         return queue
 

@@ -16,7 +16,7 @@ from typing import Any
 import click
 from rich.console import Console, RenderableType
 from rich.live import Live
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from npumoe.daemon.cli.app import App, BadConfig, emit_json, pass_app
 from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
@@ -53,28 +53,32 @@ def run(app: App, once: bool, inboxes: tuple[Path, ...], verbose: bool) -> None:
 @click.option("--watch", is_flag=True, help="Keep the view up to date until Ctrl-C.")
 @click.option("--json", "as_json", is_flag=True, help="Print the status as JSON, for scripts.")
 @click.option("--interval", type=click.FloatRange(min=0.2), default=1.0, show_default=True, help="--watch refresh.")
-def status(watch: bool, as_json: bool, interval: float) -> None:
-    """What the daemon is doing, the queue, recent results, and why it waits when it does."""
-    home = Home.current()
+@pass_app
+def status(app: App, watch: bool, as_json: bool, interval: float) -> None:
+    """What the daemon is doing, the queue, recent results, and why it waits when it does.
+
+    On a queue several machines share (`[queue] url`), every machine's workers too.
+    """
+    home, url = Home.current(), app.config.queue.url
     if as_json:
-        emit_json({"home": str(home.root), **(read_status(home) or {"daemon": {"state": "never started"}})})
+        emit_json({"home": str(home.root), **(read_status(home, url) or {"daemon": {"state": "never started"}})})
     elif watch:
-        _watch(home, interval)
+        _watch(home, interval, url)
     else:
-        _show(home)
+        _show(home, url)
 
 
-def read_status(home: Home) -> dict[str, Any] | None:
+def read_status(home: Home, url: str = "") -> dict[str, Any] | None:
     """The status snapshot, read-only; None while there is no queue to read (npumoed never ran, or is just
-    creating its database)."""
+    creating its database). `url`: the shared queue's, when the config names one."""
     try:
-        queue = Queue(home.database, read_only=True)
+        queue = Queue(url or home.database, read_only=True, home=home.root)
     except FileNotFoundError:
         return None
     try:
         return snapshot(queue)
-    except OperationalError as e:
-        if "no such table" in str(e):
+    except (OperationalError, ProgrammingError) as e:
+        if "no such table" in str(e) or "UndefinedTable" in type(e.orig).__name__:
             return None
         raise
     finally:
@@ -118,7 +122,7 @@ def demo(app: App) -> None:
         where = f"{job.output_dir}/" if job and job.state == "done" else job.last_error if job else "not queued"
         click.echo(f"  {name}: {where}")
     click.echo()
-    _show(home)
+    _show(home, config.queue.url)
     click.echo(f"\nThe demo model is tiny and random: its summaries are not meaningful text. Home: {home.root}")
 
 
@@ -154,23 +158,23 @@ def _keep_caches_at_home(home: Home) -> None:
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(home.compiled / "torch"))
 
 
-def _show(home: Home) -> None:
+def _show(home: Home, url: str) -> None:
     if sys.stdout.isatty():
-        Console().print(_draw(read_status(home), home, rich=True))
+        Console().print(_draw(read_status(home, url), home, rich=True))
     else:
-        click.echo(_draw(read_status(home), home, rich=False))
+        click.echo(_draw(read_status(home, url), home, rich=False))
 
 
-def _watch(home: Home, interval: float) -> None:
+def _watch(home: Home, interval: float, url: str) -> None:
     try:
         if not sys.stdout.isatty():
             while True:
-                click.echo(f"{_draw(read_status(home), home, rich=False)}\n")
+                click.echo(f"{_draw(read_status(home, url), home, rich=False)}\n")
                 time.sleep(interval)
-        with Live(_draw(read_status(home), home, rich=True), auto_refresh=False) as live:
+        with Live(_draw(read_status(home, url), home, rich=True), auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
-                live.update(_draw(read_status(home), home, rich=True), refresh=True)
+                live.update(_draw(read_status(home, url), home, rich=True), refresh=True)
     except KeyboardInterrupt:
         pass
 

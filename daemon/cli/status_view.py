@@ -1,7 +1,8 @@
 """`npumoed status`: what the daemon is doing and why, read from the queue without writing to it.
 
 `snapshot` gathers everything into one JSON-ready dict (that is `--json`); `render_rich` and
-`render_text` draw the same dict for a terminal and for pipes and logs.
+`render_text` draw the same dict for a terminal and for pipes and logs. `workers` lists every daemon on the
+queue: on a shared queue, one per home on each machine, each with its heartbeat and what it is doing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) ->
     )[:recent]
     return {
         "daemon": daemon,
+        "workers": [_worker(row, queue, now) for row in queue.workers()],
         "queue": queue.counts(),
         "current": _current(current) if current is not None and current.state == "running" else None,
         "recent_done": [
@@ -56,13 +58,28 @@ def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) ->
     }
 
 
-def _daemon(row: dict[str, Any] | None, now: float) -> dict[str, Any]:
+def _worker(row: dict[str, Any], queue: Queue, now: float) -> dict[str, Any]:
+    """One daemon's line: its identity, state and heartbeat, and the job it works on."""
+    local = row["host"] in (None, queue.host)
+    summary = _daemon(row, now, local=local)
+    job = queue.get(summary["current_job"]) if summary["current_job"] else None
+    return {
+        "host": row["host"],
+        "home": row["home"],
+        **{key: summary[key] for key in ("state", "pid", "started_at", "heartbeat_age_s", "activity", "reason")},
+        "done": summary["counters"].get("done", 0),
+        "job": {"id": job.id, "path": job.path, "progress": job.progress} if job and job.state == "running" else None,
+    }
+
+
+def _daemon(row: dict[str, Any] | None, now: float, *, local: bool = True) -> dict[str, Any]:
+    """A daemon's state; only on its own machine can its pid be asked after, elsewhere its heartbeat tells."""
     if row is None:
         return {"state": "never started"}
     state = "running"
     if row["stopped_at"] is not None:
         state = "stopped"
-    elif not row["pid"] or not pid_alive(row["pid"]):
+    elif local and (not row["pid"] or not pid_alive(row["pid"])):
         state = "stopped"  # killed without a clean stop; the next start requeues its job
     elif now - (row["heartbeat_at"] or 0) > STALE_SECONDS:
         state = "not responding"
@@ -108,6 +125,7 @@ def render_text(snap: dict[str, Any]) -> str:
         lines.append(f"working on #{current['id']} {_printable(current['path'])}")
         lines.append(f"  {_progress_words(current)}")
     lines.append("queue: " + ", ".join(f"{n} {state}" for state, n in snap["queue"].items()))
+    lines.extend(_worker_lines(snap))
     lines.extend(_recent_lines(snap))
     return "\n".join(lines)
 
@@ -134,6 +152,8 @@ def render_rich(snap: dict[str, Any]) -> RenderableType:
     )
     parts.append(Text("queue", style="bold"))
     parts.append(queue)
+    if workers := _worker_lines(snap):
+        parts.append(Text("\n".join(workers)))
     if recent := _recent_lines(snap):
         parts.append(Text("\n".join(recent)))
     return Group(*parts)
@@ -175,6 +195,25 @@ def _progress_words(current: dict[str, Any]) -> str:
     if current.get("eta_s") is not None:
         words.append(f"ETA {_duration(current['eta_s'])}")
     return " · ".join(words)
+
+
+def _worker_lines(snap: dict[str, Any]) -> list[str]:
+    """Every worker on the queue, when there is more than this home's own daemon to show."""
+    workers = snap.get("workers", [])
+    if len(workers) < 2:
+        return []
+    lines = ["workers:"]
+    for w in workers:
+        words = [f"{w['host']} {_printable(w['home'] or '')}", f"pid {w['pid']}", w["state"]]
+        if w["state"] != "stopped":
+            words.append(w["activity"] or "")
+            if w["heartbeat_age_s"] is not None:
+                words.append(f"heartbeat {_duration(w['heartbeat_age_s'])} ago")
+        if w["job"]:
+            words.append(f"#{w['job']['id']} {_printable(Path(w['job']['path']).name)} {w['job']['progress']:.0%}")
+        words.append(f"{w['done']} done")
+        lines.append("  " + " · ".join(word for word in words if word))
+    return lines
 
 
 def _recent_lines(snap: dict[str, Any]) -> list[str]:

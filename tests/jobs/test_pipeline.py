@@ -457,6 +457,25 @@ def test_a_done_document_is_in_the_search_index(setup: Setup) -> None:
     assert itself.document.job_id == job.id and itself.document.output_dir == job.output_dir
 
 
+def test_on_a_shared_queue_a_done_document_is_indexed_in_this_machines_own_database(
+    tmp_path: Path, postgres: object
+) -> None:
+    setup = Setup(tmp_path)
+    setup.queue = Queue(postgres.new_database(), backoff=Backoff(base=0.0, cap=0.0))  # type: ignore[attr-defined]
+    local = tmp_path / "home.db"
+    job = setup.claim(setup.document())
+    policy = Policy("keep", ExtractLimits(timeout_s=20, memory_mb=512, max_bytes=2**20), 60.0)
+    folders = Folders(setup.outbox, setup.processed, setup.failed, (setup.inbox.resolve(),))
+    pipeline_ = Pipeline(setup.queue, folders, policy, setup.model, worker_pid=PID, meter=Meter, local_index=local)
+    assert pipeline_.process(job).state == "done"
+    index = SearchIndex(local)
+    try:
+        (itself,) = index.similar(job.id, 5)
+    finally:
+        index.close()
+    assert itself.document.job_id == job.id
+
+
 def test_a_document_that_cannot_be_indexed_is_not_done(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(conn: object, entry: object) -> None:
         raise RuntimeError("index refused")

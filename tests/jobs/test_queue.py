@@ -1,4 +1,8 @@
-"""The job queue, on real SQLite files and real OS processes."""
+"""The job queue, on real SQLite files, a real PostgreSQL server and real OS processes.
+
+Every test of the queue's behaviour runs once per dialect (the `queue_location` fixture); the tests of one
+dialect's own machinery (SQLite's WAL and file migrations, PostgreSQL's wake-ups) say so in their names.
+"""
 
 from __future__ import annotations
 
@@ -6,15 +10,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
-from sqlalchemy import create_engine, inspect, text
+from postgres_server import PostgresServer
+from sqlalchemy import create_engine, inspect, text, update
 
 from npumoe.bench.queue import run_claim_benchmark
 from npumoe.jobs.queue import BATCH, INTERACTIVE, Backoff, Queue
-from npumoe.jobs.schema import SCHEMA_VERSION, jobs, migrate
+from npumoe.jobs.schema import SCHEMA_VERSION, jobs, migrate, schema_version
 
 
 class Clock:
@@ -36,13 +44,14 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-def queue(tmp_path: Path, clock: Clock) -> Queue:
-    q = Queue(tmp_path / "q.db", clock=clock, backoff=Backoff(base=10, cap=100))
+def queue(queue_location: Path | str, clock: Clock) -> Iterator[Queue]:
+    q = Queue(queue_location, clock=clock, backoff=Backoff(base=10, cap=100))
     yield q
     q.close()
 
 
-def test_database_uses_wal_and_is_private(queue: Queue) -> None:
+def test_sqlite_database_uses_wal_and_is_private(tmp_path: Path) -> None:
+    queue = Queue(tmp_path / "q.db")
     with queue._read.connect() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
@@ -151,8 +160,8 @@ def test_release_hands_the_job_back_without_spending_an_attempt(queue: Queue) ->
     assert (job.state, job.attempts, job.worker_pid) == ("queued", 0, None)
 
 
-def test_many_processes_claim_each_job_exactly_once(tmp_path: Path) -> None:
-    run = run_claim_benchmark(tmp_path / "q.db", processes=4, jobs=2000)
+def test_many_processes_claim_each_job_exactly_once(queue_location: Path | str) -> None:
+    run = run_claim_benchmark(queue_location, processes=4, jobs=2000)
     assert (run.duplicates, run.lost) == (0, 0)
     assert sum(run.per_process) == 2000
 
@@ -166,16 +175,16 @@ time.sleep(600)
 """
 
 
-def claim_in_child(database: Path, lease_seconds: float) -> tuple[subprocess.Popen[str], int]:
-    child = subprocess.Popen([sys.executable, "-c", CLAIM_AND_HANG, str(database), str(lease_seconds)],
+def claim_in_child(location: str, lease_seconds: float) -> tuple[subprocess.Popen[str], int]:
+    child = subprocess.Popen([sys.executable, "-c", CLAIM_AND_HANG, location, str(lease_seconds)],
                              stdout=subprocess.PIPE, text=True)
     return child, int(child.stdout.readline())
 
 
-def test_a_worker_killed_mid_job_has_its_job_reclaimed_after_its_lease(tmp_path: Path) -> None:
-    queue = Queue(tmp_path / "q.db")
+def test_a_worker_killed_mid_job_has_its_job_reclaimed_after_its_lease(queue_location: Path | str) -> None:
+    queue = Queue(queue_location)
     (job_id,) = add(queue, 1)
-    child, claimed = claim_in_child(queue.path, lease_seconds=1.0)
+    child, claimed = claim_in_child(queue.location, lease_seconds=1.0)
     assert claimed == job_id and queue.get(job_id).state == "running"
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
@@ -185,10 +194,10 @@ def test_a_worker_killed_mid_job_has_its_job_reclaimed_after_its_lease(tmp_path:
     assert queue.claim(os.getpid(), lease_seconds=60).id == job_id
 
 
-def test_a_dead_worker_pid_returns_its_job_before_the_lease_ends(tmp_path: Path) -> None:
-    queue = Queue(tmp_path / "q.db")
+def test_a_dead_worker_pid_returns_its_job_before_the_lease_ends(queue_location: Path | str) -> None:
+    queue = Queue(queue_location)
     (job_id,) = add(queue, 1)
-    child, _ = claim_in_child(queue.path, lease_seconds=3600)
+    child, _ = claim_in_child(queue.location, lease_seconds=3600)
     assert queue.reap() == []  # alive and leased
     os.kill(child.pid, signal.SIGKILL)
     child.wait()
@@ -196,7 +205,7 @@ def test_a_dead_worker_pid_returns_its_job_before_the_lease_ends(tmp_path: Path)
     assert queue.get(job_id).state == "queued"
 
 
-def test_an_older_database_is_migrated_in_place_keeping_its_jobs(tmp_path: Path) -> None:
+def test_an_older_sqlite_database_is_migrated_in_place_keeping_its_jobs(tmp_path: Path) -> None:
     path = tmp_path / "old.db"
     engine = create_engine(f"sqlite:///{path}")
     with engine.begin() as conn:
@@ -215,7 +224,7 @@ def test_an_older_database_is_migrated_in_place_keeping_its_jobs(tmp_path: Path)
     assert queue.claim(1, lease_seconds=60).id == 1
 
 
-def test_a_database_from_a_newer_npumoed_is_refused(tmp_path: Path) -> None:
+def test_a_sqlite_database_from_a_newer_npumoed_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "new.db"
     engine = create_engine(f"sqlite:///{path}")
     with engine.begin() as conn:
@@ -225,11 +234,131 @@ def test_a_database_from_a_newer_npumoed_is_refused(tmp_path: Path) -> None:
         Queue(path)
 
 
-def test_status_reads_while_a_writer_holds_the_lock(tmp_path: Path) -> None:
-    writer = Queue(tmp_path / "q.db")
+def test_status_reads_while_a_writer_holds_the_lock(queue_location: Path | str) -> None:
+    writer = Queue(queue_location)
     add(writer, 3)
-    reader = Queue(writer.path, read_only=True)
-    with writer._tx():  # BEGIN IMMEDIATE held: WAL readers still read
+    reader = Queue(writer.location, read_only=True)
+    with writer._tx():  # SQLite: BEGIN IMMEDIATE held, and WAL readers still read
         assert reader.counts()["queued"] == 3
     with pytest.raises(PermissionError):
         reader.cancel(1)
+
+
+# -- several machines on one PostgreSQL queue ---------------------------------------------------------------
+
+
+@pytest.fixture
+def machines(postgres: PostgresServer) -> Iterator[tuple[Queue, Queue, Clock]]:
+    """Two machines' views of one fresh PostgreSQL queue, on one clock."""
+    url, clock = postgres.new_database(), Clock()
+    alpha, beta = Queue(url, host="alpha", clock=clock), Queue(url, host="beta", clock=clock)
+    yield alpha, beta, clock
+    alpha.close()
+    beta.close()
+
+
+def a_dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_machines_dedupe_globally_and_never_share_a_claim(machines: tuple[Queue, Queue, Clock]) -> None:
+    alpha, beta, _ = machines
+    job, created = alpha.add("/shared/a.pdf", "a" * 64, model_key="m", settings_key="s")
+    again, created_again = beta.add("/shared/copy.pdf", "a" * 64, model_key="m", settings_key="s")
+    assert created and not created_again and again.id == job.id
+    claimed = alpha.claim(7, lease_seconds=60)
+    assert claimed.id == job.id and (claimed.worker_host, claimed.worker_pid) == ("alpha", 7)
+    assert beta.claim(7, lease_seconds=60) is None
+    # The same pid on another machine is another worker: it owns nothing of alpha's.
+    assert not beta.heartbeat(job.id, 7, lease_seconds=60) and not beta.complete(job.id, 7)
+    assert alpha.complete(job.id, 7, output_dir="/shared/outbox/a")
+    done = beta.get(job.id)
+    assert (done.state, done.worker_host, done.output_dir) == ("done", "alpha", "/shared/outbox/a")
+
+
+def test_another_machines_worker_is_reaped_by_lease_expiry_only(machines: tuple[Queue, Queue, Clock]) -> None:
+    alpha, beta, clock = machines
+    (job_id,) = add(alpha, 1)
+    alpha.claim(a_dead_pid(), lease_seconds=60)
+    assert beta.reap() == []  # beta cannot ask after alpha's processes; the lease still runs
+    clock.now += 61
+    assert beta.reap() == [job_id]
+    assert "on alpha" in beta.get(job_id).last_error
+
+
+def test_a_dead_pid_on_the_same_machine_is_reaped_before_its_lease_ends(machines: tuple[Queue, Queue, Clock]) -> None:
+    alpha, beta, _ = machines
+    (job_id,) = add(alpha, 1)
+    alpha.claim(a_dead_pid(), lease_seconds=3600)
+    assert beta.reap() == []
+    assert alpha.reap() == [job_id]
+
+
+def test_a_live_pid_that_started_after_the_claim_is_another_process(machines: tuple[Queue, Queue, Clock]) -> None:
+    alpha, _, _ = machines
+    (job_id,) = add(alpha, 1)
+    claimed = alpha.claim(os.getpid(), lease_seconds=3600)
+    assert claimed.worker_started == pytest.approx(psutil.Process().create_time())
+    assert alpha.reap() == []  # this very process: alive, and the one that claimed
+    with alpha._tx() as conn:  # as if this pid had been reused since a worker that started earlier claimed
+        conn.execute(update(jobs).values(worker_started=claimed.worker_started - 3600))
+    assert alpha.reap() == [job_id]
+
+
+def test_a_job_pinned_to_its_machine_is_claimed_there_only(machines: tuple[Queue, Queue, Clock]) -> None:
+    alpha, beta, _ = machines
+    job, _ = alpha.add("/Users/a/inbox/local.md", "l" * 64, model_key="m", settings_key="s", pinned=True)
+    assert job.pinned_host == "alpha"
+    assert beta.claim(1, lease_seconds=60) is None
+    assert alpha.claim(1, lease_seconds=60).id == job.id
+
+
+def test_each_machine_and_home_has_its_own_daemon_row(machines: tuple[Queue, Queue, Clock]) -> None:
+    alpha, beta, _ = machines
+    alpha_second_home = Queue(alpha.location, host="alpha", home="/srv/second")
+    for queue, pid in ((alpha, 1), (beta, 2), (alpha_second_home, 3)):
+        queue.write_daemon(pid=pid, started_at=10.0, heartbeat_at=11.0, activity="idle", counters={"done": pid})
+    beta.write_daemon(activity="working", current_job=5)
+    assert [(w["host"], w["pid"], w["activity"]) for w in alpha.workers()] == [
+        ("alpha", 1, "idle"), ("alpha", 3, "idle"), ("beta", 2, "working")]
+    assert (beta.read_daemon()["pid"], alpha_second_home.read_daemon()["counters"]) == (2, {"done": 3})
+    alpha_second_home.close()
+
+
+def test_postgresql_wakes_idle_workers_on_other_machines_also_after_a_server_restart(
+    machines: tuple[Queue, Queue, Clock], postgres: PostgresServer
+) -> None:
+    alpha, beta, _ = machines
+    woken, stop = threading.Semaphore(0), threading.Event()
+    listener = alpha.listen(woken.release, stop)
+    try:
+        assert woken.acquire(timeout=30)  # once on connecting: whatever was queued before went unannounced
+        assert not woken.acquire(timeout=0.5)  # and then only when told
+        add(beta, 1)
+        assert woken.acquire(timeout=30)
+        postgres.restart()
+        assert woken.acquire(timeout=60)  # reconnected
+        beta.add("/after-restart", "r" * 64, model_key="m", settings_key="s")  # beta's pool reconnects too
+        assert woken.acquire(timeout=30)
+    finally:
+        stop.set()
+        listener.join(timeout=10)
+    assert not listener.is_alive()
+
+
+def test_postgresql_schema_version_is_kept_and_a_newer_one_refused(postgres: PostgresServer) -> None:
+    url = postgres.new_database()
+    starters = [threading.Thread(target=lambda: Queue(url).close()) for _ in range(3)]  # machines starting at once
+    for starter in starters:
+        starter.start()
+    for starter in starters:
+        starter.join()
+    queue = Queue(url)
+    with queue._tx() as conn:
+        assert schema_version(conn) == SCHEMA_VERSION
+        assert {c["name"] for c in inspect(conn).get_columns("jobs")} == {c.name for c in jobs.columns}
+        conn.exec_driver_sql(f"UPDATE npumoed_schema SET version = {SCHEMA_VERSION + 1}")
+    with pytest.raises(RuntimeError, match="newer"):
+        Queue(url)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 
-def daemon_toml(model: str, *, originals: str = "keep", max_attempts: int = 3, background: bool = False) -> str:
-    """A config whose [model] section holds the `model` lines (`name = "…"` and any others).
+def daemon_toml(model: str, *, originals: str = "keep", max_attempts: int = 3, background: bool = False,
+                queue_url: str = "", outbox: str = "") -> str:
+    """A config whose [model] section holds the `model` lines (`name = "…"` and any others); `queue_url` and
+    `outbox` for a daemon on a shared queue, writing to a shared outbox.
 
     The scheduler ignores other processes' load (other test runs share these cores; their load is not what
     the tests are about), and unless `background`, the daemon does not lower its own priority, since at
@@ -20,8 +22,12 @@ originals = "{originals}"
 {model}
 
 [queue]
+url = "{queue_url}"
 max_attempts = {max_attempts}
 retry_base_seconds = 1
+
+[outbox]
+folder = "{outbox}"
 
 [scheduler]
 max_foreground_load = 1.0
