@@ -19,7 +19,8 @@ from cpus import fake_timings
 from npumoe.engine import Engine, EngineSettings, bf16_linear, load_model
 from npumoe.engine.calibrate import calibrate
 from npumoe.engine.cost import CostModel
-from npumoe.engine.models import moe_experts
+from npumoe.engine.experts_layout import expert_weights
+from npumoe.engine.models import moe_experts, moe_layouts
 from npumoe.engine.planner import make_plan
 from npumoe.engine.tiny import ARCHITECTURES
 
@@ -36,8 +37,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def make_plan_file(folder: Path, calibration_text: str, out: Path) -> Path:
     loaded = load_model(folder)
     calibration = calibrate(loaded, [("calibration", calibration_text)], chunk_tokens=CHUNK)
-    _, experts = moe_experts(loaded.model)[0]
-    _, hidden, ffn = experts.down_proj.shape
+    _, experts, layout = moe_layouts(loaded.model)[0]
+    _, hidden, ffn = expert_weights(experts, layout).down.shape
     plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend="torch-static",
                      cost=ACCELERATOR_FAVOURED, hidden=hidden, ffn=ffn, overflow="spill")
     # A quarter of the calibrated capacities, so that hot experts overflow and spill.
