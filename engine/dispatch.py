@@ -285,9 +285,12 @@ class MoeLayer:
 
 def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """(S, H) expert outputs in sorted order (out[i] belongs to assignment order[i]) and (T, k) router weights
-    -> (T, H): each token's weighted sum, as a (1, k) x (k, H) matmul per token (accumulated in float32, so a
-    bf16 sum is rounded once)."""
+    -> (T, H): each token's weighted sum, as a (1, k) x (k, H) matmul per token, accumulated in float32 so a bf16
+    sum is rounded once. Weights finer than the outputs (a float32 router beside bf16 experts) are not rounded
+    to them: the sum is taken in their dtype, as transformers does."""
     T, k = top_k_weights.shape
     # (S, H) token-major: row t·k + j is token t's j-th assignment's output
     by_token = torch.index_select(out, 0, torch.argsort(order), out=_workspace.get("by_token", len(order), out))
-    return torch.bmm(top_k_weights.to(out.dtype).reshape(T, 1, k), by_token.view(T, k, -1)).view(T, -1)
+    dtype = torch.promote_types(out.dtype, top_k_weights.dtype)
+    weighted = torch.bmm(top_k_weights.to(dtype).reshape(T, 1, k), by_token.view(T, k, -1).to(dtype))
+    return weighted.view(T, -1).to(out.dtype)

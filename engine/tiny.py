@@ -46,6 +46,9 @@ CONTEXT = 1024
 # far apart, in logits, the hottest and the coldest expert sit along it.
 SHARED_DIRECTION = 4.0
 ROUTER_SPREAD = 8.0
+# Families whose routers need a wider spread for the same skew: Nemotron-H's MoE layers sit after Mamba and
+# attention layers, which keep less of the shared direction.
+WIDER_ROUTER_SPREAD = {"nemotron_h": 3 * ROUTER_SPREAD}
 BIAS_SCALE = 0.1  # expert biases, where a family has them
 
 MOE_FFN = dict(moe_intermediate_size=EXPERT_FFN, intermediate_size=4 * HIDDEN)  # routed experts, dense layers
@@ -84,12 +87,18 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict]] = {
                                               moe_layer_start_index=0, **MOE_FFN)),
     "glm4_moe_lite": (Glm4MoeLiteConfig, dict(n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,
                                               mlp_layer_types=["sparse"] * LAYERS, **MOE_FFN, **LATENT_ATTENTION)),
-    "deepseek_v4": (DeepseekV4Config, dict(num_local_experts=16, num_experts_per_tok=4, intermediate_size=EXPERT_FFN)),
+    # DeepSeek-V4's compressed and sparse attention at a small size, its window shorter than the prompts
+    "deepseek_v4": (DeepseekV4Config, dict(num_local_experts=16, num_experts_per_tok=4, intermediate_size=EXPERT_FFN,
+                                           num_key_value_heads=1, head_dim=32, qk_rope_head_dim=4, q_lora_rank=32,
+                                           o_lora_rank=32, o_groups=2, index_n_heads=4, index_head_dim=16,
+                                           sliding_window=48)),
     # hybrid: short-convolution layers beside attention, each with its own kind of cache
     "lfm2_moe": (Lfm2MoeConfig, dict(num_experts=16, num_experts_per_tok=4, num_dense_layers=0,
                                      layer_types=["conv", "full_attention", "conv"], **MOE_FFN)),
     # hybrid Mamba-attention, experts without a gate (squared ReLU); its layers listed by kind, three of them MoE
-    "nemotron_h": (NemotronHConfig, dict(n_routed_experts=16, num_experts_per_tok=4, moe_intermediate_size=EXPERT_FFN,
+    # (its experts twice as wide, so that the up projection fills the bf16 kernel's 64-row blocks)
+    "nemotron_h": (NemotronHConfig, dict(n_routed_experts=16, num_experts_per_tok=2,
+                                         moe_intermediate_size=2 * EXPERT_FFN,
                                          moe_shared_expert_intermediate_size=2 * HIDDEN, intermediate_size=4 * HIDDEN,
                                          layers_block_type=["moe", "mamba", "moe", "attention", "moe"],
                                          mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
@@ -110,7 +119,7 @@ def make_tiny(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
     config = config_class(**{**common, **family_settings})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _init_skewed(model, torch.Generator().manual_seed(seed))
+    _init_skewed(model, torch.Generator().manual_seed(seed), WIDER_ROUTER_SPREAD.get(arch, ROUTER_SPREAD))
     model.generation_config = GenerationConfig(
         do_sample=False, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     out_dir = Path(out_dir)
@@ -120,8 +129,9 @@ def make_tiny(arch: str, out_dir: Path, *, seed: int = 0) -> Path:
 
 
 @torch.no_grad()
-def _init_skewed(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Embeddings with a shared direction, experts with unit-gain weights, routers leaning along it."""
+def _init_skewed(model: torch.nn.Module, generator: torch.Generator, spread: float) -> None:
+    """Embeddings with a shared direction, experts with unit-gain weights, routers leaning along it, the
+    hottest expert's router `spread` logits further than the coldest's."""
     hidden = model.config.hidden_size
     shared = torch.randn(hidden, generator=generator)
     shared /= shared.norm()
@@ -136,8 +146,8 @@ def _init_skewed(model: torch.nn.Module, generator: torch.Generator) -> None:
         for weight_name, bias in experts.named_parameters(recurse=False):
             if weight_name.endswith("_bias"):  # small but not zero, so that a bias the engine dropped would show
                 bias.copy_(BIAS_SCALE * torch.randn(bias.shape, generator=generator))
-        # Expert ranked r (a random order per layer) leans ROUTER_SPREAD * (1 - r / E) along `shared`.
-        lean = ROUTER_SPREAD * (1 - torch.arange(n_experts) / n_experts)
+        # Expert ranked r (a random order per layer) leans spread * (1 - r / E) along `shared`.
+        lean = spread * (1 - torch.arange(n_experts) / n_experts)
         lean = lean[torch.randperm(n_experts, generator=generator)]
         router = _router_weight(model, name, n_experts)
         router.copy_(torch.randn(router.shape, generator=generator) / hidden**0.5

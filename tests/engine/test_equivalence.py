@@ -1,14 +1,16 @@
 """The engine's logits equal the plain transformers forward (eager experts) on the same checkpoint.
 
-For every family, in fp32, within 1e-4 relative (max |engine - eager| / max |eager|), for a prompt
-shorter than one chunk and one several chunks long: on the exact `cpu` backend, and on
-`torch-static` with a tight plan and overflow `spill` (group graphs, cold experts and spills all used).
+For every family the tiny checkpoints cover, in fp32, within 1e-4 relative (max |engine - eager| / max |eager|),
+for a prompt shorter than one chunk and one several chunks long: on the exact `cpu` backend, and on
+`torch-static` with a tight plan and overflow `spill` (group graphs, cold experts and spills all used);
+and the engine's experts implementation ran for each (its count of layer calls).
 In bf16, where every forward rounds, the engine is held to transformers' own bf16 forward: no further
 from the fp32 logits than that is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -69,6 +71,8 @@ def test_engine_logits_equal_eager_transformers_on_every_backend(tiny, tmp_path,
             got = engine.logits(ids)
             assert got.shape == want.shape
             assert relative_error(got, want) < 1e-4, f"{backend}, {name} prompt"
+            # the engine's experts implementation ran: once per MoE layer per chunk, with every assignment
+            assert engine.stats.layer_calls == math.ceil(len(ids) / CHUNK) * 3
             assert engine.stats.assignments == len(ids) * reference.config.num_experts_per_tok * 3
         static_work += engines["torch-static"].stats.static
         spilled += engines["torch-static"].stats.spilled
