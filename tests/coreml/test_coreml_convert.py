@@ -82,7 +82,7 @@ def test_functions_hold_no_op_the_neural_engine_rejects(built: tuple[Path, Manif
 def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path, Manifest], tiny_weights: list) -> None:
     folder, manifest = built
     for group in manifest.groups:
-        gate_up, down = tiny_weights[group.layer]
+        gate_up, down = tiny_weights[group.layer].gate_up, tiny_weights[group.layer].down
         experts, inter, hidden = list(group.experts), manifest.intermediate, manifest.hidden
         g = len(experts)
         expected = [gate_up[experts, :inter].reshape(g * inter, hidden, 1, 1),
@@ -95,7 +95,7 @@ def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path,
 
 
 def test_packages_are_split_to_stay_under_the_size_limit(tiny_weights: list, tmp_path: Path) -> None:
-    hidden, inter = tiny_weights[0][1].shape[1:]
+    hidden, inter = tiny_weights[0].hidden, tiny_weights[0].ffn
     six_experts = 6 * 3 * hidden * inter * 2  # bytes of fp16 weights
     manifest = build_packages(GROUPS, tiny_weights.__getitem__, DEFAULT_LAYOUT, tmp_path / "build", model="tiny",
                               digest="p0", max_package_bytes=six_experts)
