@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Llama4TextConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, Llama4TextConfig, LlamaConfig, MiniMaxConfig
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 from npumoe.engine.backends import get_backend
 from npumoe.engine.models import ModelError, load_model, moe_experts, moe_layouts
@@ -119,3 +120,18 @@ def test_an_unknown_dtype_is_refused(tiny):
 def test_make_tiny_refuses_an_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="unknown architecture 'llama'"):
         make_tiny("llama", tmp_path)
+
+
+def test_a_model_that_keeps_a_cache_class_of_its_own_gets_that_class_as_generate_leaves_it_to_the_model():
+    """MiniMax's forward makes a MiniMaxCache itself and refuses any other; `generate` leaves the cache to it."""
+    config = MiniMaxConfig(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+                           layer_types=["linear_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = new_cache(model)
+    assert type(cache) is MiniMaxCache
+    ids = list(range(3, 40))
+    first, second = prefill(model, ids, 20, cache, logits=True)  # the model takes it, and keeps filling it
+    assert first.shape == (20, 300) and second.shape == (17, 300)
+    assert cache.get_seq_length(1) == len(ids)  # the attention layer's keys and values
+    assert isinstance(cache.linear_cache[0], torch.Tensor)  # the linear-attention layer's state
