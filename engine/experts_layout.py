@@ -32,7 +32,8 @@ CLAMPED_GLU = "clamped-glu"  # act(min(g, limit)) * clamp(u, ±limit) (DeepSeek-
 CLAMPED_SWIGLU = "clamped-swiglu"  # g' = min(g, limit): g'·σ(alpha·g') · (clamp(u, ±limit) + 1) (gpt-oss)
 GATES = (GLU, CLAMPED_GLU, CLAMPED_SWIGLU)
 
-# Activations coremltools converts from the exported graph (checked by tests/coreml); others stay on the CPU.
+# Activations coremltools converts from the exported graph to ops the Neural Engine runs (each checked by
+# tests/coreml/test_grouped_layouts.py); experts with another stay on the CPU.
 COREML_ACTIVATIONS = frozenset({"silu", "swish", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh",
                                 "quick_gelu", "relu", "relu2", "relu6", "sigmoid", "tanh"})
 
@@ -104,7 +105,7 @@ def activation(name: str) -> nn.Module:
 DEFAULT_LAYOUT = ExpertsLayout()  # transformers' default: fused gate-up, silu GLU, no biases
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors: compared by identity, never by value
 class ExpertWeights:
     """E experts' weights in the engine's form. `gate_up` (E, n·I, H) holds the gate rows then the up rows
     (n = 2), or the up rows alone when not gated (n = 1); `down` (E, H, I); biases (E, n·I) and (E, H) or None.

@@ -7,7 +7,13 @@ import torch
 from npumoe.engine.coreml.ane import ane_problems
 from npumoe.engine.coreml.convert import ConversionError, convert_group
 from npumoe.engine.cpu_experts import CpuExperts
-from npumoe.engine.experts_layout import CLAMPED_GLU, CLAMPED_SWIGLU, ExpertsLayout, ExpertWeights
+from npumoe.engine.experts_layout import (
+    CLAMPED_GLU,
+    CLAMPED_SWIGLU,
+    COREML_ACTIVATIONS,
+    ExpertsLayout,
+    ExpertWeights,
+)
 from npumoe.engine.grouped import GroupedExperts, from_ane_layout, to_ane_layout
 
 # One of each kind the engine implements: transformers' default, another activation, gpt-oss's clamped SwiGLU
@@ -66,6 +72,13 @@ def test_every_implemented_layout_converts_to_a_core_ml_graph_the_neural_engine_
     op_types = [op.op_type for op in function.operations]
     assert op_types.count("conv") == layout.projections + 1  # gate and up (or up alone), then down
     assert ane_problems(function) == []
+
+
+@pytest.mark.parametrize("act", sorted(COREML_ACTIVATIONS))
+def test_every_activation_the_engine_sends_to_core_ml_converts_to_ops_the_neural_engine_runs(act: str) -> None:
+    layout = ExpertsLayout(activation=act)
+    program = convert_group(random_experts(groups=2, hidden=16, inter=8), layout, capacity=4)
+    assert ane_problems(program._get_mil_internal().functions["main"]) == []
 
 
 def test_a_layout_core_ml_is_not_checked_for_is_refused_with_the_reason() -> None:
