@@ -11,18 +11,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .engine import DocumentResult, Engine, EngineSettings, Progress, RunStats
-    from .models import SUPPORTED_FAMILIES, LoadedModel, ModelError, load_model
+    from .models import LoadedModel, ModelError, load_model
     from .plan import ExpertPlan, PlanError
 
 # Each exported name and the module of the engine that defines it.
 _HOMES = {
     "DocumentResult": "engine", "Engine": "engine", "EngineSettings": "engine", "Progress": "engine",
-    "RunStats": "engine", "SUPPORTED_FAMILIES": "models", "LoadedModel": "models", "ModelError": "models",
+    "RunStats": "engine", "LoadedModel": "models", "ModelError": "models",
     "load_model": "models", "ExpertPlan": "plan", "PlanError": "plan",
 }
 
 __all__ = [
-    "SUPPORTED_FAMILIES",
     "DocumentResult",
     "Engine",
     "EngineSettings",

@@ -23,6 +23,7 @@ import torch
 from .cost import CostModel, expert_flops, fit_call_cost
 from .cpu_experts import CpuExperts, run_tasks
 from .dispatch import GraphCalls, GroupGraph, run_now
+from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from .grouped import GroupedExperts
 from .vocabulary import COREML, CPU, DEFAULT_COMPUTE_UNITS, TORCH_STATIC
 
@@ -58,9 +59,13 @@ class Backend:
         cls.check(options)
         return cls()
 
-    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
-        """A (G, C, H) -> (G, C, H) graph for G experts' weights, gate_up (G, 2I, H), down (G, H, I), at
-        capacity C (a compiled backend builds one graph per shape; torch runs any)."""
+    def static_problem(self, layout: ExpertsLayout) -> str | None:
+        """Why experts of this layout cannot run in this backend's group graphs; None when they can."""
+        return None
+
+    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> GroupGraph:
+        """A (G, C, H) -> (G, C, H) graph for G experts' weights of this layout at capacity C (a compiled
+        backend builds one graph per shape; torch runs any)."""
         raise ValueError(f"the {self.name} backend has no static graphs; plans need a static backend "
                          f"({', '.join(n for n in REGISTRY if backend_class(n).static)})")
 
@@ -82,21 +87,22 @@ class TorchStaticBackend(Backend):
     name = TORCH_STATIC
     static = True
 
-    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
-        return GroupedExperts(gate_up.detach(), down.detach(), act=act).eval()
+    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> GroupGraph:
+        return GroupedExperts(weights, layout).eval()
 
     @torch.inference_mode()
     def measure_costs(self, hidden: int, ffn: int, dtype: torch.dtype, group_size: int) -> CostModel:
         generator = torch.Generator().manual_seed(0)
         gate_up = (torch.randn(group_size, 2 * ffn, hidden, generator=generator) / hidden**0.5).to(dtype)
         down = (torch.randn(group_size, hidden, ffn, generator=generator) / ffn**0.5).to(dtype)
-        graph = GroupedExperts(gate_up, down)
+        weights = ExpertWeights(gate_up, down)
+        graph = GroupedExperts(weights)
         launch_s, static_flops = fit_call_cost(
             lambda rows: graph(torch.ones(group_size, rows, hidden, dtype=dtype)), *_FIT_ROWS,
             flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
         # The CPU path runs the same experts side by side, as a layer does: its fixed cost per call is
         # that of the G calls shared out over the workers, its throughput that of all of them.
-        cpu = CpuExperts(gate_up, down, graph.act_name)
+        cpu = CpuExperts(weights, DEFAULT_LAYOUT)
 
         def cpu_path(rows: int) -> None:
             x = torch.ones(rows, hidden, dtype=dtype)

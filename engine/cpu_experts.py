@@ -1,5 +1,8 @@
 """The exact CPU expert path: each expert's rows through its own FFN, experts run side by side.
 
+An expert's FFN is the one its module's `ExpertsLayout` describes (experts_layout.py): the input projection,
+its bias, the layout's gate or activation, the down projection and its bias.
+
 Two choices make it fast on a CPU:
 - Weights are packed once, when the layer is built, into the layout the matmul kernel reads in order: the
   kernel measured fastest on this machine for the experts' dtype and shapes (cpu_kernels: the engine's own
@@ -20,37 +23,40 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
-from transformers.activations import ACT2FN
 
 from .cpu_kernels import PackedLinear, choose_kernel
+from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 
 Task = Callable[[], object]  # run for its effect; what it returns is dropped
 
 
 class CpuExperts:
-    """E gated expert FFNs on dynamic rows, weights in the layout of the matmul kernel fastest here.
+    """E expert FFNs of one layout on dynamic rows, weights in the layout of the matmul kernel fastest here."""
 
-    gate_up: (E, 2I, H), the gate rows first; down: (E, H, I).
-    """
+    def __init__(self, weights: ExpertWeights, layout: ExpertsLayout = DEFAULT_LAYOUT) -> None:
+        self.layout = layout
+        self.kernel = choose_kernel(weights.gate_up, weights.down).kernel
+        self.gate_up = [PackedLinear(w, self.kernel) for w in weights.gate_up]
+        self.down = [PackedLinear(w, self.kernel) for w in weights.down]
+        self.gate_up_bias, self.down_bias = weights.gate_up_bias, weights.down_bias
+        self._source = _identity(*weights.source)
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> None:
-        self.act = ACT2FN[act]
-        self.kernel = choose_kernel(gate_up, down).kernel
-        self.gate_up = [PackedLinear(w, self.kernel) for w in gate_up.detach()]
-        self.down = [PackedLinear(w, self.kernel) for w in down.detach()]
-        self._source = _identity(gate_up, down)
-
-    def packed_from(self, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    def packed_from(self, weights: ExpertWeights) -> bool:
         """Whether these are the very weights this was packed from, unchanged since."""
-        return self._source == _identity(gate_up, down)
+        return self._source == _identity(*weights.source)
 
     def __len__(self) -> int:
         return len(self.gate_up)
 
     def __call__(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """(n, H) rows through expert `expert`: (n, 2I) -> (n, I) -> (n, H), written into `out` when given."""
-        gate, up = self.gate_up[expert](x).chunk(2, dim=-1)
-        return self.down[expert](self.act(gate).mul_(up), out)
+        """(n, H) rows through expert `expert`: (n, n·I) -> (n, I) -> (n, H), written into `out` when given."""
+        h = self.gate_up[expert](x)
+        if self.gate_up_bias is not None:
+            h += self.gate_up_bias[expert]
+        y = self.down[expert](self.layout.apply(h), out)
+        if self.down_bias is not None:
+            y += self.down_bias[expert]
+        return y
 
 
 def _identity(*weights: torch.Tensor) -> tuple:

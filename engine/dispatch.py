@@ -9,8 +9,9 @@ assignments over capacity when the overflow policy is `spill`. Under `prune` tho
 instead, the least important first (importance = router weight × activation norm). The group graphs
 are submitted to the backend before the CPU work starts, so a backend with a device of its own
 overlaps the two. Every assignment's expert output lands in its row of one (S, H) buffer in sorted
-order (an expert's rows are one contiguous slice), and the combine gathers each token's k rows once
-and takes their weighted sum.
+order (an expert's rows are one contiguous slice); where the experts layout has a post-expert norm it
+normalises that buffer's rows once, whichever path made them; and the combine gathers each token's k
+rows once and takes their weighted sum.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from itertools import accumulate
 import torch
 
 from .cpu_experts import CpuExperts, Task, run_tasks
+from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from .vocabulary import OVERFLOW_POLICIES, PRUNE, SPILL
 
 GroupGraph = Callable[[torch.Tensor], torch.Tensor]  # (G, C, H) -> (G, C, H)
+PostNorm = Callable[[torch.Tensor], torch.Tensor]  # (S, H) expert outputs -> normalised (S, H)
 GraphCalls = Sequence[tuple[GroupGraph, torch.Tensor]]
 Submit = Callable[[GraphCalls], Future[list[torch.Tensor]]]
 
@@ -116,26 +119,29 @@ class MoeLayer:
 
     `submit` starts the group graphs (the backend's, on its device where it has one) and returns a future
     of their outputs; the CPU work runs meanwhile. `experts`: these weights already packed for the CPU,
-    where the caller holds them.
+    where the caller holds them. `post_norm`: the experts module's post-expert norm, where its layout has one.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, *,
+    def __init__(self, weights: ExpertWeights, layout: ExpertsLayout = DEFAULT_LAYOUT, *,
                  groups: list[StaticGroup] | None = None, overflow: str = SPILL, submit: Submit = run_now,
-                 experts: CpuExperts | None = None) -> None:
+                 experts: CpuExperts | None = None, post_norm: PostNorm | None = None) -> None:
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
-        self.experts = experts if experts is not None else CpuExperts(gate_up, down, act)
+        if layout.post_norm and post_norm is None:
+            raise ValueError("the experts layout has a post-expert norm: pass the module's post_norm")
+        self.experts = experts if experts is not None else CpuExperts(weights, layout)
+        self.post_norm = post_norm
         self.groups = groups or []
         self.overflow = overflow
         self.submit = submit
         self.loads: list[torch.Tensor] | None = None  # when a list, each call appends its (E,) token counts
-        self._layout(gate_up.device)
+        self._tables(weights.gate_up.device)
 
     @property
     def num_experts(self) -> int:
         return len(self.experts)
 
-    def _layout(self, device: torch.device) -> None:
+    def _tables(self, device: torch.device) -> None:
         """Per-expert lookup tables for packing: every group's buffer lies back to back in one (rows, H)."""
         E = self.num_experts
         self.resident = torch.zeros(E, dtype=torch.bool, device=device)
@@ -180,6 +186,7 @@ class MoeLayer:
         routed = Routed.from_order(top_k_index, torch.argsort(expert, stable=True), counts)
         out = _workspace.get("out", expert.numel(), x)  # (S, H) each assignment's expert output, sorted
         run_tasks(self._cpu_tasks(out, x, routed, skip=[0] * self.num_experts))
+        self._normalise(out)
         return combine(out, routed.order, top_k_weights)
 
     def _planned(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -216,7 +223,17 @@ class MoeLayer:
         for g, y in zip(launched, pending.result(), strict=True):
             packed[self.group_rows[g]] = y.reshape(-1, H)  # the buffer now holds each slot's output
         out[static] = packed[slots]
+        self._normalise(out, dropped=self.resident[routed.expert] & ~static if self.overflow == PRUNE else None)
         return combine(out, order, top_k_weights)
+
+    def _normalise(self, out: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
+        """Apply the post-expert norm, if any, to every expert output in `out`; rows of dropped assignments
+        stay zero (a norm with a bias would move them)."""
+        if self.post_norm is None:
+            return
+        out.copy_(self.post_norm(out))
+        if dropped is not None:
+            out[dropped] = 0
 
     def _buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
         """Group g's (G, C, H) view of the packed buffers."""
@@ -268,9 +285,12 @@ class MoeLayer:
 
 def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """(S, H) expert outputs in sorted order (out[i] belongs to assignment order[i]) and (T, k) router weights
-    -> (T, H): each token's weighted sum, as a (1, k) x (k, H) matmul per token (accumulated in float32, so a
-    bf16 sum is rounded once)."""
+    -> (T, H): each token's weighted sum, as a (1, k) x (k, H) matmul per token, accumulated in float32 so a bf16
+    sum is rounded once. Weights finer than the outputs (a float32 router beside bf16 experts) are not rounded
+    to them: the sum is taken in their dtype, as transformers does."""
     T, k = top_k_weights.shape
     # (S, H) token-major: row t·k + j is token t's j-th assignment's output
     by_token = torch.index_select(out, 0, torch.argsort(order), out=_workspace.get("by_token", len(order), out))
-    return torch.bmm(top_k_weights.to(out.dtype).reshape(T, 1, k), by_token.view(T, k, -1)).view(T, -1)
+    dtype = torch.promote_types(out.dtype, top_k_weights.dtype)
+    weighted = torch.bmm(top_k_weights.to(dtype).reshape(T, 1, k), by_token.view(T, k, -1).to(dtype))
+    return weighted.view(T, -1).to(out.dtype)

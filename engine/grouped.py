@@ -5,7 +5,9 @@ executor runs it, the CUDA executor captures it, and coremltools converts it. It
 shapes are fixed at construction, and it holds no routing, gather or scatter: the
 host packs each expert's tokens into a contiguous (C, H) slice before the call.
 
-Two layouts compute the same function from the same weights:
+Each expert's FFN is the one its module's `ExpertsLayout` describes (experts_layout.py): input projection,
+bias, gate or activation, down projection, bias. Two tensor layouts compute the same function from the
+same weights:
 - "bmm": x (G, C, H) -> (G, C, H), two batched matmuls (torch and CUDA graphs);
 - "ane": x (1, G*H, 1, C) -> (1, G*H, 1, C), the (B, C, 1, S) layout of Apple's
   ml-ane-transformers, where each projection is one grouped 1x1 convolution (groups=G),
@@ -17,7 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
+
+from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 
 LAYOUTS = ("bmm", "ane")
 
@@ -27,24 +30,26 @@ ANE_MAX_CHANNELS = 65536
 
 
 class GroupedExperts(nn.Module):
-    """G gated expert FFNs in transformers' fused layout, run in the chosen layout.
+    """G expert FFNs of one experts layout, run in the chosen tensor layout ("bmm" or "ane").
 
-    gate_up: (G, 2I, H), the gate rows first, then the up rows (as transformers 5 stores them).
-    down:    (G, H, I).
+    weights: the G experts' `ExpertWeights`: gate_up (G, n·I, H) with the gate rows first, down (G, H, I),
+    and their biases where the layout has them.
     """
 
-    def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, act: str = "silu",
+    def __init__(self, weights: ExpertWeights, experts_layout: ExpertsLayout = DEFAULT_LAYOUT,
                  layout: str = "bmm", max_channels: int = ANE_MAX_CHANNELS) -> None:
         super().__init__()
-        if gate_up.ndim != 3 or down.ndim != 3 or gate_up.shape[0] != down.shape[0]:
-            raise ValueError(f"expected (G, 2I, H) and (G, H, I) weights, got {tuple(gate_up.shape)} "
-                             f"and {tuple(down.shape)}")
         if layout not in LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-        self.gate_up = nn.Parameter(gate_up, requires_grad=False)
-        self.down = nn.Parameter(down, requires_grad=False)
-        self.act_name = act
-        self.act = ACT2FN[act]
+        if weights.gate_up.shape[1] != experts_layout.projections * weights.ffn:
+            raise ValueError(f"gate_up {tuple(weights.gate_up.shape)} does not fit down {tuple(weights.down.shape)} "
+                             f"for {experts_layout.describe()}")
+        self.gate_up = nn.Parameter(weights.gate_up.detach(), requires_grad=False)
+        self.down = nn.Parameter(weights.down.detach(), requires_grad=False)
+        biases = (weights.gate_up_bias, weights.down_bias)
+        self.gate_up_bias, self.down_bias = (None if b is None else nn.Parameter(b.detach(), requires_grad=False)
+                                             for b in biases)
+        self.experts_layout = experts_layout
         self.layout = layout
         self.max_channels = max_channels  # per convolution, in the "ane" layout
 
@@ -64,22 +69,28 @@ class GroupedExperts(nn.Module):
         return self._forward_ane(x) if self.layout == "ane" else self._forward_bmm(x)
 
     def _forward_bmm(self, x: torch.Tensor) -> torch.Tensor:
-        # x: (G, C, H) -> (G, C, 2I) -> (G, C, I) -> (G, C, H)
-        gate, up = torch.bmm(x, self.gate_up.transpose(1, 2)).chunk(2, dim=-1)
-        return torch.bmm(self.act(gate) * up, self.down.transpose(1, 2))
+        # x: (G, C, H) -> (G, C, n·I) -> (G, C, I) -> (G, C, H)
+        h = torch.bmm(x, self.gate_up.transpose(1, 2))
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias[:, None]
+        y = torch.bmm(self.experts_layout.apply(h), self.down.transpose(1, 2))
+        return y + self.down_bias[:, None] if self.down_bias is not None else y
 
     def _forward_ane(self, x: torch.Tensor) -> torch.Tensor:
         # x: (1, G*H, 1, C); channel block g holds expert g's tokens. Experts are cut into
         # chunks whose convolutions stay under the channel limit; usually there is one chunk.
         hidden, inter = self.hidden_size, self.intermediate_size
+        # the input projection's parts, one convolution each: the gate and up rows when gated, else all (the up rows)
+        parts = (slice(0, inter), slice(inter, 2 * inter)) if self.experts_layout.gate else (None,)
         outputs = []
         for first, count in self.ane_chunks():
-            gate_up = self.gate_up[first:first + count]
+            experts = slice(first, first + count)
             x_chunk = x[:, first * hidden:(first + count) * hidden] if count < self.group_size else x
-            gate = F.conv2d(x_chunk, gate_up[:, :inter].reshape(count * inter, hidden, 1, 1), groups=count)
-            up = F.conv2d(x_chunk, gate_up[:, inter:].reshape(count * inter, hidden, 1, 1), groups=count)
-            down = self.down[first:first + count].reshape(count * hidden, inter, 1, 1)
-            outputs.append(F.conv2d(self.act(gate) * up, down, groups=count))
+            projected = [_grouped_conv(x_chunk, _part(self.gate_up, experts, rows),
+                                       _part(self.gate_up_bias, experts, rows)) for rows in parts]
+            gate, up = projected if len(projected) == 2 else (None, projected[0])
+            a = self.experts_layout.activate(gate, up)
+            outputs.append(_grouped_conv(a, _part(self.down, experts), _part(self.down_bias, experts)))
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     def ane_chunks(self) -> list[tuple[int, int]]:
@@ -87,6 +98,23 @@ class GroupedExperts(nn.Module):
         per_chunk = max(1, self.max_channels // max(self.hidden_size, self.intermediate_size))
         return [(first, min(per_chunk, self.group_size - first))
                 for first in range(0, self.group_size, per_chunk)]
+
+
+def _grouped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """(1, G*in, 1, C) through G experts' (G, out, in) projections (and (G, out) biases) as one grouped 1x1
+    convolution -> (1, G*out, 1, C)."""
+    groups, out, inputs = weight.shape
+    return F.conv2d(x, weight.reshape(groups * out, inputs, 1, 1), None if bias is None else bias.reshape(-1),
+                    groups=groups)
+
+
+def _part(weight: torch.Tensor | None, experts: slice, rows: slice | None = None) -> torch.Tensor | None:
+    """These experts' weights (or biases), only `rows` of each when given. A slice spanning a whole axis is left
+    out: torch.export turns it into an alias, which coremltools does not convert."""
+    if weight is None:
+        return None
+    part = weight[experts] if experts != slice(0, len(weight)) else weight
+    return part[:, rows] if rows is not None else part
 
 
 def to_ane_layout(x: torch.Tensor) -> torch.Tensor:

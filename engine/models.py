@@ -12,10 +12,8 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntry
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .experts_layout import ExpertsLayout, LayoutError, is_experts_module, read_layout
 from .vocabulary import BFLOAT16, DTYPES, FLOAT32
-
-# Families whose experts modules use transformers' fused layout and default gating, checked by tests.
-SUPPORTED_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe")
 
 TORCH_DTYPES = {FLOAT32: torch.float32, BFLOAT16: torch.bfloat16}  # the vocabulary's dtypes as torch's
 
@@ -53,7 +51,7 @@ def load_model(
     dtype: str = FLOAT32,
     experts: str = "eager",
 ) -> LoadedModel:
-    """Load a supported MoE causal LM and its tokenizer, in eval mode.
+    """Load an MoE causal LM the engine can run, and its tokenizer, in eval mode.
 
     `ref` is a local folder or a Hugging Face id resolved from the local HF cache only, unless
     `allow_download`. `experts` is the transformers experts implementation to start with; the engine
@@ -69,34 +67,34 @@ def load_model(
         local_files_only=True,
         experts_implementation=experts,
     ).eval()
-    family = model.config.model_type
-    if family not in SUPPORTED_FAMILIES:
-        raise ModelError(f"{name}: model type {family!r} is not a supported MoE family "
-                         f"(supported: {', '.join(SUPPORTED_FAMILIES)})")
-    moe_experts(model)  # fails early, naming the module, if the experts layout is one the engine cannot run
+    try:
+        moe_layouts(model)  # the capability check: every routed-experts module in a layout the engine runs
+    except ModelError as e:
+        raise ModelError(f"{name}: {e}") from e
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path,
                        key=f"{name}@{fingerprint(path)}")
 
 
 def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's routed-experts modules, in forward order, as (qualified name, module).
+    """The model's routed-experts modules, in forward order, as (qualified name, module); `ModelError` when
+    it has none, or one whose layout the engine does not implement (`moe_layouts`)."""
+    return [(name, module) for name, module, _ in moe_layouts(model)]
 
-    Each must store fused weights gate_up_proj (E, 2I, H) and down_proj (E, H, I) without bias, the
-    layout transformers' `use_experts_implementation` decorator describes.
-    """
+
+def moe_layouts(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsLayout]]:
+    """Each routed-experts module, in forward order, with its layout (experts_layout.read_layout)."""
     found = []
     for name, module in model.named_modules():
-        if not hasattr(module, "gate_up_proj") or not hasattr(module, "has_gate"):
+        if not is_experts_module(module):
             continue
-        layout = (module.has_gate, module.has_bias, module.is_transposed, module.is_concatenated,
-                  module.has_post_expert_norm)
-        if layout != (True, False, False, True, False) or module.gate_up_proj.ndim != 3:
-            raise ModelError(f"{name}: experts layout {type(module).__name__} is not supported "
-                             "(need fused gate_up_proj (E, 2I, H), down_proj (E, H, I), no bias)")
-        found.append((name, module))
+        try:
+            found.append((name, module, read_layout(name, module)))
+        except LayoutError as e:
+            raise ModelError(str(e)) from e
     if not found:
-        raise ModelError(f"{type(model).__name__} has no routed-experts modules the engine can run")
+        raise ModelError(f"{type(model).__name__} has no routed-experts modules (none is wrapped by transformers' "
+                         "experts interface), so it is not an MoE model the engine can run")
     return found
 
 

@@ -26,7 +26,8 @@ import torch
 from .backends import get_backend
 from .calibrate import Calibration, calibrate
 from .cost import CostModel
-from .models import load_model, moe_experts
+from .experts_layout import expert_weights
+from .models import load_model, moe_layouts
 from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
 from .vocabulary import FLOAT32, OVERFLOW_POLICIES, PRUNE
 
@@ -52,8 +53,8 @@ def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Pat
     loaded = load_model(model, trust_remote_code=trust_remote_code, allow_download=allow_download, dtype=dtype)
     with progress or nullcontext() as on_chunk:
         calibration = calibrate(loaded, texts, chunk_tokens=chunk_tokens, on_chunk=on_chunk)
-    _, experts = moe_experts(loaded.model)[0]
-    _, hidden, ffn = experts.down_proj.shape
+    _, experts, layout = moe_layouts(loaded.model)[0]
+    hidden, ffn = expert_weights(experts, layout).down.shape[1:]  # as stored, whatever the family's layout
     cost = get_backend(backend).measure_costs(hidden, ffn, experts.down_proj.dtype, group_size)
     plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend=backend, cost=cost,
                      hidden=hidden, ffn=ffn, overflow=overflow, group_size=group_size, n_tiers=n_tiers)

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, DynamicCache, PreTrainedModel
 
 
-def new_cache(model: PreTrainedModel) -> DynamicCache:
-    return DynamicCache(config=model.config)
+def new_cache(model: PreTrainedModel) -> Cache:
+    """An empty cache of the kind the model's `generate` uses. Most models take transformers' DynamicCache built
+    from the decoder's text config, which gives each layer the cache it needs (attention keys and values, a
+    sliding window, or the convolution and recurrent state of a linear-attention layer in hybrid models such as
+    Qwen3-Next). A model that makes a cache class of its own in its forward (MiniMax), where `generate` leaves
+    it to the model, gets that class, made empty as its forward makes it."""
+    if model._supports_default_dynamic_cache():
+        return DynamicCache(config=model.config.get_text_config(decoder=True))
+    code = sys.modules[type(model).__module__]
+    own = [c for c in vars(code).values()
+           if isinstance(c, type) and issubclass(c, Cache) and c.__module__ == code.__name__]
+    if len(own) != 1:
+        raise ValueError(f"{type(model).__name__} keeps a cache of its own that the engine cannot make "
+                         f"(its code defines {len(own)} cache classes), so it cannot prefill in chunks")
+    return own[0]()
 
 
 @torch.inference_mode()
-def prefill(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int, cache: DynamicCache, *,
+def prefill(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int, cache: Cache, *,
             logits: bool = False) -> Iterator[torch.Tensor]:
     """Run `ids` through the model `chunk_tokens` at a time after what `cache` holds, extending it.
 

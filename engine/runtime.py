@@ -16,6 +16,7 @@ Model code is not patched; detaching restores the implementation the model had.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from weakref import ref
@@ -28,11 +29,14 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from .backends import Backend
 from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
-from .models import moe_experts
+from .experts_layout import ExpertsLayout, ExpertWeights, expert_weights
+from .models import moe_layouts
 from .plan import ExpertPlan, LayerPlan, PlanError
 from .vocabulary import SPILL
 
 IMPLEMENTATION = "npumoe"
+
+log = logging.getLogger(__name__)
 
 
 def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -66,20 +70,25 @@ class MoeRuntime:
         if plan is not None and plan.backend != backend.name:
             raise PlanError(f"the plan was made for the {plan.backend} backend, not {backend.name}: "
                             f"use that backend or calibrate for {backend.name}")
-        experts = moe_experts(model)
+        experts = moe_layouts(model)
         plans = _layer_plans(plan, experts)
         self.model = model
         self.stats = DispatchStats()
         self.exact_only = False
         self.layers: list[MoeLayer] = []
-        for (_, module), layer_plan in zip(experts, plans, strict=True):
-            groups = [_static_group(backend, module, group.experts, plan.tiers[group.tier])
-                      for group in layer_plan.groups if group.residency == "accelerator"] if plan and layer_plan else []
-            layer = MoeLayer(module.gate_up_proj, module.down_proj, module.config.hidden_act, groups=groups,
-                             overflow=overflow, submit=backend.submit, experts=_cpu_experts(module))
-            self.layers.append(layer)
-        self.names = [name for name, _ in experts]
-        self._experts = [module for _, module in experts]
+        for (name, module, layout), layer_plan in zip(experts, plans, strict=True):
+            weights = expert_weights(module, layout)
+            resident = [group for group in layer_plan.groups if group.residency == "accelerator"] if layer_plan else []
+            if resident and (problem := backend.static_problem(layout)) is not None:
+                log.warning("%s: its experts run on the CPU, not in %s group graphs: %s", name, backend.name, problem)
+                resident = []
+            groups = [_static_group(backend, weights, layout, group.experts, plan.tiers[group.tier])
+                      for group in resident]
+            self.layers.append(MoeLayer(weights, layout, groups=groups, overflow=overflow, submit=backend.submit,
+                                        experts=_cpu_experts(module, weights, layout),
+                                        post_norm=module.post_expert_norm if layout.post_norm else None))
+        self.names = [name for name, _, _ in experts]
+        self._experts = [module for _, module, _ in experts]
         self.attach()
 
     def attach(self) -> None:
@@ -132,36 +141,36 @@ def _attached(module: nn.Module) -> tuple[MoeRuntime, MoeLayer] | None:
     return getattr(module, "_npumoe_attached", None)
 
 
-def _cpu_experts(module: nn.Module) -> CpuExperts:
+def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayout) -> CpuExperts:
     """The module's experts packed for the CPU: the copy another runtime already holds, if its weights are
     still the ones it packed, else a new one. The module keeps only a weak reference (`_npumoe_packed`), so
     the copy goes when the last runtime using it does."""
     held = getattr(module, "_npumoe_packed", None)
     experts = held() if held is not None else None
-    if experts is None or not experts.packed_from(module.gate_up_proj, module.down_proj):
-        experts = CpuExperts(module.gate_up_proj, module.down_proj, module.config.hidden_act)
+    if experts is None or not experts.packed_from(weights):
+        experts = CpuExperts(weights, layout)
         module._npumoe_packed = ref(experts)
     return experts
 
 
-def _static_group(backend: Backend, experts: nn.Module, ids: tuple[int, ...], capacity: int) -> StaticGroup:
+def _static_group(backend: Backend, weights: ExpertWeights, layout: ExpertsLayout, ids: tuple[int, ...],
+                  capacity: int) -> StaticGroup:
     """The backend's graph for experts `ids` of one experts module, at `capacity`."""
-    index = list(ids)
-    graph = backend.build_group(experts.gate_up_proj[index], experts.down_proj[index], experts.config.hidden_act,
-                                capacity)
+    graph = backend.build_group(weights.select(ids), layout, capacity)
     return StaticGroup(experts=ids, capacity=capacity, graph=graph)
 
 
-def _layer_plans(plan: ExpertPlan | None, experts: list[tuple[str, nn.Module]]) -> list[LayerPlan | None]:
+def _layer_plans(plan: ExpertPlan | None,
+                 experts: list[tuple[str, nn.Module, ExpertsLayout]]) -> list[LayerPlan | None]:
     """The plan's layers in the model's experts order, checked against the model's shapes."""
     if plan is None:
         return [None] * len(experts)
     by_name = {layer.name: layer for layer in plan.layers}
-    names = [name for name, _ in experts]
+    names = [name for name, _, _ in experts]
     if set(by_name) != set(names):
         raise PlanError(f"the plan's MoE layers do not match the model's (plan: {len(by_name)} layers, "
                         f"model: {len(names)}; first difference: {sorted(set(by_name) ^ set(names))[0]})")
-    for name, module in experts:
+    for name, module, _ in experts:
         if by_name[name].num_experts != module.num_experts:
             raise PlanError(f"{name}: the plan has {by_name[name].num_experts} experts, "
                             f"the model {module.num_experts}")

@@ -21,17 +21,16 @@ from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.models import ModelNotFound, resolve_model
 
 if TYPE_CHECKING:
-    import torch
-
+    from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
     from npumoe.engine.plan import ExpertPlan
 
 
 class Source(NamedTuple):
-    """What a build converts: the plan, each plan layer's expert weights, the activation, the model key."""
+    """What a build converts: the plan, each plan layer's expert weights, their experts layout, the model key."""
 
     plan: ExpertPlan
-    weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]]
-    act: str
+    weights: Callable[[int], ExpertWeights]
+    layout: ExpertsLayout
     model_key: str
 
 
@@ -77,7 +76,7 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
             task = progress.add_task("group graphs", total=len(groups))
             try:
                 manifest = build_packages(
-                    groups, source.weights, source.act, folder, model=source.model_key, digest=digest,
+                    groups, source.weights, source.layout, folder, model=source.model_key, digest=digest,
                     max_package_bytes=max_package_mb << 20,
                     on_converted=lambda g: progress.update(task, advance=1, description=g.function))
             except ConversionError as e:
@@ -99,7 +98,8 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
 
 def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:
     """A real checkpoint and its plan."""
-    from npumoe.engine.models import ModelError, load_model, moe_experts
+    from npumoe.engine.experts_layout import expert_weights
+    from npumoe.engine.models import ModelError, load_model, moe_layouts
     from npumoe.engine.plan import ExpertPlan, PlanError
 
     try:
@@ -110,13 +110,12 @@ def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:
         raise click.ClickException(str(e)) from e
     if plan.model_key.rpartition("@")[2] != loaded.key.rpartition("@")[2]:
         raise click.ClickException(f"{plan_path}: calibrated for {plan.model_key}, not for {loaded.key}")
-    modules = dict(moe_experts(loaded.model))
+    modules = {name: (module, layout) for name, module, layout in moe_layouts(loaded.model)}
     missing = [layer.name for layer in plan.layers if layer.name not in modules]
     if missing:
         raise click.ClickException(f"{plan_path}: the model has no MoE layer {missing[0]}")
-    experts = [modules[layer.name] for layer in plan.layers]
-    weights = [(m.gate_up_proj.detach(), m.down_proj.detach()) for m in experts]
-    return Source(plan, weights.__getitem__, experts[0].config.hidden_act, loaded.key)
+    weights = [expert_weights(*modules[layer.name]) for layer in plan.layers]
+    return Source(plan, weights.__getitem__, modules[plan.layers[0].name][1], loaded.key)
 
 
 def _sizing(geometry: str, layers: int, group_size: int) -> Source:
@@ -128,4 +127,4 @@ def _sizing(geometry: str, layers: int, group_size: int) -> Source:
         sizing = sizing_model(parse_geometry(geometry), layers=layers, group_size=group_size)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--geometry") from e
-    return Source(sizing.plan, sizing.weights.__getitem__, sizing.act, sizing.plan.model_key)
+    return Source(sizing.plan, sizing.weights.__getitem__, sizing.layout, sizing.plan.model_key)

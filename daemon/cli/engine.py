@@ -25,7 +25,11 @@ if TYPE_CHECKING:
     from npumoe.engine.plan import ExpertPlan
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe")
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "deepseek_v2", "deepseek_v3",
+                 "glm4_moe", "gpt_oss", "qwen3_next", "ernie4_5_moe", "glm4_moe_lite", "deepseek_v4", "lfm2_moe",
+                 "nemotron_h")
+# Where each family's config.json counts its routed experts.
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 STATIC_BACKENDS = (TORCH_STATIC,)  # the static backend that needs no compiled graphs to measure its costs
 
 
@@ -47,14 +51,16 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
     if directory.exists() and any(directory.iterdir()):
         raise click.ClickException(f"{directory} exists and is not empty")
     _quiet_transformers()
+    from transformers import AutoConfig
+
     from npumoe.engine.tiny import make_tiny
 
     make_tiny(arch, directory, seed=seed)
-    config = json.loads((directory / "config.json").read_text())
-    experts = config.get("num_experts") or config.get("num_local_experts")
-    click.echo(f"wrote a tiny {arch} ({config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
-               f"{experts} experts, top-{config['num_experts_per_tok']}, context "
-               f"{config['max_position_embeddings']}) to {directory}")
+    config = AutoConfig.from_pretrained(directory)
+    experts = next(getattr(config, key) for key in _EXPERT_COUNT_KEYS if getattr(config, key, None))
+    click.echo(f"wrote a tiny {arch} ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+               f"{experts} experts, top-{config.num_experts_per_tok}, context "
+               f"{config.max_position_embeddings}) to {directory}")
 
 
 @click.command("calibrate")

@@ -25,6 +25,7 @@ import torch
 from npumoe.engine.backends import BackendOptions, TorchStaticBackend
 from npumoe.engine.cost import CostModel, expert_flops, fit_call_cost
 from npumoe.engine.dispatch import GraphCalls, GroupGraph
+from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from npumoe.engine.grouped import from_ane_layout, to_ane_layout
 from npumoe.engine.timing import median_seconds
 from npumoe.engine.vocabulary import COMPUTE_UNITS, COREML, DEFAULT_COMPUTE_UNITS
@@ -81,19 +82,22 @@ class CoreMLBackend(TorchStaticBackend):
         self._warned = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coreml")
 
-    def build_group(self, gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> GroupGraph:
+    def static_problem(self, layout: ExpertsLayout) -> str | None:
+        return layout.coreml_problem()
+
+    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> GroupGraph:
         if not self.available:
             self._warn_fallback()
-            return super().build_group(gate_up, down, act, capacity)
-        key = (weights_fingerprint(gate_up, down), capacity)
+            return super().build_group(weights, layout, capacity)
+        key = (weights_fingerprint(weights.gate_up, weights.down), capacity)
         found = self._builds().get(key)
         if found is None:
-            raise LookupError(f"no compiled Core ML graph for a group of {gate_up.shape[0]} experts at capacity "
+            raise LookupError(f"no compiled Core ML graph for a group of {len(weights)} experts at capacity "
                               f"{capacity} under {self.cache_root}: run `npumoed compile --model M --plan PLAN`")
         folder, group = found
         graph = CoreMLGroupGraph(self._load(compiled_package(folder, group.package), group.function),
                                  len(group.experts))
-        example = torch.zeros(len(group.experts), capacity, gate_up.shape[2])
+        example = torch.zeros(len(group.experts), capacity, weights.hidden)
         self.graph_seconds[group.function] = median_seconds(lambda: graph(example))
         return graph
 
@@ -121,7 +125,7 @@ class CoreMLBackend(TorchStaticBackend):
             graphs = {}
             for capacity in _FIT_CAPACITIES:
                 path = Path(scratch) / f"sample-c{capacity}.mlpackage"
-                convert_group(gate_up, down, "silu", capacity).save(str(path))
+                convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity).save(str(path))
                 graphs[capacity] = CoreMLGroupGraph(self._load(path, None), group_size)
             launch_s, flops = fit_call_cost(
                 lambda rows: graphs[rows](torch.zeros(group_size, rows, hidden)), *_FIT_CAPACITIES,

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.plan import ExpertPlan
 
@@ -62,13 +63,13 @@ class ConversionError(ValueError):
     """A group graph that would not run whole on the Neural Engine."""
 
 
-def convert_group(gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity: int) -> Any:
-    """The fp16 ML Program (a coremltools MLModel, not loaded) of G experts' graph at capacity C.
-
-    gate_up (G, 2I, H) and down (G, H, I) are the experts' weights in transformers' fused layout.
-    """
+def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> Any:
+    """The fp16 ML Program (a coremltools MLModel, not loaded) of G experts' graph at capacity C: the experts'
+    weights in the engine's form, computing the FFN their experts layout describes."""
+    if (problem := layout.coreml_problem()) is not None:
+        raise ConversionError(f"experts of layout {layout.describe()} stay on the CPU: {problem}")
     ct = import_coremltools()
-    graph = GroupedExperts(gate_up.float(), down.float(), act, layout="ane").eval()
+    graph = GroupedExperts(weights.to(torch.float32), layout, layout="ane").eval()
     example = torch.zeros(1, graph.group_size * graph.hidden_size, 1, capacity)
     with _quiet():
         exported = torch.export.export(graph, (example,)).run_decompositions({})
@@ -89,8 +90,8 @@ def convert_group(gate_up: torch.Tensor, down: torch.Tensor, act: str, capacity:
 
 def build_packages(
     groups: Sequence[GroupGraph],
-    layer_weights: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
-    act: str,
+    layer_weights: Callable[[int], ExpertWeights],
+    layout: ExpertsLayout,
     folder: Path,
     *,
     model: str,
@@ -101,15 +102,15 @@ def build_packages(
     """Convert every group graph into `folder` (a build folder) and return its manifest.
 
     `model` and `digest` (the plan's) are recorded in the manifest. `layer_weights(layer)` gives that
-    layer's (gate_up (E, 2I, H), down (E, H, I)). The build is made beside `folder` and renamed into
-    place once its manifest is written, so a crash or a concurrent build never leaves a half-written
-    folder that looks finished.
+    layer's experts' weights, all of `layout` (described in the manifest's `act`). The build is made beside
+    `folder` and renamed into place once its manifest is written, so a crash or a concurrent build never
+    leaves a half-written folder that looks finished.
     """
     ct = import_coremltools()
     if not groups:
         raise ValueError("the plan has no static group graphs to convert")
-    _, down = layer_weights(groups[0].layer)
-    hidden, inter = down.shape[1], down.shape[2]
+    first = layer_weights(groups[0].layer)
+    hidden, inter = first.hidden, first.ffn
     partial = folder.with_name(f"{folder.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
     scratch = partial / "scratch"
@@ -118,14 +119,14 @@ def build_packages(
         scratch.mkdir(parents=True)
         functions = ct.utils.MultiFunctionDescriptor()
         for group in members:
-            gate_up, down = (w[list(group.experts)] for w in layer_weights(group.layer))
+            weights = layer_weights(group.layer).select(group.experts)
             index = sum(c.layer == group.layer for c in compiled)
             function = f"layer{group.layer}_g{index}_c{group.capacity}"
             path = scratch / f"{function}.mlpackage"
-            convert_group(gate_up, down, act, group.capacity).save(str(path))
+            convert_group(weights, layout, group.capacity).save(str(path))
             functions.add_function(str(path), "main", function)
             compiled.append(CompiledGroup(function, package, group.layer, group.capacity, group.experts,
-                                          weights_fingerprint(gate_up, down)))
+                                          weights_fingerprint(weights.gate_up, weights.down)))
             if on_converted:
                 on_converted(compiled[-1])
         functions.default_function_name = compiled[-1].function
@@ -134,7 +135,7 @@ def build_packages(
         shutil.rmtree(scratch)
     sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in partial.glob("*.mlpackage")}
     manifest = Manifest(model=model, plan=digest, coremltools=ct.__version__, hidden=hidden, intermediate=inter,
-                        act=act, groups=tuple(compiled), package_bytes=sizes)
+                        act=layout.describe(), groups=tuple(compiled), package_bytes=sizes)
     (partial / MANIFEST).write_text(manifest.to_json())
     if folder.exists():  # an unfinished build, or a finished one that is being rebuilt
         shutil.rmtree(folder)

@@ -13,6 +13,7 @@ import torch
 
 from npumoe.engine.backends import get_backend
 from npumoe.engine.calibrate import Calibration, load_statistics
+from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights, expert_weights, read_layout
 from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
@@ -24,8 +25,8 @@ CALIBRATION_CHUNKS = 16
 @dataclass(frozen=True)
 class SizingModel:
     plan: ExpertPlan
-    weights: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: gate_up (E, 2I, H), down (E, H, I), fp16
-    act: str
+    weights: list[ExpertWeights]  # per layer, fp16
+    layout: ExpertsLayout
 
 
 def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512,
@@ -34,11 +35,12 @@ def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512
     if layers < 1:
         raise ValueError(f"need at least one layer, got {layers}")
     generator = torch.Generator().manual_seed(seed)
-    weights, loads, act = [], [], "silu"
+    weights, loads, layout = [], [], DEFAULT_LAYOUT
     for layer in range(layers):
         model = build_layer_model(geometry, torch.float16, generator)
-        experts, act = layer_experts(model), model.config.hidden_act
-        weights.append((experts.gate_up_proj.detach(), experts.down_proj.detach()))
+        experts = layer_experts(model)
+        layout = read_layout(f"layers.{layer}.mlp.experts", experts)
+        weights.append(expert_weights(experts, layout))
         prior = routing_prior(geometry, generator)
         draws = [draw_routing(prior, chunk_tokens, geometry.top_k, generator)[0] for _ in range(CALIBRATION_CHUNKS)]
         counts = torch.stack([torch.bincount(index.reshape(-1), minlength=geometry.experts) for index in draws])
@@ -49,4 +51,4 @@ def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512
     cost = get_backend(TORCH_STATIC).measure_costs(geometry.hidden, geometry.ffn, torch.float32, group_size)
     plan = make_plan(calibration, model=geometry.name, model_key=f"{geometry.name}@random-{seed}", backend=COREML,
                      cost=cost, hidden=geometry.hidden, ffn=geometry.ffn, group_size=group_size)
-    return SizingModel(plan=plan, weights=weights, act=act)
+    return SizingModel(plan=plan, weights=weights, layout=layout)

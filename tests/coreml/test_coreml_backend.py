@@ -16,6 +16,7 @@ from npumoe.engine.coreml.backend import CoreMLBackend
 from npumoe.engine.coreml.cache import build_folder, compiled_groups, weights_fingerprint
 from npumoe.engine.coreml.convert import GroupGraph, build_packages
 from npumoe.engine.coreml.env import coreml_availability, import_coremltools
+from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.models import load_model
 from npumoe.engine.vocabulary import COMPUTE_UNITS
@@ -41,13 +42,13 @@ def test_without_core_ml_the_backend_says_why_once_and_runs_groups_in_torch(
     gate_up, down = random_layer()
     backend = CoreMLBackend(tmp_path)
     with caplog.at_level(logging.WARNING):
-        graphs = [backend.build_group(gate_up[:4], down[:4], "silu", capacity=8),
-                  backend.build_group(gate_up[4:], down[4:], "silu", capacity=8)]
+        graphs = [backend.build_group(ExpertWeights(gate_up[:4], down[:4]), DEFAULT_LAYOUT, capacity=8),
+                  backend.build_group(ExpertWeights(gate_up[4:], down[4:]), DEFAULT_LAYOUT, capacity=8)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "needs macOS" in warnings[0] and "torch-static" in warnings[0]
     x = torch.randn(4, 8, 32)
-    torch.testing.assert_close(graphs[1](x), GroupedExperts(gate_up[4:], down[4:])(x))
+    torch.testing.assert_close(graphs[1](x), GroupedExperts(ExpertWeights(gate_up[4:], down[4:]))(x))
 
 
 def test_unknown_compute_units_are_refused_by_name(tmp_path: Path) -> None:
@@ -60,8 +61,8 @@ def test_a_group_is_found_by_its_weights_and_capacity_in_any_finished_build(tmp_
     gate_up, down = random_layer()
     version = import_coremltools().__version__
     groups = [GroupGraph(layer=0, capacity=16, experts=(6, 1, 2)), GroupGraph(layer=0, capacity=8, experts=(0, 3))]
-    build_packages(groups, lambda layer: (gate_up, down), "silu", build_folder(tmp_path, "m@1", "p", version),
-                   model="m@1", digest="p")
+    build_packages(groups, lambda layer: ExpertWeights(gate_up, down), DEFAULT_LAYOUT,
+                   build_folder(tmp_path, "m@1", "p", version), model="m@1", digest="p")
     found = compiled_groups(tmp_path, version)
 
     experts = [6, 1, 2]

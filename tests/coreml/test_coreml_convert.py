@@ -12,7 +12,8 @@ from npumoe.engine.coreml.ane import ANE_REJECTED_OPS, ane_problems
 from npumoe.engine.coreml.cache import INPUT_NAME, OUTPUT_NAME, Manifest, build_folder, read_manifest
 from npumoe.engine.coreml.convert import ConversionError, GroupGraph, build_packages, convert_group
 from npumoe.engine.coreml.env import import_coremltools
-from npumoe.engine.models import load_model, moe_experts
+from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights, expert_weights
+from npumoe.engine.models import load_model, moe_layouts
 
 ct = import_coremltools()
 
@@ -35,15 +36,15 @@ def conv_weights(function: Any) -> list[np.ndarray]:
 
 
 @pytest.fixture(scope="module")
-def tiny_weights(tiny_model: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def tiny_weights(tiny_model: Path) -> list[ExpertWeights]:
     model = load_model(tiny_model).model
-    return [(experts.gate_up_proj.detach(), experts.down_proj.detach()) for _, experts in moe_experts(model)]
+    return [expert_weights(experts, layout) for _, experts, layout in moe_layouts(model)]
 
 
 @pytest.fixture(scope="module")
 def built(tiny_weights: list, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
     folder = tmp_path_factory.mktemp("cache") / "build"
-    manifest = build_packages(GROUPS, tiny_weights.__getitem__, "silu", folder, model="tiny", digest="p0")
+    manifest = build_packages(GROUPS, tiny_weights.__getitem__, DEFAULT_LAYOUT, folder, model="tiny", digest="p0")
     return folder, manifest
 
 
@@ -81,7 +82,7 @@ def test_functions_hold_no_op_the_neural_engine_rejects(built: tuple[Path, Manif
 def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path, Manifest], tiny_weights: list) -> None:
     folder, manifest = built
     for group in manifest.groups:
-        gate_up, down = tiny_weights[group.layer]
+        gate_up, down = tiny_weights[group.layer].gate_up, tiny_weights[group.layer].down
         experts, inter, hidden = list(group.experts), manifest.intermediate, manifest.hidden
         g = len(experts)
         expected = [gate_up[experts, :inter].reshape(g * inter, hidden, 1, 1),
@@ -94,9 +95,9 @@ def test_package_weights_are_the_plan_experts_weights_in_fp16(built: tuple[Path,
 
 
 def test_packages_are_split_to_stay_under_the_size_limit(tiny_weights: list, tmp_path: Path) -> None:
-    hidden, inter = tiny_weights[0][1].shape[1:]
+    hidden, inter = tiny_weights[0].hidden, tiny_weights[0].ffn
     six_experts = 6 * 3 * hidden * inter * 2  # bytes of fp16 weights
-    manifest = build_packages(GROUPS, tiny_weights.__getitem__, "silu", tmp_path / "build", model="tiny",
+    manifest = build_packages(GROUPS, tiny_weights.__getitem__, DEFAULT_LAYOUT, tmp_path / "build", model="tiny",
                               digest="p0", max_package_bytes=six_experts)
     packages = [g.package for g in manifest.groups]
     assert packages[0] == packages[1] != packages[2]  # layer 0's 4 + 2 experts fit; layer 2's 4 more do not
@@ -106,7 +107,8 @@ def test_packages_are_split_to_stay_under_the_size_limit(tiny_weights: list, tmp
 def test_projections_wider_than_the_channel_limit_are_split_into_several_convolutions() -> None:
     hidden, inter = 64, 40000  # two experts' 2 x 40000 intermediate channels would pass 65536
     gate_up, down = torch.randn(2, 2 * inter, hidden) / 8, torch.randn(2, hidden, inter) / 200
-    function = convert_group(gate_up, down, "silu", capacity=4)._get_mil_internal().functions["main"]
+    program = convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity=4)._get_mil_internal()
+    function = program.functions["main"]
     op_types = [op.op_type for op in function.operations]
     assert op_types.count("conv") == 6 and "concat" in op_types  # one expert per chunk, joined on channels
     assert ane_problems(function) == []
@@ -115,13 +117,13 @@ def test_projections_wider_than_the_channel_limit_are_split_into_several_convolu
 def test_a_group_wider_than_the_channel_limit_is_refused_with_the_reason() -> None:
     gate_up, down = torch.randn(2, 2, 40000), torch.randn(2, 40000, 1)  # 2 experts x hidden 40000
     with pytest.raises(ConversionError, match="80000 channels > 65536"):
-        convert_group(gate_up, down, "silu", capacity=1)
+        convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity=1)
 
 
 def test_a_capacity_beyond_the_spatial_limit_is_refused_with_the_reason() -> None:
     gate_up, down = torch.randn(1, 2, 4), torch.randn(1, 4, 1)
     with pytest.raises(ConversionError, match="spatial extent over 16384"):
-        convert_group(gate_up, down, "silu", capacity=20000)
+        convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity=20000)
 
 
 def test_the_checker_names_rejected_ops_dtypes_and_names() -> None:

@@ -17,7 +17,8 @@ from npumoe.engine.coreml.backend import CoreMLBackend, CoreMLGroupGraph
 from npumoe.engine.coreml.cache import build_folder
 from npumoe.engine.coreml.convert import build_packages, plan_digest, plan_group_graphs
 from npumoe.engine.coreml.env import coreml_availability, import_coremltools
-from npumoe.engine.models import load_model, moe_experts
+from npumoe.engine.experts_layout import expert_weights
+from npumoe.engine.models import load_model, moe_layouts
 
 pytestmark = [pytest.mark.macos, pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predicts only on macOS")]
 
@@ -30,12 +31,11 @@ def compiled(tiny_model: Path, coreml_plan: Callable, tmp_path: Path) -> tuple:
         pytest.skip(reason)
     loaded = load_model(tiny_model)
     _, plan = coreml_plan()
-    modules = dict(moe_experts(loaded.model))
-    weights = [(modules[layer.name].gate_up_proj.detach(), modules[layer.name].down_proj.detach())
-               for layer in plan.layers]
+    modules = {name: (module, layout) for name, module, layout in moe_layouts(loaded.model)}
+    weights = [expert_weights(*modules[layer.name]) for layer in plan.layers]
     groups = plan_group_graphs(plan)
     root = tmp_path / "compiled"
-    build_packages(groups, weights.__getitem__, loaded.model.config.hidden_act,
+    build_packages(groups, weights.__getitem__, modules[plan.layers[0].name][1],
                    build_folder(root, loaded.key, plan_digest(plan, groups), import_coremltools().__version__),
                    model=loaded.key, digest=plan_digest(plan, groups))
     return loaded, plan, root
@@ -44,16 +44,16 @@ def compiled(tiny_model: Path, coreml_plan: Callable, tmp_path: Path) -> tuple:
 def test_each_group_graph_agrees_with_torch_static(compiled: tuple) -> None:
     loaded, plan, root = compiled
     backend, reference = CoreMLBackend(root), TorchStaticBackend()
-    modules = dict(moe_experts(loaded.model))
+    modules = {name: (module, layout) for name, module, layout in moe_layouts(loaded.model)}
     generator = torch.Generator().manual_seed(0)
     for layer in plan.layers:
-        experts = modules[layer.name]
+        weights, layout = expert_weights(*modules[layer.name]), modules[layer.name][1]
         for group in (g for g in layer.groups if g.residency == "accelerator"):
-            ids, capacity = list(group.experts), plan.tiers[group.tier]
-            args = (experts.gate_up_proj[ids], experts.down_proj[ids], experts.config.hidden_act, capacity)
+            ids, capacity = group.experts, plan.tiers[group.tier]
+            args = (weights.select(ids), layout, capacity)
             graph = backend.build_group(*args)
             assert isinstance(graph, CoreMLGroupGraph)  # a Core ML prediction, not the torch fallback
-            x = torch.randn(len(ids), capacity, experts.gate_up_proj.shape[2], generator=generator)
+            x = torch.randn(len(ids), capacity, weights.hidden, generator=generator)
             torch.testing.assert_close(graph(x), reference.build_group(*args)(x), rtol=2e-2, atol=2e-2)
     assert len(backend.graph_seconds) == len(plan_group_graphs(plan))
     assert all(seconds > 0 for seconds in backend.graph_seconds.values())

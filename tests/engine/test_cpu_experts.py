@@ -18,6 +18,7 @@ from cpus import APPLE_SILICON, CPUS, INTEL_MAC, fake_build, fake_timings, fresh
 from npumoe.engine import cpu_kernels
 from npumoe.engine.cpu_experts import CpuExperts, run_tasks
 from npumoe.engine.cpu_kernels import KERNELS, choose_kernel, unavailable_kernels
+from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
 from npumoe.engine.host import cpu_model
 
 E, H, FFN = 4, 64, 32
@@ -59,7 +60,7 @@ def forced(monkeypatch: pytest.MonkeyPatch, cache: Path, kernel: str, *weights: 
 def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(monkeypatch, tmp_path, dtype, act, kernel):
     gate_up, down = random_experts(dtype)
     forced(monkeypatch, tmp_path, kernel, gate_up, down)
-    experts = CpuExperts(gate_up, down, act)
+    experts = CpuExperts(ExpertWeights(gate_up, down), ExpertsLayout(activation=act))
     assert experts.kernel == kernel
     x = torch.randn(37, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     out = torch.zeros(40, H, dtype=dtype)
@@ -79,7 +80,7 @@ def test_each_expert_runs_its_own_gated_ffn_on_any_number_of_rows(monkeypatch, t
 def test_bf16_experts_hold_their_weights_in_the_layout_of_the_chosen_kernel(monkeypatch, tmp_path, kernel, layout):
     weights = random_experts(torch.bfloat16)
     forced(monkeypatch, tmp_path, kernel, *weights)
-    experts = CpuExperts(*weights, "silu")
+    experts = CpuExperts(ExpertWeights(*weights))
     assert experts.kernel == kernel and all(layout(w.weight) for w in experts.gate_up)
 
 

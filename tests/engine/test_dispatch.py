@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from npumoe.engine.backends import get_backend
 from npumoe.engine.cpu_experts import CpuExperts
 from npumoe.engine.dispatch import DispatchStats, GraphCalls, MoeLayer, StaticGroup, run_now
+from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
 
 E, H, FFN = 4, 8, 4
 
@@ -44,11 +45,10 @@ def two_threads() -> Iterator[None]:
 
 
 def layer(weights: tuple[torch.Tensor, torch.Tensor], overflow: str, groups=GROUPS, submit=run_now) -> MoeLayer:
-    gate_up, down = weights
+    experts_weights = ExpertWeights(*weights)
     backend = get_backend("torch-static")
-    return MoeLayer(gate_up, down, "silu", overflow=overflow, submit=submit, groups=[
-        StaticGroup(experts, capacity, backend.build_group(gate_up[list(experts)], down[list(experts)], "silu",
-                                                           capacity))
+    return MoeLayer(experts_weights, overflow=overflow, submit=submit, groups=[
+        StaticGroup(experts, capacity, backend.build_group(experts_weights.select(experts), DEFAULT_LAYOUT, capacity))
         for experts, capacity in groups])
 
 
@@ -105,7 +105,7 @@ def test_a_group_without_tokens_is_not_launched(weights, tokens):
 
 def test_without_groups_every_assignment_runs_exactly_on_the_cpu(weights, tokens):
     stats = DispatchStats()
-    y = MoeLayer(*weights, "silu")(tokens, *route(), stats)
+    y = MoeLayer(ExpertWeights(*weights))(tokens, *route(), stats)
     torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
     assert (stats.cpu, stats.static, stats.slots, stats.launches) == (12, 0, 0, 0)
 
@@ -122,7 +122,7 @@ def test_an_expert_in_two_groups_is_refused(weights):
 
 def test_an_unknown_overflow_policy_is_refused(weights):
     with pytest.raises(ValueError, match="overflow must be one of spill, prune"):
-        MoeLayer(*weights, "silu", overflow="drop")
+        MoeLayer(ExpertWeights(*weights), overflow="drop")
 
 
 class RecordedExperts:
@@ -167,7 +167,7 @@ def test_the_exact_path_gives_the_same_result_on_one_thread_as_on_two_workers(tw
     index = torch.multinomial(popularity.expand(tokens, -1), k, generator=g)
     weights = torch.softmax(torch.randn(tokens, k, generator=g), -1).to(torch.bfloat16)
     x = torch.randn(tokens, hidden, generator=g).to(torch.bfloat16)
-    moe = MoeLayer(gate_up, down, "silu")
+    moe = MoeLayer(ExpertWeights(gate_up, down))
     on_workers = moe.exact(x, index, weights)
     torch.set_num_threads(1)
     assert torch.equal(moe.exact(x, index, weights), on_workers)
@@ -198,7 +198,7 @@ def test_calls_of_any_size_in_and_out_of_inference_mode_each_give_the_reference(
 def test_an_expert_with_more_than_a_workers_share_of_the_rows_is_split_between_workers(weights, two_threads):
     tokens = torch.randn(40, H, generator=torch.Generator().manual_seed(3))
     routing = [(0, 1 + t % 3) for t in range(40)]  # e0 holds half of the 80 assignments
-    moe = MoeLayer(*weights, "silu")
+    moe = MoeLayer(ExpertWeights(*weights))
     moe.experts = recorded = RecordedExperts(moe.experts, [])
     y = moe(tokens, *route(routing, [(0.7, 0.3)] * 40))
     torch.testing.assert_close(y, reference(tokens, weights, routing, [(0.7, 0.3)] * 40), rtol=1e-5, atol=1e-5)

@@ -79,6 +79,31 @@ def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine,
     assert result.summary  # the random model does say something
 
 
+def greedy_summary(loaded, text: str) -> str:
+    """What `generate` says, greedily, after the whole summary prompt in one forward."""
+    frame = PromptFrame.build(loaded.tokenizer, SUMMARIZE)
+    prompt = torch.tensor([frame.prefix + list(text.encode()) + frame.suffix])
+    stop = stop_ids(loaded.model, loaded.tokenizer)
+    with torch.no_grad():
+        out = loaded.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                    max_new_tokens=SUMMARY_TOKENS, eos_token_id=stop, pad_token_id=stop[0])
+    return loaded.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "lfm2_moe", "gpt_oss"])
+def test_models_whose_cache_is_more_than_attention_prefill_in_chunks_into_their_own_cache(tiny, orchard, arch):
+    """Linear attention (Qwen3-Next), Mamba (Nemotron-H), short convolutions (LFM2) and sliding windows (gpt-oss)
+    keep state the chunks must carry: the summary decoded from the chunk-prefilled cache is what greedy
+    generation on the whole prompt gives."""
+    folder = str(tiny(arch))
+    engine = Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS))
+    text = orchard[:700]
+    result = engine.process(text)
+    assert result.stats.chunks > 1
+    assert result.summary == greedy_summary(load_model(folder), text)
+    assert result.summary
+
+
 def test_stats_name_tokens_chunks_phases_and_dispatch_counts(engine, harbour, prefix):
     stats = engine.process(harbour[:300]).stats
     assert set(stats.seconds) == {"prefill", "summary", "reduce", "total"}

@@ -1,14 +1,16 @@
 """The engine's logits equal the plain transformers forward (eager experts) on the same checkpoint.
 
-For every family, in fp32, within 1e-4 relative (max |engine - eager| / max |eager|), for a prompt
-shorter than one chunk and one several chunks long: on the exact `cpu` backend, and on
-`torch-static` with a tight plan and overflow `spill` (group graphs, cold experts and spills all used).
+For every family the tiny checkpoints cover, in fp32, within 1e-4 relative (max |engine - eager| / max |eager|),
+for a prompt shorter than one chunk and one several chunks long: on the exact `cpu` backend, and on
+`torch-static` with a tight plan and overflow `spill` (group graphs, cold experts and spills all used);
+and the engine's experts implementation ran for each (its count of layer calls).
 In bf16, where every forward rounds, the engine is held to transformers' own bf16 forward: no further
 from the fp32 logits than that is.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from cpus import fake_timings
 from npumoe.engine import Engine, EngineSettings, bf16_linear, load_model
 from npumoe.engine.calibrate import calibrate
 from npumoe.engine.cost import CostModel
-from npumoe.engine.models import moe_experts
+from npumoe.engine.experts_layout import expert_weights
+from npumoe.engine.models import moe_experts, moe_layouts
 from npumoe.engine.planner import make_plan
 from npumoe.engine.tiny import ARCHITECTURES
 
@@ -36,8 +39,8 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def make_plan_file(folder: Path, calibration_text: str, out: Path) -> Path:
     loaded = load_model(folder)
     calibration = calibrate(loaded, [("calibration", calibration_text)], chunk_tokens=CHUNK)
-    _, experts = moe_experts(loaded.model)[0]
-    _, hidden, ffn = experts.down_proj.shape
+    _, experts, layout = moe_layouts(loaded.model)[0]
+    _, hidden, ffn = expert_weights(experts, layout).down.shape
     plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend="torch-static",
                      cost=ACCELERATOR_FAVOURED, hidden=hidden, ffn=ffn, overflow="spill")
     # A quarter of the calibrated capacities, so that hot experts overflow and spill.
@@ -68,6 +71,8 @@ def test_engine_logits_equal_eager_transformers_on_every_backend(tiny, tmp_path,
             got = engine.logits(ids)
             assert got.shape == want.shape
             assert relative_error(got, want) < 1e-4, f"{backend}, {name} prompt"
+            # the engine's experts implementation ran: once per MoE layer per chunk, with every assignment
+            assert engine.stats.layer_calls == math.ceil(len(ids) / CHUNK) * 3
             assert engine.stats.assignments == len(ids) * reference.config.num_experts_per_tok * 3
         static_work += engines["torch-static"].stats.static
         spilled += engines["torch-static"].stats.spilled

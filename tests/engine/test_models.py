@@ -6,10 +6,11 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Llama4TextConfig, LlamaConfig, MiniMaxConfig
+from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
 from npumoe.engine.backends import get_backend
-from npumoe.engine.models import ModelError, load_model, moe_experts
+from npumoe.engine.models import ModelError, load_model, moe_experts, moe_layouts
 from npumoe.engine.prefill import new_cache, prefill
 from npumoe.engine.runtime import MoeRuntime
 from npumoe.engine.tiny import ARCHITECTURES, make_tiny
@@ -26,6 +27,8 @@ def test_every_tiny_architecture_reloads_through_from_pretrained(tiny, arch):
     assert len(experts) == 3
     assert 8 <= experts[0][1].num_experts <= 32
     assert loaded.model.config.num_experts_per_tok == ARCHITECTURES[arch][1]["num_experts_per_tok"]
+    layouts = [layout for _, _, layout in moe_layouts(loaded.model)]
+    assert layouts == [layouts[0]] * 3  # one layout per model, read off each experts module
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -84,13 +87,29 @@ def test_a_folder_without_config_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-def test_a_dense_model_is_refused_naming_the_supported_families(tmp_path):
+def test_a_dense_model_is_refused_for_having_no_routed_experts(tmp_path):
     config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     build_byte_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match=r"'llama' is not a supported MoE family .*qwen3_moe"):
+    with pytest.raises(ModelError, match=r"LlamaForCausalLM has no routed-experts modules"):
         load_model(tmp_path)
+
+
+def test_experts_outside_transformers_experts_interface_are_refused_at_load_in_one_line_naming_the_module(tmp_path):
+    """Llama 4's experts class is not wrapped by `use_experts_implementation` (its forward takes every expert's
+    router-scaled inputs, not the router's choice), so the engine cannot take it over without patching."""
+    config = Llama4TextConfig(vocab_size=300, hidden_size=32, intermediate_size=16, intermediate_size_mlp=64,
+                              num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              num_local_experts=4)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    build_byte_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ModelError) as refused:
+        load_model(tmp_path)
+    message = str(refused.value)
+    assert "\n" not in message
+    assert message.startswith(f"{tmp_path.name}: model.layers.0.feed_forward.experts (Llama4TextExperts): "
+                              "not wrapped by transformers' experts interface (use_experts_implementation)")
 
 
 def test_an_unknown_dtype_is_refused(tiny):
@@ -101,3 +120,18 @@ def test_an_unknown_dtype_is_refused(tiny):
 def test_make_tiny_refuses_an_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="unknown architecture 'llama'"):
         make_tiny("llama", tmp_path)
+
+
+def test_a_model_that_keeps_a_cache_class_of_its_own_gets_that_class_as_generate_leaves_it_to_the_model():
+    """MiniMax's forward makes a MiniMaxCache itself and refuses any other; `generate` leaves the cache to it."""
+    config = MiniMaxConfig(vocab_size=300, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_local_experts=4,
+                           layer_types=["linear_attention", "full_attention"])
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = new_cache(model)
+    assert type(cache) is MiniMaxCache
+    ids = list(range(3, 40))
+    first, second = prefill(model, ids, 20, cache, logits=True)  # the model takes it, and keeps filling it
+    assert first.shape == (20, 300) and second.shape == (17, 300)
+    assert cache.get_seq_length(1) == len(ids)  # the attention layer's keys and values
+    assert isinstance(cache.linear_cache[0], torch.Tensor)  # the linear-attention layer's state

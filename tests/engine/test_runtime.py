@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from npumoe.engine.backends import get_backend
+from npumoe.engine.backends import TorchStaticBackend, get_backend
+from npumoe.engine.calibrate import Calibration
+from npumoe.engine.cost import CostModel
 from npumoe.engine.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
 from npumoe.engine.models import moe_experts
+from npumoe.engine.plan import ExpertLoad
+from npumoe.engine.planner import make_plan
 from npumoe.engine.runtime import MoeRuntime
 
 TINY = parse_geometry("64x8x2x32")
+GRAPHS_FREE = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)  # every group in a graph
 
 
 def tiny_layer():
@@ -55,3 +62,28 @@ def test_attach_selects_which_runtime_runs_and_detach_gives_back_the_previous_im
     assert first.stats.layer_calls == 2
     first.detach()
     assert model.get_experts_implementation() == before
+
+
+def test_experts_a_backend_cannot_run_in_its_graphs_stay_on_the_cpu_and_the_runtime_says_why(caplog):
+    model, experts, inputs = tiny_layer()
+    (name, _), = moe_experts(model)
+    need = tuple(8.0 for _ in range(TINY.experts))
+    calibration = Calibration(chunk_tokens=64, tokens=640, chunks=10, sources=("test",),
+                              layers=((name, ExpertLoad(mean=need, p50=need, p95=need, max=need)),))
+    plan = make_plan(calibration, model="tiny", model_key="tiny@1", backend="torch-static", cost=GRAPHS_FREE,
+                     hidden=TINY.hidden, ffn=TINY.ffn)
+    assert MoeRuntime(model, TorchStaticBackend(), plan).layers[0].groups  # the plan puts groups in graphs
+
+    class NoGraphsForThisLayout(TorchStaticBackend):
+        def static_problem(self, layout):
+            return f"{layout.activation} is not converted"
+
+    with caplog.at_level(logging.WARNING):
+        runtime = MoeRuntime(model, NoGraphsForThisLayout(), plan)
+    assert runtime.layers[0].groups == []
+    assert f"{name}: its experts run on the CPU, not in torch-static group graphs: silu is not converted" in [
+        record.getMessage() for record in caplog.records]
+    model.set_experts_implementation("eager")
+    expected = experts(*inputs)
+    runtime.attach()
+    torch.testing.assert_close(experts(*inputs), expected, rtol=1e-5, atol=1e-5)
