@@ -14,21 +14,27 @@ from __future__ import annotations
 
 import json
 import random
+import sqlite3
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import psutil
-from sqlalchemy import Connection, Engine, create_engine, event, func, insert, select, update
-from sqlalchemy.pool import NullPool
+from sqlalchemy import Connection, Engine, Select, create_engine, event, func, insert, select, update
+from sqlalchemy.exc import DatabaseError
+from sqlalchemy.pool import QueuePool
 
-from npumoe.jobs.schema import STATES, control, daemon, jobs, migrate
+from npumoe.jobs.errors import DatabaseUnusable
+from npumoe.jobs.schema import STATES, check_integrity, control, daemon, jobs, migrate
 
 CLAIMABLE = ("queued", "failed")
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
+MIN_SQLITE = (3, 35, 0)  # UPDATE … RETURNING
+DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # "database disk image is malformed", "file is not a database"
 
 
 @dataclass(frozen=True)
@@ -87,9 +93,22 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_info) -> None:
+    if version < MIN_SQLITE:
+        raise DatabaseUnusable(f"SQLite {'.'.join(map(str, version))} is too old: npumoed needs "
+                               f"{'.'.join(map(str, MIN_SQLITE))} or newer (a Python built with a newer SQLite)")
+
+
 def _engine(path: Path, *, immediate: bool, read_only: bool = False) -> Engine:
-    url = f"sqlite:///file:{path}?mode=ro&uri=true" if read_only else f"sqlite:///{path}"
-    engine = create_engine(url, poolclass=NullPool, connect_args={"timeout": 30})
+    # A URI with the path quoted: a home may contain `#`, `?` or `%`, which a URL would read as its own syntax.
+    uri = f"file:{quote(str(path.absolute()))}" + ("?mode=ro" if read_only else "")
+
+    def connect() -> sqlite3.Connection:
+        return sqlite3.connect(uri, uri=True, timeout=30, check_same_thread=False)
+
+    # Pooled, not reopened per statement: closing SQLite's last connection checkpoints the WAL and removes
+    # its files, so a daemon that only reads would still write to disk every few seconds.
+    engine = create_engine("sqlite://", creator=connect, poolclass=QueuePool)
 
     @event.listens_for(engine, "connect")
     def _connect(dbapi_conn: Any, _: Any) -> None:
@@ -104,6 +123,13 @@ def _engine(path: Path, *, immediate: bool, read_only: bool = False) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
     return engine
+
+
+def _runnable(now: float, open_windows: Sequence[str]) -> Select[tuple[int]]:
+    """The jobs `claim` may take now: waiting, past their backoff, and outside a batch window or inside an open one."""
+    return select(jobs.c.id).where(
+        jobs.c.state.in_(CLAIMABLE), jobs.c.run_after <= now,
+        jobs.c.batch_window.is_(None) | jobs.c.batch_window.in_(list(open_windows)))
 
 
 class Queue:
@@ -123,10 +149,21 @@ class Queue:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if not self.path.exists():
             self.path.touch(mode=0o600)
+        check_sqlite_version()
         self._write = _engine(self.path, immediate=True)
         self._read = _engine(self.path, immediate=False)
-        with self._tx() as conn:
-            migrate(conn)
+        try:
+            with self._tx() as conn:
+                check_integrity(conn)
+                migrate(conn)
+        except DatabaseError as e:
+            self.close()
+            if getattr(e.orig, "sqlite_errorname", "") in DAMAGED:
+                raise DatabaseUnusable(f"the database is damaged ({e.orig})") from e
+            raise
+        except DatabaseUnusable:
+            self.close()
+            raise
 
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
@@ -175,9 +212,7 @@ class Queue:
         """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
         now = self.clock()
         runnable = (
-            select(jobs.c.id)
-            .where(jobs.c.state.in_(CLAIMABLE), jobs.c.run_after <= now,
-                   jobs.c.batch_window.is_(None) | jobs.c.batch_window.in_(list(open_windows)))
+            _runnable(now, open_windows)
             .order_by(jobs.c.priority.desc(), jobs.c.run_after, jobs.c.id)
             .limit(1)
             .scalar_subquery()
@@ -312,6 +347,11 @@ class Queue:
         with self._read.connect() as conn:
             found = dict(conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all())
         return {state: found.get(state, 0) for state in STATES}
+
+    def has_runnable(self, open_windows: Sequence[str] = ()) -> bool:
+        """Whether `claim` would find a job now; a read, so an idle daemon can ask without writing."""
+        with self._read.connect() as conn:
+            return conn.execute(_runnable(self.clock(), open_windows).limit(1)).first() is not None
 
     def open_windows_needed(self) -> list[str]:
         """The batch windows that waiting jobs are held for."""

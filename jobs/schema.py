@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from sqlalchemy import Column, Connection, Float, Integer, MetaData, String, Table, Text
 
+from npumoe.jobs.errors import DatabaseUnusable
+
 metadata = MetaData()
 
 STATES = ("queued", "running", "done", "failed", "dead", "cancelled")
@@ -109,6 +111,13 @@ MIGRATIONS: list[list[str]] = [
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+def check_integrity(conn: Connection) -> None:
+    """SQLite's quick_check: the pages and indexes are sound (it skips the slower cross-checks of integrity_check)."""
+    problems = [" ".join(row[0].split()) for row in conn.exec_driver_sql("PRAGMA quick_check").all()]
+    if problems != ["ok"]:
+        raise DatabaseUnusable(f"the database is damaged (quick_check: {'; '.join(problems[:3])})")
+
+
 def schema_version(conn: Connection) -> int:
     return conn.exec_driver_sql("PRAGMA user_version").scalar_one()
 
@@ -117,8 +126,8 @@ def migrate(conn: Connection, target: int = SCHEMA_VERSION) -> int:
     """Apply the migrations past the database's version, up to `target`; returns the new version."""
     version = schema_version(conn)
     if version > SCHEMA_VERSION:
-        raise RuntimeError(f"database schema v{version} is newer than this npumoed (v{SCHEMA_VERSION}); "
-                           "upgrade npumoed")
+        raise DatabaseUnusable(f"database schema v{version} is newer than this npumoed (v{SCHEMA_VERSION}); "
+                               "upgrade npumoed")
     for number in range(version + 1, target + 1):
         for statement in MIGRATIONS[number - 1]:
             conn.exec_driver_sql(statement)
