@@ -4,10 +4,14 @@
     loop:  scheduler says wait? ─► record why, sleep
            claim a job ─► pipeline (checkpoint between chunks: pause, stop, cancel) ─► next
            nothing to do ─► idle; unload the model after `idle_unload_seconds`; `--once`: finish
+           an open batch window with work in it ─► hold a power assertion (daemon/awake.py) until done
     stop (SIGTERM/SIGINT): the running job is handed back to the queue at its next checkpoint
 
 One daemon per home, enforced by a lock file the kernel releases when the process dies, so whoever
 holds the lock knows every job still marked running was left by a dead worker.
+
+Idle, the daemon reads the queue every `poll_seconds` and writes nothing: the status row is written when
+what it says changes, and the heartbeat is renewed only while a job runs.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from npumoe.daemon.awake import PowerAssertion, windows_to_stay_awake_for
 from npumoe.daemon.batch import write_batch_report
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
@@ -54,7 +59,7 @@ class AlreadyRunning(RuntimeError):
 
 @contextmanager
 def single_instance(home: Home, queue: Queue) -> Iterator[None]:
-    lock = FileLock(home.root / "npumoed.lock", mode=0o600)
+    lock = FileLock(home.lock, mode=0o600)
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -86,6 +91,7 @@ class Worker:
         obey_schedule: bool = True,
         model: ModelSlot | None = None,
         scheduler: Scheduler | None = None,
+        awake: PowerAssertion | None = None,
     ) -> None:
         self.config = config
         self.home = home
@@ -97,6 +103,7 @@ class Worker:
         self.folders = Folders(home.outbox, home.processed, home.failed, tuple(self.inboxes))
         self.model = model or ModelSlot(config, home, threads=worker_threads(config.cpu))
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
+        self.awake = awake or PowerAssertion()
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take)
         e = config.extract
         policy = Policy(
@@ -114,6 +121,7 @@ class Worker:
         self._lost_job: int | None = None
         self._current: Job | None = None
         self._beat: threading.Thread | None = None
+        self._written: dict[str, Any] = {}  # the status row as last written, to write only what changed
         self._old_handlers: dict[int, Any] = {}
 
     def run(self) -> RunSummary:
@@ -149,14 +157,11 @@ class Worker:
         self.queue.write_daemon(
             pid=self.pid,
             started_at=now,
-            heartbeat_at=now,
             stopped_at=None,
             model=self.config.model.name,
             backend=self.config.model.backend,
-            power=self.scheduler.power_state(),
-            **self._state,
-            counters=self._counters(),
         )
+        self._write_row()
         self._handle_signals()
         log.info("npumoed %d started; watching %s", self.pid, ", ".join(map(str, self.inboxes)))
         self._beat = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
@@ -172,6 +177,7 @@ class Worker:
         if self._beat is not None:
             self._beat.join(timeout=BEAT_SECONDS * 2)
         self.model.unload()
+        self.awake.release()
         self.summary.waiting = sum(self.queue.counts()[s] for s in ("queued", "failed"))
         self._set("stopped", "", current_job=None)
         self.queue.write_daemon(stopped_at=time.time())
@@ -198,17 +204,17 @@ class Worker:
         poll = self.config.scheduler.poll_seconds
         while not self._stopping.is_set():
             decision = self._decide()
-            if not decision.run:
+            if not decision.run and not decision.idle:
                 self._set("waiting", decision.reason)
                 self._wait(poll)
                 continue
-            job = self.queue.claim(
+            job = None if decision.idle else self.queue.claim(
                 self.pid, lease_seconds=self.config.queue.lease_seconds, open_windows=decision.open_windows
             )
             if job is None:
                 if self.once:
                     return
-                self._set("idle", decision.held)
+                self._set("idle", decision.reason or decision.held)
                 self.model.unload_if_idle()
                 self._wait(poll)
                 continue
@@ -239,11 +245,18 @@ class Worker:
     def _decide(self) -> Decision:
         if not self.obey_schedule:
             return Decision(run=True, reason="", open_windows=tuple(self.queue.open_windows_needed()))
-        decision = self.scheduler.decide()
+        decision = (self._current is None and self.scheduler.idle()) or self.scheduler.decide()
         for closed in self.scheduler.closed_windows():
             report = write_batch_report(self.queue, self.home, closed.window, closed.started, closed.ended)
             log.info("batch window %s closed; report in %s", closed.window, report)
+        self._stay_awake(decision)
         return decision
+
+    def _stay_awake(self, decision: Decision) -> None:
+        if windows := windows_to_stay_awake_for(decision, self._current.batch_window if self._current else None):
+            self.awake.hold(f"batch window {', '.join(windows)}")
+        else:
+            self.awake.release()
 
     def _checkpoint(self) -> None:
         """Between steps and chunks: stop, notice a cancel, or wait while the scheduler says so."""
@@ -297,8 +310,13 @@ class Worker:
         self._state.update(activity=activity, reason=reason, **values)
         self._write_row()
 
-    def _write_row(self) -> None:
-        self.queue.write_daemon(heartbeat_at=time.time(), **self._state, counters=self._counters())
+    def _write_row(self, *, beat: bool = False) -> None:
+        """Write the status row when what it says changed; `beat`: also to renew its heartbeat (a job runs)."""
+        row = {**self._state, "power": {**self.scheduler.power_state(), "awake": self.awake.holding},
+               "counters": self._counters()}
+        if beat or row != self._written:
+            self.queue.write_daemon(heartbeat_at=time.time(), **row)
+            self._written = row
 
     def _beat_loop(self) -> None:
         while not self._stopping.wait(BEAT_SECONDS):
@@ -308,9 +326,7 @@ class Worker:
                     job_id, self.pid, lease_seconds=self.config.queue.lease_seconds
                 ):
                     self._lost_job = job_id
-                self.queue.write_daemon(
-                    heartbeat_at=time.time(), power=self.scheduler.power_state(), counters=self._counters()
-                )
+                self._write_row(beat=job_id is not None)
             except Exception:  # a busy database must not end the heartbeat for good
                 log.exception("heartbeat failed")
 
