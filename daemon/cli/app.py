@@ -13,6 +13,8 @@ import click
 
 from npumoe.daemon.config import Config, ConfigError, load_config
 from npumoe.daemon.home import Home
+from npumoe.daemon.service import EXIT_DO_NOT_RESTART
+from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue import Backoff, Queue
 
 
@@ -21,6 +23,18 @@ class BadConfig(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"npumoed: bad config: {self.message}", err=True)
+
+
+class UnusableDatabase(click.ClickException):
+    """The queue database cannot be used: one line, and the status the service does not restart on."""
+
+    exit_code = EXIT_DO_NOT_RESTART
+
+    def __init__(self, path: Path, problem: DatabaseUnusable) -> None:
+        super().__init__(f"cannot use the queue database {path}: {problem}; `npumoed doctor` says how to recover")
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"npumoed: {self.message}", err=True)
 
 
 @dataclass
@@ -42,7 +56,10 @@ class App:
     @cached_property
     def queue(self) -> Queue:
         q = self.config.queue
-        queue = Queue(self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds))
+        try:
+            queue = Queue(self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds))
+        except DatabaseUnusable as e:
+            raise UnusableDatabase(self.home.database, e) from e
         self._opened.append(queue)
         return queue
 
