@@ -93,6 +93,13 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def damage(error: DatabaseError) -> DatabaseUnusable | None:
+    """The error as DatabaseUnusable when SQLite found the file damaged; None for any other database error."""
+    if getattr(error.orig, "sqlite_errorname", "") in DAMAGED:
+        return DatabaseUnusable(f"the database is damaged ({error.orig})")
+    return None
+
+
 def check_sqlite_version(version: tuple[int, int, int] = sqlite3.sqlite_version_info) -> None:
     if version < MIN_SQLITE:
         raise DatabaseUnusable(f"SQLite {'.'.join(map(str, version))} is too old: npumoed needs "
@@ -158,8 +165,8 @@ class Queue:
                 migrate(conn)
         except DatabaseError as e:
             self.close()
-            if getattr(e.orig, "sqlite_errorname", "") in DAMAGED:
-                raise DatabaseUnusable(f"the database is damaged ({e.orig})") from e
+            if problem := damage(e):
+                raise problem from e
             raise
         except DatabaseUnusable:
             self.close()
@@ -204,6 +211,19 @@ class Queue:
                                    jobs.c.settings_key == settings_key)
             ).one()
             return Job.from_row(existing), False
+
+    def record_done(self, job_id: int, path: str, sha256: str, *, model_key: str, settings_key: str,
+                    output_dir: str, finished_at: float) -> bool:
+        """Record a job finished elsewhere (rebuilding the queue from the outbox); False if its id or its
+        content under those keys is known already."""
+        with self._tx() as conn:
+            return conn.execute(
+                insert(jobs).prefix_with("OR IGNORE")
+                .values(id=job_id, path=path, sha256=sha256, model_key=model_key, settings_key=settings_key,
+                        state="done", priority=INTERACTIVE, attempts=1, max_attempts=1, run_after=finished_at,
+                        progress=1.0, created_at=finished_at, updated_at=finished_at, finished_at=finished_at,
+                        output_dir=output_dir)
+            ).rowcount == 1
 
     # -- the worker's side ------------------------------------------------------------------------
 
