@@ -68,8 +68,11 @@ class Scheduler:
 
     def decide(self) -> Decision:
         now = self.clock()
-        power = self._power = self.power.read()
         needed = set(self.queue.open_windows_needed())
+        if paused := self._paused_reason():  # nothing runs: the power source and the load are left alone
+            by_clock = self._windows_by_clock(needed, now)
+            return Decision(run=False, reason=paused, open_windows=by_clock, held=_held(needed, by_clock))
+        power = self._power = self.power.read()
         open_windows, held = self._batch_windows(needed, now, power)
         reason = self._wait_reason(power)
         return Decision(run=not reason, reason=reason, open_windows=open_windows, held=held,
@@ -105,9 +108,8 @@ class Scheduler:
         return ""
 
     def _wait_reason(self, power: PowerState) -> str:
+        """Why the power state or the load holds the work back (the pause is checked before the power is read)."""
         c = self.config
-        if paused := self._paused_reason():
-            return paused
         percent = power.battery_percent
         if power.on_ac is False and not c.run_on_battery:
             return f"on battery ({percent:.0f}%)" if percent is not None else "on battery"

@@ -80,6 +80,9 @@ def test_npumoed_run_on_an_unusable_database_exits_78_with_one_line(
     assert lines[0].startswith(f"npumoed: cannot use the queue database {database}: ")
     assert ("damaged" if spoil == "damaged" else "newer than this npumoed") in lines[0]
     assert lines[0].endswith("`npumoed doctor` says how to recover")
+    if spoil == "damaged":  # status reads the same file read-only and says the same
+        status = npumoed("status")
+        assert status.returncode == 78 and status.stderr.strip().splitlines() == lines
     doctor = npumoed("doctor")
     assert doctor.returncode == 1
     assert "queue database" in doctor.stdout and "npumoed doctor --rebuild-queue" in doctor.stdout

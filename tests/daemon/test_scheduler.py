@@ -85,6 +85,14 @@ def test_pause_holds_everything_until_resume(world: World) -> None:
     assert world.scheduler.decide().run
 
 
+def test_paused_it_reads_neither_the_power_source_nor_the_load(world: World) -> None:
+    world.add()
+    world.queue.set_control("paused", {"since": NOON.timestamp()})
+    world.load = 0.9  # would be a reason of its own, if it were sampled
+    assert world.scheduler.decide().reason == "paused by you since 12:00"
+    assert world.power.reads == 0
+
+
 def test_pause_outranks_every_other_reason(world: World) -> None:
     world.power.state = dataclasses.replace(BATTERY, low_power_mode=True)
     world.queue.set_control("paused", {"since": NOON.timestamp()})
