@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
 from npumoe.daemon import worker as worker_module
 from npumoe.daemon.awake import PowerAssertion
@@ -141,7 +142,10 @@ def test_a_real_idle_daemon_neither_forks_nor_writes_for_a_minute(
             nonlocal queue
             if queue is None and (home / "npumoed.db").exists():
                 queue = Queue(home / "npumoed.db", read_only=True)
-            return queue is not None and (queue.read_daemon() or {}).get("activity") == "idle"
+            try:
+                return queue is not None and (queue.read_daemon() or {}).get("activity") == "idle"
+            except OperationalError:  # the daemon is still creating the tables
+                return False
 
         wait_until(idle, timeout=120)
         pid = queue.read_daemon()["pid"]  # type: ignore[union-attr,index]
