@@ -22,6 +22,11 @@ class Home:
         return self.root / "npumoed.db"
 
     @property
+    def lock(self) -> Path:
+        """Held by the running daemon (one per home); the kernel lets it go when the process ends."""
+        return self.root / "npumoed.lock"
+
+    @property
     def inbox(self) -> Path:
         return self.root / "inbox"
 

@@ -1,4 +1,8 @@
-"""Logging for the daemon: a rotating file under the home's logs/ folder, and stderr."""
+"""Logging for the daemon: a rotating file under the home's logs/ folder, and stderr when run by hand.
+
+Under the service manager stderr is appended to a file that never rotates, so there the rotating file is the
+only place a line goes.
+"""
 
 from __future__ import annotations
 
@@ -22,8 +26,9 @@ class OneLineFormatter(logging.Formatter):
         return super().formatMessage(record).translate(ESCAPES)
 
 
-def setup_logging(logs: Path, *, verbose: bool = False) -> Path:
-    """Send the `npumoe` loggers to `logs/npumoed.log` (5 MB × 3, user-only) and stderr; returns the file."""
+def setup_logging(logs: Path, *, verbose: bool = False, to_stderr: bool = True) -> Path:
+    """Send the `npumoe` loggers to `logs/npumoed.log` (5 MB × 3, user-only), and to stderr unless told not to;
+    returns the file."""
     path = logs / LOG_NAME
     old = os.umask(0o077)
     try:
@@ -31,12 +36,12 @@ def setup_logging(logs: Path, *, verbose: bool = False) -> Path:
         to_file = RotatingFileHandler(path, maxBytes=5 * 2**20, backupCount=3, encoding="utf-8")
     finally:
         os.umask(old)
-    to_stderr = logging.StreamHandler(sys.stderr)
+    handlers: list[logging.Handler] = [to_file, logging.StreamHandler(sys.stderr)] if to_stderr else [to_file]
     root = logging.getLogger("npumoe")
     for handler in list(root.handlers):  # set up twice in one process (the demo, tests): replace, not add
         root.removeHandler(handler)
         handler.close()
-    for handler in (to_file, to_stderr):
+    for handler in handlers:
         handler.setFormatter(OneLineFormatter(FORMAT))
         root.addHandler(handler)
     root.setLevel(logging.DEBUG if verbose else logging.INFO)

@@ -47,9 +47,13 @@ def resolve_model(name: str, models_dir: Path) -> str:
     return name
 
 
+def demo_model_dir(models_dir: Path) -> Path:
+    return models_dir / f"{DEMO}-{DEMO_ARCH}"
+
+
 def demo_model(models_dir: Path) -> Path:
     """The built-in tiny random-weight MoE checkpoint, made on first use; its summaries are not meaningful."""
-    target = models_dir / f"{DEMO}-{DEMO_ARCH}"
+    target = demo_model_dir(models_dir)
     if (target / "config.json").is_file():
         return target
     from npumoe.engine.tiny import make_tiny  # imports torch: only when the demo model is really needed

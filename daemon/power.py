@@ -1,8 +1,9 @@
 """Reading the machine's power state: AC or battery, charge, Low Power Mode, thermal pressure.
 
 Each platform says what it knows and leaves the rest None; the scheduler treats an unknown power
-source as AC, so a desktop without a battery is never held back. Reading is cheap on Linux (sysfs)
-but forks `pmset` on macOS, so `system_power_source` caches a reading for a few seconds.
+source as AC, so a desktop without a battery is never held back. Reading is cheap on Linux (sysfs);
+on macOS AC and charge come from psutil (IOKit, no fork) and Low Power Mode from a fork of `pmset`, so
+`system_power_source` caches a reading for a few seconds, and an idle daemon does not read at all.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
+
+import psutil
 
 
 @dataclass(frozen=True)
@@ -109,18 +112,32 @@ THERMAL_LEVELS = ("nominal", "moderate", "heavy", "critical", "critical")
 
 
 class MacPowerSource:
-    """`pmset -g batt` for AC and charge, `pmset -g` for Low Power Mode, notify(3) for thermal pressure."""
+    """psutil for AC and charge (`pmset -g batt` where it has no answer), `pmset -g` for Low Power Mode,
+    notify(3) for thermal pressure."""
 
     def __init__(self, run: Callable[[list[str]], str] | None = None,
-                 thermal: Callable[[], str | None] | None = None) -> None:
+                 thermal: Callable[[], str | None] | None = None,
+                 battery: Callable[[], tuple[bool, float] | None] | None = None) -> None:
         self.run = run or _run
         self.thermal = thermal or read_thermal_pressure
+        self.battery = battery or read_psutil_battery
 
     def read(self) -> PowerState:
-        on_ac, percent = parse_pmset_batt(self.run(["pmset", "-g", "batt"]))
+        on_ac, percent = self.battery() or parse_pmset_batt(self.run(["pmset", "-g", "batt"]))
         return PowerState(on_ac=on_ac, battery_percent=percent,
                           low_power_mode=parse_low_power_mode(self.run(["pmset", "-g"])),
                           thermal_pressure=self.thermal())
+
+
+def read_psutil_battery() -> tuple[bool, float] | None:
+    """(on AC, charge %) from psutil without a fork; None where it cannot tell (no battery, or not supported)."""
+    try:
+        battery = psutil.sensors_battery()
+    except (AttributeError, OSError):  # AttributeError: psutil has no sensors on this platform
+        return None
+    if battery is None or battery.power_plugged is None:
+        return None
+    return bool(battery.power_plugged), float(battery.percent)
 
 
 def parse_pmset_batt(text: str) -> tuple[bool | None, float | None]:

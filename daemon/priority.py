@@ -3,13 +3,15 @@
 On Linux the priority is per thread, so it is applied to every thread that exists and inherited by
 every thread started afterwards (torch's pool included): nice 19, SCHED_IDLE (runs only on cycles
 nobody else wants) and the idle I/O class. On macOS one call moves the whole process to background
-QoS (PRIO_DARWIN_BG), which lowers CPU and I/O priority and prefers the efficiency cores.
+QoS (PRIO_DARWIN_BG), which lowers CPU and I/O priority and keeps it on the efficiency cores, so on
+Apple silicon the worker gets as many threads as there are efficiency cores, not every core but one.
 None of this can be undone without privileges, so apply it only in the process that does the work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import sys
@@ -31,12 +33,31 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def worker_threads(cpu: CpuConfig) -> int:
-    """Torch threads for the worker: cpu.threads, at most the cores there are; 0: all cores but one."""
+def efficiency_cores() -> int | None:
+    """Apple silicon's efficiency cores (`hw.perflevel1.logicalcpu`, read without a fork); None elsewhere."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        libc = ctypes.CDLL("/usr/lib/libSystem.B.dylib")
+    except OSError:
+        return None
+    value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+    if libc.sysctlbyname(b"hw.perflevel1.logicalcpu", ctypes.byref(value), ctypes.byref(size), None, 0) != 0:
+        return None  # an Intel Mac: one kind of core
+    return value.value or None
+
+
+def worker_threads(cpu: CpuConfig, efficiency: Callable[[], int | None] = efficiency_cores) -> int:
+    """Torch threads for the worker: cpu.threads, at most the cores there are; 0: all cores but one, or, at
+    background priority on Apple silicon, the efficiency cores (more threads would queue on them)."""
     cores = available_cores()
     if cpu.threads < 0:
         raise ValueError(f"cpu.threads must not be negative, got {cpu.threads}")
-    return min(cpu.threads, cores) if cpu.threads else max(1, cores - 1)
+    if cpu.threads:
+        return min(cpu.threads, cores)
+    if cpu.background_priority and (slow_cores := efficiency()):
+        return min(slow_cores, cores)
+    return max(1, cores - 1)
 
 
 def apply_background_priority(cpu: CpuConfig) -> list[str]:

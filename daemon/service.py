@@ -24,6 +24,12 @@ from npumoe.jobs.outputs import write_file
 LABEL = "io.npumoed.daemon"
 UNIT = "npumoed.service"
 TEMPLATES = resources.files("npumoe.launchd")
+# The exit status of a daemon that restarting cannot help (its database is damaged or from a newer npumoed):
+# EX_CONFIG of sysexits(3). systemd is told not to restart on it; launchd restarts only after a crash.
+EXIT_DO_NOT_RESTART = 78
+SERVICE_ENV = "NPUMOED_SERVICE"  # set in the service definitions: the daemon logs to its rotating file only
+# Where the person's models and caches are: passed on to the service when set at install time.
+PASSED_ON = ("HF_HOME", "HF_HUB_CACHE", "TRANSFORMERS_CACHE", "NPUMOE_CACHE")
 
 
 class ServiceError(RuntimeError):
@@ -36,6 +42,7 @@ class Service:
 
     program: tuple[str, ...]  # the absolute interpreter first
     home: Path
+    passed_on: tuple[tuple[str, str], ...] = ()  # (name, value) of PASSED_ON variables set at install time
     nice: int = 19
     throttle_seconds: int = 30
     stop_timeout_seconds: int = 30
@@ -46,12 +53,13 @@ class Service:
         program = [sys.executable, "-m", "npumoe.daemon"]
         if config_path is not None:
             program += ["--config", str(config_path.expanduser().resolve())]
-        return cls(program=(*program, "run"), home=home.root)
+        passed_on = tuple((name, os.environ[name]) for name in PASSED_ON if os.environ.get(name))
+        return cls(program=(*program, "run"), home=home.root, passed_on=passed_on)
 
     @property
     def environment(self) -> dict[str, str]:
         # The home is pinned, so the service uses the home that was current at install time.
-        return {"NPUMOED_HOME": str(self.home), "PYTHONUNBUFFERED": "1"}
+        return {"NPUMOED_HOME": str(self.home), "PYTHONUNBUFFERED": "1", SERVICE_ENV: "1", **dict(self.passed_on)}
 
     @property
     def stdout_log(self) -> Path:
@@ -91,6 +99,10 @@ def describe(step: Step) -> str:
     if isinstance(step, Remove):
         return f"remove {step.path}"
     return "run " + shlex.join(step.argv) + ("" if step.must_succeed else "  (may fail: not running)")
+
+
+def started_by_service() -> bool:
+    return os.environ.get(SERVICE_ENV) == "1"
 
 
 def run_command(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -192,7 +204,8 @@ class SystemdUser:
                                   for k, v in service.environment.items()),
             working_directory=_systemd_path(service.home), nice=service.nice,
             throttle_seconds=service.throttle_seconds, stop_timeout_seconds=service.stop_timeout_seconds,
-            stdout_log=_systemd_path(service.stdout_log), stderr_log=_systemd_path(service.stderr_log))
+            stdout_log=_systemd_path(service.stdout_log), stderr_log=_systemd_path(service.stderr_log),
+            do_not_restart=EXIT_DO_NOT_RESTART)
 
     def install(self, service: Service) -> list[Step]:
         return [Write(self.path, self.render(service)),
@@ -214,6 +227,12 @@ class SystemdUser:
             return f"installed, {answer}"
         said = result.stderr.strip() or f"exit status {result.returncode}"
         return f"installed at {self.path}; state unknown: {said}"
+
+
+def lingering(user: str, linger_dir: Path = Path("/var/lib/systemd/linger")) -> bool:
+    """Whether logind keeps `user`'s systemd --user services running after they log out
+    (`loginctl enable-linger` makes the file this reads)."""
+    return (linger_dir / user).exists()
 
 
 def _systemd_quote(arg: str, *, command: bool = False) -> str:

@@ -5,6 +5,7 @@
            claim a job ─► pipeline (checkpoint between chunks: pause, stop, cancel; between layers: stop) ─► next
            nothing to do ─► idle; unload the model after `idle_unload_seconds`; `--once`: finish
            every `lease_seconds`: requeue the jobs of workers that died
+           an open batch window with work in it ─► hold a power assertion (daemon/awake.py) until done
     stop (SIGTERM/SIGINT): the running job is handed back to the queue before the next model layer runs
     stall: a job without progress for `stall_seconds` is stopped and retried; a process stuck in a call that
            never returns records that and exits (EXIT_STUCK) for the service manager to restart it
@@ -13,6 +14,9 @@ One daemon per home, enforced by a lock file the kernel releases when the proces
 holds the lock knows every job still marked running in the home's own queue was left by a dead worker.
 On a queue several homes and machines share, the worker is known by host, pid and start time, and only
 jobs whose worker is gone (on this host) or whose lease expired (anywhere) are taken back.
+
+Idle, the daemon reads the queue every `poll_seconds` and writes nothing: the status row is written when
+what it says changes, and the heartbeat is renewed only while a job runs.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
+from npumoe.daemon.awake import PowerAssertion, windows_to_stay_awake_for
 from npumoe.daemon.batch import write_batch_report
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
@@ -63,7 +68,7 @@ class AlreadyRunning(RuntimeError):
 
 @contextmanager
 def single_instance(home: Home, queue: Queue) -> Iterator[None]:
-    lock = FileLock(home.root / "npumoed.lock", mode=0o600)
+    lock = FileLock(home.lock, mode=0o600)
     try:
         lock.acquire(timeout=0)
     except Timeout:
@@ -95,6 +100,7 @@ class Worker:
         obey_schedule: bool = True,
         model: ModelSlot | None = None,
         scheduler: Scheduler | None = None,
+        awake: PowerAssertion | None = None,
     ) -> None:
         self.config = config
         self.home = home
@@ -111,6 +117,7 @@ class Worker:
         # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
         # run that stopped between "done" and moving it must be seen again, to be moved.
         memory = queue if config.inbox.originals == "keep" else None
+        self.awake = awake or PowerAssertion()
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take, memory=memory)
         self.stall = StallWatch(config.queue.stall_seconds)
         e = config.extract
@@ -133,6 +140,7 @@ class Worker:
         self._next_reap = 0.0
         self._current: Job | None = None
         self._beat: threading.Thread | None = None
+        self._written: dict[str, Any] = {}  # the status row as last written, to write only what changed
         self._old_handlers: dict[int, Any] = {}
 
     def run(self) -> RunSummary:
@@ -170,14 +178,11 @@ class Worker:
         self.queue.write_daemon(
             pid=self.pid,
             started_at=now,
-            heartbeat_at=now,
             stopped_at=None,
             model=self.config.model.name,
             backend=self.config.model.backend,
-            power=self.scheduler.power_state(),
-            **self._state,
-            counters=self._counters(),
         )
+        self._write_row()
         self._handle_signals()
         log.info("npumoed %d started; watching %s", self.pid, ", ".join(map(str, self.inboxes)))
         self._beat = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
@@ -194,6 +199,7 @@ class Worker:
         if self._beat is not None:
             self._beat.join(timeout=BEAT_SECONDS * 2)
         self.model.unload()
+        self.awake.release()
         self.summary.waiting = sum(self.queue.counts()[s] for s in ("queued", "failed"))
         self._set("stopped", "", current_job=None)
         self.queue.write_daemon(stopped_at=time.time())
@@ -220,18 +226,18 @@ class Worker:
         poll = self.config.scheduler.poll_seconds
         while not self._stopping.is_set():
             decision = self._decide()
-            if not decision.run:
+            if not decision.run and not decision.idle:
                 self._set("waiting", decision.reason)
                 self._wait(poll)
                 continue
             self._reap_now_and_then()
-            job = self.queue.claim(
+            job = None if decision.idle else self.queue.claim(
                 self.pid, lease_seconds=self.config.queue.lease_seconds, open_windows=decision.open_windows
             )
             if job is None:
                 if self.once:
                     return
-                self._set("idle", decision.held)
+                self._set("idle", decision.reason or decision.held)
                 self.model.unload_if_idle()
                 self._wait(poll)
                 continue
@@ -276,11 +282,18 @@ class Worker:
         if not self.obey_schedule:
             fault = self.scheduler.fault_reason()  # a full disk is full whatever the schedule says
             return Decision(run=not fault, reason=fault, open_windows=tuple(self.queue.open_windows_needed()))
-        decision = self.scheduler.decide()
+        decision = (self._current is None and self.scheduler.idle()) or self.scheduler.decide()
         for closed in self.scheduler.closed_windows():
             report = write_batch_report(self.queue, self.home, closed.window, closed.started, closed.ended)
             log.info("batch window %s closed; report in %s", closed.window, report)
+        self._stay_awake(decision)
         return decision
+
+    def _stay_awake(self, decision: Decision) -> None:
+        if windows := windows_to_stay_awake_for(decision, self._current.batch_window if self._current else None):
+            self.awake.hold(f"batch window {', '.join(windows)}")
+        else:
+            self.awake.release()
 
     def _checkpoint(self) -> None:
         """Between steps and chunks: stop, notice a cancel, or wait while the scheduler says so."""
@@ -350,8 +363,13 @@ class Worker:
         self._state.update(activity=activity, reason=reason, **values)
         self._write_row()
 
-    def _write_row(self) -> None:
-        self.queue.write_daemon(heartbeat_at=time.time(), **self._state, counters=self._counters())
+    def _write_row(self, *, beat: bool = False) -> None:
+        """Write the status row when what it says changed; `beat`: also to renew its heartbeat (a job runs)."""
+        row = {**self._state, "power": {**self.scheduler.power_state(), "awake": self.awake.holding},
+               "counters": self._counters()}
+        if beat or row != self._written:
+            self.queue.write_daemon(heartbeat_at=time.time(), **row)
+            self._written = row
 
     def _beat_loop(self) -> None:
         while not self._stopping.wait(BEAT_SECONDS):
@@ -363,9 +381,7 @@ class Worker:
                     job_id, self.pid, lease_seconds=self.config.queue.lease_seconds
                 ):
                     self._lost_job = job_id
-                self.queue.write_daemon(
-                    heartbeat_at=time.time(), power=self.scheduler.power_state(), counters=self._counters()
-                )
+                self._write_row(beat=job_id is not None)
             except Exception:  # a busy database must not end the heartbeat for good
                 log.exception("heartbeat failed")
 

@@ -77,3 +77,10 @@ class Failure(Exception):
         self.kind = kind
         self.retryable = retryable
         self.set_aside = set_aside  # once dead, move the original to failed/ (not when it is someone else's now)
+
+
+class DatabaseUnusable(RuntimeError):
+    """The queue database cannot be used as it is: damaged, from a newer npumoed, or SQLite is too old.
+
+    str() is one line for people; restarting does not help, so the daemon exits with its own status.
+    """

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from sqlalchemy import Connection, delete, func, insert, select, update
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy import Connection, Select, delete, func, insert, select, update
+from sqlalchemy.exc import DatabaseError, DBAPIError
 
+from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.files import Identity
 from npumoe.jobs.queue_dialects import open_dialect
 from npumoe.jobs.schema import STATES, control, daemon, inbox_files, jobs, migrate
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 CLAIMABLE = ("queued", "failed")
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
+DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # "database disk image is malformed", "file is not a database"
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,22 @@ def process_started(pid: int) -> float | None:
         return None
 
 
+def damage(error: DatabaseError) -> DatabaseUnusable | None:
+    """The error as DatabaseUnusable when SQLite found the file damaged; None for any other database error."""
+    if getattr(error.orig, "sqlite_errorname", "") in DAMAGED:
+        return DatabaseUnusable(f"the database is damaged ({error.orig})")
+    return None
+
+
+def _runnable(now: float, open_windows: Sequence[str], host: str) -> Select[tuple[int]]:
+    """The jobs `claim` may take now on `host`: waiting, past their backoff, outside a batch window or inside an
+    open one, and not pinned to another machine."""
+    return select(jobs.c.id).where(
+        jobs.c.state.in_(CLAIMABLE), jobs.c.run_after <= now,
+        jobs.c.batch_window.is_(None) | jobs.c.batch_window.in_(list(open_windows)),
+        jobs.c.pinned_host.is_(None) | (jobs.c.pinned_host == host))
+
+
 def same_process(pid: int, started: float | None) -> bool:
     """Process `pid` is alive and is the one that started at `started` (not a later process given its pid)."""
     if not pid_alive(pid):
@@ -155,9 +173,20 @@ class Queue:
         self.host = host or socket.gethostname()
         self.home = str(home if home is not None else self.path.parent if self.path else "")
         self._write, self._read = self.dialect.engines(read_only=read_only)
-        if not read_only:
+        if read_only:
+            return
+        try:
             with self._tx() as conn:
+                self.dialect.check(conn)  # SQLite: a recent enough library and a sound file
                 migrate(conn)
+        except DatabaseError as e:
+            self.close()
+            if problem := damage(e):
+                raise problem from e
+            raise
+        except DatabaseUnusable:
+            self.close()
+            raise
 
     @property
     def shared(self) -> bool:
@@ -209,6 +238,17 @@ class Queue:
             ).one()
             return Job.from_row(existing), False
 
+    def record_done(self, job_id: int, path: str, sha256: str, *, model_key: str, settings_key: str,
+                    output_dir: str, finished_at: float) -> bool:
+        """Record a job finished elsewhere (rebuilding the queue from the outbox); False if its id or its
+        content under those keys is known already."""
+        values = dict(id=job_id, path=path, sha256=sha256, model_key=model_key, settings_key=settings_key,
+                      state="done", priority=INTERACTIVE, attempts=1, max_attempts=1, run_after=finished_at,
+                      progress=1.0, created_at=finished_at, updated_at=finished_at, finished_at=finished_at,
+                      output_dir=output_dir)
+        with self._tx() as conn:
+            return conn.execute(self.dialect.insert_new(jobs, values)).rowcount == 1
+
     # -- the worker's side ------------------------------------------------------------------------
 
     @_reconnecting
@@ -217,10 +257,7 @@ class Queue:
         """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
         now = self.clock()
         runnable = (
-            select(jobs.c.id)
-            .where(jobs.c.state.in_(CLAIMABLE), jobs.c.run_after <= now,
-                   jobs.c.batch_window.is_(None) | jobs.c.batch_window.in_(list(open_windows)),
-                   jobs.c.pinned_host.is_(None) | (jobs.c.pinned_host == self.host))
+            _runnable(now, open_windows, self.host)
             .order_by(jobs.c.priority.desc(), jobs.c.run_after, jobs.c.id)
             .limit(1)
             .with_for_update(skip_locked=True)  # PostgreSQL: pass over rows other claimers hold
@@ -400,6 +437,12 @@ class Queue:
         with self._read.connect() as conn:
             found = dict(conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all())
         return {state: found.get(state, 0) for state in STATES}
+
+    @_reconnecting
+    def has_runnable(self, open_windows: Sequence[str] = ()) -> bool:
+        """Whether `claim` would find a job now; a read, so an idle daemon can ask without writing."""
+        with self._read.connect() as conn:
+            return conn.execute(_runnable(self.clock(), open_windows, self.host).limit(1)).first() is not None
 
     @_reconnecting
     def open_windows_needed(self) -> list[str]:

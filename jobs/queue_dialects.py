@@ -18,19 +18,37 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, Insert, Table, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import URL, make_url
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import QueuePool
 
 from npumoe.jobs import sqlite as sqlite_driver
+from npumoe.jobs.errors import DatabaseUnusable
 
 log = logging.getLogger(__name__)
 
 CHANNEL = "npumoed_jobs"  # NOTIFY channel: a job became claimable
 SCHEMA_LOCK = 0x6E70756D6F6564  # advisory lock key ("npumoed") held while one daemon migrates
+MIN_SQLITE = (3, 35, 0)  # UPDATE … RETURNING
 RECONNECT_SECONDS = 60.0  # how long a worker keeps trying to reach a restarting server before it gives up
+
+
+def check_sqlite_version(version: tuple[int, int, int] | None = None) -> None:
+    """The SQLite library (sqlean's own build, by default) is new enough for the queue's statements."""
+    version = version or sqlite_driver.driver.sqlite_version_info
+    if version < MIN_SQLITE:
+        raise DatabaseUnusable(f"SQLite {'.'.join(map(str, version))} is too old: npumoed needs "
+                               f"{'.'.join(map(str, MIN_SQLITE))} or newer")
+
+
+def check_integrity(conn: Connection) -> None:
+    """SQLite's quick_check: the pages and indexes are sound (it skips the slower cross-checks of integrity_check)."""
+    problems = [" ".join(row[0].split()) for row in conn.exec_driver_sql("PRAGMA quick_check").all()]
+    if problems != ["ok"]:
+        raise DatabaseUnusable(f"the database is damaged (quick_check: {'; '.join(problems[:3])})")
 
 
 def is_url(location: str | Path) -> bool:
@@ -58,8 +76,15 @@ class SQLite:
         return self._engine(immediate=True), self._engine(immediate=False)
 
     def _engine(self, *, immediate: bool, read_only: bool = False) -> Engine:
-        url = f"sqlite:///file:{self.path}?mode=ro&uri=true" if read_only else f"sqlite:///{self.path}"
-        engine = create_engine(url, module=sqlite_driver.driver, poolclass=NullPool, connect_args={"timeout": 30})
+        # A URI with the path quoted: a home may contain `#`, `?` or `%`, which a URL would read as its own syntax.
+        uri = f"file:{quote(str(self.path.absolute()))}" + ("?mode=ro" if read_only else "")
+
+        def connect() -> Any:
+            return sqlite_driver.driver.connect(uri, uri=True, timeout=30, check_same_thread=False)
+
+        # Pooled, not reopened per statement: closing SQLite's last connection checkpoints the WAL and removes
+        # its files, so a daemon that only reads would still write to disk every few seconds.
+        engine = create_engine("sqlite://", creator=connect, module=sqlite_driver.driver, poolclass=QueuePool)
 
         @event.listens_for(engine, "connect")
         def _connect(dbapi_conn: Any, _: Any) -> None:
@@ -75,6 +100,12 @@ class SQLite:
             conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
         return engine
+
+    @staticmethod
+    def check(conn: Connection) -> None:
+        """Before migrating: a SQLite that has what the queue uses, and a file whose pages are sound."""
+        check_sqlite_version()
+        check_integrity(conn)
 
     @staticmethod
     def insert_new(table: Table, values: Mapping[str, Any]) -> Insert:
@@ -131,6 +162,10 @@ class PostgreSQL:
         if read_only:
             return None, engine.execution_options(postgresql_readonly=True)
         return engine, engine
+
+    @staticmethod
+    def check(conn: Connection) -> None:
+        """Nothing to check here: the server keeps its own files sound."""
 
     @staticmethod
     def insert_new(table: Table, values: Mapping[str, Any]) -> Insert:

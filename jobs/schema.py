@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import Column, Connection, Dialect, Float, Integer, MetaData, String, Table, Text
 from sqlalchemy.types import TypeDecorator
 
+from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue_dialects import dialect_of
 
 metadata = MetaData()
@@ -186,8 +187,8 @@ def migrate(conn: Connection, target: int = SCHEMA_VERSION) -> int:
     dialect.lock_schema(conn)
     version = dialect.schema_version(conn)
     if version > SCHEMA_VERSION:
-        raise RuntimeError(f"database schema v{version} is newer than this npumoed (v{SCHEMA_VERSION}); "
-                           "upgrade npumoed")
+        raise DatabaseUnusable(f"database schema v{version} is newer than this npumoed (v{SCHEMA_VERSION}); "
+                               "upgrade npumoed")
     for number in range(version + 1, target + 1):
         for statement in MIGRATIONS[number - 1]:
             conn.exec_driver_sql(dialect.ddl(statement))

@@ -11,6 +11,7 @@ from typing import Any
 import click
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.intake import Enqueued, enqueue_paths
@@ -100,11 +101,10 @@ def list_jobs(app: App, state: str | None, limit: int | None, as_json: bool) -> 
         emit_json({"jobs": [job.as_dict() for job in found]})
         return
     table = Table("id", "state", "host", "tries", "progress", "updated", "document", "last error", box=None)
-    for job in found:
-        table.add_row(str(job.id), job.state, job.worker_host or "", f"{job.attempts}/{job.max_attempts}",
-                      f"{job.progress:.0%}",
-                      datetime.fromtimestamp(job.updated_at).strftime("%m-%d %H:%M"), job.path,
-                      job.last_error or "")
+    for job in found:  # names and errors as Text: rich would read `[draft]` in a file name as markup
+        table.add_row(str(job.id), job.state, Text(job.worker_host or ""), f"{job.attempts}/{job.max_attempts}",
+                      f"{job.progress:.0%}", datetime.fromtimestamp(job.updated_at).strftime("%m-%d %H:%M"),
+                      Text(job.path), Text(job.last_error or ""))
     Console().print(table if found else "no jobs")
 
 

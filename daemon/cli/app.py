@@ -15,6 +15,8 @@ from sqlalchemy.exc import OperationalError
 
 from npumoe.daemon.config import Config, ConfigError, load_config
 from npumoe.daemon.home import Home
+from npumoe.daemon.service import EXIT_DO_NOT_RESTART
+from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue import Backoff, Queue
 
 
@@ -23,6 +25,18 @@ class BadConfig(click.ClickException):
 
     def show(self, file: Any = None) -> None:
         click.echo(f"npumoed: bad config: {self.message}", err=True)
+
+
+class UnusableDatabase(click.ClickException):
+    """The queue database cannot be used: one line, and the status the service does not restart on."""
+
+    exit_code = EXIT_DO_NOT_RESTART
+
+    def __init__(self, path: Path, problem: DatabaseUnusable) -> None:
+        super().__init__(f"cannot use the queue database {path}: {problem}; `npumoed doctor` says how to recover")
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"npumoed: {self.message}", err=True)
 
 
 @dataclass
@@ -47,6 +61,8 @@ class App:
         try:
             queue = Queue(q.url or self.home.database, backoff=Backoff(q.retry_base_seconds, q.retry_max_seconds),
                           home=self.home.root)
+        except DatabaseUnusable as e:
+            raise UnusableDatabase(self.home.database, e) from e
         except OperationalError as e:
             where = make_url(q.url).render_as_string(hide_password=True) if q.url else self.home.database
             raise click.ClickException(f"cannot open the queue at {where}: {str(e.orig).strip()}") from e

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -93,7 +94,7 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
     console = Console()
     console.print(table)
     verb = "already built" if reused else f"built in {seconds:.1f} s"
-    console.print(f"{len(manifest.groups)} group graphs {verb}: {folder}")
+    console.print(f"{len(manifest.groups)} group graphs {verb}: {escape(str(folder))}")
 
 
 def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -114,7 +115,7 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
         raise click.ClickException(str(e)) from e
     stderr.print(f"calibrated {len(plan.layers)} MoE layers x {plan.layers[0].num_experts} experts on "
                  f"{plan.calibration_tokens} tokens ({plan.calibration_chunks} chunks of {plan.chunk_tokens}); "
-                 f"tiers {list(plan.tiers)}; wrote {out}")
+                 f"tiers {list(plan.tiers)}; wrote {escape(str(out))}")
 
 
 @contextmanager
@@ -152,10 +153,11 @@ def plan_show_command(plan_path: Path, as_json: bool) -> None:
 
 def _show(plan: ExpertPlan, console: Console) -> None:
     c = plan.cost
-    console.print(f"[bold]{plan.model}[/] ({plan.model_key}) · backend {plan.backend} · chunk {plan.chunk_tokens} "
-                  f"tokens · overflow {plan.overflow} · up to {plan.group_size} experts per group")
+    console.print(f"[bold]{escape(plan.model)}[/] ({escape(plan.model_key)}) · backend {plan.backend} · "
+                  f"chunk {plan.chunk_tokens} tokens · overflow {plan.overflow} · "
+                  f"up to {plan.group_size} experts per group")
     console.print(f"calibrated on {plan.calibration_tokens} tokens, {plan.calibration_chunks} chunks: "
-                  f"{', '.join(plan.sources)}")
+                  f"{escape(', '.join(plan.sources))}")
     console.print(f"costs: launch {c.launch_s * 1e6:.1f} µs, graphs {c.static_flops / 1e9:.1f} GFLOP/s; "
                   f"CPU expert call {c.cpu_call_s * 1e6:.1f} µs, CPU {c.cpu_flops / 1e9:.1f} GFLOP/s")
 

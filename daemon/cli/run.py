@@ -16,15 +16,16 @@ from typing import Any
 import click
 from rich.console import Console, RenderableType
 from rich.live import Live
-from sqlalchemy.exc import OperationalError, ProgrammingError
+from rich.text import Text
+from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
 
-from npumoe.daemon.cli.app import App, BadConfig, emit_json, pass_app
+from npumoe.daemon.cli.app import App, BadConfig, UnusableDatabase, emit_json, pass_app
 from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
 from npumoe.engine.vocabulary import TORCH_STATIC
 from npumoe.jobs.outputs import temporary_path
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue import Queue, damage
 
 DEMO_BACKEND = TORCH_STATIC  # NPUMoE's static-shape executor, the reference for accelerators
 DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
@@ -81,6 +82,10 @@ def read_status(home: Home, url: str = "") -> dict[str, Any] | None:
         if "no such table" in str(e) or "UndefinedTable" in type(e.orig).__name__:
             return None
         raise
+    except DatabaseError as e:
+        if problem := damage(e):
+            raise UnusableDatabase(home.database, problem) from e
+        raise
     finally:
         queue.close()
 
@@ -130,6 +135,7 @@ def _run_worker(
     app: App, config: Config, *, inboxes: list[Path] | None, once: bool, verbose: bool, obey_schedule: bool
 ) -> None:
     from npumoe.daemon.logs import setup_logging
+    from npumoe.daemon.service import started_by_service
     from npumoe.daemon.worker import AlreadyRunning, Worker
     from npumoe.jobs.errors import ModelUnavailable
 
@@ -137,7 +143,7 @@ def _run_worker(
     if config.model.plan and not plan.is_file():  # now: later each document would look as if it had vanished
         raise BadConfig(f"'model.plan' names {plan}, which is not a file (make one with `npumoed calibrate`)")
     _keep_caches_at_home(app.home)
-    log_file = setup_logging(app.home.logs, verbose=verbose)
+    log_file = setup_logging(app.home.logs, verbose=verbose, to_stderr=not started_by_service())
     worker = Worker(config, app.home, app.queue, inboxes=inboxes, once=once, obey_schedule=obey_schedule)
     try:
         summary = worker.run()
@@ -181,7 +187,7 @@ def _watch(home: Home, interval: float, url: str) -> None:
 
 def _draw(snap: dict[str, Any] | None, home: Home, *, rich: bool) -> RenderableType:
     if snap is None:
-        return f"npumoed has not run in {home.root} yet (no queue database)"
+        return Text(f"npumoed has not run in {home.root} yet (no queue database)")  # Text: no markup in a path
     return render_rich(snap) if rich else render_text(snap)
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+import getpass
 import os
+import sqlite3
 import sys
 import time
 from functools import partial
 from pathlib import Path
 
 import click
+from filelock import FileLock, Timeout
 
 from npumoe.daemon.batch import BatchWindow
 from npumoe.daemon.cli import echo_job, job_dicts, report_skipped
@@ -26,15 +29,23 @@ from npumoe.daemon.service import (
     ServiceError,
     ServiceManager,
     Step,
+    SystemdUser,
     carry_out,
     describe,
+    lingering,
     service_manager,
 )
 from npumoe.engine.vocabulary import COREML
-from npumoe.jobs.queue import BATCH
+from npumoe.jobs.errors import DatabaseUnusable
+from npumoe.jobs.queue import BATCH, Queue
+from npumoe.jobs.schema import SCHEMA_VERSION
 
 # Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
 PROTECTED = ("Documents", "Desktop", "Downloads")
+RECOVERY = ("to recover, stop the daemon and run `npumoed doctor --rebuild-queue`: it moves this database aside "
+            "(kept, not deleted) and records every finished document in the outbox as done again, from its "
+            "meta.json; documents still waiting are queued again from the inbox (for a database from a newer "
+            "npumoed, upgrading npumoed is the other way)")
 
 
 # -- install / uninstall ----------------------------------------------------------------------------
@@ -135,13 +146,21 @@ def batch(app: App, paths: tuple[Path, ...], window: str | None, as_json: bool) 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option("--rebuild-queue", is_flag=True,
+              help="Rebuild the list of finished documents from the outbox's meta.json files (after the queue "
+                   "database was damaged); a database that cannot be used is moved aside first.")
 @pass_app
-def doctor(app: App, as_json: bool) -> None:
-    """Check what the daemon depends on: service, inboxes, power state, CPU budget, energy, backends.
+def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
+    """Check what the daemon depends on: service, queue database, inboxes, power state, CPU budget, energy,
+    backends.
 
     Exits 1 when a check fails.
     """
-    checks = [_service_check(), *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
+    if rebuild_queue:
+        _rebuild_queue(app)
+        return
+    checks = [*_service_checks(), _database_check(app.home),
+              *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
               _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), *_backend_checks()]
     if as_json:
         emit_json({"checks": checks})
@@ -158,15 +177,60 @@ def _check(name: str, status: str, detail: str) -> dict[str, str]:
     return {"check": name, "status": status, "detail": detail}
 
 
-def _service_check() -> dict[str, str]:
+def _service_checks() -> list[dict[str, str]]:
     try:
         manager = service_manager()
     except ServiceError as e:
-        return _check("service", "warn", str(e))
+        return [_check("service", "warn", str(e))]
     state = manager.state()
     running = state.startswith("installed, ") and any(w in state for w in ("running", "active"))
     hint = "" if running else " (`npumoed install` to run it in the background)"
-    return _check(f"service ({manager.name})", "ok" if running else "warn", state + hint)
+    checks = [_check(f"service ({manager.name})", "ok" if running else "warn", state + hint)]
+    if isinstance(manager, SystemdUser):
+        checks.append(_linger_check(getpass.getuser()))
+    return checks
+
+
+def _linger_check(user: str) -> dict[str, str]:
+    if lingering(user):
+        return _check("lingering", "ok", f"systemd keeps {user}'s services running after logout")
+    return _check("lingering", "warn", f"off: systemd --user stops the service when {user} logs out; "
+                                       f"`loginctl enable-linger {user}` keeps it running")
+
+
+def _database_check(home: Home) -> dict[str, str]:
+    try:
+        Queue(home.database).close()
+    except DatabaseUnusable as e:
+        return _check("queue database", "fail", f"{home.database}: {e}; {RECOVERY}")
+    return _check("queue database", "ok", f"{home.database}: quick_check ok, schema v{SCHEMA_VERSION}, "
+                                          f"SQLite {sqlite3.sqlite_version}")
+
+
+def _rebuild_queue(app: App) -> None:
+    from npumoe.daemon.rebuild import rebuild_queue
+    from npumoe.jobs.index import reindex
+
+    lock = FileLock(app.home.lock, mode=0o600)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise click.ClickException(f"npumoed is running for {app.home.root}; stop it first "
+                                   "(`npumoed uninstall`, or Ctrl-C where it runs)") from None
+    try:
+        rebuilt = rebuild_queue(app.home, app.config)
+        indexed = reindex(app.home.database, app.home.outbox)  # the search index lived in the same database
+    except (OSError, DatabaseUnusable) as e:
+        raise click.ClickException(f"cannot rebuild the queue: {e}") from e
+    finally:
+        lock.release()
+    for path in rebuilt.moved_aside:
+        click.echo(f"moved the unusable database aside: {path}")
+    for problem in rebuilt.skipped:
+        click.echo(f"skipped {problem}", err=True)
+    click.echo(f"{rebuilt.restored} finished document(s) recorded as done again from {app.home.outbox}; "
+               f"{rebuilt.known} already known, {len(rebuilt.skipped)} skipped; "
+               f"{indexed.documents} in the search index")
 
 
 def _inbox_check(folder: Path) -> dict[str, str]:

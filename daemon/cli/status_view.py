@@ -20,7 +20,7 @@ from rich.text import Text
 from npumoe.engine.vocabulary import PREFILL, REDUCE, SUMMARY
 from npumoe.jobs.queue import Job, Queue, pid_alive
 
-STALE_SECONDS = 30.0  # a live pid whose heartbeat is older than this is reported as not responding
+STALE_SECONDS = 30.0  # a working daemon whose heartbeat is older than this is reported as not responding
 RECENT = 5
 STEPS = {PREFILL: "chunks", SUMMARY: "sections", REDUCE: "parts"}  # what the engine counts in each phase
 
@@ -81,8 +81,8 @@ def _daemon(row: dict[str, Any] | None, now: float, *, local: bool = True) -> di
         state = "stopped"
     elif local and (not row["pid"] or not pid_alive(row["pid"])):
         state = "stopped"  # killed without a clean stop; the next start requeues its job
-    elif now - (row["heartbeat_at"] or 0) > STALE_SECONDS:
-        state = "not responding"
+    elif row["activity"] == "working" and now - (row["heartbeat_at"] or 0) > STALE_SECONDS:
+        state = "not responding"  # only a running job renews the heartbeat: idle, the daemon writes nothing
     running = state != "stopped"
     return {
         "state": state,
@@ -121,6 +121,8 @@ def render_text(snap: dict[str, Any]) -> str:
     lines = [_headline(snap["daemon"])]
     if why := _why_waiting(snap):
         lines.append(f"waiting: {why}")
+    if awake := _awake(snap["daemon"]):
+        lines.append(awake)
     if (current := snap["current"]) is not None:
         lines.append(f"working on #{current['id']} {_printable(current['path'])}")
         lines.append(f"  {_progress_words(current)}")
@@ -137,6 +139,8 @@ def render_rich(snap: dict[str, Any]) -> RenderableType:
     parts: list[RenderableType] = [Text.assemble(("● ", colour), _headline(daemon))]
     if why := _why_waiting(snap):
         parts.append(Text.assemble(("waiting: ", "yellow"), why))
+    if awake := _awake(snap["daemon"]):
+        parts.append(Text(awake))
     if (current := snap["current"]) is not None:
         parts.append(Text(f"working on #{current['id']} {_printable(current['path'])}", style="bold"))
         bar = Table.grid(padding=(0, 1))
@@ -181,6 +185,11 @@ def _why_waiting(snap: dict[str, Any]) -> str:
     if daemon["state"] == "never started" or not daemon["reason"]:
         return ""
     return daemon["reason"]
+
+
+def _awake(daemon: dict[str, Any]) -> str:
+    holding = (daemon.get("power") or {}).get("awake") if daemon["state"] == "running" else None
+    return f"keeping the computer awake: {holding}" if holding else ""
 
 
 def _progress_words(current: dict[str, Any]) -> str:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from npumoe.jobs.queue import Queue
+
 
 def npumoed(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NPUMOED_HOME": str(home)}
@@ -73,3 +75,23 @@ def test_the_queue_benchmark_reports_throughput_duplicates_and_losses(home: Path
     result = npumoed(home, "bench", "queue", "--processes", "2", "--jobs", "40", "--rounds", "1")
     assert result.returncode == 0, result.stderr
     assert "jobs/s; duplicates 0, lost 0" in result.stdout
+
+
+def test_jobs_prints_file_names_and_errors_that_look_like_markup_as_they_are(home: Path, tmp_path: Path) -> None:
+    (tmp_path / "x[").mkdir()
+    documents = [tmp_path / "Budget [draft].pdf", tmp_path / "x[" / "].pdf"]  # the second path ends `x[/].pdf`
+    for doc in documents:
+        doc.write_text(f"text of {doc.name}\n")
+        assert npumoed(home, "add", str(doc)).returncode == 0
+    queue = Queue(home / "npumoed.db")
+    job = queue.claim(1, lease_seconds=60)
+    assert job is not None
+    queue.fail(job.id, 1, "cannot read [bold]x[/bold] or [/]", retryable=False)
+    queue.close()
+    listed = npumoed(home, "jobs")
+    wide = subprocess.run([sys.executable, "-m", "npumoe.daemon", "jobs"], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "NPUMOED_HOME": str(home), "COLUMNS": "400"})
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr
+    assert wide.returncode == 0
+    assert str(documents[0]) in wide.stdout and str(tmp_path / "x[/].pdf") in wide.stdout
+    assert "cannot read [bold]x[/bold] or [/]" in wide.stdout

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -31,7 +33,34 @@ def burn(seconds: float) -> None:
 def test_worker_threads_leave_a_core_free_by_default(monkeypatch: pytest.MonkeyPatch, cores: int,
                                                      threads: int, expected: int) -> None:
     monkeypatch.setattr(priority, "available_cores", lambda: cores)
-    assert priority.worker_threads(CpuConfig(threads=threads)) == expected
+    assert priority.worker_threads(CpuConfig(threads=threads), efficiency=lambda: None) == expected
+
+
+@pytest.mark.parametrize(("threads", "background", "expected"), [(0, True, 2), (0, False, 9), (4, True, 4)])
+def test_at_background_priority_on_apple_silicon_the_worker_gets_the_efficiency_cores(
+        monkeypatch: pytest.MonkeyPatch, threads: int, background: bool, expected: int) -> None:
+    monkeypatch.setattr(priority, "available_cores", lambda: 10)  # an 8P+2E Mac
+    asked = []
+
+    def two_efficiency_cores() -> int:
+        asked.append(True)
+        return 2
+
+    cpu = CpuConfig(threads=threads, background_priority=background)
+    assert priority.worker_threads(cpu, efficiency=two_efficiency_cores) == expected
+    assert asked == ([True] if threads == 0 and background else [])
+
+
+@pytest.mark.skipif(sys.platform == "darwin", reason="a Mac may have efficiency cores")
+def test_elsewhere_there_are_no_efficiency_cores_to_prefer() -> None:
+    assert priority.efficiency_cores() is None
+
+
+@pytest.mark.macos
+@pytest.mark.skipif(sys.platform != "darwin" or platform.machine() != "arm64", reason="Apple silicon only")
+def test_apple_silicon_reports_its_efficiency_cores() -> None:
+    found = priority.efficiency_cores()
+    assert found is not None and 0 < found < (os.cpu_count() or 0)
 
 
 def test_negative_threads_are_a_clear_error() -> None:

@@ -10,7 +10,9 @@ import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import NamedTuple
 
+import psutil
 import pytest
 
 from npumoe.daemon.batch import BatchWindow, write_batch_report
@@ -24,6 +26,7 @@ from npumoe.daemon.power import (
     PowerState,
     parse_low_power_mode,
     parse_pmset_batt,
+    read_psutil_battery,
 )
 from npumoe.daemon.samples import write_samples
 from npumoe.daemon.scheduler import Scheduler
@@ -80,6 +83,14 @@ def test_pause_holds_everything_until_resume(world: World) -> None:
     assert not paused.run and paused.reason == "paused by you since 12:00"
     world.queue.set_control("paused", None)
     assert world.scheduler.decide().run
+
+
+def test_paused_it_reads_neither_the_power_source_nor_the_load(world: World) -> None:
+    world.add()
+    world.queue.set_control("paused", {"since": NOON.timestamp()})
+    world.load = 0.9  # would be a reason of its own, if it were sampled
+    assert world.scheduler.decide().reason == "paused by you since 12:00"
+    assert world.power.reads == 0
 
 
 def test_pause_outranks_every_other_reason(world: World) -> None:
@@ -322,9 +333,42 @@ def test_pmset_output_is_read() -> None:
 
 def test_mac_power_source_combines_pmset_and_thermal_pressure() -> None:
     outputs = {"pmset -g batt": PMSET_BATT, "pmset -g": PMSET_G}
-    source = MacPowerSource(run=lambda cmd: outputs[" ".join(cmd)], thermal=lambda: "heavy")
+    source = MacPowerSource(run=lambda cmd: outputs[" ".join(cmd)], thermal=lambda: "heavy", battery=lambda: None)
     assert source.read() == PowerState(on_ac=False, battery_percent=42.0, low_power_mode=True,
                                        thermal_pressure="heavy")
+
+
+def test_mac_power_source_reads_ac_and_charge_from_psutil_without_running_pmset_batt() -> None:
+    ran: list[str] = []
+
+    def run(command: list[str]) -> str:
+        ran.append(" ".join(command))
+        return PMSET_G
+
+    source = MacPowerSource(run=run, thermal=lambda: "nominal", battery=lambda: (True, 64.0))
+    assert source.read() == PowerState(on_ac=True, battery_percent=64.0, low_power_mode=True,
+                                       thermal_pressure="nominal")
+    assert ran == ["pmset -g"]  # Low Power Mode only
+
+
+class Battery(NamedTuple):  # the fields of psutil.sensors_battery()'s answer
+    percent: float
+    secsleft: int
+    power_plugged: bool | None
+
+
+@pytest.mark.parametrize(("answer", "expected"), [
+    (Battery(percent=37, secsleft=600, power_plugged=False), (False, 37.0)),
+    (Battery(percent=90, secsleft=-2, power_plugged=True), (True, 90.0)),
+    (Battery(percent=90, secsleft=-2, power_plugged=None), None),  # cannot tell: ask pmset
+    (None, None),  # no battery
+])
+def test_psutil_battery_is_read_where_it_answers(monkeypatch: pytest.MonkeyPatch, answer: object,
+                                                 expected: tuple[bool, float] | None) -> None:
+    calls = []
+    monkeypatch.setattr(psutil, "sensors_battery", lambda: calls.append(1) or answer)
+    assert read_psutil_battery() == expected
+    assert calls == [1]
 
 
 def test_the_power_reading_is_cached_for_a_while() -> None:

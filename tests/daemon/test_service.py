@@ -18,9 +18,12 @@ from click.testing import CliRunner, Result
 from cpus import APPLE_SILICON, ICE_LAKE, SAPPHIRE_RAPIDS, ZEN4, Cpu, fake_build, fake_timings, simulate
 
 from npumoe.daemon.cli import main
+from npumoe.daemon.cli.service import _linger_check
 from npumoe.daemon.config import ModelConfig
 from npumoe.daemon.home import Home
+from npumoe.daemon.logs import setup_logging
 from npumoe.daemon.service import (
+    EXIT_DO_NOT_RESTART,
     LABEL,
     Launchd,
     Remove,
@@ -30,6 +33,7 @@ from npumoe.daemon.service import (
     SystemdUser,
     Write,
     carry_out,
+    lingering,
 )
 from npumoe.engine import cpu_kernels
 from npumoe.engine.host import cpu_model
@@ -79,7 +83,7 @@ def test_the_launch_agent_parses_and_has_every_key_launchd_needs(tmp_path: Path,
     assert agent["EnvironmentVariables"]["NPUMOED_HOME"] == str(home)
     assert agent["WorkingDirectory"] == str(home)
     assert agent["RunAtLoad"] is True
-    assert agent["KeepAlive"] == {"SuccessfulExit": False, "Crashed": True}
+    assert agent["KeepAlive"] == {"Crashed": True}  # every exit the daemon chooses (78 among them) stays stopped
     assert agent["ProcessType"] == "Background"
     assert agent["LowPriorityIO"] is True
     assert agent["ThrottleInterval"] == 30
@@ -122,6 +126,65 @@ def test_the_systemd_unit_runs_the_daemon_idle_and_restarts_on_failure(tmp_path:
     assert {"Nice=19", "CPUSchedulingPolicy=idle", "IOSchedulingClass=idle", "Restart=on-failure",
             "WantedBy=default.target"} <= lines
     assert f'ExecStart="{sys.executable}" "-m" "npumoe.daemon" "run"' in lines
+    assert f"RestartPreventExitStatus={EXIT_DO_NOT_RESTART}" in lines  # a damaged database: no restart loop
+
+
+CACHES = {"HF_HOME": "/data/hf home", "HF_HUB_CACHE": "/data/hub", "TRANSFORMERS_CACHE": "/data/tf",
+          "NPUMOE_CACHE": "/data/npumoe 100%"}
+
+
+def test_the_caches_set_at_install_time_reach_the_service(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name, value in CACHES.items():
+        monkeypatch.setenv(name, value)
+    service = Service.for_home(Home(tmp_path / "home"))
+    agent = plistlib.loads(Launchd(tmp_path, uid=501).render(service).encode())
+    assert {k: agent["EnvironmentVariables"][k] for k in CACHES} == CACHES
+    assert agent["EnvironmentVariables"]["NPUMOED_SERVICE"] == "1"
+    unit = SystemdUser(tmp_path).render(service).splitlines()
+    assert 'Environment="NPUMOE_CACHE=/data/npumoe 100%%"' in unit and 'Environment="HF_HOME=/data/hf home"' in unit
+    assert 'Environment="NPUMOED_SERVICE=1"' in unit
+
+
+def test_caches_not_set_at_install_time_are_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in CACHES:
+        monkeypatch.delenv(name, raising=False)
+    service = Service.for_home(Home(tmp_path / "home"))
+    assert set(service.environment) == {"NPUMOED_HOME", "PYTHONUNBUFFERED", "NPUMOED_SERVICE"}
+
+
+def test_under_the_service_each_log_line_goes_once_to_the_rotating_file(home: Path) -> None:
+    env = {**os.environ, "NPUMOED_HOME": str(home), "NPUMOED_SERVICE": "1"}
+    result = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once"], capture_output=True,
+                            text=True, timeout=120, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # the service appends stderr to a file that never rotates
+    assert "npumoed" in result.stdout and "started" in (home / "logs" / "npumoed.log").read_text()
+    by_hand = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once"], capture_output=True,
+                             text=True, timeout=120, env={**env, "NPUMOED_SERVICE": ""})
+    assert "started" in by_hand.stderr  # in a terminal the person sees the log as well
+
+
+def test_setup_logging_without_stderr_has_only_the_rotating_file(tmp_path: Path) -> None:
+    import logging
+    from logging.handlers import RotatingFileHandler
+
+    setup_logging(tmp_path / "logs", to_stderr=False)
+    handlers = logging.getLogger("npumoe").handlers
+    assert [type(h) for h in handlers] == [RotatingFileHandler]
+    setup_logging(tmp_path / "logs")
+    assert len(logging.getLogger("npumoe").handlers) == 2
+
+
+def test_lingering_is_read_from_logind_and_doctor_says_how_to_turn_it_on(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    linger = tmp_path / "linger"
+    linger.mkdir()
+    assert not lingering("ada", linger)
+    (linger / "ada").touch()
+    assert lingering("ada", linger)
+    monkeypatch.setattr("npumoe.daemon.cli.service.lingering", lambda user: False)
+    check = _linger_check("ada")
+    assert check["status"] == "warn" and "`loginctl enable-linger ada`" in check["detail"]
 
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
@@ -228,6 +291,7 @@ def test_doctor_reports_every_area(home: Path) -> None:
             *(f"backend {name}" for name in backends)} <= checks.keys()
     assert any(name.startswith("service") for name in checks)
     assert checks["backend cpu"]["status"] == "ok"
+    assert checks["queue database"]["status"] == "ok" and "quick_check ok" in checks["queue database"]["detail"]
 
 
 @pytest.mark.parametrize("cpu", [ZEN4, SAPPHIRE_RAPIDS], ids=lambda cpu: cpu.name)

@@ -97,7 +97,7 @@ def test_status_shows_every_worker_judging_other_hosts_by_their_heartbeat(postgr
     # pid 4242 may not exist here: on another host only the heartbeat counts
     there.write_daemon(pid=4242, started_at=now - 600, heartbeat_at=now - 2, activity="working", current_job=job.id,
                        counters={"done": 7})
-    here.write_daemon(pid=os.getpid(), started_at=now - 60, heartbeat_at=now - STALE_SECONDS - 5, activity="idle",
+    here.write_daemon(pid=os.getpid(), started_at=now - 60, heartbeat_at=now - STALE_SECONDS - 5, activity="working",
                       counters={})
     snap = snapshot(here, now=now)
     workers = {w["host"]: w for w in snap["workers"]}

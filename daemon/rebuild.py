@@ -1,0 +1,127 @@
+"""Rebuilding the queue's list of finished documents from the outbox, after the database was lost.
+
+Each finished document left `outbox/<stem>-<sha8>/meta.json`, naming its source, content hash, job and the
+settings it was made with: enough to record it as done again, so that the inbox rescan settles its original
+instead of processing it a second time. Waiting and failed jobs left nothing in the outbox; the rescan
+queues their files again. A database that cannot be used is moved aside, never deleted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from npumoe.daemon.config import Config
+from npumoe.daemon.home import Home
+from npumoe.daemon.intake import job_keys
+from npumoe.daemon.models import DEMO, demo_model_dir
+from npumoe.jobs.errors import DatabaseUnusable
+from npumoe.jobs.meta import SCHEMA_VERSION
+from npumoe.jobs.outputs import TMP_PREFIX
+from npumoe.jobs.queue import Queue
+
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# The fields a done job is rebuilt from, and their types in meta.json.
+NEEDED: dict[str, type | tuple[type, ...]] = {
+    "source": str, "sha256": str, "job_id": int, "model": str, "plan": (str, type(None)), "backend": str,
+    "overflow": str, "dtype": str, "chunk_tokens": int, "created_at": str,
+}
+
+
+@dataclass
+class Rebuilt:
+    moved_aside: list[Path] = field(default_factory=list)  # the unusable database's files, under their new names
+    restored: int = 0  # done jobs recorded again
+    known: int = 0  # already in the queue
+    skipped: list[str] = field(default_factory=list)  # "folder: why" for each output that could not be read
+
+
+def rebuild_queue(home: Home, config: Config, *, stamp: str | None = None) -> Rebuilt:
+    """Record every finished document in the outbox as done; an unusable database is first moved aside."""
+    rebuilt = Rebuilt()
+    try:
+        Queue(home.database).close()
+    except DatabaseUnusable:
+        rebuilt.moved_aside = move_aside(home.database, stamp or time.strftime("%Y%m%d-%H%M%S"))
+    try:
+        current: tuple[str, str] | None = job_keys(config)
+    except (OSError, ValueError):  # the configured plan is missing: no output matches today's settings
+        current = None
+    queue = Queue(home.database)
+    try:
+        for meta_path in sorted(home.outbox.glob("*/meta.json")):
+            folder = meta_path.parent
+            if folder.name.startswith(TMP_PREFIX):
+                continue  # a writer's leftover, never a finished output
+            try:
+                meta = read_meta(meta_path)
+            except ValueError as e:
+                rebuilt.skipped.append(f"{folder}: {e}")
+                continue
+            model_key, settings_key = keys_of(meta, home, config, current)
+            finished = datetime.fromisoformat(meta["created_at"]).timestamp()
+            if queue.record_done(meta["job_id"], meta["source"], meta["sha256"], model_key=model_key,
+                                 settings_key=settings_key, output_dir=str(folder), finished_at=finished):
+                rebuilt.restored += 1
+            else:
+                rebuilt.known += 1
+    finally:
+        queue.close()
+    return rebuilt
+
+
+def move_aside(database: Path, stamp: str) -> list[Path]:
+    """`npumoed.db` and its `-wal` and `-shm` renamed to `npumoed.db.damaged-<stamp>…`; returns the new names."""
+    moved = []
+    for suffix in ("", "-wal", "-shm"):
+        path = database.with_name(database.name + suffix)
+        if path.exists():
+            target = database.with_name(f"{database.name}.damaged-{stamp}{suffix}")
+            path.rename(target)
+            moved.append(target)
+    return moved
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The fields of a meta.json that rebuilding needs, checked; ValueError says what is wrong with it."""
+    try:
+        meta = json.loads(path.read_bytes())
+    except OSError as e:
+        raise ValueError(f"cannot read meta.json ({e.strerror})") from e
+    except ValueError as e:
+        raise ValueError(f"meta.json is not JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
+        version = meta.get("schema_version") if isinstance(meta, dict) else None
+        raise ValueError(f"meta.json schema {version!r}, expected {SCHEMA_VERSION}")
+    for name, kind in NEEDED.items():
+        if not isinstance(meta.get(name), kind) or isinstance(meta.get(name), bool):
+            raise ValueError(f"meta.json lacks a valid '{name}'")
+    if not SHA256.match(meta["sha256"]):
+        raise ValueError("meta.json's 'sha256' is not a SHA-256 in hex")
+    try:
+        datetime.fromisoformat(meta["created_at"])
+    except ValueError as e:
+        raise ValueError(f"meta.json's 'created_at' is not ISO 8601 ({e})") from e
+    return meta
+
+
+def keys_of(meta: dict[str, Any], home: Home, config: Config,
+            current: tuple[str, str] | None) -> tuple[str, str]:
+    """The (model_key, settings_key) the output was made under: today's keys when meta.json shows today's
+    model, backend, plan, overflow and dtype (it does not record the summary length), else keys of its own
+    that no document queued today matches, so such a document is processed again under today's settings."""
+    model_key = DEMO if Path(meta["model"]) == demo_model_dir(home.models) else meta["model"]
+    m = config.model
+    plan = str(Path(m.plan).expanduser()) if m.plan else None
+    made_as_today = (meta["backend"], meta["overflow"], meta["dtype"], meta["plan"]) == (
+        m.backend, m.overflow, m.dtype, plan)
+    if current is not None and model_key == current[0] and made_as_today:
+        return current
+    settings = {name: meta[name] for name in ("backend", "plan", "overflow", "dtype", "chunk_tokens")}
+    return model_key, "rebuilt-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
