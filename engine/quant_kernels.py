@@ -3,6 +3,7 @@
 int8 weights run through one of
 - "npumoe-int8-dynamic": the engine's own kernel (vnni_linear: x86-64 with AVX512-VNNI), which rounds each row
   of x to int8 inside the call and multiplies bytes with VNNI dot products over weights packed for it;
+- "npumoe-int8-amx-dynamic": the same on AMX-INT8 tiles, 16 rows at a time (Intel Xeons from Sapphire Rapids);
 - "onednn-dynamic": each row of x rounded to int8 with its own scale, times the int8 weights in oneDNN's
   prepacked layout (VNNI or AMX-INT8 dot products where the CPU has them; x86 with oneDNN only);
 - "int-mm-dynamic": the same rounding of x, through torch's `_int_mm` (int8 x int8 -> int32);
@@ -41,7 +42,8 @@ from .cpu_kernels import (
 from .quantize import INT4, INT8, QuantizedWeight, check_format, quantize, unpack_int4
 
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
-KERNELS = {INT8: (OWN[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
+AMX = "npumoe-int8-amx-dynamic"
+KERNELS = {INT8: (OWN[INT8], AMX, "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
            INT4: (OWN[INT4], "int4pack", "dequantize")}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
@@ -61,6 +63,10 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
     elif (why := vnni_linear.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
         reasons[OWN[format]] = why
     if format == INT8:
+        if OWN[INT8] in reasons:
+            reasons[AMX] = reasons[OWN[INT8]]
+        elif (why := vnni_linear.amx_unavailable()) is not None:
+            reasons[AMX] = why
         if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in _X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
     elif any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
@@ -87,7 +93,7 @@ class QuantLinear:
             raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
         self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
         self.nbytes = weight.nbytes
-        if kernel == OWN[weight.format]:
+        if kernel in (OWN[weight.format], AMX):
             self._packed = vnni_linear.pack(weight)
         elif kernel == "dequantize":
             self._weight = weight
@@ -116,8 +122,8 @@ class QuantLinear:
         if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"quantized linear for {self.dtype} rows of width {self.shape[1]}, got {x.dtype} "
                              f"{tuple(x.shape)}")
-        if self.kernel in OWN.values():
-            return vnni_linear.linear(x, self._packed, out)
+        if self.kernel in (*OWN.values(), AMX):
+            return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
         y = self._product(x)
         return y if out is None else out.copy_(y)
 

@@ -12,15 +12,21 @@
  * block's 256 bytes are K values 8j..8j+3, the high nibbles 8j+4..8j+7. Each group of K values has a scale s
  * and zero z per column (w = (q - 8)·s + z), so a group's sum is s·Σq·x + (z - 8s)·Σx, with Σx, the group's
  * sum of x codes, found while rounding x.
+ * int8 also runs on AMX-INT8 tiles where the CPU has them (TDPBUSD: the same operands 16 rows x 64 K at a time,
+ * from the same packed weights read with a row stride), rows padded to 16.
  * Built and loaded at run time by vnni_linear.py, which asks the CPU for AVX512-VNNI first.
  */
+#define _GNU_SOURCE  /* syscall() */
 #include <float.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 #define TILE_ROWS 6
 #define BLOCK 64
 #define INLINE __attribute__((always_inline))  /* each row count its own fully unrolled copy */
@@ -83,6 +89,17 @@ static inline TARGET int32_t four_bytes(const uint8_t *p) {
     return four;
 }
 
+/* One row of int8 results from its int32 sums over 64 columns: (Σ(x + 128)·w − 128·Σw) · x scale · w scale. */
+static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const int32_t *sums, const float *scale, float xs,
+                                                 void *y, int bf16, int64_t columns) {
+    for (int c = 0; c < 4; c++) {
+        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * c), 7);
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[c], offset));
+        store_y(y, bf16, 16 * c, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * c), _mm512_set1_ps(xs))),
+                first(columns - 16 * c));
+    }
+}
+
 /* Rows of the int8 kernel: u8 codes (x + 128) q with row stride ldq and scales xs; w one block (K/4, 64, 4). */
 static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int64_t ldq, const float *xs, const int8_t *w,
                                     int64_t quads, const int32_t *sums, const float *scale, void *y, int64_t ldy,
@@ -105,23 +122,15 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
             }
         }
     }
-    for (int c = 0; c < 4; c++) {
-        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * c), 7);  /* 128 · Σw */
-        const __m512 wscale = _mm512_loadu_ps(scale + 16 * c);
-        for (int r = 0; r < rows; r++) {
-            __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][c], offset));
-            store_y((char *)y + r * ldy, bf16, 16 * c, _mm512_mul_ps(v, _mm512_mul_ps(wscale, _mm512_set1_ps(xs[r]))),
-                    first(columns - 16 * c));
-        }
-    }
+    for (int r = 0; r < rows; r++) finish_int8_row(acc[r], sums, scale, xs[r], (char *)y + r * ldy, bf16, columns);
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k4/4, 64, 4) int8 with k4 = k
- * rounded up to 4 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n) in x's
+/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/4, 64, 4) int8 with k64 = k
+ * rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n) in x's
  * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
 TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    const int64_t padded = (k + 3) / 4 * 4, size = bf16 ? 2 : 4;
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4;
     uint8_t *q = malloc((size_t)(m * padded));
     float *xs = malloc((size_t)m * sizeof *xs);
     if (!q || !xs) {
@@ -152,6 +161,89 @@ TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
             r0 += rows;
         }
     }
+    free(q);
+    free(xs);
+    return 0;
+}
+
+/* Linux hands a process AMX tile state only when asked: 0 once it has, else the error. */
+int npumoe_amx_init(void) {
+#ifdef __linux__
+    return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+#else
+    return -1;
+#endif
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* 16 rows of u8 codes q (row stride ldq) times one packed block w over `chunks` of 64 K: sums (16, 64) into c.
+ * Tiles 0-3 hold the sums of 16 columns each, 4 the rows' codes, 5 and 6 the weights (a row of a weight tile is
+ * 4 K values of 16 columns; rows lie 256 bytes apart in the block). */
+static inline AMX INLINE void amx_block(const uint8_t *q, int64_t ldq, const int8_t *w, int64_t chunks, int32_t *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int8_t *wk = w + chunk * 16 * 4 * BLOCK;
+        _tile_loadd(4, q + chunk * 64, ldq);
+        _tile_loadd(5, wk, 4 * BLOCK);
+        _tile_loadd(6, wk + 64, 4 * BLOCK);
+        _tile_dpbusd(0, 4, 5);
+        _tile_loadd(5, wk + 128, 4 * BLOCK);
+        _tile_dpbusd(1, 4, 6);
+        _tile_loadd(6, wk + 192, 4 * BLOCK);
+        _tile_dpbusd(2, 4, 5);
+        _tile_dpbusd(3, 4, 6);
+    }
+    _tile_stored(0, c, 4 * BLOCK);
+    _tile_stored(1, c + 16, 4 * BLOCK);
+    _tile_stored(2, c + 32, 4 * BLOCK);
+    _tile_stored(3, c + 48, 4 * BLOCK);
+}
+
+/* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
+AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, tiles = (m + 15) / 16;
+    uint8_t *q = malloc((size_t)(tiles * 16 * padded));
+    float *xs = malloc((size_t)m * sizeof *xs);
+    if (!q || !xs) {
+        free(q);
+        free(xs);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL);
+    memset(q + m * padded, 128, (size_t)((tiles * 16 - m) * padded));  /* padding rows: codes 0 */
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        config.rows[t] = 16;
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    int32_t c[16 * BLOCK] __attribute__((aligned(64)));
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const int8_t *wb = w + block * BLOCK * padded;
+        for (int64_t t = 0; t < tiles; t++) {
+            amx_block(q + t * 16 * padded, padded, wb, padded / 64, c);
+            for (int64_t r = t * 16; r < m && r < t * 16 + 16; r++) {
+                const int32_t *cr = c + (r - t * 16) * BLOCK;
+                const __m512i acc[4] = {_mm512_load_si512(cr), _mm512_load_si512(cr + 16),
+                                        _mm512_load_si512(cr + 32), _mm512_load_si512(cr + 48)};
+                finish_int8_row(acc, sums + block * BLOCK, scale + block * BLOCK, xs[r],
+                                (char *)y + (r * ldy + block * BLOCK) * size, bf16, n - block * BLOCK);
+            }
+        }
+    }
+    _tile_release();
     free(q);
     free(xs);
     return 0;

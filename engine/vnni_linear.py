@@ -7,7 +7,8 @@ reading weights packed as one in-order stream per block of 64 output columns (as
 
 Activations are rounded per row to int8 (absmax / 127, as quant_kernels.quantize_rows), so results are the
 dequantized reference's up to that rounding. Weights of any output width are padded to whole blocks (and int8's
-inputs to whole fours); int4 needs groups of a multiple of 16 along K.
+inputs to whole 64s); int4 needs groups of a multiple of 16 along K. int8 also runs on AMX-INT8 tiles where the
+CPU has them (`linear(..., amx=True)`, after `amx_unavailable()` says None), over the same packed weights.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
 quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with
@@ -17,6 +18,7 @@ its own packing and the same `pack`/`linear` contract.
 from __future__ import annotations
 
 import ctypes
+import functools
 import platform
 from dataclasses import dataclass
 
@@ -35,7 +37,7 @@ MAX_IN_FEATURES = 65536
 @dataclass(frozen=True)
 class PackedWeight:
     """A quantized (N, K) weight in the kernel's layout (see vnni_linear.c):
-    int8: codes (N64/64, K4/4, 64, 4) int8, sums (N64,) int32 (Σ_k of each column's codes), scale (N64,) float32;
+    int8: codes (N64/64, K64/4, 64, 4) int8, sums (N64,) int32 (Σ_k of each column's codes), scale (N64,) float32;
     int4: codes (N64/64, K/8, 64, 4) uint8 nibble pairs, scale and zero (N64/64, K/group, 64) bfloat16."""
 
     format: str
@@ -64,7 +66,7 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
     n, k = weight.shape
     pad_n = -n % BLOCK
     if weight.format == INT8:
-        codes = F.pad(weight.codes, (0, -k % 4, 0, pad_n))
+        codes = F.pad(weight.codes, (0, -k % 64, 0, pad_n))  # whole AMX tiles of 64 inputs
         blocks, quads = codes.shape[0] // BLOCK, codes.shape[1] // 4
         packed = codes.reshape(blocks, BLOCK, quads, 4).permute(0, 2, 1, 3).contiguous()
         return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, pad_n)).contiguous(),
@@ -81,9 +83,10 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
                         group=weight.group)
 
 
-def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None, *,
+           amx: bool = False) -> torch.Tensor:
     """(m, K) float32 or bf16 rows times a packed (N, K) weight -> (m, N) in x's dtype, into `out` when given (rows
-    may be strided)."""
+    may be strided); int8 on AMX tiles with `amx`."""
     m, k = x.shape
     n = packed.shape[0]
     if out is None:
@@ -96,10 +99,14 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
         return out
     bf16 = int(x.dtype == torch.bfloat16)
     library = KERNEL.library()
+    if amx:
+        why = "it takes int8 weights" if packed.format != INT8 else amx_unavailable()
+        if why is not None:
+            raise ValueError(f"the AMX kernel cannot run this: {why}")
     if packed.format == INT8:
-        failed = library.npumoe_linear_int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
-                                            packed.sums.data_ptr(), packed.scale.data_ptr(), n, k, out.data_ptr(),
-                                            out.stride(0))
+        int8 = library.npumoe_linear_int8_amx if amx else library.npumoe_linear_int8
+        failed = int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(), packed.sums.data_ptr(),
+                      packed.scale.data_ptr(), n, k, out.data_ptr(), out.stride(0))
     else:
         failed = library.npumoe_linear_int4(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
                                             packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, n, k,
@@ -112,6 +119,23 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
 def unavailable() -> str | None:
     """Why this machine cannot run the kernel, or None when it can."""
     return KERNEL.unavailable()
+
+
+def amx_unavailable() -> str | None:
+    """Why int8 cannot run on AMX tiles here, or None when it can."""
+    if (why := unavailable()) is not None:
+        return why
+    if not torch.cpu._is_amx_tile_supported():
+        return "this CPU lacks AMX-INT8 tiles"
+    if not _amx_granted(KERNEL.library()):
+        return "the operating system did not grant this process AMX tile state"
+    return None
+
+
+@functools.cache
+def _amx_granted(library: ctypes.CDLL) -> bool:
+    """Whether the OS gave this process AMX tile state (asked once per loaded library)."""
+    return library.npumoe_amx_init() == 0
 
 
 def unsupported_cpu() -> str | None:
@@ -128,6 +152,9 @@ KERNEL = NativeKernel(
     "vnni_linear", "the VNNI int8/int4 kernel",
     {"npumoe_linear_int8": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _POINTER,
                             _SIZE),
+     "npumoe_linear_int8_amx": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE,
+                                _POINTER, _SIZE),
+     "npumoe_amx_init": (),
      "npumoe_linear_int4": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
                             _POINTER, _SIZE)},
     unsupported_cpu, restype=ctypes.c_int)

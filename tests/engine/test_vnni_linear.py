@@ -8,11 +8,13 @@ import torch
 from cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
 
 from npumoe.engine import quant_kernels, vnni_linear
-from npumoe.engine.quant_kernels import OWN, QuantLinear, choose_kernel, quantize_rows, unavailable_kernels
+from npumoe.engine.quant_kernels import AMX, OWN, QuantLinear, choose_kernel, quantize_rows, unavailable_kernels
 from npumoe.engine.quantize import FORMATS, INT4, INT8, QuantizedWeight, quantize, unpack_int4
 
 needs_kernel = pytest.mark.skipif(vnni_linear.unavailable() is not None,
                                   reason=f"no VNNI kernel here: {vnni_linear.unavailable()}")
+needs_amx = pytest.mark.skipif(vnni_linear.amx_unavailable() is not None,
+                               reason=f"no AMX kernel here: {vnni_linear.amx_unavailable()}")
 ROW_COUNTS = (1, 5, 32, 70, 300)
 # (N, K): whole blocks; N not a multiple of 64; K not a multiple of 64 (int8: nor of 4; int4: groups of 32)
 SHAPES = {INT8: [(192, 256), (100, 70), (1, 130)], INT4: [(192, 256), (130, 96), (1, 160)]}
@@ -37,13 +39,14 @@ def assert_matches(y: torch.Tensor, exact: torch.Tensor) -> None:
                                    atol=1e-6 * float(exact.abs().max()))
 
 
-def test_int8_blocks_hold_64_output_columns_with_four_k_values_side_by_side_and_the_padding_is_zero():
+def test_int8_blocks_hold_64_output_columns_with_four_k_values_side_by_side_padded_to_whole_tiles():
     q = quantize(randn(100, 70, seed=0), INT8)
     packed = vnni_linear.pack(q)
-    assert packed.codes.shape == (2, 18, 64, 4) and packed.sums.shape == packed.scale.shape == (128,)
+    assert packed.codes.shape == (2, 32, 64, 4) and packed.sums.shape == packed.scale.shape == (128,)
     for block, quad, column in ((0, 0, 0), (1, 5, 35), (0, 16, 63)):
         assert torch.equal(packed.codes[block, quad, column], q.codes[block * 64 + column, 4 * quad:4 * quad + 4])
-    assert packed.codes[0, 17, :, 2:].eq(0).all() and packed.codes[1, :, 36:].eq(0).all()  # K to 72, N to 128
+    assert packed.codes[:, 17, :, 2:].eq(0).all() and packed.codes[:, 18:].eq(0).all()  # K to 128 (AMX tiles)
+    assert packed.codes[1, :, 36:].eq(0).all()  # N to 128
     assert torch.equal(packed.sums[:100], q.codes.sum(dim=1, dtype=torch.int32)) and not packed.scale[100:].any()
 
 
@@ -73,6 +76,26 @@ def test_every_row_count_and_shape_matches_x_rounded_per_row_times_the_dequantiz
             out = torch.full((rows, n), float("nan"), dtype=dtype)  # only the kernel can fill it
             assert vnni_linear.linear(x, packed, out) is out
             assert_matches(out, reference(x, q))
+
+
+@needs_amx
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_on_amx_tiles_gives_the_vnni_kernels_results_bit_for_bit(dtype):
+    for n, k in SHAPES[INT8]:
+        q = quantize(randn(n, k, seed=n + k), INT8)
+        packed = vnni_linear.pack(q)
+        for rows in ROW_COUNTS:
+            x = randn(rows, k, seed=rows).to(dtype)
+            out = torch.full((rows, n), float("nan"), dtype=dtype)
+            vnni_linear.linear(x, packed, out, amx=True)
+            assert_matches(out, reference(x, q))
+            assert torch.equal(out, vnni_linear.linear(x, packed))
+
+
+@needs_kernel
+def test_amx_takes_only_int8():
+    with pytest.raises(ValueError, match="AMX kernel cannot run this: it takes int8 weights"):
+        vnni_linear.linear(randn(2, 64, seed=0), vnni_linear.pack(quantize(randn(64, 64, seed=1), INT4)), amx=True)
 
 
 @needs_kernel
@@ -132,9 +155,9 @@ def test_the_quantized_linear_runs_the_kernel_into_out(monkeypatch, format, dtyp
     calls = []
     real = vnni_linear.linear
 
-    def counted(x, packed, out=None):
+    def counted(x, packed, out=None, *, amx=False):
         calls.append(x.shape[0])
-        return real(x, packed, out)
+        return real(x, packed, out, amx=amx)
 
     monkeypatch.setattr(vnni_linear, "linear", counted)
     q = quantize(randn(192, 256, seed=10), format)
@@ -167,14 +190,14 @@ def test_without_vnni_the_compiler_is_never_called_and_the_choice_falls_back_to_
         return {kernel: 1e-3 for kernel in kernels}
 
     monkeypatch.setattr(quant_kernels, "time_kernels", fake_timing)
-    assert vnni_linear.unavailable() == reason
+    assert vnni_linear.unavailable() == reason and vnni_linear.amx_unavailable() == reason
     for format in FORMATS:
         weights = [quantize(randn(64, 64, seed=11), format)]
         assert unavailable_kernels(format, torch.float32, *weights)[OWN[format]] == reason
         choice = choose_kernel(weights, weights, torch.float32)
         assert OWN[format] not in choice.seconds and choice.kernel != OWN[format]
     assert build.runs == [] and build.loaded == []
-    assert all(OWN[INT8] not in kernels and OWN[INT4] not in kernels for kernels in timed)
+    assert all(not {OWN[INT8], OWN[INT4], AMX} & set(kernels) for kernels in timed)
 
 
 @pytest.mark.parametrize("cpu", [ZEN4, SAPPHIRE_RAPIDS, ICE_LAKE], ids=lambda cpu: cpu.name)
@@ -186,7 +209,10 @@ def test_with_vnni_the_kernel_is_built_once_beside_the_bf16_one_under_its_own_na
     assert path.parent == fresh_build / "kernels" and path.name.startswith("vnni_linear-")
     assert content == b"built by the fake compiler"
     assert len(build.runs) == 1 and build.runs[0].endswith("vnni_linear.c")
-    assert OWN[INT8] not in unavailable_kernels(INT8, torch.float32, quantize(randn(64, 64, seed=12), INT8))
+    unavailable = unavailable_kernels(INT8, torch.float32, quantize(randn(64, 64, seed=12), INT8))
+    assert OWN[INT8] not in unavailable
+    # AMX only where the CPU has tiles (and the OS grants them: the fake library's request succeeds)
+    assert unavailable.get(AMX) == (None if cpu.amx else "this CPU lacks AMX-INT8 tiles")
 
 
 def test_a_compiler_that_fails_leaves_the_reason_with_the_quantized_kernels(fresh_build, monkeypatch):
