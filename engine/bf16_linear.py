@@ -5,35 +5,21 @@ the expert's weights. oneDNN's small-batch kernels read them at 13-18 GB/s on on
 plain in-order stream over a weight packed for it reaches 21-26 GB/s; at hundreds of rows the two are
 level (measured with `npumoed bench moe`).
 
-The C source is compiled with the system's C compiler (`$CC`, else `cc`) into the user's cache folder
-(`$NPUMOE_CACHE`, else the platform's), under a name that hashes the source, so an edit never loads a
-stale build. The folder must be this user's and closed to others' writes, and a library is loaded only if
-its content matches the hash recorded when it was built. Where there is no compiler, no x86-64 CPU or no
-AVX512-BF16, `unavailable()` says why and the experts choose among the other kernels (cpu_kernels).
+It is built and loaded by native.py (the user's kernel cache, checked before loading). Where there is no
+compiler, no x86-64 CPU or no AVX512-BF16, `unavailable()` says why and the experts choose among the other
+kernels (cpu_kernels).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import os
 import platform
-import shlex
-import shutil
-import stat
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
-from .host import cache_root
+from .native import NativeKernel
 
 BLOCK = 64  # output columns per packed weight block, as in bf16_linear.c
-SOURCE = Path(__file__).with_name("bf16_linear.c")
-FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -60,15 +46,14 @@ def linear(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None = Non
         raise ValueError(f"bf16 linear: x {x.dtype} {tuple(x.shape)}, weight ({n}, {packed.shape[1] * 2}), out "
                          f"{out.dtype} {tuple(out.shape)}; rows must be unit-stride")
     if m:
-        _library().npumoe_linear_bf16(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k, out.data_ptr(),
-                                      out.stride(0))
+        KERNEL.library().npumoe_linear_bf16(x.data_ptr(), m, x.stride(0), packed.data_ptr(), n, k,
+                                            out.data_ptr(), out.stride(0))
     return out
 
 
 def unavailable() -> str | None:
     """Why this machine cannot run the kernel, or None when it can."""
-    loaded = _load()
-    return loaded if isinstance(loaded, str) else None
+    return KERNEL.unavailable()
 
 
 def unsupported_cpu() -> str | None:
@@ -80,107 +65,8 @@ def unsupported_cpu() -> str | None:
     return None
 
 
-def _library() -> ctypes.CDLL:
-    loaded = _load()
-    if isinstance(loaded, str):
-        raise OSError(loaded)
-    return loaded
-
-
-@functools.cache
-def _load() -> ctypes.CDLL | str:
-    """The compiled kernel, or why there is none here. Tried once per process: a compiler that fails is not
-    asked again for every experts module, and one is never asked on a CPU that could not run what it builds
-    (an Intel Mac without developer tools would offer to install them)."""
-    why = unsupported_cpu()
-    if why is not None:
-        return why
-    try:
-        compiler = _compiler()
-        folder = cache_root() / "kernels"
-        unsafe = _unsafe(folder)
-        if unsafe is None:
-            return _open(_built(folder, compiler))
-        warnings.warn(f"the kernel cache {folder} is not safe to load code from: {unsafe}; the bf16 kernel is "
-                      "built in a private temporary folder instead", RuntimeWarning, stacklevel=2)
-        with tempfile.TemporaryDirectory(prefix="npumoe-kernel-") as private:
-            return _open(_built(Path(private), compiler))  # once loaded, the file may go
-    except OSError as e:
-        return str(e)
-
-
-def _compiler() -> list[str]:
-    """The C compiler's command: `$CC` (which may carry arguments, as `ccache gcc` does), else the system's."""
-    command = shlex.split(os.environ.get("CC", ""))
-    if not command:
-        found = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-        if not found:
-            raise OSError("no C compiler found (set CC) to build the bf16 kernel")
-        command = [found]
-    return command
-
-
-def _unsafe(folder: Path) -> str | None:
-    """Why `folder` cannot hold libraries this process loads, or None: anyone else who can write there could
-    plant code that runs as this user."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    status = folder.stat()
-    if status.st_uid != os.getuid():
-        return f"it belongs to user id {status.st_uid}, not this user"
-    if status.st_mode & 0o022:
-        return f"others can write to it (mode {stat.S_IMODE(status.st_mode):o}; `chmod go-w` it to cache there)"
-    return None
-
-
-def _built(folder: Path, compiler: list[str]) -> Path:
-    """The kernel built by `compiler` in `folder`, under a name that hashes the source and the command, so an
-    edit never loads a stale build; built now unless a library whose content matches its record is there."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((*compiler, *FLAGS)).encode()).hexdigest()[:16]
-    target = folder / f"bf16_linear-{digest}.so"
-    if _matches_record(target):
-        return target
-    # Build under a private name and rename: processes building at once each finish a whole file.
-    fd, partial = tempfile.mkstemp(dir=folder, prefix=".building-", suffix=".so")
-    os.close(fd)
-    try:
-        try:
-            result = subprocess.run([*compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True,
-                                    text=True, timeout=120)
-        except subprocess.TimeoutExpired as e:
-            raise OSError(f"{shlex.join(compiler)} took over {e.timeout:.0f} s to build the bf16 kernel") from e
-        except OSError as e:
-            raise OSError(f"{shlex.join(compiler)} could not build the bf16 kernel: {e}") from e
-        if result.returncode != 0:
-            raise OSError(f"{shlex.join(compiler)} could not build the bf16 kernel: "
-                          f"{result.stderr.strip()[-500:]}")
-        _record(target).write_text(_sha256(Path(partial)))
-        os.replace(partial, target)
-    finally:
-        Path(partial).unlink(missing_ok=True)
-    return target
-
-
-def _open(library_path: Path) -> ctypes.CDLL:
-    """Load a built kernel, only if its content is what was recorded when it was built."""
-    if not _matches_record(library_path):
-        raise OSError(f"{library_path} is not the library built there (its content hash does not match the record)")
-    library = ctypes.CDLL(str(library_path))
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.npumoe_linear_bf16.argtypes = [pointer, size, size, pointer, size, size, pointer, size]
-    library.npumoe_linear_bf16.restype = None
-    return library
-
-
-def _record(library_path: Path) -> Path:
-    return library_path.with_name(library_path.name + ".sha256")
-
-
-def _matches_record(library_path: Path) -> bool:
-    try:
-        return _record(library_path).read_text().strip() == _sha256(library_path)
-    except OSError:  # no library or no record
-        return False
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
+_POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
+KERNEL = NativeKernel("bf16_linear", "the bf16 kernel",
+                      {"npumoe_linear_bf16": (_POINTER, _SIZE, _SIZE, _POINTER, _SIZE, _SIZE, _POINTER, _SIZE)},
+                      unsupported_cpu)
+SOURCE = KERNEL.source

@@ -1,13 +1,17 @@
 """The matmul kernels that run quantized expert weights (quantize.py) on the CPU, chosen by timing on this machine.
 
 int8 weights run through one of
+- "npumoe-int8-dynamic": the engine's own kernel (vnni_linear: x86-64 with AVX512-VNNI), which rounds each row
+  of x to int8 inside the call and multiplies bytes with VNNI dot products over weights packed for it;
+- "npumoe-int8-amx-dynamic": the same on AMX-INT8 tiles, 16 rows at a time (Intel Xeons from Sapphire Rapids);
 - "onednn-dynamic": each row of x rounded to int8 with its own scale, times the int8 weights in oneDNN's
   prepacked layout (VNNI or AMX-INT8 dot products where the CPU has them; x86 with oneDNN only);
 - "int-mm-dynamic": the same rounding of x, through torch's `_int_mm` (int8 x int8 -> int32);
 - "int8pack": torch's weight-only `_weight_int8pack_mm` (x stays float; the weights widen inside the kernel);
 - "dequantize": the float weight rebuilt each call and a float matmul (runs anywhere, the slowest).
-int4 weights run through torch's `_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked for it; output
-widths a multiple of 16) or "dequantize".
+int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x rounded to int8 as above, the
+4-bit codes widened to bytes in registers), torch's `_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked
+for it; output widths a multiple of 16) or "dequantize".
 
 The dynamic kernels round the activations too, so they sit further from the dequantized reference than the
 weight-only ones (on a real-geometry layer with random weights: 2.7 % against 1.4 % relative error).
@@ -25,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from . import vnni_linear
 from .cpu_kernels import (
     _X86,
     ROWS,
@@ -36,11 +41,14 @@ from .cpu_kernels import (
 )
 from .quantize import INT4, INT8, QuantizedWeight, check_format, quantize, unpack_int4
 
-KERNELS = {INT8: ("onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"), INT4: ("int4pack", "dequantize")}
+OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
+AMX = "npumoe-int8-amx-dynamic"
+KERNELS = {INT8: (OWN[INT8], AMX, "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
+           INT4: (OWN[INT4], "int4pack", "dequantize")}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
-_CACHE = ChoiceCache("quant-kernels", (Path(__file__),))
+_CACHE = ChoiceCache("quant-kernels", (Path(__file__), vnni_linear.KERNEL.source))
 
 
 def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeight) -> dict[str, str]:
@@ -49,7 +57,16 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
     reasons = {}
+    cannot_take = {why for w in weights if (why := vnni_linear.unsupported(w)) is not None}
+    if cannot_take:
+        reasons[OWN[format]] = "; ".join(sorted(cannot_take))
+    elif (why := vnni_linear.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
+        reasons[OWN[format]] = why
     if format == INT8:
+        if OWN[INT8] in reasons:
+            reasons[AMX] = reasons[OWN[INT8]]
+        elif (why := vnni_linear.amx_unavailable()) is not None:
+            reasons[AMX] = why
         if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in _X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
     elif any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
@@ -76,7 +93,9 @@ class QuantLinear:
             raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
         self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
         self.nbytes = weight.nbytes
-        if kernel == "dequantize":
+        if kernel in (OWN[weight.format], AMX):
+            self._packed = vnni_linear.pack(weight)
+        elif kernel == "dequantize":
             self._weight = weight
         elif kernel == "onednn-dynamic":
             self._codes = torch.ops.onednn.qlinear_prepack(weight.codes, None)
@@ -103,6 +122,8 @@ class QuantLinear:
         if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.shape[1]:
             raise ValueError(f"quantized linear for {self.dtype} rows of width {self.shape[1]}, got {x.dtype} "
                              f"{tuple(x.shape)}")
+        if self.kernel in (*OWN.values(), AMX):
+            return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
         y = self._product(x)
         return y if out is None else out.copy_(y)
 

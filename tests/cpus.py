@@ -7,7 +7,6 @@ capability, AVX512-BF16, AMX tiles, oneDNN and its bf16), so no answer comes fro
 
 from __future__ import annotations
 
-import functools
 import platform
 import shlex
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from npumoe.engine import bf16_linear, cpu_kernels
+from npumoe.engine import cpu_kernels, native
 
 
 @dataclass(frozen=True)
@@ -27,18 +26,21 @@ class Cpu:
     capability: str  # torch.backends.cpu.get_cpu_capability()
     avx512_bf16: bool
     amx: bool
+    avx512_vnni: bool
     onednn: bool  # torch.backends.mkldnn.is_available()
     onednn_bf16: bool
 
 
-ZEN4 = Cpu("AMD Zen 4", "x86_64", "AVX512", avx512_bf16=True, amx=False, onednn=True, onednn_bf16=True)
-SAPPHIRE_RAPIDS = Cpu("Intel Xeon with AMX", "x86_64", "AVX512", avx512_bf16=True, amx=True, onednn=True,
-                      onednn_bf16=True)
+ZEN4 = Cpu("AMD Zen 4", "x86_64", "AVX512", avx512_bf16=True, amx=False, avx512_vnni=True, onednn=True,
+           onednn_bf16=True)
+SAPPHIRE_RAPIDS = Cpu("Intel Xeon with AMX", "x86_64", "AVX512", avx512_bf16=True, amx=True, avx512_vnni=True,
+                      onednn=True, onednn_bf16=True)
 ICE_LAKE = Cpu("Intel Xeon with AVX-512 VNNI, no BF16 or AMX", "x86_64", "AVX512", avx512_bf16=False, amx=False,
-               onednn=True, onednn_bf16=True)
-INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=False, onednn=True, onednn_bf16=False)
-APPLE_SILICON = Cpu("Apple silicon", "arm64", "DEFAULT", avx512_bf16=False, amx=False, onednn=False,
-                    onednn_bf16=False)
+               avx512_vnni=True, onednn=True, onednn_bf16=True)
+INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=False, avx512_vnni=False, onednn=True,
+                onednn_bf16=False)
+APPLE_SILICON = Cpu("Apple silicon", "arm64", "DEFAULT", avx512_bf16=False, amx=False, avx512_vnni=False,
+                    onednn=False, onednn_bf16=False)
 CPUS = (ZEN4, SAPPHIRE_RAPIDS, ICE_LAKE, INTEL_MAC, APPLE_SILICON)
 
 
@@ -49,6 +51,7 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: cpu.capability)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: cpu.avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: cpu.amx)
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: cpu.avx512_vnni)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: cpu.onednn)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: cpu.onednn_bf16)
     fresh_process(monkeypatch)
@@ -57,7 +60,7 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
 def fresh_process(monkeypatch: pytest.MonkeyPatch, cache: Path | None = None) -> None:
     """This process as a new one would start, for the test's span: no kernel built or tried, no kernel
     chosen, and (when given) `cache` as the user cache; the process's own state comes back afterwards."""
-    monkeypatch.setattr(bf16_linear, "_load", functools.cache(bf16_linear._load.__wrapped__))
+    monkeypatch.setattr(native, "_loaded", {})
     monkeypatch.setattr(cpu_kernels, "_choices", {})
     if cache is not None:
         monkeypatch.setenv("NPUMOE_CACHE", str(cache))
@@ -97,6 +100,16 @@ pathlib.Path(args[args.index("-o") + 1]).write_bytes(b"built by the fake compile
 """
 
 
+class FakeLibrary:
+    """What the fake loader hands back: any exported function, which takes the argument types it is given
+    and returns 0."""
+
+    def __getattr__(self, name: str) -> object:
+        function = type("Function", (), {"__call__": lambda self, *args: 0})()  # every call succeeds
+        setattr(self, name, function)
+        return function
+
+
 class FakeBuild:
     """A C compiler (a Python script, run as `CC="python fake_cc.py"`) that logs each run and writes a
     stand-in library, and a loader that records what it was asked to load instead of loading it."""
@@ -113,11 +126,11 @@ class FakeBuild:
 
     def load(self, path: str) -> object:
         self.loaded.append((Path(path), Path(path).read_bytes()))
-        return type("FakeLibrary", (), {"npumoe_linear_bf16": type("Function", (), {})()})()
+        return FakeLibrary()
 
 
 def fake_build(monkeypatch: pytest.MonkeyPatch, folder: Path, *, fails: bool = False) -> FakeBuild:
     build = FakeBuild(folder, fails)
     monkeypatch.setenv("CC", shlex.join([sys.executable, str(build.script)]))
-    monkeypatch.setattr(bf16_linear.ctypes, "CDLL", build.load)
+    monkeypatch.setattr(native.ctypes, "CDLL", build.load)
     return build

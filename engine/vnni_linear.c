@@ -1,0 +1,346 @@
+/* y = x · ŵᵀ for int8 and int4 quantized weights ŵ (quantize.py), for x86-64 CPUs with AVX512-VNNI.
+ *
+ * Each call rounds every row of x (float32 or bf16) to int8 with its own scale (absmax / 127, rounded to
+ * nearest even, as quant_kernels.quantize_rows does), then multiplies bytes with VPDPBUSD (u8 x s8 -> s32,
+ * four products a lane) and scales the int32 sums at the end. Weights are packed as the bf16 kernel's are:
+ * blocks of 64 output columns, each one in-order stream along K with four K values of a column side by side
+ * (VPDPBUSD's operand layout); a tile of up to 6 rows x 64 columns keeps its sums in registers, and row
+ * tiles are balanced (8 rows run as 4 + 4).
+ *
+ * int8: the unsigned operand is x + 128; the offset comes back out through each column's weight sum.
+ * int4: the unsigned operand is the weight code (0..15), two codes a byte: the low nibbles of a 64-column
+ * block's 256 bytes are K values 8j..8j+3, the high nibbles 8j+4..8j+7. Each group of K values has a scale s
+ * and zero z per column (w = (q - 8)·s + z), so a group's sum is s·Σq·x + (z - 8s)·Σx, with Σx, the group's
+ * sum of x codes, found while rounding x.
+ * int8 also runs on AMX-INT8 tiles where the CPU has them (TDPBUSD: the same operands 16 rows x 64 K at a time,
+ * from the same packed weights read with a row stride), rows padded to 16.
+ * Built and loaded at run time by vnni_linear.py, which asks the CPU for AVX512-VNNI first.
+ */
+#define _GNU_SOURCE  /* syscall() */
+#include <float.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#define TILE_ROWS 6
+#define BLOCK 64
+#define INLINE __attribute__((always_inline))  /* each row count its own fully unrolled copy */
+
+static inline __mmask16 first(int64_t lanes) {
+    return lanes >= 16 ? 0xFFFF : lanes <= 0 ? 0 : (__mmask16)((1u << lanes) - 1);
+}
+
+/* 16 activations from column k on as float32 (lanes outside `mask` are 0). */
+static inline TARGET __m512 load_x(const void *row, int bf16, int64_t k, __mmask16 mask) {
+    if (bf16) {
+        __m256i half = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)row + k);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+    }
+    return _mm512_maskz_loadu_ps(mask, (const float *)row + k);
+}
+
+/* 16 results from column j on, as float32 or rounded to nearest even bf16 (AVX512-BF16 not needed). */
+static inline TARGET void store_y(void *row, int bf16, int64_t j, __m512 v, __mmask16 mask) {
+    if (bf16) {
+        __m512i bits = _mm512_castps_si512(v);
+        __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        bits = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
+        _mm512_mask_cvtepi32_storeu_epi16((uint16_t *)row + j, mask, _mm512_srli_epi32(bits, 16));
+    } else {
+        _mm512_mask_storeu_ps((float *)row + j, mask, v);
+    }
+}
+
+/* One row of k activations as int8 codes plus `offset` into q (padded with `offset` up to `padded`);
+ * returns the row's scale. With `sums`, also each group of `group` (a multiple of 16) codes' sum. */
+static TARGET float quantize_row(const void *row, int bf16, int64_t k, int64_t padded, int32_t offset, uint8_t *q,
+                                 int64_t group, float *sums) {
+    __m512 top = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load_x(row, bf16, i, first(k - i))));
+    float scale = _mm512_reduce_max_ps(top) / 127.0f;
+    if (scale < FLT_MIN) scale = FLT_MIN;  /* an all-zero row: zero codes */
+    const __m512 divisor = _mm512_set1_ps(scale);
+    const __m512i shift = _mm512_set1_epi32(offset);
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 mask = first(k - i);
+        __m512i codes = _mm512_cvtps_epi32(_mm512_div_ps(load_x(row, bf16, i, mask), divisor));
+        if (sums) sums[i / group] += (float)_mm512_reduce_add_epi32(codes);
+        _mm512_mask_cvtepi32_storeu_epi8(q + i, mask, _mm512_add_epi32(codes, shift));
+    }
+    memset(q + k, offset, (size_t)(padded - k));
+    return scale;
+}
+
+/* acc + VPDPBUSD(u8 a, s8 b). Written out because GCC 12's intrinsic keeps a tile's sums in memory, copying them
+ * at every step (the tied operand defeats its register allocation); the instruction itself keeps them in registers. */
+static inline TARGET INLINE __m512i dot(__m512i acc, __m512i a, __m512i b) {
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+static inline TARGET int32_t four_bytes(const uint8_t *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    return four;
+}
+
+/* One row of int8 results from its int32 sums over 64 columns: (Σ(x + 128)·w − 128·Σw) · x scale · w scale. */
+static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const int32_t *sums, const float *scale, float xs,
+                                                 void *y, int bf16, int64_t columns) {
+    for (int c = 0; c < 4; c++) {
+        const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * c), 7);
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[c], offset));
+        store_y(y, bf16, 16 * c, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * c), _mm512_set1_ps(xs))),
+                first(columns - 16 * c));
+    }
+}
+
+/* Rows of the int8 kernel: u8 codes (x + 128) q with row stride ldq and scales xs; w one block (K/4, 64, 4). */
+static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int64_t ldq, const float *xs, const int8_t *w,
+                                    int64_t quads, const int32_t *sums, const float *scale, void *y, int64_t ldy,
+                                    int bf16, int64_t columns) {
+    __m512i acc[TILE_ROWS][4];
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+    for (int64_t quad = 0; quad < quads; quad++) {
+        const int8_t *wq = w + quad * 4 * BLOCK;
+        const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
+        const __m512i w2 = _mm512_loadu_si512(wq + 128), w3 = _mm512_loadu_si512(wq + 192);
+#pragma GCC unroll 6
+        for (int r = 0; r < TILE_ROWS; r++) {
+            if (r < rows) {
+                const __m512i xr = _mm512_set1_epi32(four_bytes(q + r * ldq + 4 * quad));
+                acc[r][0] = dot(acc[r][0], xr, w0);
+                acc[r][1] = dot(acc[r][1], xr, w1);
+                acc[r][2] = dot(acc[r][2], xr, w2);
+                acc[r][3] = dot(acc[r][3], xr, w3);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) finish_int8_row(acc[r], sums, scale, xs[r], (char *)y + r * ldy, bf16, columns);
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/4, 64, 4) int8 with k64 = k
+ * rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n) in x's
+ * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
+TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4;
+    uint8_t *q = malloc((size_t)(m * padded));
+    float *xs = malloc((size_t)m * sizeof *xs);
+    if (!q || !xs) {
+        free(q);
+        free(xs);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL);
+    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const int8_t *wb = w + block * BLOCK * padded;
+        const int64_t columns = n - block * BLOCK;
+        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+            const int64_t rows = (m - r0 + (tiles - t) - 1) / (tiles - t);  /* tiles differ by a row at most */
+            const uint8_t *qt = q + r0 * padded;
+            void *yt = (char *)y + (r0 * ldy + block * BLOCK) * size;
+            const int32_t *sb = sums + block * BLOCK;
+            const float *cb = scale + block * BLOCK;
+            switch (rows) {  /* a constant row count per call, so each loop unrolls fully */
+            case 1: tile_int8(1, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            case 2: tile_int8(2, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            case 3: tile_int8(3, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            case 4: tile_int8(4, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            case 5: tile_int8(5, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            default: tile_int8(6, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            }
+            r0 += rows;
+        }
+    }
+    free(q);
+    free(xs);
+    return 0;
+}
+
+/* Linux hands a process AMX tile state only when asked: 0 once it has, else the error. */
+int npumoe_amx_init(void) {
+#ifdef __linux__
+    return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */);
+#else
+    return -1;
+#endif
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+};
+
+/* 16 rows of u8 codes q (row stride ldq) times one packed block w over `chunks` of 64 K: sums (16, 64) into c.
+ * Tiles 0-3 hold the sums of 16 columns each, 4 the rows' codes, 5 and 6 the weights (a row of a weight tile is
+ * 4 K values of 16 columns; rows lie 256 bytes apart in the block). */
+static inline AMX INLINE void amx_block(const uint8_t *q, int64_t ldq, const int8_t *w, int64_t chunks, int32_t *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int8_t *wk = w + chunk * 16 * 4 * BLOCK;
+        _tile_loadd(4, q + chunk * 64, ldq);
+        _tile_loadd(5, wk, 4 * BLOCK);
+        _tile_loadd(6, wk + 64, 4 * BLOCK);
+        _tile_dpbusd(0, 4, 5);
+        _tile_loadd(5, wk + 128, 4 * BLOCK);
+        _tile_dpbusd(1, 4, 6);
+        _tile_loadd(6, wk + 192, 4 * BLOCK);
+        _tile_dpbusd(2, 4, 5);
+        _tile_dpbusd(3, 4, 6);
+    }
+    _tile_stored(0, c, 4 * BLOCK);
+    _tile_stored(1, c + 16, 4 * BLOCK);
+    _tile_stored(2, c + 32, 4 * BLOCK);
+    _tile_stored(3, c + 48, 4 * BLOCK);
+}
+
+/* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
+AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, tiles = (m + 15) / 16;
+    uint8_t *q = malloc((size_t)(tiles * 16 * padded));
+    float *xs = malloc((size_t)m * sizeof *xs);
+    if (!q || !xs) {
+        free(q);
+        free(xs);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL);
+    memset(q + m * padded, 128, (size_t)((tiles * 16 - m) * padded));  /* padding rows: codes 0 */
+    struct tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    for (int t = 0; t < 7; t++) {
+        config.rows[t] = 16;
+        config.bytes_per_row[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    int32_t c[16 * BLOCK] __attribute__((aligned(64)));
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const int8_t *wb = w + block * BLOCK * padded;
+        for (int64_t t = 0; t < tiles; t++) {
+            amx_block(q + t * 16 * padded, padded, wb, padded / 64, c);
+            for (int64_t r = t * 16; r < m && r < t * 16 + 16; r++) {
+                const int32_t *cr = c + (r - t * 16) * BLOCK;
+                const __m512i acc[4] = {_mm512_load_si512(cr), _mm512_load_si512(cr + 16),
+                                        _mm512_load_si512(cr + 32), _mm512_load_si512(cr + 48)};
+                finish_int8_row(acc, sums + block * BLOCK, scale + block * BLOCK, xs[r],
+                                (char *)y + (r * ldy + block * BLOCK) * size, bf16, n - block * BLOCK);
+            }
+        }
+    }
+    _tile_release();
+    free(q);
+    free(xs);
+    return 0;
+}
+
+static inline TARGET __m512 bf16_to_ps(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Rows of the int4 kernel: s8 codes q (row stride ldq), scales xs, group sums gs (row stride groups); w one block
+ * (k/8, 64, 4) of nibble pairs; s, z the block's (groups, 64) bf16 scales and zeros. */
+static inline TARGET INLINE void tile_int4(const int rows, const uint8_t *q, int64_t ldq, const float *xs, const float *gs,
+                                    const uint8_t *w, int64_t groups, int64_t octets, const uint16_t *s,
+                                    const uint16_t *z, void *y, int64_t ldy, int bf16, int64_t columns) {
+    __m512 total[TILE_ROWS][4];
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int c = 0; c < 4; c++) total[r][c] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i acc[TILE_ROWS][4];
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
+        for (int64_t o = g * octets; o < (g + 1) * octets; o++) {
+            const uint8_t *wo = w + o * 4 * BLOCK;
+            __m512i wc[4];
+            for (int c = 0; c < 4; c++) wc[c] = _mm512_and_si512(_mm512_loadu_si512(wo + 64 * c), low);
+#pragma GCC unroll 6
+            for (int r = 0; r < TILE_ROWS; r++) {
+                if (r < rows) {
+                    const __m512i xr = _mm512_set1_epi32(four_bytes(q + r * ldq + 8 * o));
+                    for (int c = 0; c < 4; c++) acc[r][c] = dot(acc[r][c], wc[c], xr);
+                }
+            }
+            for (int c = 0; c < 4; c++)
+                wc[c] = _mm512_and_si512(_mm512_srli_epi16(_mm512_loadu_si512(wo + 64 * c), 4), low);
+#pragma GCC unroll 6
+            for (int r = 0; r < TILE_ROWS; r++) {
+                if (r < rows) {
+                    const __m512i xr = _mm512_set1_epi32(four_bytes(q + r * ldq + 8 * o + 4));
+                    for (int c = 0; c < 4; c++) acc[r][c] = dot(acc[r][c], wc[c], xr);
+                }
+            }
+        }
+        for (int c = 0; c < 4; c++) {
+            const __m512 gscale = bf16_to_ps(s + g * BLOCK + 16 * c);
+            const __m512 gzero = _mm512_fnmadd_ps(_mm512_set1_ps(8.0f), gscale, bf16_to_ps(z + g * BLOCK + 16 * c));
+            for (int r = 0; r < rows; r++) {
+                total[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), gscale, total[r][c]);
+                total[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(gs[r * groups + g]), gzero, total[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 4; c++)
+            store_y((char *)y + r * ldy, bf16, 16 * c, _mm512_mul_ps(total[r][c], _mm512_set1_ps(xs[r])),
+                    first(columns - 16 * c));
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed (n64/64, k/8, 64, 4) nibble pairs; s, z: (n64/64,
+ * k/group, 64) bf16; group a multiple of 16 dividing k; y: (m, n) in x's dtype with row stride ldy. Returns 0, or
+ * -1 when scratch memory ran out. */
+TARGET int npumoe_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
+                              const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy) {
+    const int64_t groups = k / group, size = bf16 ? 2 : 4;
+    uint8_t *q = malloc((size_t)(m * k));
+    float *xs = malloc((size_t)m * sizeof *xs), *gs = calloc((size_t)(m * groups), sizeof *gs);
+    if (!q || !xs || !gs) {
+        free(q);
+        free(xs);
+        free(gs);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, k, 0, q + r * k, group, gs + r * groups);
+    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, octets = group / 8;
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const uint8_t *wb = w + block * BLOCK * k / 2;
+        const uint16_t *sb = s + block * groups * BLOCK, *zb = z + block * groups * BLOCK;
+        const int64_t columns = n - block * BLOCK;
+        for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+            const int64_t rows = (m - r0 + (tiles - t) - 1) / (tiles - t);
+            const uint8_t *qt = q + r0 * k;
+            const float *gt = gs + r0 * groups;
+            void *yt = (char *)y + (r0 * ldy + block * BLOCK) * size;
+            switch (rows) {
+            case 1: tile_int4(1, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            case 2: tile_int4(2, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            case 3: tile_int4(3, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            case 4: tile_int4(4, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            case 5: tile_int4(5, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            default: tile_int4(6, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            }
+            r0 += rows;
+        }
+    }
+    free(q);
+    free(xs);
+    free(gs);
+    return 0;
+}
