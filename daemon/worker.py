@@ -31,7 +31,7 @@ from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.measure import Meter
-from npumoe.daemon.models import ModelSlot
+from npumoe.daemon.models import ModelSlot, backend_description
 from npumoe.daemon.priority import apply_background_priority, worker_threads
 from npumoe.daemon.scheduler import Decision, Scheduler
 from npumoe.daemon.watcher import InboxWatcher
@@ -152,7 +152,7 @@ class Worker:
             heartbeat_at=now,
             stopped_at=None,
             model=self.config.model.name,
-            backend=self.config.model.backend,
+            backend=backend_description(self.config.model.backend),
             power=self.scheduler.power_state(),
             **self._state,
             counters=self._counters(),

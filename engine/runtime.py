@@ -30,6 +30,7 @@ from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .models import moe_experts
 from .plan import ExpertPlan, LayerPlan, PlanError
+from .residency import Placement, Residency, decide_residency
 from .vocabulary import SPILL
 
 IMPLEMENTATION = "npumoe"
@@ -54,27 +55,31 @@ ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
 class MoeRuntime:
     """One `MoeLayer` per experts module of `model`, built from the plan's groups on `backend`.
 
-    Without a plan every expert runs on the exact CPU path. Dispatch counts accumulate in `stats`
-    for prefill; inside `decoding()` layers run exact and uncounted (one token per step). A new runtime
-    is attached; several runtimes of one model may be built, and `attach()` selects which one runs.
+    `residency` (decided for this backend, `placement.place`) says which groups run as graphs, at which
+    capacity; without one, every group calibration saw load for does. Without a plan every expert runs on
+    the exact CPU path. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
+    exact and uncounted (one token per step). A new runtime is attached; several runtimes of one model may
+    be built, and `attach()` selects which one runs.
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
-                 overflow: str = SPILL) -> None:
+                 overflow: str = SPILL, residency: Residency | None = None) -> None:
         if backend.static and plan is None:
             raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
-        if plan is not None and plan.backend != backend.name:
-            raise PlanError(f"the plan was made for the {plan.backend} backend, not {backend.name}: "
-                            f"use that backend or calibrate for {backend.name}")
         experts = moe_experts(model)
         plans = _layer_plans(plan, experts)
+        placed = {}
+        if plan is not None:  # without measured costs, every group calibration saw load for runs as a graph
+            residency = residency or decide_residency(plan, type(backend))
+            placed = {layer.name: p for layer, p in zip(plan.layers, residency.layers, strict=True)}
         self.model = model
         self.stats = DispatchStats()
         self.exact_only = False
         self.layers: list[MoeLayer] = []
         for (_, module), layer_plan in zip(experts, plans, strict=True):
-            groups = [_static_group(backend, module, group.experts, plan.tiers[group.tier])
-                      for group in layer_plan.groups if group.residency == "accelerator"] if plan and layer_plan else []
+            groups = [_static_group(backend, module, group.experts, placement)
+                      for group, placement in zip(layer_plan.groups, placed[layer_plan.name], strict=True)
+                      if placement.accelerator] if layer_plan else []
             layer = MoeLayer(module.gate_up_proj, module.down_proj, module.config.hidden_act, groups=groups,
                              overflow=overflow, submit=backend.submit, experts=_cpu_experts(module))
             self.layers.append(layer)
@@ -144,12 +149,12 @@ def _cpu_experts(module: nn.Module) -> CpuExperts:
     return experts
 
 
-def _static_group(backend: Backend, experts: nn.Module, ids: tuple[int, ...], capacity: int) -> StaticGroup:
-    """The backend's graph for experts `ids` of one experts module, at `capacity`."""
+def _static_group(backend: Backend, experts: nn.Module, ids: tuple[int, ...], placement: Placement) -> StaticGroup:
+    """The backend's graph for experts `ids` of one experts module, at the placement's capacity and scale."""
     index = list(ids)
     graph = backend.build_group(experts.gate_up_proj[index], experts.down_proj[index], experts.config.hidden_act,
-                                capacity)
-    return StaticGroup(experts=ids, capacity=capacity, graph=graph)
+                                placement.capacity, placement.scale)
+    return StaticGroup(experts=ids, capacity=placement.capacity, graph=graph)
 
 
 def _layer_plans(plan: ExpertPlan | None, experts: list[tuple[str, nn.Module]]) -> list[LayerPlan | None]:

@@ -31,7 +31,7 @@ import numpy as np
 from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
 from npumoe.jobs.files import Folders, set_aside, settle_original, snapshot
-from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
+from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
 from npumoe.jobs.outputs import output_name, temporary_path, write_folder
 from npumoe.jobs.queue import Job, Queue
 
@@ -285,6 +285,7 @@ class Pipeline:
             overflow=settings.overflow,
             dtype=settings.dtype,
             chunk_tokens=stats.chunk_tokens,
+            residency=_residency(engine),
             extraction=Extraction(extracted.format, extracted.pages, len(extracted.text)),
             tokens=stats.tokens,
             chunks=stats.chunks,
@@ -300,6 +301,14 @@ class Pipeline:
             npumoed_version=version("npumoed"),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
+
+
+def _residency(engine: Engine) -> Residency:
+    placed = engine.residency
+    if placed is None:  # no plan: every expert on the exact CPU path
+        return Residency(accelerator_groups=0, cpu_groups=0, measured_on=None, fallback=None)
+    return Residency(accelerator_groups=placed.accelerator_groups, cpu_groups=placed.cpu_groups,
+                     measured_on=placed.measured_on, fallback=placed.fallback)
 
 
 def _summary_markdown(name: str, model: str, result: DocumentResult) -> str:

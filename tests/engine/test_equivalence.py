@@ -19,8 +19,10 @@ from cpus import fake_timings
 from npumoe.engine import Engine, EngineSettings, bf16_linear, load_model
 from npumoe.engine.calibrate import calibrate
 from npumoe.engine.cost import CostModel
+from npumoe.engine.cost_cache import CostCache
 from npumoe.engine.models import moe_experts
 from npumoe.engine.planner import make_plan
+from npumoe.engine.residency import MeasuredCosts
 from npumoe.engine.tiny import ARCHITECTURES
 
 CHUNK = 64
@@ -36,12 +38,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def make_plan_file(folder: Path, calibration_text: str, out: Path) -> Path:
     loaded = load_model(folder)
     calibration = calibrate(loaded, [("calibration", calibration_text)], chunk_tokens=CHUNK)
+    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, overflow="spill")
+    # A quarter of the calibrated capacities, so that hot experts overflow and spill.
+    plan = replace(plan, tiers=tuple(capacity // 4 for capacity in plan.tiers))
+    plan.save(out)
+    # Costs under which every group calibration saw load for runs as a graph, so the graphs are compared too.
     _, experts = moe_experts(loaded.model)[0]
     _, hidden, ffn = experts.down_proj.shape
-    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend="torch-static",
-                     cost=ACCELERATOR_FAVOURED, hidden=hidden, ffn=ffn, overflow="spill")
-    # A quarter of the calibrated capacities, so that hot experts overflow and spill.
-    replace(plan, tiers=tuple(capacity // 4 for capacity in plan.tiers)).save(out)
+    CostCache(out.parent / "costs").put("torch-static", plan, MeasuredCosts(ACCELERATOR_FAVOURED, hidden, ffn, "test"))
     return out
 
 
@@ -58,7 +62,8 @@ def test_engine_logits_equal_eager_transformers_on_every_backend(tiny, tmp_path,
     plan = make_plan_file(folder, harbour, tmp_path / "plan.json")
     engines = {
         "cpu": Engine.load(EngineSettings(model=str(folder), chunk_tokens=CHUNK)),
-        "torch-static": Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=plan)),
+        "torch-static": Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=plan,
+                                                   costs_dir=tmp_path / "costs")),
     }
     static_work = spilled = 0
     for name, ids in prompts.items():
