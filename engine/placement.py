@@ -36,7 +36,7 @@ def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCos
     modules = plan_modules(plan, model)
     _, hidden, ffn = modules[0].down_proj.shape
     cost = backend.measure_costs(hidden, ffn, modules[0].down_proj.dtype, plan.group_size)
-    candidates = decide_residency(plan, type(backend))
+    candidates = decide_residency(plan, backend)
     specs = {}
     for i, (layer, placements) in enumerate(zip(plan.layers, candidates.layers, strict=True)):
         for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
@@ -53,10 +53,10 @@ def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCos
 def place(plan: ExpertPlan, backend: Backend, model: nn.Module, cache: CostCache | None) -> Residency:
     """`plan`'s residency on `backend` here: from the cached costs when there are, else measured now (and cached)."""
     if not backend.static:
-        return decide_residency(plan, type(backend))
+        return decide_residency(plan, backend)
     costs = cache.get(backend.name, plan) if cache is not None else None
     if costs is None:
         costs = measure(plan, backend, model)
         if cache is not None:
             cache.put(backend.name, plan, costs)
-    return decide_residency(plan, type(backend), costs)
+    return decide_residency(plan, backend, costs)

@@ -70,7 +70,7 @@ class MoeRuntime:
         plans = _layer_plans(plan, experts)
         placed = {}
         if plan is not None:  # without measured costs, every group calibration saw load for runs as a graph
-            residency = residency or decide_residency(plan, type(backend))
+            residency = residency or decide_residency(plan, backend)
             placed = {layer.name: p for layer, p in zip(plan.layers, residency.layers, strict=True)}
         self.model = model
         self.stats = DispatchStats()

@@ -87,6 +87,8 @@ class CoreMLBackend(TorchStaticBackend):
         self.cache_root = Path(cache_root)
         self.compute_units = compute_units
         self.available, self.reason = coreml_availability()
+        if not self.available:  # its graphs run as torch-static's: at torch-static's shapes, in its dtype
+            self.capacity_multiple, self.fp16 = TorchStaticBackend.capacity_multiple, TorchStaticBackend.fp16
         self._index: dict[tuple[str, int], tuple[Path, CompiledGroup]] | None = None
         self._warned = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coreml")
