@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -113,12 +116,16 @@ def test_prepare_for_coreml_off_macos_then_run_once_equals_torch_static(home: Pa
     assert coreml.returncode == 0, coreml.stderr
     assert coreml.stderr.count("running its group graphs with torch-static instead") == 1  # one warning
     outputs = {"coreml": next((home / "outbox").iterdir())}
-    static_config = (home / "config.toml").read_text().replace('backend = "coreml"', 'backend = "torch-static"')
-    (home / "config.toml").write_text(static_config)
-    for job in json.loads(npumoed("jobs", "--json").stdout)["jobs"]:
-        npumoed("retry", str(job["id"]))
-    assert npumoed("run", "--once", timeout=900).returncode == 0
-    outputs["torch-static"] = next(p for p in (home / "outbox").iterdir() if p != outputs["coreml"])
+    # the same plan on torch-static, in a home of its own
+    other = tmp_path / "torch-static-home"
+    (other / "inbox").mkdir(parents=True)
+    (other / "config.toml").write_text((home / "config.toml").read_text().replace('backend = "coreml"',
+                                                                                   'backend = "torch-static"'))
+    (other / "inbox" / "orchard.txt").write_text(orchard[:3000])
+    static = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once"], capture_output=True, text=True, timeout=900,
+                            env={**os.environ, "NPUMOED_HOME": str(other)})
+    assert static.returncode == 0, static.stderr
+    outputs["torch-static"] = next((other / "outbox").iterdir())
     meta = {name: json.loads((out / "meta.json").read_text()) for name, out in outputs.items()}
     assert meta["coreml"]["residency"]["fallback"] and meta["torch-static"]["residency"]["fallback"] is None
     np.testing.assert_allclose(np.load(outputs["coreml"] / "embeddings.npy"),
