@@ -122,8 +122,8 @@ def test_prepare_for_coreml_off_macos_then_run_once_equals_torch_static(home: Pa
     (other / "config.toml").write_text((home / "config.toml").read_text().replace('backend = "coreml"',
                                                                                    'backend = "torch-static"'))
     (other / "inbox" / "orchard.txt").write_text(orchard[:3000])
-    static = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once"], capture_output=True, text=True, timeout=900,
-                            env={**os.environ, "NPUMOED_HOME": str(other)})
+    static = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once"], capture_output=True,
+                            text=True, timeout=900, env={**os.environ, "NPUMOED_HOME": str(other)})
     assert static.returncode == 0, static.stderr
     outputs["torch-static"] = next((other / "outbox").iterdir())
     meta = {name: json.loads((out / "meta.json").read_text()) for name, out in outputs.items()}
