@@ -14,7 +14,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from npumoe.daemon.cli import main
+from npumoe.daemon.models import backend_description
 from npumoe.engine import planner
+from npumoe.engine.coreml.env import coreml_availability
 from npumoe.engine.cost_cache import CostCache
 from npumoe.engine.plan import ExpertPlan
 
@@ -132,3 +134,10 @@ def test_prepare_for_coreml_off_macos_then_run_once_equals_torch_static(home: Pa
                                np.load(outputs["torch-static"] / "embeddings.npy"), rtol=1e-4, atol=1e-5)
     summary = {name: (out / "summary.md").read_text().split("\n", 3)[3] for name, out in outputs.items()}
     assert summary["coreml"] == summary["torch-static"]
+
+
+def test_status_says_when_coreml_graphs_run_through_torch() -> None:
+    available, reason = coreml_availability()
+    described = backend_description("coreml")
+    assert described == ("coreml" if available else f"coreml (graphs through torch: {reason})")
+    assert backend_description("torch-static") == "torch-static"
