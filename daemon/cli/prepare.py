@@ -39,6 +39,7 @@ from npumoe.daemon.models import DEMO, ModelNotFound, resolve_model
 from npumoe.engine.vocabulary import BACKENDS, COREML, CPU, DTYPES, TORCH_STATIC
 
 if TYPE_CHECKING:
+    from npumoe.daemon.home import Home
     from npumoe.engine.models import LoadedModel
     from npumoe.engine.plan import ExpertPlan
     from npumoe.engine.residency import MeasuredCosts
@@ -132,10 +133,11 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
     options = {"chunk_tokens": chunk or configured.chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
     try:
         plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
-        chosen = _choose_backend(stages, backend, plan, model, home)
+        units = configured.coreml_compute_units
+        chosen = _choose_backend(stages, backend, plan, model, home, units)
         if chosen == COREML:
             _compile_stage(stages, home.compiled, plan, model)
-        _costs_stage(stages, chosen, plan, model, home, configured.coreml_compute_units)
+        _costs_stage(stages, chosen, plan, model, home, units)
     except ValueError as e:  # ModelError among them; unusable calibration data or settings
         raise click.ClickException(str(e)) from e
     name = model_name if model_name == DEMO or not Path(model_name).expanduser().is_dir() else ref
@@ -186,9 +188,10 @@ def _documents(data: Sequence[Path]) -> Iterator[Sequence[Path]]:
         yield write_samples(Path(folder))
 
 
-def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Any) -> str:
+def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> str:
     if backend != AUTO:
         return backend
+    from npumoe.engine.backends import backend_class
     from npumoe.engine.coreml.env import coreml_availability
     from npumoe.engine.residency import decide_residency, expected_seconds
 
@@ -197,9 +200,7 @@ def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model
         if available:
             outcome.update(detail=f"coreml: {why}")
             return COREML
-        costs, _ = _costs(TORCH_STATIC, plan, model, home, compiled=None, compute_units="")
-        from npumoe.engine.backends import backend_class
-
+        costs, _ = _costs(TORCH_STATIC, plan, model, home, units)
         seconds = {name: expected_seconds(plan, decide_residency(plan, backend_class(name), costs), costs)
                    for name in (CPU, TORCH_STATIC)}
         chosen = min(seconds, key=lambda name: (seconds[name], name != CPU))  # a tie goes to the exact path
@@ -227,12 +228,12 @@ def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model) -
                               f"{total / 2**20:.1f} MiB: {folder}")
 
 
-def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Any, compute_units: str) -> None:
+def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> None:
     with stages.stage("costs", f"measuring {backend} here", spinner=True) as outcome:
         if backend == CPU:
             outcome.update(outcome="skipped", detail="cpu runs every expert on the exact path: nothing to measure")
             return
-        costs, reused = _costs(backend, plan, model, home, compiled=home.compiled, compute_units=compute_units)
+        costs, reused = _costs(backend, plan, model, home, units)
         from npumoe.engine.backends import backend_class
         from npumoe.engine.residency import decide_residency
 
@@ -244,8 +245,7 @@ def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, h
         outcome.update(outcome="reused" if reused else "done", detail=detail)
 
 
-def _costs(backend: str, plan: ExpertPlan, model: Model, home: Any, *, compiled: Path | None,
-           compute_units: str) -> tuple[MeasuredCosts, bool]:
+def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> tuple[MeasuredCosts, bool]:
     """(the backend's measured costs for the plan here, whether they were cached): measured now when not."""
     from npumoe.engine.cost_cache import CostCache
 
@@ -256,8 +256,8 @@ def _costs(backend: str, plan: ExpertPlan, model: Model, home: Any, *, compiled:
     from npumoe.engine.backends import BackendOptions, get_backend
     from npumoe.engine.placement import measure
 
-    options = BackendOptions(compiled_dir=compiled, **({"compute_units": compute_units} if compute_units else {}))
-    costs = measure(plan, get_backend(backend, options), model.get().model)
+    backend_here = get_backend(backend, BackendOptions(compiled_dir=home.compiled, compute_units=units))
+    costs = measure(plan, backend_here, model.get().model)
     cache.put(backend, plan, costs)
     return costs, False
 
