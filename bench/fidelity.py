@@ -17,9 +17,11 @@ import torch.nn.functional as F
 
 from npumoe.engine.backends import get_backend
 from npumoe.engine.calibrate import Calibration, calibrate
+from npumoe.engine.cost_cache import machine
 from npumoe.engine.models import LoadedModel, moe_experts
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
 from npumoe.engine.prefill import new_cache, prefill, windows
+from npumoe.engine.residency import MeasuredCosts, decide_residency
 from npumoe.engine.runtime import MoeRuntime
 from npumoe.engine.timing import median_seconds
 from npumoe.engine.vocabulary import PRUNE, SPILL, TORCH_STATIC
@@ -79,12 +81,14 @@ def run_fidelity_bench(loaded: LoadedModel, calibration_texts: Sequence[tuple[st
         _, hidden = experts.gate_up_proj.shape[1:]
         ffn = experts.down_proj.shape[2]
         backend = get_backend(TORCH_STATIC)
-        cost = backend.measure_costs(hidden, ffn, experts.gate_up_proj.dtype, DEFAULT_GROUP_SIZE)
+        costs = MeasuredCosts(backend.measure_costs(hidden, ffn, experts.gate_up_proj.dtype, DEFAULT_GROUP_SIZE),
+                              hidden, ffn, measured_on=f"{backend.name} on {machine()}")
         for scale in settings.scales:
             for overflow in OVERFLOWS:
                 plan = make_plan(scaled(calibration, scale), model=loaded.name, model_key=loaded.key,
-                                 backend=backend.name, cost=cost, hidden=hidden, ffn=ffn, overflow=overflow)
-                runtime = MoeRuntime(model, backend, plan, overflow=overflow)
+                                 overflow=overflow)
+                runtime = MoeRuntime(model, backend, plan, overflow=overflow,
+                                     residency=decide_residency(plan, backend, costs))
                 try:
                     row = {"impl": f"npumoe-{backend.name}-{overflow}", "capacity_scale": scale, "overflow": overflow,
                            "tiers": list(plan.tiers), **agreement(logits(), exact),

@@ -18,13 +18,17 @@ from transformers import PreTrainedModel
 
 from npumoe.engine.backends import get_backend
 from npumoe.engine.calibrate import Calibration, load_statistics
+from npumoe.engine.cost_cache import machine
 from npumoe.engine.dispatch import DispatchStats
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
+from npumoe.engine.residency import MeasuredCosts, Residency, decide_residency
 from npumoe.engine.runtime import MoeRuntime
 from npumoe.engine.vocabulary import CPU, PRUNE, SPILL, TORCH_STATIC
 
 from .timing import interleaved_median_seconds
+
+PricedPlan = tuple[ExpertPlan, Residency]  # a plan and where its groups run on the backend, from costs measured here
 
 # Largest relative L2 error against transformers-eager that still counts as the same output: fp32
 # differs only in summation order; bf16 rounds every intermediate (eager even accumulates in bf16).
@@ -56,7 +60,7 @@ IMPLS = (*(f"transformers-{name}" for name in TRANSFORMERS_IMPLS), *ENGINE_PATHS
 REFERENCE = "transformers-eager"
 
 
-def build_runtime(model: PreTrainedModel, impl: str, plans: dict[str, ExpertPlan]) -> MoeRuntime | None:
+def build_runtime(model: PreTrainedModel, impl: str, plans: dict[str, PricedPlan]) -> MoeRuntime | None:
     """The engine's runtime for `impl`, built and left detached; None for transformers' own implementations."""
     if impl.startswith("transformers-"):
         return None
@@ -64,7 +68,8 @@ def build_runtime(model: PreTrainedModel, impl: str, plans: dict[str, ExpertPlan
         raise ValueError(f"unknown implementation {impl!r}; choose one of {', '.join(IMPLS)}")
     path = ENGINE_PATHS[impl]
     backend = get_backend(path.backend)
-    runtime = MoeRuntime(model, backend, plans[path.overflow] if backend.static else None, overflow=path.overflow)
+    plan, residency = plans[path.overflow] if backend.static else (None, None)
+    runtime = MoeRuntime(model, backend, plan, overflow=path.overflow, residency=residency)
     runtime.detach()
     return runtime
 
@@ -83,7 +88,7 @@ def selected(model: PreTrainedModel, impl: str, runtime: MoeRuntime | None) -> I
         runtime.detach()
 
 
-def measure_impls(model: PreTrainedModel, plans: dict[str, ExpertPlan], run: Callable[[], torch.Tensor], *,
+def measure_impls(model: PreTrainedModel, plans: dict[str, PricedPlan], run: Callable[[], torch.Tensor], *,
                   tokens: int, warmup: int, repeats: int,
                   alongside: Mapping[str, Callable[[], object]] | None = None) -> list[dict]:
     """Every implementation on `run()`: checked against transformers-eager, then timed side by side in rounds
@@ -147,13 +152,15 @@ def calibration_from_loads(layers: Sequence[tuple[str, torch.Tensor]], *, chunk_
 
 
 def static_plans(calibration: Calibration, *, model: str, hidden: int, ffn: int,
-                 dtype: torch.dtype) -> dict[str, ExpertPlan]:
-    """torch-static plans for `calibration`, one per overflow policy, priced by costs measured here."""
+                 dtype: torch.dtype) -> dict[str, PricedPlan]:
+    """torch-static plans for `calibration`, one per overflow policy, each with its residency from costs
+    measured here."""
     backend = get_backend(TORCH_STATIC)
-    cost = backend.measure_costs(hidden, ffn, dtype, group_size=DEFAULT_GROUP_SIZE)
-    return {path.overflow: make_plan(calibration, model=model, model_key=model, backend=backend.name, cost=cost,
-                                     hidden=hidden, ffn=ffn, overflow=path.overflow)
-            for path in ENGINE_PATHS.values() if path.backend == backend.name}
+    costs = MeasuredCosts(backend.measure_costs(hidden, ffn, dtype, group_size=DEFAULT_GROUP_SIZE), hidden, ffn,
+                          measured_on=f"{backend.name} on {machine()}")
+    plans = {path.overflow: make_plan(calibration, model=model, model_key=model, overflow=path.overflow)
+             for path in ENGINE_PATHS.values() if path.backend == backend.name}
+    return {overflow: (plan, decide_residency(plan, backend, costs)) for overflow, plan in plans.items()}
 
 
 def gate(impl: str, output: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> dict:

@@ -55,6 +55,11 @@ class Home:
         return self.root / "compiled"
 
     @property
+    def costs(self) -> Path:
+        """Backends' measured costs, per backend, machine and plan: what residency is decided from."""
+        return self.root / "costs"
+
+    @property
     def models(self) -> Path:
         return self.root / "models"
 
@@ -71,7 +76,7 @@ class Home:
         old = os.umask(0o077)
         try:
             for folder in (self.root, self.inbox, self.outbox, self.processed, self.failed, self.logs,
-                           self.plans, self.compiled, self.models, self.reports):
+                           self.plans, self.compiled, self.costs, self.models, self.reports):
                 folder.mkdir(parents=True, exist_ok=True)
         finally:
             os.umask(old)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
+from npumoe.engine.vocabulary import COREML
 from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.outputs import temporary_path
 
@@ -69,6 +70,17 @@ def demo_model(models_dir: Path) -> Path:
     return target
 
 
+def backend_description(backend: str) -> str:
+    """The configured backend as `status` shows it: and where its graphs run, when that is not its device."""
+    if backend == COREML:
+        from npumoe.engine.coreml.env import coreml_availability  # torch-free; imports Core ML only on macOS
+
+        available, reason = coreml_availability()
+        if not available:
+            return f"{backend} (graphs through torch: {reason})"
+    return backend
+
+
 def engine_settings(config: Config, home: Home, *, threads: int | None) -> EngineSettings:
     """The engine's settings from the config's [model] section, the model name resolved."""
     from npumoe.engine import EngineSettings
@@ -87,6 +99,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         summary_tokens=m.summary_tokens,
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
+        costs_dir=home.costs,
     )
 
 

@@ -42,7 +42,7 @@ from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.layer_checks import LayerChecked
 from npumoe.daemon.measure import Meter
-from npumoe.daemon.models import ModelSlot
+from npumoe.daemon.models import ModelSlot, backend_description
 from npumoe.daemon.priority import apply_background_priority, worker_threads
 from npumoe.daemon.scheduler import Decision, Scheduler
 from npumoe.daemon.stall import StallWatch
@@ -180,7 +180,7 @@ class Worker:
             started_at=now,
             stopped_at=None,
             model=self.config.model.name,
-            backend=self.config.model.backend,
+            backend=backend_description(self.config.model.backend),
         )
         self._write_row()
         self._handle_signals()

@@ -12,7 +12,7 @@ backend is asked for, so one that brings a runtime of its own (Core ML) costs th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,7 @@ from .vocabulary import COREML, CPU, DEFAULT_COMPUTE_UNITS, TORCH_STATIC
 
 if TYPE_CHECKING:
     from .coreml.backend import CoreMLBackend
+    from .residency import GroupMeasure
 
 # Rows per call for the two-point cost fit: one row shows the fixed cost, a full chunk the throughput.
 _FIT_ROWS = (1, 256)
@@ -45,9 +46,21 @@ class BackendOptions:
 _NO_OPTIONS = BackendOptions()
 
 
+@dataclass(frozen=True)
+class GroupSpec:
+    """One group graph a backend may build: G experts' weights of one layout, capacity and fp16 scale."""
+
+    weights: ExpertWeights
+    layout: ExpertsLayout
+    capacity: int
+    scale: float = 1.0
+
+
 class Backend:
     name: str = ""
     static: bool = False  # whether it runs group graphs (and so can use an ExpertPlan)
+    capacity_multiple: int = 1  # its graphs' capacities are padded to a multiple of this
+    fp16: bool = False  # whether its graphs compute in fp16 (so calibrated magnitudes must fit it)
 
     @classmethod
     def check(cls, options: BackendOptions) -> None:
@@ -63,9 +76,16 @@ class Backend:
         """Why experts of this layout cannot run in this backend's group graphs; None when they can."""
         return None
 
-    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> GroupGraph:
+    @classmethod
+    def fallback_reason(cls) -> str | None:
+        """Why this backend's graphs run through torch here instead of on its device; None when they do not."""
+        return None
+
+    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int,
+                    scale: float = 1.0) -> GroupGraph:
         """A (G, C, H) -> (G, C, H) graph for G experts' weights of this layout at capacity C (a compiled
-        backend builds one graph per shape; torch runs any)."""
+        backend builds one graph per shape; torch runs any). An fp16 backend computes the values divided by
+        `scale` inside its graph and multiplies them back; the others ignore it."""
         raise ValueError(f"the {self.name} backend has no static graphs; plans need a static backend "
                          f"({', '.join(n for n in REGISTRY if backend_class(n).static)})")
 
@@ -78,6 +98,11 @@ class Backend:
         """Time this backend's group graphs and the exact CPU path at the model's expert geometry."""
         raise ValueError(f"the {self.name} backend has no static graphs to measure")
 
+    def time_groups(self, groups: Mapping[str, GroupSpec]) -> dict[str, GroupMeasure]:
+        """Each group's own graph timed on the backend's device (and where its ops run), by the caller's keys;
+        empty for a backend whose cost model covers its graphs (torch runs any shape at the measured rate)."""
+        return {}
+
 
 class CpuBackend(Backend):
     name = CPU
@@ -87,7 +112,8 @@ class TorchStaticBackend(Backend):
     name = TORCH_STATIC
     static = True
 
-    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> GroupGraph:
+    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int,
+                    scale: float = 1.0) -> GroupGraph:
         return GroupedExperts(weights, layout).eval()
 
     @torch.inference_mode()

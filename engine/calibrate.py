@@ -3,19 +3,23 @@
 The load of an expert in one chunk is the number of the chunk's tokens routed to it. Texts are
 joined (end-of-text between them) into one token stream, prefilled in windows that fit the
 model's context, and only full chunks are counted (a short last chunk would understate every load),
-unless the data holds no full chunk at all.
+unless the data holds no full chunk at all. Every chunk also shows each expert's largest values
+(its input, inner projections and output), so a backend that computes in fp16 knows which experts
+would overflow it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .backends import get_backend
+from .cpu_experts import CpuExperts
 from .models import LoadedModel
-from .plan import ExpertLoad
+from .plan import ExpertLoad, ExpertMagnitudes
 from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
 from .vocabulary import CPU
@@ -28,6 +32,7 @@ class Calibration:
     chunks: int  # chunks whose loads were counted
     sources: tuple[str, ...]
     layers: tuple[tuple[str, ExpertLoad], ...]  # (experts module name, its load) per MoE layer
+    magnitudes: tuple[tuple[str, ExpertMagnitudes], ...] = ()  # (experts module name, its largest values)
 
 
 def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = 512,
@@ -47,6 +52,9 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
     pieces = windows(stream, window)
     chunk_lengths = [len(chunk) for piece in pieces for chunk in windows(piece, chunk_tokens)]
     runtime = MoeRuntime(loaded.model, get_backend(CPU))
+    peaks = [PeakRecorder(layer.experts) for layer in runtime.layers]
+    for layer, recorder in zip(runtime.layers, peaks, strict=True):
+        layer.experts = recorder  # the cpu backend runs every expert on this path
     done = 0
     try:
         with runtime.recording_loads() as loads:
@@ -63,7 +71,40 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
         (name, load_statistics(torch.stack(calls)[counted].float()))
         for name, calls in zip(runtime.names, loads, strict=True))
     return Calibration(chunk_tokens=chunk_tokens, tokens=len(stream), chunks=len(counted),
-                       sources=tuple(source for source, _ in texts), layers=layer_loads)
+                       sources=tuple(source for source, _ in texts), layers=layer_loads,
+                       magnitudes=tuple((name, recorder.magnitudes())
+                                        for name, recorder in zip(runtime.names, peaks, strict=True)))
+
+
+class PeakRecorder:
+    """A layer's CPU experts that also keep each expert's largest absolute values, as `ExpertMagnitudes` names
+    them. It computes what `CpuExperts` computes, with the same packed weights, looking at the values on the way."""
+
+    def __init__(self, experts: CpuExperts) -> None:
+        self.experts = experts
+        self.peaks = torch.zeros(len(experts), len(ExpertMagnitudes.__dataclass_fields__))
+        self._lock = threading.Lock()  # workers may run pieces of one expert side by side
+
+    def __len__(self) -> int:
+        return len(self.experts)
+
+    def __call__(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.experts.gate_up[expert](x).chunk(2, dim=-1)
+        peaks = [_peak(x), _peak(up), _peak(gate)]
+        gated = self.experts.act(gate).mul_(up)
+        y = self.experts.down[expert](gated, out)
+        found = torch.tensor([max(peaks[0], peaks[1], _peak(gated)), peaks[2], _peak(y)])
+        with self._lock:
+            torch.maximum(self.peaks[expert], found, out=self.peaks[expert])
+        return y
+
+    def magnitudes(self) -> ExpertMagnitudes:
+        activation, gate, output = (tuple(float(f"{v:.4g}") for v in column) for column in self.peaks.T.tolist())
+        return ExpertMagnitudes(activation=activation, gate=gate, output=output)
+
+
+def _peak(t: torch.Tensor) -> float:
+    return float(t.abs().amax()) if t.numel() else 0.0
 
 
 def load_statistics(counts: torch.Tensor) -> ExpertLoad:

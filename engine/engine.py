@@ -24,6 +24,7 @@ import torch
 from .backends import BackendOptions, backend_class, get_backend
 from .dispatch import DispatchStats
 from .models import LoadedModel, load_model
+from .placement import CostCache, place
 from .plan import ExpertPlan, PlanError
 from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
@@ -57,6 +58,7 @@ class EngineSettings:
     summary_tokens: int = 128  # max new tokens for the summary
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
     coreml_compute_units: str = DEFAULT_COMPUTE_UNITS  # one of vocabulary.COMPUTE_UNITS
+    costs_dir: Path | None = None  # where the backend's measured costs are cached; None: measure at every load
 
     def __post_init__(self) -> None:
         backend_class(self.backend).check(self.backend_options)  # an unknown name, or options it cannot run with
@@ -134,7 +136,10 @@ class Engine:
         self.loaded = loaded
         self.plan = plan
         backend = get_backend(settings.backend, settings.backend_options)
-        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow)
+        cache = CostCache(settings.costs_dir) if settings.costs_dir is not None else None
+        # where the plan's groups run on this backend, here
+        self.residency = place(plan, backend, loaded.model, cache) if plan is not None else None
+        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency)
         self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)

@@ -72,8 +72,17 @@ def load_model(
     except ModelError as e:
         raise ModelError(f"{name}: {e}") from e
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path,
-                       key=f"{name}@{fingerprint(path)}")
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path, key=_key(name, path))
+
+
+def model_key(ref: str | Path, *, trust_remote_code: bool = False, allow_download: bool = False) -> str:
+    """The key `load_model(ref)` would give its model, without loading it."""
+    path, name = _resolve(str(ref), allow_download=allow_download, trust_remote_code=trust_remote_code)
+    return _key(name, path)
+
+
+def _key(name: str, path: Path) -> str:
+    return f"{name}@{fingerprint(path)}"
 
 
 def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:

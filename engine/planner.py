@@ -1,4 +1,4 @@
-"""Making an `ExpertPlan` from a calibration: tiers, each expert's tier, groups and residency.
+"""Making an `ExpertPlan` from a calibration: tiers, each expert's tier, and groups.
 
 1. Each expert needs a capacity that covers its calibrated 95th-percentile load per chunk, rounded
    up to a multiple of `align` (static shapes like aligned sizes).
@@ -7,10 +7,9 @@
    the distinct needs. Each expert takes the smallest tier that covers its need.
 3. Groups: per layer and tier, experts by falling mean load, G at a time, so hot experts share
    graphs with hot ones and the cold ones end up together.
-4. Residency: a group stays on the accelerator when one launch of its padded graph is expected to
-   cost no more than running its experts on the exact CPU path (the backend's measured costs).
 
-`calibrate_plan` does it all for a model: load, calibrate, measure the backend's costs, plan, save.
+Which groups run on the accelerator is not decided here but for each backend and machine where the plan
+runs (`residency.py`). `calibrate_plan` does it all for a model: load, calibrate, plan, save.
 """
 
 from __future__ import annotations
@@ -23,11 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .backends import get_backend
 from .calibrate import Calibration, calibrate
-from .cost import CostModel
-from .experts_layout import expert_weights
-from .models import load_model, moe_layouts
+from .models import LoadedModel, load_model
 from .plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
 from .vocabulary import FLOAT32, OVERFLOW_POLICIES, PRUNE
 
@@ -36,36 +32,41 @@ DEFAULT_GROUP_SIZE = 4
 DEFAULT_ALIGN = 8
 
 
-def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, backend: str,
-                   chunk_tokens: int = 512, overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS,
-                   group_size: int = DEFAULT_GROUP_SIZE, dtype: str = FLOAT32, threads: int | None = None,
-                   trust_remote_code: bool = False, allow_download: bool = False,
+def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, chunk_tokens: int = 512,
+                   overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
+                   dtype: str = FLOAT32, threads: int | None = None, trust_remote_code: bool = False,
+                   allow_download: bool = False,
                    progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
-    """Load `model`, calibrate it on `texts` ((source name, text) pairs), measure `backend`'s costs at its
-    experts' shape and dtype, and write the plan to `out`; returns the plan.
+    """Load `model`, calibrate it on `texts` ((source name, text) pairs) and write the plan to `out`; returns
+    the plan.
 
-    `progress`, if given, is entered around the calibration pass only (not the loading or the cost measurement);
-    what it yields, when not None, is called as (chunks done, chunks in all) after each chunk. A model that cannot
-    be loaded raises `ModelError`, unusable calibration settings or data `ValueError` (its parent).
+    `progress`, if given, is entered around the calibration pass only (not the loading); what it yields, when
+    not None, is called as (chunks done, chunks in all) after each chunk. A model that cannot be loaded raises
+    `ModelError`, unusable calibration settings or data `ValueError` (its parent).
     """
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model, trust_remote_code=trust_remote_code, allow_download=allow_download, dtype=dtype)
-    with progress or nullcontext() as on_chunk:
-        calibration = calibrate(loaded, texts, chunk_tokens=chunk_tokens, on_chunk=on_chunk)
-    _, experts, layout = moe_layouts(loaded.model)[0]
-    hidden, ffn = expert_weights(experts, layout).down.shape[1:]  # as stored, whatever the family's layout
-    cost = get_backend(backend).measure_costs(hidden, ffn, experts.down_proj.dtype, group_size)
-    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend=backend, cost=cost,
-                     hidden=hidden, ffn=ffn, overflow=overflow, group_size=group_size, n_tiers=n_tiers)
+    plan = plan_loaded(loaded, texts, chunk_tokens=chunk_tokens, overflow=overflow, n_tiers=n_tiers,
+                       group_size=group_size, progress=progress)
     plan.save(out)
     return plan
 
 
-def make_plan(calibration: Calibration, *, model: str, model_key: str, backend: str, cost: CostModel,
-              hidden: int, ffn: int, overflow: str = PRUNE, group_size: int = DEFAULT_GROUP_SIZE,
-              n_tiers: int = DEFAULT_TIERS, align: int = DEFAULT_ALIGN) -> ExpertPlan:
-    """The plan for `calibration` on a backend with `cost`; `hidden`/`ffn` are the experts' H and I."""
+def plan_loaded(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = 512,
+                overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
+                progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
+    """The plan for a model already loaded, calibrated on `texts` (`progress` as for `calibrate_plan`)."""
+    with progress or nullcontext() as on_chunk:
+        calibration = calibrate(loaded, texts, chunk_tokens=chunk_tokens, on_chunk=on_chunk)
+    return make_plan(calibration, model=loaded.name, model_key=loaded.key, overflow=overflow,
+                     group_size=group_size, n_tiers=n_tiers)
+
+
+def make_plan(calibration: Calibration, *, model: str, model_key: str, overflow: str = PRUNE,
+              group_size: int = DEFAULT_GROUP_SIZE, n_tiers: int = DEFAULT_TIERS,
+              align: int = DEFAULT_ALIGN) -> ExpertPlan:
+    """The plan for `calibration`: tiers, each expert's tier, groups."""
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
     if group_size < 1 or n_tiers < 1 or align < 1:
@@ -74,13 +75,15 @@ def make_plan(calibration: Calibration, *, model: str, model_key: str, backend: 
              for name, load in calibration.layers}
     tiers = choose_tiers([n for layer in needs.values() for n in layer if n > 0], n_tiers) or (align,)
     layers = []
+    magnitudes = dict(calibration.magnitudes)
     for name, load in calibration.layers:
         expert_tier = tuple(next(t for t, c in enumerate(tiers) if c >= need) for need in needs[name])
-        groups = _groups(load, expert_tier, tiers, group_size, cost, hidden, ffn)
-        layers.append(LayerPlan(name=name, load=load, expert_tier=expert_tier, groups=groups))
+        groups = _groups(load, expert_tier, len(tiers), group_size)
+        layers.append(LayerPlan(name=name, load=load, expert_tier=expert_tier, groups=groups,
+                                magnitudes=magnitudes.get(name)))
     return ExpertPlan(
-        model=model, model_key=model_key, backend=backend, chunk_tokens=calibration.chunk_tokens,
-        overflow=overflow, group_size=group_size, tiers=tiers, cost=cost,
+        model=model, model_key=model_key, chunk_tokens=calibration.chunk_tokens,
+        overflow=overflow, group_size=group_size, tiers=tiers,
         calibration_tokens=calibration.tokens, calibration_chunks=calibration.chunks,
         sources=calibration.sources, layers=tuple(layers),
     )
@@ -106,15 +109,10 @@ def _need(p95: float, align: int, chunk_tokens: int) -> int:
     return min(math.ceil(p95 / align) * align, max(chunk_tokens, 1))
 
 
-def _groups(load: ExpertLoad, expert_tier: Sequence[int], tiers: Sequence[int], group_size: int,
-            cost: CostModel, hidden: int, ffn: int) -> tuple[ExpertGroup, ...]:
+def _groups(load: ExpertLoad, expert_tier: Sequence[int], n_tiers: int, group_size: int) -> tuple[ExpertGroup, ...]:
     groups = []
-    for tier, capacity in enumerate(tiers):
+    for tier in range(n_tiers):
         members = sorted((e for e, t in enumerate(expert_tier) if t == tier), key=lambda e: (-load.mean[e], e))
-        for start in range(0, len(members), group_size):
-            experts = tuple(members[start:start + group_size])
-            static_s = cost.group_seconds(len(experts), capacity, hidden, ffn)
-            cpu_s = cost.cpu_seconds([load.mean[e] for e in experts], hidden, ffn)
-            residency = "accelerator" if static_s <= cpu_s else "cpu"
-            groups.append(ExpertGroup(tier=tier, experts=experts, residency=residency))
+        groups += [ExpertGroup(tier=tier, experts=tuple(members[start:start + group_size]))
+                   for start in range(0, len(members), group_size)]
     return tuple(groups)

@@ -29,9 +29,10 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from .backends import Backend
 from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
-from .experts_layout import ExpertsLayout, ExpertWeights, expert_weights
+from .experts_layout import GLU, ExpertsLayout, ExpertWeights, expert_weights
 from .models import moe_layouts
 from .plan import ExpertPlan, LayerPlan, PlanError
+from .residency import Placement, Residency, decide_residency
 from .vocabulary import SPILL
 
 IMPLEMENTATION = "npumoe"
@@ -58,32 +59,41 @@ ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, experts_forward)
 class MoeRuntime:
     """One `MoeLayer` per experts module of `model`, built from the plan's groups on `backend`.
 
-    Without a plan every expert runs on the exact CPU path. Dispatch counts accumulate in `stats`
-    for prefill; inside `decoding()` layers run exact and uncounted (one token per step). A new runtime
-    is attached; several runtimes of one model may be built, and `attach()` selects which one runs.
+    `residency` (decided for this backend, `placement.place`) says which groups run as graphs, at which
+    capacity; without one, every group calibration saw load for does. Without a plan every expert runs on
+    the exact CPU path. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
+    exact and uncounted (one token per step). A new runtime is attached; several runtimes of one model may
+    be built, and `attach()` selects which one runs.
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
-                 overflow: str = SPILL) -> None:
+                 overflow: str = SPILL, residency: Residency | None = None) -> None:
         if backend.static and plan is None:
             raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
-        if plan is not None and plan.backend != backend.name:
-            raise PlanError(f"the plan was made for the {plan.backend} backend, not {backend.name}: "
-                            f"use that backend or calibrate for {backend.name}")
         experts = moe_layouts(model)
         plans = _layer_plans(plan, experts)
+        placed = {}
+        if plan is not None:  # without measured costs, every group calibration saw load for runs as a graph
+            residency = residency or decide_residency(plan, backend)
+            placed = {layer.name: p for layer, p in zip(plan.layers, residency.layers, strict=True)}
         self.model = model
         self.stats = DispatchStats()
         self.exact_only = False
         self.layers: list[MoeLayer] = []
         for (name, module, layout), layer_plan in zip(experts, plans, strict=True):
             weights = expert_weights(module, layout)
-            resident = [group for group in layer_plan.groups if group.residency == "accelerator"] if layer_plan else []
+            resident = [(group, placement) for group, placement in zip(layer_plan.groups, placed[layer_plan.name],
+                                                                       strict=True)
+                        if placement.accelerator] if layer_plan else []
             if resident and (problem := backend.static_problem(layout)) is not None:
                 log.warning("%s: its experts run on the CPU, not in %s group graphs: %s", name, backend.name, problem)
                 resident = []
-            groups = [_static_group(backend, weights, layout, group.experts, plan.tiers[group.tier])
-                      for group in resident]
+            if layout.gate != GLU and any(placement.scale != 1.0 for _, placement in resident):
+                log.warning("%s: groups beyond fp16 range run on the CPU: a %s layout cannot be scaled", name,
+                            layout.describe())
+                resident = [(group, placement) for group, placement in resident if placement.scale == 1.0]
+            groups = [_static_group(backend, weights, layout, group.experts, placement)
+                      for group, placement in resident]
             self.layers.append(MoeLayer(weights, layout, groups=groups, overflow=overflow, submit=backend.submit,
                                         experts=_cpu_experts(module, weights, layout),
                                         post_norm=module.post_expert_norm if layout.post_norm else None))
@@ -154,10 +164,10 @@ def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayou
 
 
 def _static_group(backend: Backend, weights: ExpertWeights, layout: ExpertsLayout, ids: tuple[int, ...],
-                  capacity: int) -> StaticGroup:
-    """The backend's graph for experts `ids` of one experts module, at `capacity`."""
-    graph = backend.build_group(weights.select(ids), layout, capacity)
-    return StaticGroup(experts=ids, capacity=capacity, graph=graph)
+                  placement: Placement) -> StaticGroup:
+    """The backend's graph for experts `ids` of one experts module, at the placement's capacity and scale."""
+    graph = backend.build_group(weights.select(ids), layout, placement.capacity, placement.scale)
+    return StaticGroup(experts=ids, capacity=placement.capacity, graph=graph)
 
 
 def _layer_plans(plan: ExpertPlan | None,

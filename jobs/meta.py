@@ -37,6 +37,16 @@ class Seconds:
     total: float
 
 
+@dataclass(frozen=True)
+class Residency:
+    """Where the plan's groups ran: decided at load for the backend and machine at hand."""
+
+    accelerator_groups: int
+    cpu_groups: int
+    measured_on: str | None  # the backend and machine whose measured costs decided it; None without them
+    fallback: str | None  # why the backend's graphs ran through torch instead of its device; None when they did not
+
+
 @dataclass(frozen=True, kw_only=True)
 class DocumentMeta:
     schema_version: int = SCHEMA_VERSION
@@ -50,6 +60,7 @@ class DocumentMeta:
     overflow: str
     dtype: str
     chunk_tokens: int
+    residency: Residency
     extraction: Extraction
     tokens: int
     chunks: int

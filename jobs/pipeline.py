@@ -35,7 +35,7 @@ from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
 from npumoe.jobs.faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
 from npumoe.jobs.files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
 from npumoe.jobs.index import IndexEntry, write_entry, write_local
-from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
+from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
 from npumoe.jobs.outputs import (
     OFFSETS_FILE,
     TEXT_FILE,
@@ -361,6 +361,7 @@ class Pipeline:
             overflow=settings.overflow,
             dtype=settings.dtype,
             chunk_tokens=stats.chunk_tokens,
+            residency=_residency(engine),
             extraction=Extraction(extracted.format, extracted.pages, len(extracted.text)),
             tokens=stats.tokens,
             chunks=stats.chunks,
@@ -382,6 +383,14 @@ class Pipeline:
 def _readable(text: str) -> str:
     """`text` as valid Unicode: the bytes of a name that is not UTF-8 (surrogate escapes) shown as \\xNN."""
     return os.fsencode(text).decode("utf-8", "backslashreplace")
+
+
+def _residency(engine: Engine) -> Residency:
+    placed = engine.residency
+    if placed is None:  # no plan: every expert on the exact CPU path
+        return Residency(accelerator_groups=0, cpu_groups=0, measured_on=None, fallback=None)
+    return Residency(accelerator_groups=placed.accelerator_groups, cpu_groups=placed.cpu_groups,
+                     measured_on=placed.measured_on, fallback=placed.fallback)
 
 
 def _summary_markdown(name: str, model: str, result: DocumentResult) -> str:

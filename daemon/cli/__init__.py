@@ -25,7 +25,7 @@ AREA_COMMANDS = {
     "install": "service:install", "uninstall": "service:uninstall", "pause": "service:pause",
     "resume": "service:resume", "batch": "service:batch", "doctor": "service:doctor",
     "model": "engine:model_group", "calibrate": "engine:calibrate_command", "plan": "engine:plan_group",
-    "compile": "coreml:compile_command",
+    "compile": "coreml:compile_command", "prepare": "prepare:prepare_command",
     "search": "search:search", "similar": "search:similar", "reindex": "search:reindex_command",
     "bench": "npumoe.bench.cli:bench",  # the benchmarks live apart from the product; this is their only door
 }

@@ -1,8 +1,10 @@
 """`npumoed compile`: convert a plan's group graphs into Core ML packages for the Neural Engine.
 
-The lead wires it into `npumoed` with `main.add_command(compile_command)`. Builds go to the home's
-compiled/ folder, keyed by model, plan and coremltools version; an existing finished build is kept
-unless --force. Conversion runs on any platform; only running the packages needs macOS.
+Builds go to the home's compiled/ folder, keyed by model, plan and coremltools version; an existing
+finished build is kept unless --force, and two processes building one wait for each other rather than
+both writing it. Every group calibration saw load for is converted (at the Neural Engine's capacity
+multiple, scaled where fp16 needs it): which of them pay on the accelerator is measured on the Mac.
+Conversion runs on any platform; only running the packages needs macOS. `npumoed prepare` uses `build`.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ from rich.table import Table
 
 from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.models import ModelNotFound, resolve_model
+from npumoe.engine.vocabulary import COREML
 
 if TYPE_CHECKING:
+    from npumoe.engine.coreml.cache import Manifest
     from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
     from npumoe.engine.plan import ExpertPlan
+
+MAX_PACKAGE_MB = 1024
 
 
 class Source(NamedTuple):
@@ -38,13 +44,13 @@ class Source(NamedTuple):
 @click.command("compile")
 @click.option("--model", "model_name", help="Model: \"demo\", a checkpoint folder or a Hugging Face id (with --plan).")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="The ExpertPlan whose accelerator groups to convert (made for this model).")
+              help="The ExpertPlan whose groups to convert (calibrated for this model).")
 @click.option("--geometry", help="Sizing run instead: random weights at a named MoE geometry, e.g. qwen3-30b-a3b.")
 @click.option("--layers", type=click.IntRange(min=1), default=1, show_default=True,
               help="Sizing run: how many random layers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sizing run: experts per group graph.")
-@click.option("--max-package-mb", type=click.IntRange(min=1), default=1024, show_default=True,
+@click.option("--max-package-mb", type=click.IntRange(min=1), default=MAX_PACKAGE_MB, show_default=True,
               help="Start a new package before one would pass this many MiB of weights.")
 @click.option("--force", is_flag=True, help="Rebuild even when a finished build exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the build's summary as JSON.")
@@ -54,37 +60,53 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
     """Convert group graphs to Core ML packages for the Neural Engine (fp16, multifunction)."""
     if (geometry and (model_name or plan_path)) or (not geometry and not (model_name and plan_path)):
         raise click.UsageError("give either --model and --plan, or --geometry for a random-weight sizing run")
-    from npumoe.engine.coreml.cache import build_folder, read_manifest
-    from npumoe.engine.coreml.convert import ConversionError, build_packages, plan_digest, plan_group_graphs
-    from npumoe.engine.coreml.env import import_coremltools
-
-    if geometry:
-        source = _sizing(geometry, layers, group_size)
-        groups = plan_group_graphs(source.plan, resident_only=False)  # sizing: as if every group were resident
-    else:
-        source = _checkpoint(app, model_name, plan_path)
-        groups = plan_group_graphs(source.plan)
-    if not groups:
-        raise click.ClickException("the plan keeps every group on the CPU: there is nothing to convert")
-    digest = plan_digest(source.plan, groups)
-    folder = build_folder(app.home.compiled, source.model_key, digest, import_coremltools().__version__)
-    manifest = None if force else read_manifest(folder)
-    reused = manifest is not None
+    source = _sizing(geometry, layers, group_size) if geometry else _checkpoint(app, model_name, plan_path)
     started = time.perf_counter()
-    if manifest is None:
+    folder, manifest, reused = build(app.home.compiled, source.plan, source.model_key, lambda: source,
+                                     every_group=bool(geometry), force=force, max_package_bytes=max_package_mb << 20)
+    report(folder, manifest, reused, time.perf_counter() - started, as_json)
+
+
+def build(root: Path, plan: ExpertPlan, model_key: str, load: Callable[[], Source], *, every_group: bool = False,
+          force: bool = False, max_package_bytes: int = MAX_PACKAGE_MB << 20) -> tuple[Path, Manifest, bool]:
+    """(build folder, manifest, whether it was built already) for the Core ML graphs of `plan`: every group
+    calibration saw load for (residency on a Mac picks among them), or with `every_group` all of them. `load`
+    gives the weights, called only when there is something to convert."""
+    from npumoe.engine.backends import backend_class
+    from npumoe.engine.coreml.cache import build_folder, build_once
+    from npumoe.engine.coreml.convert import ConversionError, build_packages, plan_digest, plan_group_graphs
+    from npumoe.engine.coreml.env import coremltools_version
+    from npumoe.engine.residency import decide_residency
+
+    groups = plan_group_graphs(plan, decide_residency(plan, backend_class(COREML)), every_group=every_group)
+    if not groups:
+        raise click.ClickException("calibration saw no load for any group of the plan: there is nothing to convert")
+    digest = plan_digest(plan, groups)
+    folder = build_folder(root, model_key, digest, coremltools_version())
+
+    def convert() -> Manifest:
+        source = load()
         with Progress(TextColumn("converting {task.description}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), console=Console(stderr=True)) as progress:
             task = progress.add_task("group graphs", total=len(groups))
             try:
-                manifest = build_packages(
-                    groups, source.weights, source.layout, folder, model=source.model_key, digest=digest,
-                    max_package_bytes=max_package_mb << 20,
+                return build_packages(
+                    groups, source.weights, source.layout, folder, model=model_key, digest=digest,
+                    max_package_bytes=max_package_bytes,
                     on_converted=lambda g: progress.update(task, advance=1, description=g.function))
             except ConversionError as e:
                 raise click.ClickException(str(e)) from e
-    seconds = time.perf_counter() - started
+
+    manifest, reused = build_once(folder, convert, force=force)
+    return folder, manifest, reused
+
+
+def report(folder: Path, manifest: Manifest, reused: bool, seconds: float, as_json: bool) -> None:
+    """What a build holds: functions, packages and bytes, as a table or JSON."""
+    total = sum(manifest.package_bytes.values())
     summary = {"folder": str(folder), "reused": reused, "seconds": round(seconds, 1),
-               "functions": len(manifest.groups), "packages": manifest.package_bytes}
+               "functions": len(manifest.groups), "package_count": len(manifest.package_bytes), "bytes": total,
+               "packages": manifest.package_bytes}
     if as_json:
         emit_json(summary)
         return
@@ -94,7 +116,8 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
     console = Console()
     console.print(table)
     verb = "already built" if reused else f"built in {seconds:.1f} s"
-    console.print(f"{len(manifest.groups)} group graphs {verb}: {escape(str(folder))}")
+    console.print(f"{len(manifest.groups)} functions in {len(manifest.package_bytes)} packages, "
+                  f"{total / 2**20:.1f} MiB, {verb}: {escape(str(folder))}")
 
 
 def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:

@@ -20,10 +20,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from npumoe.daemon.cli.weights import quantize_command, size_command
-from npumoe.engine.vocabulary import DTYPES, FLOAT32, OVERFLOW_POLICIES, PRUNE, TORCH_STATIC
+from npumoe.engine.vocabulary import BACKENDS, DTYPES, FLOAT32, OVERFLOW_POLICIES, PRUNE
 
 if TYPE_CHECKING:
     from npumoe.engine.plan import ExpertPlan
+    from npumoe.engine.residency import MeasuredCosts, Residency
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "deepseek_v2", "deepseek_v3",
@@ -31,7 +32,6 @@ ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granit
                  "nemotron_h")
 # Where each family's config.json counts its routed experts.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-STATIC_BACKENDS = (TORCH_STATIC,)  # the static backend that needs no compiled graphs to measure its costs
 
 
 @click.group("model")
@@ -73,8 +73,6 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.argument("more_data", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Plan JSON to write.")
 @click.option("--chunk", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk length.")
-@click.option("--backend", type=click.Choice(STATIC_BACKENDS), default=TORCH_STATIC, show_default=True,
-              help="Backend the plan is for (its costs are measured here).")
 @click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), default=PRUNE, show_default=True,
               help="Overflow policy to record in the plan (the engine's own setting decides at run time).")
 @click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
@@ -86,10 +84,12 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own Python code.")
 @click.option("--allow-download", is_flag=True, help="Download the model from the Hugging Face Hub if needed.")
 def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[Path, ...], out: Path, chunk: int,
-                      backend: str, overflow: str, n_tiers: int, group_size: int, dtype: str, threads: int | None,
+                      overflow: str, n_tiers: int, group_size: int, dtype: str, threads: int | None,
                       trust_remote_code: bool, allow_download: bool) -> None:
-    """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan."""
-    calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk, backend=backend, overflow=overflow,
+    """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan.
+
+    The plan serves every backend: where its groups run is decided where it runs (`npumoed plan show --backend`)."""
+    calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk, overflow=overflow,
                         n_tiers=n_tiers, group_size=group_size, dtype=dtype, threads=threads,
                         trust_remote_code=trust_remote_code, allow_download=allow_download)
 
@@ -99,6 +99,20 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
     `calibrate_plan` (given `options`) write the plan to `out`, with a progress bar and a closing line on stderr."""
     _quiet_transformers()
     from npumoe.engine.planner import calibrate_plan
+
+    texts = document_texts(documents)
+    stderr = Console(stderr=True)
+    try:
+        plan = calibrate_plan(_model_ref(model_name), texts, out, progress=chunk_bar(stderr), **options)
+    except ValueError as e:  # ModelError among them
+        raise click.ClickException(str(e)) from e
+    stderr.print(f"calibrated {len(plan.layers)} MoE layers x {plan.layers[0].num_experts} experts on "
+                 f"{plan.calibration_tokens} tokens ({plan.calibration_chunks} chunks of {plan.chunk_tokens}); "
+                 f"tiers {list(plan.tiers)}; wrote {escape(str(out))}")
+
+
+def document_texts(documents: Sequence[Path]) -> list[tuple[str, str]]:
+    """(file name, extracted text) of each calibration document; a document that cannot be read is an error."""
     from npumoe.jobs.errors import ExtractionError, MissingDependency
     from npumoe.jobs.extract import extract_text
 
@@ -108,18 +122,11 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
             texts.append((path.name, extract_text(path).text))
         except (ExtractionError, MissingDependency) as e:
             raise click.ClickException(f"{path}: {e}") from e
-    stderr = Console(stderr=True)
-    try:
-        plan = calibrate_plan(_model_ref(model_name), texts, out, progress=_chunk_bar(stderr), **options)
-    except ValueError as e:  # ModelError among them
-        raise click.ClickException(str(e)) from e
-    stderr.print(f"calibrated {len(plan.layers)} MoE layers x {plan.layers[0].num_experts} experts on "
-                 f"{plan.calibration_tokens} tokens ({plan.calibration_chunks} chunks of {plan.chunk_tokens}); "
-                 f"tiers {list(plan.tiers)}; wrote {escape(str(out))}")
+    return texts
 
 
 @contextmanager
-def _chunk_bar(console: Console) -> Iterator[Callable[[int, int], None]]:
+def chunk_bar(console: Console) -> Iterator[Callable[[int, int], None]]:
     """A progress bar of calibration chunks; yields what to call with (done, total) after each chunk."""
     columns = (TextColumn("calibrating"), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"),
                TimeElapsedColumn())
@@ -135,55 +142,112 @@ def plan_group() -> None:
 
 @plan_group.command("show")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(exists=True, dir_okay=False, path_type=Path))
-@click.option("--json", "as_json", is_flag=True, help="Print the whole plan as JSON.")
-def plan_show_command(plan_path: Path, as_json: bool) -> None:
-    """Show an ExpertPlan: tiers, groups and residency per layer."""
+@click.option("--backend", type=click.Choice(BACKENDS),
+              help="Also where its groups run on this backend here, from the costs measured on this machine.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (with --backend, its residency too).")
+def plan_show_command(plan_path: Path, backend: str | None, as_json: bool) -> None:
+    """Show an ExpertPlan: tiers and groups per layer; with --backend, residency, padding and fp16 scaling."""
     from npumoe.engine.plan import ExpertPlan, PlanError
 
     try:
         plan = ExpertPlan.load(plan_path)
     except PlanError as e:
         raise click.ClickException(str(e)) from e
+    placed = _residency(plan, backend) if backend else None
     if as_json:
-        click.echo(json.dumps(plan.to_dict(), indent=2))
+        data = plan.to_dict()
+        click.echo(json.dumps(data if placed is None else {**data, "residency": _residency_dict(*placed)}, indent=2))
         return
-    _show(plan, Console())
+    console = Console()
+    _show(plan, console)
+    if placed is not None:
+        _show_residency(plan, *placed, console)
 
+
+def _residency(plan: ExpertPlan, backend: str) -> tuple[Residency, MeasuredCosts | None, int]:
+    """(residency on `backend` here, the measured costs it came from (None: not measured here yet), the
+    backend's capacity multiple), from the home's cost cache; nothing is measured or loaded."""
+    import dataclasses
+
+    from npumoe.daemon.home import Home
+    from npumoe.engine.backends import backend_class
+    from npumoe.engine.cost_cache import CostCache
+    from npumoe.engine.residency import decide_residency
+
+    traits = backend_class(backend)
+    costs = CostCache(Home.current().costs).get(backend, plan) if traits.static else None
+    placed = decide_residency(plan, traits, costs)
+    if costs is None and traits.static:
+        placed = dataclasses.replace(placed, fallback=traits.fallback_reason())
+    return placed, costs, traits.capacity_multiple
+
+
+def _residency_dict(placed: Residency, costs: MeasuredCosts | None, multiple: int) -> dict[str, Any]:
+    import dataclasses
+
+    return {**dataclasses.asdict(placed), "costs": costs.to_dict() if costs else None, "capacity_multiple": multiple}
 
 
 def _show(plan: ExpertPlan, console: Console) -> None:
-    c = plan.cost
-    console.print(f"[bold]{escape(plan.model)}[/] ({escape(plan.model_key)}) · backend {plan.backend} · "
-                  f"chunk {plan.chunk_tokens} tokens · overflow {plan.overflow} · "
-                  f"up to {plan.group_size} experts per group")
+    console.print(f"[bold]{escape(plan.model)}[/] ({escape(plan.model_key)}) · chunk {plan.chunk_tokens} tokens · "
+                  f"overflow {plan.overflow} · up to {plan.group_size} experts per group")
     console.print(f"calibrated on {plan.calibration_tokens} tokens, {plan.calibration_chunks} chunks: "
                   f"{escape(', '.join(plan.sources))}")
-    console.print(f"costs: launch {c.launch_s * 1e6:.1f} µs, graphs {c.static_flops / 1e9:.1f} GFLOP/s; "
-                  f"CPU expert call {c.cpu_call_s * 1e6:.1f} µs, CPU {c.cpu_flops / 1e9:.1f} GFLOP/s")
 
-    tiers = Table("tier", "capacity", "experts", "groups", "on accelerator", "on CPU", title="Tiers")
+    tiers = Table("tier", "capacity", "experts", "groups", title="Tiers")
     for t, capacity in enumerate(plan.tiers):
         groups = [g for layer in plan.layers for g in layer.groups if g.tier == t]
-        accelerator = sum(g.residency == "accelerator" for g in groups)
-        tiers.add_row(str(t), str(capacity), str(sum(len(g.experts) for g in groups)), str(len(groups)),
-                      str(accelerator), str(len(groups) - accelerator))
+        tiers.add_row(str(t), str(capacity), str(sum(len(g.experts) for g in groups)), str(len(groups)))
     console.print(tiers)
 
     layers = Table(title="Layers (load: routed tokens per chunk; padding expected from mean loads)")
     layers.add_column("experts module", overflow="fold")
-    for header in ("experts per tier", "groups acc/cpu", "hottest/mean load", "padding"):
+    for header in ("experts per tier", "groups", "hottest/mean load", "padding", "largest value"):
         layers.add_column(header, justify="right")
     for layer in plan.layers:
         mean = layer.load.mean
         per_tier = "/".join(str(layer.expert_tier.count(t)) for t in range(len(plan.tiers)))
-        accelerator = [g for g in layer.groups if g.residency == "accelerator"]
-        slots = sum(len(g.experts) * plan.tiers[g.tier] for g in accelerator)
-        filled = sum(min(mean[e], plan.tiers[g.tier]) for g in accelerator for e in g.experts)
+        slots = sum(len(g.experts) * plan.tiers[g.tier] for g in layer.groups)
+        filled = sum(min(mean[e], plan.tiers[g.tier]) for g in layer.groups for e in g.experts)
         average = sum(mean) / len(mean)
-        layers.add_row(layer.name, per_tier, f"{len(accelerator)}/{len(layer.groups) - len(accelerator)}",
-                       f"{max(mean) / average:.1f}x" if average else "-",
-                       f"{(slots - filled) / slots:.0%}" if slots else "-")
+        peaks = layer.magnitudes
+        largest = f"{max(*peaks.activation, *peaks.gate, *peaks.output):.3g}" if peaks else "-"
+        layers.add_row(layer.name, per_tier, str(len(layer.groups)), f"{max(mean) / average:.1f}x" if average else "-",
+                       f"{(slots - filled) / slots:.0%}" if slots else "-", largest)
     console.print(layers)
+
+
+def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | None, multiple: int,
+                    console: Console) -> None:
+    from npumoe.engine.residency import padding_cost
+
+    console.print(f"[bold]on {placed.backend}[/]: {placed.accelerator_groups} groups on the accelerator, "
+                  f"{placed.cpu_groups} on the CPU")
+    if costs is not None:
+        c = costs.cost
+        console.print(f"costs measured: {costs.measured_on}; launch {c.launch_s * 1e6:.1f} µs, graphs "
+                      f"{c.static_flops / 1e9:.1f} GFLOP/s; CPU expert call {c.cpu_call_s * 1e6:.1f} µs, CPU "
+                      f"{c.cpu_flops / 1e9:.1f} GFLOP/s; {len(costs.groups)} compiled graphs timed on the device")
+    elif placed.accelerator_groups:
+        console.print("costs not measured on this machine yet (`npumoed prepare`, or the first load measures them): "
+                      "every group calibration saw load for is a candidate")
+    if placed.fallback:
+        console.print(f"[yellow]graphs run through torch here[/]: {placed.fallback}")
+    plain, aligned = padding_cost(plan, multiple)
+    if multiple > 1:
+        console.print(f"capacities aligned to multiples of {multiple}: {aligned} slots per chunk instead of "
+                      f"{plain} (+{(aligned - plain) / plain:.0%} padding)")
+    reasons: dict[str, int] = {}
+    scaled = []
+    for i, layer in enumerate(placed.layers):
+        for g, p in enumerate(layer):
+            where = "accelerator" if p.accelerator else "CPU"
+            reasons[f"{where}: {p.reason}"] = reasons.get(f"{where}: {p.reason}", 0) + 1
+            if p.scale != 1.0:
+                scaled.append(f"{plan.layers[i].name} group {g} (x1/{p.scale:g})")
+    console.print("groups by reason: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())))
+    if scaled:
+        console.print("fp16 range: scaled in the graph, back on the host: " + "; ".join(scaled))
 
 
 def _model_ref(name: str) -> str:

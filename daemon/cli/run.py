@@ -203,7 +203,7 @@ def _demo_config(config: Config, home: Home, calibration_data: list[Path]) -> Co
     if not plan.exists():
         click.echo(f"calibrating an expert plan for the demo model on the samples: {plan}")
         calibrate_documents("demo", calibration_data, plan, chunk_tokens=config.model.chunk_tokens,
-                            backend=DEMO_BACKEND, overflow=config.model.overflow)
+                            overflow=config.model.overflow)
     summary_tokens = min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
     model = dataclasses.replace(
         config.model, name="demo", backend=DEMO_BACKEND, plan=str(plan), summary_tokens=summary_tokens

@@ -161,7 +161,8 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
         return
     checks = [*_service_checks(), _database_check(app.home),
               *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
-              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), *_backend_checks()]
+              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), *_backend_checks(),
+              _placement_check(app)]
     if as_json:
         emit_json({"checks": checks})
     else:
@@ -314,6 +315,24 @@ def _backend_checks() -> list[dict[str, str]]:
         ok, why = _backend_ready(name) if name in REGISTRY else (False, "not built into this engine yet")
         checks.append(_check(f"backend {name}", "ok" if ok else "warn", why))
     return checks
+
+
+def _placement_check(app: App) -> dict[str, str]:
+    """Where Core ML places the compiled group graphs' ops, totalled over the costs measured in this home."""
+    from npumoe.engine.cost_cache import CostCache
+
+    measured = [(name, costs) for name, costs in CostCache(app.home.costs).everything()
+                if name.startswith(f"{COREML}-") and any(m.ops for m in costs.groups.values())]
+    if not measured:
+        return _check("Neural Engine placement", "ok", "not read yet: `npumoed prepare --backend coreml` on a Mac "
+                                                       "reads it from each compiled graph's compute plan")
+    groups = [m for _, costs in measured for m in costs.groups.values() if m.ops]
+    on_engine, ops = sum(m.device_ops for m in groups), sum(m.ops for m in groups)
+    off = sum(m.device_ops < m.ops for m in groups)
+    detail = f"{on_engine} of {ops} ops on the Neural Engine ({on_engine / ops:.0%}) over {len(groups)} group graphs"
+    if off:
+        detail += f"; {off} graphs have ops off it (those mostly off it run on the CPU instead)"
+    return _check("Neural Engine placement", "warn" if off else "ok", detail)
 
 
 def _backend_ready(name: str) -> tuple[bool, str]:

@@ -48,6 +48,11 @@ ANE_REJECTED_OPS: dict[str, str] = {
 # height and width <= 16,384, channels <= 65,536 (the latter shared with the graph's splitting).
 ANE_MAX_RANK = 4
 ANE_MAX_SPATIAL = 16384
+# Apple, "Deploying Transformers on the Apple Neural Engine" (machinelearning.apple.com, 2022), principle 1:
+# the last axis of a Neural Engine buffer is padded to a multiple of 64 bytes, so a shorter one costs as much
+# as the padded one anyway. The group graphs' last axis is the capacity: 32 fp16 values.
+ANE_ROW_BYTES = 64
+ANE_CAPACITY_MULTIPLE = ANE_ROW_BYTES // 2
 
 
 def ane_problems(function: Any, inputs: tuple[str, ...] = ("x",), outputs: tuple[str, ...] = ("y",)) -> list[str]:

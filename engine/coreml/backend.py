@@ -1,11 +1,11 @@
 """The `coreml` backend: group graphs run by Core ML on the Neural Engine, from packages `npumoed compile` built.
 
-A group's graph is found by its weights' fingerprint and its capacity among the finished builds
-under the cache root, compiled once per macOS version into an .mlmodelc beside its package, and
-loaded with the configured compute units. Each graph is timed when it loads, so the measured
-launch cost and throughput are what the residency cost model sees. Where Core ML cannot predict
-(Linux, macOS before 15) the backend says why, once, and runs the same group graphs in torch
-(`torch-static` semantics), so a `coreml` plan still runs everywhere.
+A group's graph is found by its weights' fingerprint, capacity and fp16 scale among the finished
+builds under the cache root, compiled once per macOS version into an .mlmodelc beside its package,
+and loaded with the configured compute units when it is first called. `time_groups` times each graph
+and reads from Core ML's compute plan where its ops run, which residency then uses in place of the cost
+model. Where Core ML cannot predict (Linux, macOS before 15) the backend says why, once, and runs the
+same group graphs in torch (`torch-static` semantics), so any plan still runs everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import platform
 import shutil
 import tempfile
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -22,17 +23,20 @@ from typing import Any
 
 import torch
 
-from npumoe.engine.backends import BackendOptions, TorchStaticBackend
+from npumoe.engine.backends import BackendOptions, GroupSpec, TorchStaticBackend
 from npumoe.engine.cost import CostModel, expert_flops, fit_call_cost
 from npumoe.engine.dispatch import GraphCalls, GroupGraph
 from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from npumoe.engine.grouped import from_ane_layout, to_ane_layout
+from npumoe.engine.residency import GroupMeasure
 from npumoe.engine.timing import median_seconds
 from npumoe.engine.vocabulary import COMPUTE_UNITS, COREML, DEFAULT_COMPUTE_UNITS
 
-from .cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, weights_fingerprint
+from .ane import ANE_CAPACITY_MULTIPLE
+from .cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, folder_lock, weights_fingerprint
+from .compute_plan import neural_engine_ops
 from .convert import convert_group
-from .env import coreml_availability, import_coremltools
+from .env import coreml_availability, coremltools_version, import_coremltools
 
 log = logging.getLogger(__name__)
 
@@ -42,21 +46,28 @@ _FIT_CAPACITIES = (8, 256)
 
 
 class CoreMLGroupGraph:
-    """A loaded group function as the dispatcher's graph: (G, C, H) -> (G, C, H), one prediction per call."""
+    """A group function as the dispatcher's graph: (G, C, H) -> (G, C, H), one prediction per call. `load` gives
+    the Core ML model; it is called on the first call, so functions a run never needs are never loaded."""
 
-    def __init__(self, model: Any, n_experts: int) -> None:
-        self.model = model
+    def __init__(self, load: Callable[[], Any], n_experts: int, scale: float = 1.0) -> None:
+        self.load = load
+        self.model: Any = None
         self.n_experts = n_experts
+        self.scale = scale  # the function computes values / scale (fp16 range): divide in, multiply out
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        packed = to_ane_layout(x).to(torch.float16).numpy()  # (1, G*H, 1, C)
+        if self.model is None:
+            self.model = self.load()
+        packed = (to_ane_layout(x) / self.scale).to(torch.float16).numpy()  # (1, G*H, 1, C)
         y = torch.from_numpy(self.model.predict({INPUT_NAME: packed})[OUTPUT_NAME])
-        return from_ane_layout(y, self.n_experts).to(x.dtype)
+        return from_ane_layout(y, self.n_experts).to(x.dtype) * self.scale
 
 
 class CoreMLBackend(TorchStaticBackend):
     name = COREML
     static = True
+    capacity_multiple = ANE_CAPACITY_MULTIPLE
+    fp16 = True
 
     @classmethod
     def check(cls, options: BackendOptions) -> None:
@@ -77,7 +88,8 @@ class CoreMLBackend(TorchStaticBackend):
         self.cache_root = Path(cache_root)
         self.compute_units = compute_units
         self.available, self.reason = coreml_availability()
-        self.graph_seconds: dict[str, float] = {}  # function -> seconds per call, measured when loaded
+        if not self.available:  # its graphs run as torch-static's: at torch-static's shapes, in its dtype
+            self.capacity_multiple, self.fp16 = TorchStaticBackend.capacity_multiple, TorchStaticBackend.fp16
         self._index: dict[tuple[str, int], tuple[Path, CompiledGroup]] | None = None
         self._warned = False
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coreml")
@@ -85,21 +97,50 @@ class CoreMLBackend(TorchStaticBackend):
     def static_problem(self, layout: ExpertsLayout) -> str | None:
         return layout.coreml_problem()
 
-    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> GroupGraph:
+    @classmethod
+    def fallback_reason(cls) -> str | None:
+        available, reason = coreml_availability()
+        return None if available else reason
+
+    def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int,
+                    scale: float = 1.0) -> GroupGraph:
         if not self.available:
             self._warn_fallback()
-            return super().build_group(weights, layout, capacity)
-        key = (weights_fingerprint(weights.gate_up, weights.down), capacity)
-        found = self._builds().get(key)
+            return super().build_group(weights, layout, capacity)  # torch computes in its own dtype: no scale
+        folder, group = self._find(GroupSpec(weights, layout, capacity, scale))
+        return CoreMLGroupGraph(lambda: self._load(compiled_package(folder, group.package), group.function),
+                                len(group.experts), group.scale)
+
+    @torch.inference_mode()
+    def time_groups(self, groups: Mapping[str, GroupSpec]) -> dict[str, GroupMeasure]:
+        """Each group's compiled function timed on the configured compute units, and the share of its ops
+        Core ML's compute plan places on the Neural Engine."""
+        if not self.available:
+            return {}
+        placed: dict[Path, dict[str, tuple[int, int]]] = {}  # compiled package -> function -> (on NE, all)
+        measured = {}
+        for key, spec in groups.items():
+            folder, group = self._find(spec)
+            graph = self.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
+            example = torch.zeros(len(group.experts), spec.capacity, spec.weights.hidden)
+            package = compiled_package(folder, group.package)
+            if package not in placed:
+                placed[package] = neural_engine_ops(package, self.compute_units)
+            on_engine, ops = placed[package].get(group.function, (0, 0))
+            seconds = median_seconds(lambda graph=graph, example=example: graph(example))
+            measured[key] = GroupMeasure(seconds=seconds, device_ops=on_engine, ops=ops)
+        return measured
+
+    def _find(self, spec: GroupSpec) -> tuple[Path, CompiledGroup]:
+        """The build folder and function compiled for this group."""
+        found = self._builds().get((weights_fingerprint(spec.weights.gate_up, spec.weights.down), spec.capacity))
         if found is None:
-            raise LookupError(f"no compiled Core ML graph for a group of {len(weights)} experts at capacity "
-                              f"{capacity} under {self.cache_root}: run `npumoed compile --model M --plan PLAN`")
-        folder, group = found
-        graph = CoreMLGroupGraph(self._load(compiled_package(folder, group.package), group.function),
-                                 len(group.experts))
-        example = torch.zeros(len(group.experts), capacity, weights.hidden)
-        self.graph_seconds[group.function] = median_seconds(lambda: graph(example))
-        return graph
+            raise LookupError(f"no compiled Core ML graph for a group of {len(spec.weights)} experts at capacity "
+                              f"{spec.capacity} under {self.cache_root}: run `npumoed prepare` or `npumoed compile`")
+        if found[1].scale != spec.scale:
+            raise LookupError(f"the Core ML graph {found[1].function} was compiled at fp16 scale {found[1].scale}, "
+                              f"the plan now needs {spec.scale}: compile again")
+        return found
 
     def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Run a layer's hot group graphs, in order, on the backend's worker thread, so the caller can run
@@ -126,7 +167,7 @@ class CoreMLBackend(TorchStaticBackend):
             for capacity in _FIT_CAPACITIES:
                 path = Path(scratch) / f"sample-c{capacity}.mlpackage"
                 convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity).save(str(path))
-                graphs[capacity] = CoreMLGroupGraph(self._load(path, None), group_size)
+                graphs[capacity] = CoreMLGroupGraph(lambda path=path: self._load(path, None), group_size)
             launch_s, flops = fit_call_cost(
                 lambda rows: graphs[rows](torch.zeros(group_size, rows, hidden)), *_FIT_CAPACITIES,
                 flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
@@ -141,7 +182,7 @@ class CoreMLBackend(TorchStaticBackend):
 
     def _builds(self) -> dict[tuple[str, int], tuple[Path, CompiledGroup]]:
         if self._index is None:
-            self._index = compiled_groups(self.cache_root, import_coremltools().__version__)
+            self._index = compiled_groups(self.cache_root, coremltools_version())
         return self._index
 
     def _warn_fallback(self) -> None:
@@ -151,11 +192,13 @@ class CoreMLBackend(TorchStaticBackend):
 
 
 def compiled_package(folder: Path, package: str) -> Path:
-    """The package compiled for this macOS (Core ML's .mlmodelc), compiled on first use and kept in the build."""
+    """The package compiled for this macOS (Core ML's .mlmodelc), compiled on first use and kept in the build;
+    under the target's lock, so two processes never compile it over each other."""
     target = folder / f"{Path(package).stem}.macos-{platform.mac_ver()[0]}.mlmodelc"
-    if not target.exists():
-        partial = target.with_name(f".partial-{os.getpid()}-{target.name}")  # compile_model wants .mlmodelc
-        shutil.rmtree(partial, ignore_errors=True)
-        import_coremltools().utils.compile_model(str(folder / package), str(partial))
-        partial.rename(target)
+    with folder_lock(target):
+        if not target.exists():
+            partial = target.with_name(f".partial-{os.getpid()}-{target.name}")  # compile_model wants .mlmodelc
+            shutil.rmtree(partial, ignore_errors=True)
+            import_coremltools().utils.compile_model(str(folder / package), str(partial))
+            partial.rename(target)
     return target

@@ -2,7 +2,9 @@
 
 A build goes to `<root>/<model>/<plan digest>/coremltools-<version>/`, so a new checkpoint, a new
 plan or a new converter each get their own folder and never read a stale one. The manifest is
-written last: a folder without one is an unfinished build and is never loaded.
+written last: a folder without one is an unfinished build and is never loaded. A build, and compiling
+a package for this macOS, hold a lock file beside their folder: a second process asking for the same
+one waits, then finds it finished.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -31,6 +35,7 @@ class CompiledGroup:
     capacity: int  # C, tokens per expert
     experts: tuple[int, ...]  # the experts of the layer this graph runs, in channel-block order
     weights: str  # `weights_fingerprint` of the experts' (gate_up, down): how a backend finds this function
+    scale: float = 1.0  # the function computes the group's values / scale, to stay in fp16's range
 
     def input_shape(self, hidden: int) -> tuple[int, int, int, int]:
         return (1, len(self.experts) * hidden, 1, self.capacity)
@@ -78,6 +83,22 @@ def weights_fingerprint(gate_up: torch.Tensor, down: torch.Tensor, samples: int 
 def build_folder(root: Path, model: str, plan_digest: str, coremltools_version: str) -> Path:
     """The folder for one (model, plan, coremltools) build under the cache root."""
     return root / _slug(model) / plan_digest / f"coremltools-{coremltools_version}"
+
+
+def folder_lock(folder: Path) -> FileLock:
+    """The lock a process holds while it builds `folder` (a file beside it, so the build can be renamed in)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(folder.with_name(f".{folder.name}.lock"))
+
+
+def build_once(folder: Path, build: Callable[[], Manifest], *, force: bool = False) -> tuple[Manifest, bool]:
+    """(the finished build in `folder`, whether it was there already): `build()` makes it unless it is (or
+    `force`). Under the folder's lock, so two processes asking for one build never both write it."""
+    with folder_lock(folder):
+        manifest = None if force else read_manifest(folder)
+        if manifest is not None:
+            return manifest, True
+        return build(), False
 
 
 def read_manifest(folder: Path) -> Manifest | None:

@@ -1,7 +1,10 @@
 """Converting a plan's static group graphs into multifunction Core ML packages for the Neural Engine.
 
 Each group graph is `GroupedExperts` in its "ane" layout (grouped 1x1 convolutions), exported with
-torch.export and converted to an fp16 ML Program function x (1, G*H, 1, C) -> y. Functions are
+torch.export and converted to an fp16 ML Program function x (1, G*H, 1, C) -> y. A group whose values
+would overflow fp16 is converted scaled by s (a power of two): the host divides its input by s and
+multiplies its output by s, and the graph's gate rows are multiplied by s so the gate sees what it
+would unscaled; the up projection, the gated product and the output are then all s times smaller. Functions are
 filled into packages in (layer, group) order, a new package starting before one would pass about
 1 GB, so one package holds a layer's functions, or a few small layers'.
 """
@@ -23,9 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
+from npumoe.engine.experts_layout import GLU, ExpertsLayout, ExpertWeights
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.plan import ExpertPlan
+from npumoe.engine.residency import Residency
 
 from .ane import ane_problems
 from .cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest, weights_fingerprint
@@ -37,25 +41,27 @@ FP16_BYTES = 2
 
 @dataclass(frozen=True)
 class GroupGraph:
-    """A static group graph a plan asks for: these experts of this layer at capacity C."""
+    """A static group graph a plan asks for: these experts of this layer at capacity C, scaled by s."""
 
     layer: int
     capacity: int
     experts: tuple[int, ...]
+    scale: float = 1.0
 
 
-def plan_group_graphs(plan: ExpertPlan, *, resident_only: bool = True) -> list[GroupGraph]:
-    """The plan's static group graphs, layers numbered in plan order: by default only the groups the
-    plan keeps on the accelerator, the ones the runtime builds graphs for."""
-    return [GroupGraph(layer=i, capacity=plan.tiers[group.tier], experts=group.experts)
-            for i, layer in enumerate(plan.layers) for group in layer.groups
-            if group.residency == "accelerator" or not resident_only]
+def plan_group_graphs(plan: ExpertPlan, residency: Residency, *, every_group: bool = False) -> list[GroupGraph]:
+    """The plan's static group graphs as `residency` places them, layers numbered in plan order: the groups it
+    puts on the accelerator, or with `every_group` all of them (a sizing run)."""
+    return [GroupGraph(layer=i, capacity=placement.capacity, experts=group.experts, scale=placement.scale)
+            for i, (layer, placements) in enumerate(zip(plan.layers, residency.layers, strict=True))
+            for group, placement in zip(layer.groups, placements, strict=True)
+            if placement.accelerator or every_group]
 
 
 def plan_digest(plan: ExpertPlan, groups: Sequence[GroupGraph]) -> str:
-    """A short digest of what a build of `groups` depends on in the plan: each group's layer, capacity and
-    experts. Re-calibrating into the same groups reuses the build; any change to them makes a new one."""
-    graphs = [(plan.layers[g.layer].name, g.capacity, g.experts) for g in groups]
+    """A short digest of what a build of `groups` depends on in the plan: each group's layer, capacity, experts
+    and scale. Re-calibrating into the same groups reuses the build; any change to them makes a new one."""
+    graphs = [(plan.layers[g.layer].name, g.capacity, g.experts, g.scale) for g in groups]
     return hashlib.sha256(json.dumps(graphs).encode()).hexdigest()[:16]
 
 
@@ -63,13 +69,32 @@ class ConversionError(ValueError):
     """A group graph that would not run whole on the Neural Engine."""
 
 
-def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int) -> Any:
+def scaled_weights(weights: ExpertWeights, layout: ExpertsLayout, scale: float) -> ExpertWeights:
+    """The weights of a graph fed x / scale whose output comes out `scale` times smaller: the gate rows (and
+    gate bias) times `scale`, so the gate is unchanged, and the up and down biases divided by it. Only a plain
+    GLU scales so (a clamp on the up projection, or an ungated activation, is not linear in it)."""
+    if scale == 1.0:
+        return weights
+    if layout.gate != GLU:
+        raise ConversionError(f"experts of layout {layout.describe()} cannot be scaled into fp16 range")
+    inter = weights.gate_up.shape[1] // 2
+    gate_up = torch.cat([weights.gate_up[:, :inter] * scale, weights.gate_up[:, inter:]], dim=1)
+    gate_up_bias, down_bias = weights.gate_up_bias, weights.down_bias
+    if gate_up_bias is not None:
+        gate_up_bias = torch.cat([gate_up_bias[:, :inter], gate_up_bias[:, inter:] / scale], dim=1)
+    if down_bias is not None:
+        down_bias = down_bias / scale
+    return ExpertWeights(gate_up, weights.down, gate_up_bias, down_bias)
+
+
+def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int, scale: float = 1.0) -> Any:
     """The fp16 ML Program (a coremltools MLModel, not loaded) of G experts' graph at capacity C: the experts'
-    weights in the engine's form, computing the FFN their experts layout describes."""
+    weights in the engine's form, computing the FFN their experts layout describes, scaled by `scale` (the
+    caller divides its input by it and multiplies its output by it)."""
     if (problem := layout.coreml_problem()) is not None:
         raise ConversionError(f"experts of layout {layout.describe()} stay on the CPU: {problem}")
     ct = import_coremltools()
-    graph = GroupedExperts(weights.to(torch.float32), layout, layout="ane").eval()
+    graph = GroupedExperts(scaled_weights(weights.to(torch.float32), layout, scale), layout, layout="ane").eval()
     example = torch.zeros(1, graph.group_size * graph.hidden_size, 1, capacity)
     with _quiet():
         exported = torch.export.export(graph, (example,)).run_decompositions({})
@@ -103,8 +128,8 @@ def build_packages(
 
     `model` and `digest` (the plan's) are recorded in the manifest. `layer_weights(layer)` gives that
     layer's experts' weights, all of `layout` (described in the manifest's `act`). The build is made beside
-    `folder` and renamed into place once its manifest is written, so a crash or a concurrent build never
-    leaves a half-written folder that looks finished.
+    `folder` and renamed into place once its manifest is written, so a crash never leaves a half-written
+    folder that looks finished; callers hold the folder's lock (`cache.build_once`), so two builds never race.
     """
     ct = import_coremltools()
     if not groups:
@@ -123,10 +148,10 @@ def build_packages(
             index = sum(c.layer == group.layer for c in compiled)
             function = f"layer{group.layer}_g{index}_c{group.capacity}"
             path = scratch / f"{function}.mlpackage"
-            convert_group(weights, layout, group.capacity).save(str(path))
+            convert_group(weights, layout, group.capacity, group.scale).save(str(path))
             functions.add_function(str(path), "main", function)
             compiled.append(CompiledGroup(function, package, group.layer, group.capacity, group.experts,
-                                          weights_fingerprint(weights.gate_up, weights.down)))
+                                          weights_fingerprint(weights.gate_up, weights.down), group.scale))
             if on_converted:
                 on_converted(compiled[-1])
         functions.default_function_name = compiled[-1].function

@@ -10,6 +10,7 @@ import logging
 import platform
 import sys
 from functools import cache
+from importlib.metadata import version
 from types import ModuleType
 
 MIN_MACOS = (15, 0)
@@ -31,6 +32,11 @@ def import_coremltools() -> ModuleType:
     finally:
         log.setLevel(level)
     return coremltools
+
+
+def coremltools_version() -> str:
+    """The installed coremltools' version, without importing it (which takes seconds): builds are kept per version."""
+    return version("coremltools")
 
 
 def macos_version() -> tuple[int, ...]:

@@ -11,13 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from npumoe.engine.backends import get_backend
 from npumoe.engine.calibrate import Calibration, load_statistics
 from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights, expert_weights, read_layout
 from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
-from npumoe.engine.vocabulary import COREML, TORCH_STATIC
 
 CALIBRATION_CHUNKS = 16
 
@@ -31,7 +29,7 @@ class SizingModel:
 
 def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512,
                  group_size: int = DEFAULT_GROUP_SIZE, seed: int = 0) -> SizingModel:
-    """`layers` random MoE layers at `geometry` and a plan for them (backend "coreml")."""
+    """`layers` random MoE layers at `geometry` and a plan for them."""
     if layers < 1:
         raise ValueError(f"need at least one layer, got {layers}")
     generator = torch.Generator().manual_seed(seed)
@@ -47,8 +45,6 @@ def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512
         loads.append((f"layers.{layer}.mlp.experts", load_statistics(counts.float())))
     calibration = Calibration(chunk_tokens=chunk_tokens, tokens=chunk_tokens * CALIBRATION_CHUNKS,
                               chunks=CALIBRATION_CHUNKS, sources=(f"zipf-routing(seed={seed})",), layers=tuple(loads))
-    # Residency is the planner's call on measured costs; a sizing build converts every group anyway.
-    cost = get_backend(TORCH_STATIC).measure_costs(geometry.hidden, geometry.ffn, torch.float32, group_size)
-    plan = make_plan(calibration, model=geometry.name, model_key=f"{geometry.name}@random-{seed}", backend=COREML,
-                     cost=cost, hidden=geometry.hidden, ffn=geometry.ffn, group_size=group_size)
+    plan = make_plan(calibration, model=geometry.name, model_key=f"{geometry.name}@random-{seed}",
+                     group_size=group_size)
     return SizingModel(plan=plan, weights=weights, layout=layout)

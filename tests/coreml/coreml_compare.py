@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import torch
@@ -19,9 +18,8 @@ def logits_by_backend(loaded: LoadedModel, plan: ExpertPlan, compiled: Path,
                       ids: torch.Tensor) -> dict[str, torch.Tensor]:
     """The model's logits with `plan` run by the coreml backend (graphs under `compiled`) and by torch-static."""
     logits = {}
-    for backend, backend_plan in ((CoreMLBackend(compiled), plan),
-                                  (TorchStaticBackend(), dataclasses.replace(plan, backend="torch-static"))):
-        runtime = MoeRuntime(loaded.model, backend, backend_plan)
+    for backend in (CoreMLBackend(compiled), TorchStaticBackend()):
+        runtime = MoeRuntime(loaded.model, backend, plan)  # one plan on both backends
         try:
             logits[backend.name] = loaded.model(ids).logits
         finally:

@@ -1,6 +1,5 @@
 """The `coreml` backend off macOS, and how it finds a group's compiled graph."""
 
-import dataclasses
 import logging
 import sys
 import threading
@@ -16,9 +15,12 @@ from npumoe.engine.coreml.backend import CoreMLBackend
 from npumoe.engine.coreml.cache import build_folder, compiled_groups, weights_fingerprint
 from npumoe.engine.coreml.convert import GroupGraph, build_packages
 from npumoe.engine.coreml.env import coreml_availability, import_coremltools
+from npumoe.engine.cost import CostModel
+from npumoe.engine.cost_cache import CostCache
 from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.models import load_model
+from npumoe.engine.residency import MeasuredCosts
 from npumoe.engine.vocabulary import COMPUTE_UNITS
 
 not_macos = pytest.mark.skipif(sys.platform == "darwin", reason="describes a machine without Core ML prediction")
@@ -114,14 +116,18 @@ def test_a_coreml_plan_runs_off_macos_with_torch_static_results(tiny_model: Path
 def test_the_engine_builds_the_coreml_backend_from_its_settings_and_falls_back_to_torch_static(
         tiny_model: Path, coreml_plan: Callable, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path, plan = coreml_plan()
-    static_plan = tmp_path / "static-plan.json"
-    dataclasses.replace(plan, backend="torch-static").save(static_plan)
+    # one plan, and the same costs for both backends: off macOS coreml's graphs are torch-static's
+    costs = MeasuredCosts(CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9), 64, 32, "test")
+    for backend in ("coreml", "torch-static"):
+        CostCache(tmp_path / "costs").put(backend, plan, costs)
     ids = list(range(3, 51))
     with caplog.at_level(logging.WARNING):
         coreml = Engine.load(EngineSettings(model=str(tiny_model), backend="coreml", plan=path,
-                                            compiled_dir=tmp_path / "compiled", coreml_compute_units="cpu_only"))
+                                            compiled_dir=tmp_path / "compiled", coreml_compute_units="cpu_only",
+                                            costs_dir=tmp_path / "costs"))
     assert [r.getMessage() for r in caplog.records if "torch-static instead" in r.getMessage()] != []
-    static = Engine.load(EngineSettings(model=str(tiny_model), backend="torch-static", plan=static_plan))
+    static = Engine.load(EngineSettings(model=str(tiny_model), backend="torch-static", plan=path,
+                                        costs_dir=tmp_path / "costs"))
     torch.testing.assert_close(coreml.logits(ids), static.logits(ids), rtol=0, atol=0)
     assert coreml.stats.static > 0  # the plan's groups ran (in torch)
 

@@ -9,11 +9,14 @@ import pytest
 from click.testing import CliRunner
 
 from npumoe.daemon.cli import engine as cli_engine
-from npumoe.daemon.cli.engine import calibrate_command, model_group, plan_group
-from npumoe.engine.backends import backend_class
+from npumoe.daemon.cli.engine import calibrate_command, model_group, plan_group, plan_show_command
+from npumoe.engine.backends import REGISTRY, backend_class
+from npumoe.engine.cost import CostModel
+from npumoe.engine.cost_cache import CostCache
 from npumoe.engine.models import load_model
 from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, DEFAULT_TIERS
+from npumoe.engine.residency import MeasuredCosts, decide_residency
 from npumoe.engine.tiny import ARCHITECTURES
 
 README = Path(__file__).parents[2] / "README.md"
@@ -37,7 +40,8 @@ def test_the_offline_demo_makes_a_model_calibrates_on_the_readme_and_shows_the_p
     data = json.loads(shown.output)
     assert data == json.loads(plan.read_text())
     assert data["model_key"] == load_model(model).key
-    assert data["backend"] == "torch-static" and data["chunk_tokens"] == 512 and data["sources"] == ["README.md"]
+    assert "backend" not in data  # any backend runs it
+    assert data["chunk_tokens"] == 512 and data["sources"] == ["README.md"]
     assert len(data["layers"]) == 3
 
 
@@ -54,7 +58,8 @@ def test_several_data_files_may_follow_one_data_option(tmp_path, tiny, harbour, 
 def test_the_commands_offer_what_the_engine_has_without_importing_it():
     """The CLI lists choices and defaults itself so that `npumoed --help` stays free of torch."""
     assert tuple(ARCHITECTURES) == cli_engine.ARCHITECTURES
-    assert all(backend_class(name).static for name in cli_engine.STATIC_BACKENDS)
+    shown = next(p for p in plan_show_command.params if p.name == "backend")
+    assert tuple(shown.type.choices) == tuple(REGISTRY) and all(backend_class(name) for name in REGISTRY)
     defaults = {p.name: p.default for p in calibrate_command.params}
     assert (defaults["n_tiers"], defaults["group_size"]) == (DEFAULT_TIERS, DEFAULT_GROUP_SIZE)
 
@@ -93,3 +98,25 @@ def test_plan_show_names_what_is_wrong_with_a_bad_plan(tmp_path):
     bad.write_text(json.dumps({"format": "npumoe.expert-plan", "version": 7}))
     result = invoke(plan_group, "show", bad)
     assert result.exit_code == 1 and "plan version 7 is not supported" in result.output
+
+
+def test_plan_show_with_a_backend_shows_where_groups_run_from_the_costs_measured_here(home, tmp_path, tiny, harbour):
+    text = tmp_path / "harbour.txt"
+    text.write_text(harbour)
+    plan_path = tmp_path / "plan.json"
+    assert invoke(calibrate_command, "--model", tiny("qwen3_moe"), "--data", text, "--chunk", "128",
+                  "--out", plan_path).exit_code == 0
+    plan = ExpertPlan.load(plan_path)
+    unmeasured = invoke(plan_group, "show", plan_path, "--backend", "coreml")
+    assert "costs not measured on this machine yet" in unmeasured.output
+    assert "capacities aligned to multiples of 32" in unmeasured.output and "padding" in unmeasured.output
+    cheap = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)
+    CostCache(home / "costs").put("torch-static", plan, MeasuredCosts(cheap, 64, 32, "torch-static on the test"))
+    measured = json.loads(invoke(plan_group, "show", plan_path, "--backend", "torch-static", "--json").output)
+    residency = decide_residency(plan, backend_class("torch-static"), CostCache(home / "costs").get("torch-static",
+                                                                                                     plan))
+    assert measured["residency"]["measured_on"] == "torch-static on the test"
+    assert sum(p["accelerator"] for layer in measured["residency"]["layers"] for p in layer) == \
+        residency.accelerator_groups > 0
+    shown = invoke(plan_group, "show", plan_path, "--backend", "torch-static").output
+    assert f"{residency.accelerator_groups} groups on the accelerator" in shown and "torch-static on the test" in shown

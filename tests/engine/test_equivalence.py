@@ -21,9 +21,11 @@ from cpus import fake_timings
 from npumoe.engine import Engine, EngineSettings, bf16_linear, load_model
 from npumoe.engine.calibrate import calibrate
 from npumoe.engine.cost import CostModel
+from npumoe.engine.cost_cache import CostCache
 from npumoe.engine.experts_layout import expert_weights
 from npumoe.engine.models import moe_experts, moe_layouts
 from npumoe.engine.planner import make_plan
+from npumoe.engine.residency import MeasuredCosts
 from npumoe.engine.tiny import ARCHITECTURES
 
 CHUNK = 64
@@ -39,12 +41,15 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def make_plan_file(folder: Path, calibration_text: str, out: Path) -> Path:
     loaded = load_model(folder)
     calibration = calibrate(loaded, [("calibration", calibration_text)], chunk_tokens=CHUNK)
-    _, experts, layout = moe_layouts(loaded.model)[0]
-    _, hidden, ffn = expert_weights(experts, layout).down.shape
-    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, backend="torch-static",
-                     cost=ACCELERATOR_FAVOURED, hidden=hidden, ffn=ffn, overflow="spill")
+    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, overflow="spill")
     # A quarter of the calibrated capacities, so that hot experts overflow and spill.
-    replace(plan, tiers=tuple(capacity // 4 for capacity in plan.tiers)).save(out)
+    plan = replace(plan, tiers=tuple(capacity // 4 for capacity in plan.tiers))
+    plan.save(out)
+    # Costs under which every group calibration saw load for runs as a graph, so the graphs are compared too.
+    _, experts, layout = moe_layouts(loaded.model)[0]
+    weights = expert_weights(experts, layout)
+    CostCache(out.parent / "costs").put("torch-static", plan,
+                                        MeasuredCosts(ACCELERATOR_FAVOURED, weights.hidden, weights.ffn, "test"))
     return out
 
 
@@ -61,7 +66,8 @@ def test_engine_logits_equal_eager_transformers_on_every_backend(tiny, tmp_path,
     plan = make_plan_file(folder, harbour, tmp_path / "plan.json")
     engines = {
         "cpu": Engine.load(EngineSettings(model=str(folder), chunk_tokens=CHUNK)),
-        "torch-static": Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=plan)),
+        "torch-static": Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=plan,
+                                                   costs_dir=tmp_path / "costs")),
     }
     static_work = spilled = 0
     for name, ids in prompts.items():

@@ -44,6 +44,7 @@ class StandInEngine:
     chunks: int = 3
     error: Exception | None = None
     model_key: str = "stand-in@0"
+    residency: None = None  # no plan: every expert on the exact CPU path
     texts: list[str] = field(default_factory=list)
 
     def process(self, text: str, on_progress: Callable[[Progress], None] | None = None) -> DocumentResult:

@@ -1,0 +1,285 @@
+"""`npumoed prepare`: from a checkpoint to a ready configuration in one command.
+
+Its stages, each skipped when what it depends on is unchanged since it last ran:
+
+1. plan: calibrate the model on the given documents (or the bundled samples) into the home's plans/,
+   the file named by what it depends on (the model's files, the documents' bytes, the options);
+2. compile (coreml): convert every group calibration saw load for into Core ML packages, as
+   `npumoed compile` does (its build is found by the plan's groups);
+3. costs: measure the backend's costs for the plan on this machine into the home's cost cache (with
+   Core ML on a Mac: each compiled graph timed on the configured compute units, its ops' placement read);
+4. config: the `[model]` section of the config file names the model, backend and plan; the rest of the
+   file is kept, the old one backed up (`--print` prints the section instead).
+
+The model is loaded only when a stage needs it. `--backend auto` takes coreml where Core ML can run on a
+Neural Engine, else whichever of cpu and torch-static the measured costs expect to be faster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from npumoe.daemon.cli.app import App, BadConfig, pass_app
+from npumoe.daemon.config import ConfigError, default_config_path
+from npumoe.daemon.models import DEMO, ModelNotFound, resolve_model
+from npumoe.engine.vocabulary import BACKENDS, COREML, CPU, DTYPES, TORCH_STATIC
+
+if TYPE_CHECKING:
+    from npumoe.daemon.home import Home
+    from npumoe.engine.models import LoadedModel
+    from npumoe.engine.plan import ExpertPlan
+    from npumoe.engine.residency import MeasuredCosts
+
+AUTO = "auto"
+MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # what a checkpoint's behaviour rests on
+
+
+@dataclass
+class Stages:
+    """The stages' outcomes, for the summary: (stage, what happened, seconds, detail)."""
+
+    console: Console
+    rows: list[tuple[str, str, float, str]] = field(default_factory=list)
+
+    @contextmanager
+    def stage(self, name: str, description: str, *, spinner: bool = False) -> Iterator[dict[str, str]]:
+        """Time a stage; the caller fills `outcome` ("done", "reused", ...) and `detail`. A stage that draws no
+        progress bar of its own gets a spinner (rich shows one live display at a time)."""
+        outcome = {"outcome": "done", "detail": ""}
+        started = time.perf_counter()
+        with Progress(SpinnerColumn(), TextColumn(f"{name}: {description}"), TimeElapsedColumn(),
+                      console=self.console, transient=True, disable=not spinner) as progress:
+            progress.add_task(name, total=None)
+            yield outcome
+        self.rows.append((name, outcome["outcome"], time.perf_counter() - started, outcome["detail"]))
+
+    def summary(self) -> Table:
+        table = Table("stage", "", "seconds", "detail", title="npumoed prepare")
+        for name, outcome, seconds, detail in self.rows:
+            table.add_row(name, outcome, f"{seconds:.1f}", escape(detail))
+        return table
+
+
+class Model:
+    """The checkpoint, loaded the first time a stage needs it."""
+
+    def __init__(self, ref: str, dtype: str, trust_remote_code: bool, allow_download: bool) -> None:
+        self.ref, self.dtype = ref, dtype
+        self.trust_remote_code, self.allow_download = trust_remote_code, allow_download
+        self._loaded: LoadedModel | None = None
+
+    def get(self) -> LoadedModel:
+        if self._loaded is None:
+            from npumoe.daemon.cli.engine import _quiet_transformers
+            from npumoe.engine.models import load_model
+
+            _quiet_transformers()
+            self._loaded = load_model(self.ref, trust_remote_code=self.trust_remote_code,
+                                      allow_download=self.allow_download, dtype=self.dtype)
+        return self._loaded
+
+    def signature(self) -> str:
+        """What the checkpoint is, cheaply: its files' names, sizes and times for a folder (the plan records the
+        model's real key, which the engine checks at load), the key itself for a Hugging Face id."""
+        folder = Path(self.ref)
+        if folder.is_dir():
+            files = sorted(f for pattern in MODEL_FILES for f in folder.glob(pattern))
+            return "\n".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
+        from npumoe.engine.models import model_key
+
+        return model_key(self.ref, trust_remote_code=self.trust_remote_code, allow_download=self.allow_download)
+
+
+@click.command("prepare")
+@click.option("--model", "model_name", required=True,
+              help="Model: a checkpoint folder, a Hugging Face id in the local cache, or \"demo\".")
+@click.option("--data", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="Calibration document (repeat for more; default: the bundled sample documents).")
+@click.option("--backend", type=click.Choice((AUTO, *BACKENDS)), default=AUTO, show_default=True,
+              help="Backend to prepare for; auto: coreml on Apple silicon, else the faster measured here.")
+@click.option("--print", "print_only", is_flag=True, help="Print the [model] section instead of writing it.")
+@click.option("--chunk", type=click.IntRange(min=1), help="Prefill chunk length (default: the config's).")
+@click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
+              help="How many capacity tiers.")
+@click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Experts per group graph.")
+@click.option("--dtype", type=click.Choice(DTYPES), help="Model dtype (default: the config's).")
+@pass_app
+def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: str, print_only: bool,
+                    chunk: int | None, n_tiers: int, group_size: int, dtype: str | None) -> None:
+    """From a checkpoint to a ready configuration: calibrate, plan, compile, measure, configure."""
+    home, configured = app.home, app.config.model
+    try:
+        ref = resolve_model(model_name, home.models)
+    except ModelNotFound as e:
+        raise click.ClickException(str(e)) from e
+    console = Console(stderr=True)
+    stages = Stages(console)
+    model = Model(ref, dtype or configured.dtype, configured.trust_remote_code, configured.allow_download)
+    options = {"chunk_tokens": chunk or configured.chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
+    try:
+        plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
+        units = configured.coreml_compute_units
+        chosen = _choose_backend(stages, backend, plan, model, home, units)
+        if chosen == COREML:
+            _compile_stage(stages, home.compiled, plan, model)
+        _costs_stage(stages, chosen, plan, model, home, units)
+    except ValueError as e:  # ModelError among them; unusable calibration data or settings
+        raise click.ClickException(str(e)) from e
+    name = model_name if model_name == DEMO or not Path(model_name).expanduser().is_dir() else ref
+    values = {"name": name, "backend": chosen, "plan": str(plan_path), "dtype": model.dtype}
+    _config_stage(stages, app.config_path or default_config_path(), values, print_only)
+    console.print(stages.summary())
+
+
+def _plan_stage(stages: Stages, plans: Path, model: Model, data: Sequence[Path],
+                options: dict[str, Any]) -> tuple[ExpertPlan, Path]:
+    from npumoe.engine.plan import ExpertPlan, PlanError
+
+    with _documents(data) as documents:
+        digest = hashlib.sha256(repr((model.signature(), model.dtype, sorted(options.items()))).encode())
+        for document in documents:
+            digest.update(hashlib.sha256(document.read_bytes()).digest())
+        path = plans / f"{_slug(Path(model.ref).name or model.ref)}-{digest.hexdigest()[:12]}.json"
+        if path.is_file():
+            try:
+                with stages.stage("plan", "reading the plan made before") as outcome:
+                    plan = ExpertPlan.load(path)
+                    outcome.update(outcome="reused", detail=str(path))
+                return plan, path
+            except PlanError:
+                stages.rows.pop()  # unreadable: calibrate again
+        started = time.perf_counter()
+        from npumoe.daemon.cli.engine import chunk_bar, document_texts
+        from npumoe.engine.planner import plan_loaded
+
+        texts = document_texts(documents)
+        plan = plan_loaded(model.get(), texts, progress=chunk_bar(stages.console), **options)
+        plan.save(path)
+    stages.rows.append(("plan", "done", time.perf_counter() - started,
+                        f"{len(plan.layers)} layers, tiers {list(plan.tiers)}, {plan.calibration_chunks} chunks "
+                        f"of {plan.chunk_tokens} tokens: {path}"))
+    return plan, path
+
+
+@contextmanager
+def _documents(data: Sequence[Path]) -> Iterator[Sequence[Path]]:
+    """The calibration documents: those given, or the bundled samples written to a temporary folder."""
+    if data:
+        yield data
+        return
+    from npumoe.daemon.samples import write_samples
+
+    with tempfile.TemporaryDirectory(prefix="npumoed-samples-") as folder:
+        yield write_samples(Path(folder))
+
+
+def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> str:
+    if backend != AUTO:
+        return backend
+    from npumoe.engine.backends import backend_class
+    from npumoe.engine.coreml.env import coreml_availability
+    from npumoe.engine.residency import decide_residency, expected_seconds
+
+    with stages.stage("backend", "measuring torch-static and the CPU path here", spinner=True) as outcome:
+        available, why = coreml_availability()
+        if available:
+            outcome.update(detail=f"coreml: {why}")
+            return COREML
+        costs, _ = _costs(TORCH_STATIC, plan, model, home, units)
+        seconds = {name: expected_seconds(plan, decide_residency(plan, backend_class(name), costs), costs)
+                   for name in (CPU, TORCH_STATIC)}
+        chosen = min(seconds, key=lambda name: (seconds[name], name != CPU))  # a tie goes to the exact path
+        outcome.update(detail=f"{chosen}: expected MoE seconds per chunk " +
+                       ", ".join(f"{name} {s * 1e3:.2f} ms" for name, s in seconds.items()) + f" ({why})")
+        return chosen
+
+
+def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model) -> None:
+    from npumoe.daemon.cli.coreml import Source, build
+
+    def source() -> Source:
+        from npumoe.engine.placement import plan_experts
+
+        experts = plan_experts(plan, model.get().model)
+        return Source(plan, [weights for weights, _ in experts].__getitem__, experts[0][1], plan.model_key)
+
+    with stages.stage("compile", "Core ML packages") as outcome:
+        folder, manifest, reused = build(root, plan, plan.model_key, source)
+        total = sum(manifest.package_bytes.values())
+        outcome.update(outcome="reused" if reused else "done",
+                       detail=f"{len(manifest.groups)} functions in {len(manifest.package_bytes)} packages, "
+                              f"{total / 2**20:.1f} MiB: {folder}")
+
+
+def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> None:
+    with stages.stage("costs", f"measuring {backend} here", spinner=True) as outcome:
+        if backend == CPU:
+            outcome.update(outcome="skipped", detail="cpu runs every expert on the exact path: nothing to measure")
+            return
+        costs, reused = _costs(backend, plan, model, home, units)
+        from npumoe.engine.backends import backend_class
+        from npumoe.engine.residency import decide_residency
+
+        placed = decide_residency(plan, backend_class(backend), costs)
+        detail = (f"{placed.accelerator_groups} groups on the accelerator, {placed.cpu_groups} on the CPU; "
+                  f"{costs.measured_on}")
+        if costs.fallback:
+            detail += f"; graphs run through torch here ({costs.fallback}): residency is decided again on a Mac"
+        outcome.update(outcome="reused" if reused else "done", detail=detail)
+
+
+def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> tuple[MeasuredCosts, bool]:
+    """(the backend's measured costs for the plan here, whether they were cached): measured now when not."""
+    from npumoe.engine.cost_cache import CostCache
+
+    cache = CostCache(home.costs)
+    costs = cache.get(backend, plan)
+    if costs is not None:
+        return costs, True
+    from npumoe.engine.backends import BackendOptions, get_backend
+    from npumoe.engine.placement import measure
+
+    backend_here = get_backend(backend, BackendOptions(compiled_dir=home.compiled, compute_units=units))
+    costs = measure(plan, backend_here, model.get().model)
+    cache.put(backend, plan, costs)
+    return costs, False
+
+
+def _config_stage(stages: Stages, path: Path, values: dict[str, str], print_only: bool) -> None:
+    from npumoe.daemon.config_file import replace_config, section_text, with_section
+
+    with stages.stage("config", str(path)) as outcome:
+        try:
+            old, new = with_section(path, "model", values)
+        except ConfigError as e:
+            raise BadConfig(str(e)) from e
+        if print_only:
+            click.echo(section_text(new, "model"), nl=False)
+            outcome.update(outcome="printed", detail="--print: the file is left as it is")
+        elif old == new:
+            outcome.update(outcome="reused", detail=f"already names {values['backend']} and the plan")
+        else:
+            try:
+                backup = replace_config(path, new)
+            except ConfigError as e:
+                raise BadConfig(str(e)) from e
+            outcome.update(detail=f"[model] written{f', the old file kept as {backup}' if backup else ''}")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("._") or "model"

@@ -1,0 +1,162 @@
+"""Residency: where a plan's groups run is decided per backend and machine, from measured costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npumoe.engine import Engine, EngineSettings, load_model
+from npumoe.engine.backends import TorchStaticBackend, backend_class
+from npumoe.engine.calibrate import Calibration
+from npumoe.engine.cost import CostModel
+from npumoe.engine.cost_cache import CostCache
+from npumoe.engine.placement import place
+from npumoe.engine.plan import ExpertLoad, ExpertMagnitudes
+from npumoe.engine.planner import calibrate_plan, make_plan
+from npumoe.engine.residency import (
+    CHEAPER,
+    FP16_LIMIT,
+    FP16_RANGE,
+    IDLE,
+    NO_GRAPHS,
+    PLACEMENT,
+    GroupMeasure,
+    MeasuredCosts,
+    aligned_capacity,
+    decide_residency,
+    group_key,
+    padding_cost,
+)
+
+ACCELERATOR_FAVOURED = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)
+CPU_FAVOURED = CostModel(launch_s=1.0, static_flops=1e9, cpu_call_s=1e-9, cpu_flops=1e15)
+TORCH_STATIC, COREML, CPU = (backend_class(name) for name in ("torch-static", "coreml", "cpu"))
+
+
+def measured(cost: CostModel, groups: dict[str, GroupMeasure] | None = None) -> MeasuredCosts:
+    return MeasuredCosts(cost=cost, hidden=64, ffn=32, measured_on="test", groups=groups or {})
+
+
+def synthetic_plan(magnitudes: ExpertMagnitudes | None = None):
+    """Two layers of 6 experts over 64-token chunks: hot, warm, cold and idle experts (expert 4 of layer 0 idle)."""
+    def load(p95: list[float]) -> ExpertLoad:
+        mean = tuple(v * 0.8 for v in p95)
+        return ExpertLoad(mean=mean, p50=mean, p95=tuple(p95), max=tuple(v * 1.1 for v in p95))
+
+    layers = (("layers.0.experts", load([60, 30, 9, 3, 0, 1])), ("layers.1.experts", load([2, 0, 58, 33, 12, 7])))
+    calibration = Calibration(chunk_tokens=64, tokens=640, chunks=10, sources=("synthetic",), layers=layers,
+                              magnitudes=tuple((name, magnitudes) for name, _ in layers) if magnitudes else ())
+    return make_plan(calibration, model="synthetic", model_key="synthetic@0", group_size=2)
+
+
+def test_residency_differs_where_the_measured_costs_differ():
+    plan = synthetic_plan()
+    cheap_launches = decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED))
+    costly_launches = decide_residency(plan, TORCH_STATIC, measured(CPU_FAVOURED))
+    for layer, placements in zip(plan.layers, cheap_launches.layers, strict=True):
+        for group, placement in zip(layer.groups, placements, strict=True):
+            busy = any(layer.load.mean[e] > 0 for e in group.experts)
+            assert placement.accelerator == busy
+            assert placement.reason == (CHEAPER if busy else IDLE)
+    assert costly_launches.accelerator_groups == 0 and costly_launches.cpu_groups == cheap_launches.cpu_groups + \
+        cheap_launches.accelerator_groups
+    assert cheap_launches.measured_on == "test"
+
+
+def test_a_graph_timed_on_the_device_overrides_the_cost_model():
+    plan = synthetic_plan()
+    modelled = decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED))
+    assert modelled.layers[0][0].accelerator
+    slow = measured(ACCELERATOR_FAVOURED, {group_key(0, 0): GroupMeasure(10.0)})
+    slow_graph = decide_residency(plan, TORCH_STATIC, slow)
+    assert not slow_graph.layers[0][0].accelerator and slow_graph.layers[0][0].reason == CHEAPER
+    assert slow_graph.layers[1] == modelled.layers[1]
+
+
+def test_a_group_whose_ops_mostly_fall_off_the_neural_engine_stays_on_the_cpu():
+    plan = synthetic_plan()
+    busy = [g for g, group in enumerate(plan.layers[0].groups) if any(plan.layers[0].load.mean[e]
+                                                                         for e in group.experts)]
+    costs = measured(ACCELERATOR_FAVOURED, {group_key(0, busy[0]): GroupMeasure(1e-6, device_ops=2, ops=10),
+                                            group_key(0, busy[1]): GroupMeasure(1e-6, device_ops=9, ops=10)})
+    placed = decide_residency(plan, COREML, costs)
+    assert (placed.layers[0][busy[0]].accelerator, placed.layers[0][busy[0]].reason) == (False, PLACEMENT)
+    assert placed.layers[0][busy[1]].accelerator  # one op off the Neural Engine in ten: still resident
+
+
+def test_the_cpu_backend_runs_every_group_on_the_cpu():
+    placed = decide_residency(synthetic_plan(), CPU, measured(ACCELERATOR_FAVOURED))
+    assert placed.accelerator_groups == 0 and {p.reason for p in placed.placements()} == {NO_GRAPHS}
+
+
+def test_capacities_are_aligned_to_the_backends_multiple_and_the_padding_is_counted():
+    plan = synthetic_plan()
+    assert plan.tiers == (8, 16, 40, 64)
+    assert TORCH_STATIC.capacity_multiple == 1 and COREML.capacity_multiple == 32  # 64 bytes of fp16
+    coreml = decide_residency(plan, COREML)
+    torch_static = decide_residency(plan, TORCH_STATIC)
+    for layer, on_coreml, on_torch in zip(plan.layers, coreml.layers, torch_static.layers, strict=True):
+        for group, a, b in zip(layer.groups, on_coreml, on_torch, strict=True):
+            assert b.capacity == plan.tiers[group.tier]
+            assert a.capacity == {8: 32, 16: 32, 40: 64, 64: 64}[b.capacity]
+    assert aligned_capacity(40, 32, 48) == 48  # never past the chunk
+    plain, aligned = padding_cost(plan, 32)
+    assert plain == sum(len(g.experts) * plan.tiers[g.tier] for layer in plan.layers for g in layer.groups)
+    assert aligned == sum(len(g.experts) * p.capacity for layer, ps in zip(plan.layers, coreml.layers, strict=True)
+                          for g, p in zip(layer.groups, ps, strict=True))
+    assert aligned > plain
+
+
+def test_fp16_backends_scale_groups_beyond_fp16_and_keep_a_gate_overflow_on_the_cpu():
+    small = [1.0] * 6
+    big_output = ExpertMagnitudes(activation=tuple(small), gate=tuple(small),
+                                  output=(3 * FP16_LIMIT, *small[1:]))
+    big_gate = ExpertMagnitudes(activation=tuple(small), gate=(2 * FP16_LIMIT, *small[1:]), output=tuple(small))
+    scaled = decide_residency(synthetic_plan(big_output), COREML)
+    group = next(g for g, grp in enumerate(synthetic_plan().layers[0].groups) if 0 in grp.experts)
+    assert scaled.layers[0][group].accelerator and scaled.layers[0][group].scale == 4.0
+    assert {p.scale for g, p in enumerate(scaled.layers[0]) if g != group} == {1.0}
+    kept = decide_residency(synthetic_plan(big_gate), COREML)
+    assert (kept.layers[0][group].accelerator, kept.layers[0][group].reason) == (False, FP16_RANGE)
+    assert decide_residency(synthetic_plan(big_gate), TORCH_STATIC).layers[0][group].scale == 1.0  # not fp16
+
+
+class CountingBackend(TorchStaticBackend):
+    measured = 0
+
+    def measure_costs(self, *args, **kwargs) -> CostModel:
+        CountingBackend.measured += 1
+        return super().measure_costs(*args, **kwargs)
+
+
+def test_costs_are_measured_once_per_backend_machine_and_plan_then_read_from_the_cache(tiny, harbour, tmp_path):
+    folder = tiny("qwen3_moe")
+    plan = calibrate_plan(folder, [("harbour", harbour)], tmp_path / "plan.json", chunk_tokens=128)
+    model = load_model(folder).model
+    cache = CostCache(tmp_path / "costs")
+    CountingBackend.measured = 0
+    first = place(plan, CountingBackend(), model, cache)
+    again = place(plan, CountingBackend(), model, cache)
+    assert CountingBackend.measured == 1 and first == again
+    assert cache.path("torch-static", plan).is_file()
+    assert place(plan, CountingBackend(), model, None) is not None and CountingBackend.measured == 2
+
+
+@pytest.mark.parametrize("backend", ["cpu", "coreml"])
+def test_a_plan_runs_on_any_backend_with_the_outputs_of_torch_static(tiny, harbour, orchard, tmp_path, backend):
+    """One plan, no backend in it: cpu and coreml (through torch off macOS) compute what torch-static does."""
+    folder = tiny("qwen3_moe")
+    calibrate_plan(folder, [("harbour", harbour)], tmp_path / "plan.json", chunk_tokens=128)
+    ids = None
+    logits = {}
+    for name in ("torch-static", backend):
+        engine = Engine.load(EngineSettings(model=str(folder), backend=name, plan=tmp_path / "plan.json",
+                                            compiled_dir=tmp_path / "compiled", costs_dir=tmp_path / "costs"))
+        ids = ids or engine.loaded.tokenizer(orchard)["input_ids"][:256]
+        logits[name] = engine.logits(ids)
+        if name != "cpu":
+            assert engine.stats.static > 0  # the plan's groups ran as static graphs
+        engine.close()
+    torch.testing.assert_close(logits[backend], logits["torch-static"], rtol=1e-4, atol=1e-4)
+    cached = sorted(path.name.rpartition("-")[0].rpartition("-")[0] for path in (tmp_path / "costs").iterdir())
+    assert cached == (["torch-static"] if backend == "cpu" else ["coreml", "torch-static"])
