@@ -89,10 +89,16 @@ class PeakRecorder:
         return len(self.experts)
 
     def __call__(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        gate, up = self.experts.gate_up[expert](x).chunk(2, dim=-1)
+        experts = self.experts
+        h = experts.gate_up[expert](x)
+        if experts.gate_up_bias is not None:
+            h += experts.gate_up_bias[expert]
+        gate, up = h.chunk(2, dim=-1) if experts.layout.gate is not None else (h[..., :0], h)
         peaks = [_peak(x), _peak(up), _peak(gate)]
-        gated = self.experts.act(gate).mul_(up)
-        y = self.experts.down[expert](gated, out)
+        gated = experts.layout.apply(h)
+        y = experts.down[expert](gated, out)
+        if experts.down_bias is not None:
+            y += experts.down_bias[expert]
         found = torch.tensor([max(peaks[0], peaks[1], _peak(gated)), peaks[2], _peak(y)])
         with self._lock:
             torch.maximum(self.peaks[expert], found, out=self.peaks[expert])

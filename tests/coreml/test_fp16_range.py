@@ -8,7 +8,8 @@ from npumoe.engine.backends import backend_class
 from npumoe.engine.calibrate import calibrate
 from npumoe.engine.coreml.backend import CoreMLGroupGraph
 from npumoe.engine.coreml.cache import INPUT_NAME, OUTPUT_NAME
-from npumoe.engine.coreml.convert import plan_group_graphs, scaled_gate
+from npumoe.engine.coreml.convert import plan_group_graphs, scaled_weights
+from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
 from npumoe.engine.grouped import GroupedExperts
 from npumoe.engine.models import load_model, moe_experts
 from npumoe.engine.planner import make_plan
@@ -67,7 +68,8 @@ class Fp16Graph:
     """Stands in for a converted Core ML function: the same group graph (ANE layout) computed in fp16."""
 
     def __init__(self, gate_up: torch.Tensor, down: torch.Tensor, scale: float) -> None:
-        self.graph = GroupedExperts(scaled_gate(gate_up, scale), down, layout="ane").half()
+        weights = scaled_weights(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, scale)
+        self.graph = GroupedExperts(weights, layout="ane").half()
         self.calls = 0
 
     def predict(self, inputs: dict) -> dict:
@@ -82,7 +84,7 @@ def test_a_scaled_fp16_graph_computes_the_loud_group_that_overflows_unscaled(lou
     ids = list(plan.layers[0].groups[group_of(plan, loud)].experts)
     gate_up, down = experts.gate_up_proj[ids].detach(), experts.down_proj[ids].detach()
     x = torch.randn(len(ids), placement.capacity, gate_up.shape[2], generator=torch.Generator().manual_seed(0))
-    want = GroupedExperts(gate_up, down)(x)
+    want = GroupedExperts(ExpertWeights(gate_up, down))(x)
     assert want.abs().max() > FP16_MAX
     for scale, finite in ((1.0, False), (placement.scale, True)):
         stand_in = Fp16Graph(gate_up, down, scale)
