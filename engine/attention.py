@@ -22,7 +22,9 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-IMPLEMENTATION = "npumoe-attention"
+# The engine's function under one name per attention it stands in for, each with that attention's own masks:
+# model code may edit the mask it was given (DeepSeek-V4 appends a float bias to an eager mask).
+IMPLEMENTATIONS = {"sdpa": "npumoe-sdpa", "eager": "npumoe-eager"}
 
 
 def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -32,7 +34,7 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """(B, Hq, n, d) queries against (B, Hkv, kv, d) keys and values -> ((B, n, Hq, dv), None)."""
     for unsupported in ("softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
-            raise ValueError(f"{IMPLEMENTATION} does not implement {unsupported}")
+            raise ValueError(f"the engine's attention does not implement {unsupported}")
     rows = query.shape[2]
     causal = rows > 1 and attention_mask is None and (is_causal if is_causal is not None
                                                       else getattr(module, "is_causal", True))
@@ -102,9 +104,10 @@ def use_engine_attention(model: PreTrainedModel) -> str | None:
     if model.device.type != "cpu" or not stands_in_for(model):
         return None
     previous = model.config._attn_implementation
-    model.set_attn_implementation(IMPLEMENTATION)
+    model.set_attn_implementation(IMPLEMENTATIONS[previous])
     return previous
 
 
-ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, engine_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+for _replaced, _name in IMPLEMENTATIONS.items():
+    ALL_ATTENTION_FUNCTIONS.register(_name, engine_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_name, ALL_MASK_ATTENTION_FUNCTIONS[_replaced])

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
+from .attention import use_engine_attention
 from .backends import Backend
 from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
@@ -102,12 +103,17 @@ class MoeRuntime:
         self.attach()
 
     def attach(self) -> None:
-        """Run the model's experts through this runtime's layers, in place of any other runtime's."""
+        """Run the model's experts through this runtime's layers, in place of any other runtime's, and its
+        attention through the engine's where that computes the same (engine/attention.py)."""
         running = self._running()
         if running is self:
             return
         # what the model ran before the engine, whichever runtime took it over first
-        self._previous = running._previous if running is not None else self.model.get_experts_implementation()
+        if running is not None:
+            self._previous, self._previous_attention = running._previous, running._previous_attention
+        else:
+            self._previous = self.model.get_experts_implementation()
+            self._previous_attention = use_engine_attention(self.model)  # None: the model's own attention stays
         for module, layer in zip(self._experts, self.layers, strict=True):
             module._npumoe_attached = (self, layer)
         self.model.set_experts_implementation(IMPLEMENTATION)
@@ -119,6 +125,8 @@ class MoeRuntime:
         for module in self._experts:
             del module._npumoe_attached
         self.model.set_experts_implementation(self._previous)
+        if self._previous_attention is not None:
+            self.model.set_attn_implementation(self._previous_attention)
 
     def _running(self) -> MoeRuntime | None:
         """The runtime the model's experts run through now: every runtime of a model attaches all its modules."""

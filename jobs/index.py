@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -151,13 +153,14 @@ class Reindexed:
     skipped: list[str]  # output folders that could not be read, with the reason
 
 
-def write_local(database: Path, entry: IndexEntry) -> None:
-    """Index one document in this machine's own database, in a transaction of its own: what a worker does when
-    the queue lives elsewhere (a shared PostgreSQL queue), so each machine's index holds the documents it made."""
+@contextmanager
+def _writing(database: Path) -> Iterator[sqlite.Connection]:
+    """A connection to `database` inside one write transaction: committed when the block ends, rolled back when
+    it raises."""
     conn = sqlite.connect(database)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        write_entry(conn, entry)
+        yield conn
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -167,15 +170,20 @@ def write_local(database: Path, entry: IndexEntry) -> None:
         conn.close()
 
 
+def write_local(database: Path, entry: IndexEntry) -> None:
+    """Index one document in this machine's own database, in a transaction of its own: what a worker does when
+    the queue lives elsewhere (a shared PostgreSQL queue), so each machine's index holds the documents it made."""
+    with _writing(database) as conn:
+        write_entry(conn, entry)
+
+
 def reindex(database: Path, outbox: Path) -> Reindexed:
     """Drop the index and build it again from every output folder, in one transaction: a search meanwhile sees
     the old index whole, then the new one."""
-    conn = sqlite.connect(database)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
+    documents, skipped = 0, []
+    with _writing(database) as conn:
         _drop_tables(conn)
         create_tables(conn)
-        documents, skipped = 0, []
         for folder in sorted(outbox.iterdir()):
             if not folder.is_dir() or folder.name.startswith(TMP_PREFIX):
                 continue
@@ -184,13 +192,6 @@ def reindex(database: Path, outbox: Path) -> Reindexed:
                 documents += 1
             except OutputsUnreadable as e:
                 skipped.append(str(e))
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
-    finally:
-        conn.close()
     return Reindexed(documents, skipped)
 
 

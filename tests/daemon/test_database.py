@@ -20,7 +20,7 @@ from npumoe.daemon.models import demo_model_dir
 from npumoe.daemon.rebuild import rebuild_queue
 from npumoe.daemon.service import EXIT_DO_NOT_RESTART
 from npumoe.jobs.errors import DatabaseUnusable
-from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Seconds
+from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
 from npumoe.jobs.outputs import output_name
 from npumoe.jobs.queue import Queue
 from npumoe.jobs.queue_dialects import check_sqlite_version
@@ -114,6 +114,7 @@ def write_output(home: Home, source: Path, job_id: int, model: str, **settings: 
         plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")), overflow="spill", dtype="float32",
         chunk_tokens=512, extraction=Extraction("text", None, 100), tokens=30, chunks=1, sections=1,
         reduce_rounds=0, generated_tokens=4, embeddings=Embeddings(dim=8),
+        residency=Residency(accelerator_groups=0, cpu_groups=0, measured_on=None, fallback=None),
         seconds=Seconds(extract=0.1, prefill=0.2, summary=0.3, reduce=0.0, engine=0.5, total=0.7),
         cpu_seconds=0.9, energy_joules=None, energy_source="unavailable", dispatch={}, npumoed_version="0",
         created_at="2026-11-30T01:02:03+00:00")

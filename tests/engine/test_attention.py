@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from npumoe.engine import attention
-from npumoe.engine.attention import IMPLEMENTATION, use_engine_attention
+from npumoe.engine.attention import IMPLEMENTATIONS, use_engine_attention
 from npumoe.engine.prefill import new_cache, prefill
 
 SMALL = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
@@ -55,7 +55,7 @@ def test_chunked_prefill_with_the_engines_attention_equals_eager_on_the_whole_do
     ids = torch.randint(SMALL["vocab_size"], (40,), generator=torch.Generator().manual_seed(1)).tolist()
     model.set_attn_implementation("eager")
     reference = model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
-    assert use_engine_attention(model) == "eager" and model.config._attn_implementation == IMPLEMENTATION
+    assert use_engine_attention(model) == "eager" and model.config._attn_implementation == IMPLEMENTATIONS["eager"]
     chunked = torch.cat(list(prefill(model, ids, 12, new_cache(model))))
     assert ((chunked - reference).norm() / reference.norm()).item() < 1e-5
     path = "sinks" if family == "gpt_oss" else "sdpa"

@@ -13,6 +13,7 @@ from npumoe.engine.geometry import build_layer_model, draw_routing, parse_geomet
 from npumoe.engine.models import moe_experts
 from npumoe.engine.plan import ExpertLoad
 from npumoe.engine.planner import make_plan
+from npumoe.engine.residency import MeasuredCosts, decide_residency
 from npumoe.engine.runtime import MoeRuntime
 
 TINY = parse_geometry("64x8x2x32")
@@ -70,16 +71,16 @@ def test_experts_a_backend_cannot_run_in_its_graphs_stay_on_the_cpu_and_the_runt
     need = tuple(8.0 for _ in range(TINY.experts))
     calibration = Calibration(chunk_tokens=64, tokens=640, chunks=10, sources=("test",),
                               layers=((name, ExpertLoad(mean=need, p50=need, p95=need, max=need)),))
-    plan = make_plan(calibration, model="tiny", model_key="tiny@1", backend="torch-static", cost=GRAPHS_FREE,
-                     hidden=TINY.hidden, ffn=TINY.ffn)
-    assert MoeRuntime(model, TorchStaticBackend(), plan).layers[0].groups  # the plan puts groups in graphs
+    plan = make_plan(calibration, model="tiny", model_key="tiny@1")
+    residency = decide_residency(plan, TorchStaticBackend, MeasuredCosts(GRAPHS_FREE, TINY.hidden, TINY.ffn, "test"))
+    assert MoeRuntime(model, TorchStaticBackend(), plan, residency=residency).layers[0].groups  # groups in graphs
 
     class NoGraphsForThisLayout(TorchStaticBackend):
         def static_problem(self, layout):
             return f"{layout.activation} is not converted"
 
     with caplog.at_level(logging.WARNING):
-        runtime = MoeRuntime(model, NoGraphsForThisLayout(), plan)
+        runtime = MoeRuntime(model, NoGraphsForThisLayout(), plan, residency=residency)
     assert runtime.layers[0].groups == []
     assert f"{name}: its experts run on the CPU, not in torch-static group graphs: silu is not converted" in [
         record.getMessage() for record in caplog.records]
