@@ -38,9 +38,11 @@ from .vocabulary import (
     OVERFLOW_POLICIES,
     PHASES,
     PREFILL,
+    QUANTIZED,
     REDUCE,
     SPILL,
     SUMMARY,
+    WEIGHTS_DTYPE,
 )
 
 
@@ -52,6 +54,9 @@ class EngineSettings:
     chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
     dtype: str = FLOAT32  # one of vocabulary.DTYPES
+    # one of vocabulary.WEIGHTS; None: every weight in `dtype`. When given it decides `dtype` too (WEIGHTS_DTYPE):
+    # int8 and int4 quantize the experts on the CPU path and keep the rest of the model in bf16
+    weights: str | None = None
     threads: int | None = None  # torch intra-op threads; None = leave as is
     trust_remote_code: bool = False
     allow_download: bool = False
@@ -69,6 +74,10 @@ class EngineSettings:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights is not None:
+            if self.weights not in WEIGHTS_DTYPE:
+                raise ValueError(f"weights must be one of {', '.join(WEIGHTS_DTYPE)}, got {self.weights!r}")
+            object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
         for name in ("chunk_tokens", "summary_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -139,7 +148,10 @@ class Engine:
         cache = CostCache(settings.costs_dir) if settings.costs_dir is not None else None
         # where the plan's groups run on this backend, here
         self.residency = place(plan, backend, loaded.model, cache) if plan is not None else None
-        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency)
+        # the engine runs the model only through its runtime, so the packed experts are the one copy kept
+        quantized = settings.weights if settings.weights in QUANTIZED else None
+        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,
+                                  quantized=quantized, release=True)
         self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
@@ -297,7 +309,8 @@ class Engine:
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 
     def close(self) -> None:
-        """Detach the engine from the model (its experts implementation goes back to what it was)."""
+        """Detach the engine from the model (its experts implementation goes back to what it was). The model's
+        own expert weights were released when the engine packed them: it cannot run its experts without one."""
         self.runtime.detach()
 
 
