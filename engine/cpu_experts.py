@@ -18,6 +18,7 @@ Two choices make it fast on a CPU:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections import deque
@@ -88,7 +89,24 @@ def _quantized(weights: ExpertWeights, format: str) -> tuple[str, list[QuantLine
     gate_up.reverse(), down.reverse()
     packed_up = [QuantLinear(gate_up.pop(), kernel, dtype) for _ in range(len(gate_up))]
     packed_down = [QuantLinear(down.pop(), kernel, dtype) for _ in range(len(down))]
+    _give_back_freed_memory()
     return kernel, packed_up, packed_down
+
+
+def _glibc_trim() -> Callable[[int], int] | None:
+    libc = ctypes.CDLL(None)  # the symbols already loaded: libc's among them
+    return getattr(libc, "malloc_trim", None)
+
+
+_MALLOC_TRIM = _glibc_trim()
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap memory freed so far to the system. Quantizing frees many float temporaries of an expert's
+    size, which glibc keeps for reuse rather than returning (measured: 1.8 GiB of a real-geometry 2-layer model's
+    int8 load); other C libraries return such blocks themselves and have no malloc_trim."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _identity(*weights: torch.Tensor) -> tuple:
