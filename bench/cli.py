@@ -354,7 +354,8 @@ def _note(row: dict) -> str:
     if row["status"] in ("skipped", "refused"):
         return f"[red]{row['status']}[/red]"
     if row["status"] == "approximate":
-        return "approximate: prunes"
+        quantized = next((f for f in QUANTIZED if row["impl"].endswith(f"-{f}")), None)
+        return f"approximate: {quantized} experts" if quantized else "approximate: prunes"
     if "bound" not in row:
         return ""
     return f"{row['bound']}-bound" + (f" ({row['compute_kernel']})" if row["bound"] == "compute" else "")
