@@ -19,7 +19,17 @@ from rich.console import Console
 from rich.table import Column, Table
 
 from npumoe.bench.foreground import foreground
-from npumoe.engine.vocabulary import BFLOAT16, DTYPE_ALIASES, DTYPES, dtype_name
+from npumoe.engine.vocabulary import (
+    BF16,
+    BFLOAT16,
+    DTYPE_ALIASES,
+    DTYPES,
+    INT4,
+    INT8,
+    QUANTIZED,
+    WEIGHTS_DTYPE,
+    dtype_name,
+)
 
 # Every spelling of a dtype the options take; what reaches the benchmarks and their results is the vocabulary's own.
 DTYPE_SPELLINGS = (*DTYPES, *DTYPE_ALIASES)
@@ -70,11 +80,15 @@ def _json_option(f):
               help="Zipf exponent of expert popularity in the generated routing (0: uniform).")
 @click.option("--calibration-chunks", type=click.IntRange(min=1), default=8, show_default=True,
               help="Routing draws the engine's plan is calibrated on.")
+@click.option("--weights", "weights", multiple=True, type=click.Choice(QUANTIZED),
+              help="Also run the engine's CPU path with its experts quantized to this format (repeatable); "
+                   "approximate rows, timed when within the format's error bound.")
 @_threads_option
 @_timing_options
 @_json_option
 def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str, ...], skew: float,
-        calibration_chunks: int, threads: int, warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
+        calibration_chunks: int, weights: tuple[str, ...], threads: int, warmup: int, repeats: int, seed: int,
+        json_path: Path | None) -> None:
     """MoE-layer prefill throughput on random weights: transformers' experts vs the engine vs the roofline."""
     parsed = _geometries(geometries)
     import torch
@@ -86,7 +100,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
     settings = MoeBenchSettings(threads=threads, warmup=warmup, repeats=repeats, seed=seed, skew=skew,
-                                calibration_chunks=calibration_chunks)
+                                calibration_chunks=calibration_chunks, weights=weights)
     results = run_moe_bench(parsed, tokens, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
                             on_result=_progress)
     caption = (f"× transformers: against transformers' fastest implementation in the same case. {MODEL}. "
@@ -94,7 +108,8 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                f"routing Zipf skew {skew}.")
     print_results(results, ("geometry", "tokens", "dtype"), caption, baseline="roofline")
     _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "skew": skew,
-                                     "calibration_chunks": calibration_chunks, "roofline_model": MODEL}, results)
+                                     "calibration_chunks": calibration_chunks, "weights": list(weights),
+                                     "roofline_model": MODEL}, results)
 
 
 @bench.command("prefill")
@@ -205,6 +220,44 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
                                      "repeats": repeats}, results)
 
 
+@bench.command("memory")
+@click.option("--geometry", "geometry_name", default="qwen3-30b-a3b", show_default=True,
+              help="A model named in engine/geometries.json, at its real sizes.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers of the checkpoint written for the run.")
+@click.option("--weights", "weights", multiple=True, type=click.Choice(WEIGHTS_DTYPE), default=(BF16, INT8, INT4),
+              show_default=True, help="Weights format (repeatable): each is loaded in a process of its own.")
+@click.option("--document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
+              help="Tokens of the document processed after loading.")
+@_threads_option
+@_json_option
+def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_tokens: int, threads: int,
+           json_path: Path | None) -> None:
+    """Peak memory of loading a real-geometry checkpoint and processing one document, beside its weights' bytes."""
+    from npumoe.bench.machine import describe_machine
+    from npumoe.bench.memory import TARGET_RATIO, MemorySettings, run_memory_bench
+
+    settings = MemorySettings(layers=layers, document_tokens=document_tokens, threads=threads)
+    try:
+        results = run_memory_bench(geometry_name, list(weights), settings)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    machine = describe_machine(threads)
+    gib = 2**30
+    table = Table("weights", "kernel", "weights GiB", "experts GiB", "rest GiB", "before GiB", "loaded GiB",
+                  "load peak GiB", "peak GiB", "peak − before GiB", "× weights",
+                  caption=f"{geometry_name}, {layers} layers, bf16 checkpoint; load + one {document_tokens}-token "
+                          f"document; peak RSS minus the RSS before loading, target ≤ {TARGET_RATIO} × the weights' "
+                          f"bytes. {threads} threads, {machine['cpu']}.", caption_justify="left")
+    for row in results:
+        table.add_row(row["weights"], row["kernel"], *(f"{row[key] / gib:.2f}" for key in (
+            "weight_bytes", "expert_bytes", "other_bytes", "before_rss", "loaded_rss", "load_peak_rss", "peak_rss",
+            "peak_over_before")), f"{row['ratio']:.2f}")
+    _console().print(table)
+    _write_json(json_path, machine, {"geometry": geometry_name, "layers": layers, "document_tokens": document_tokens},
+                results)
+
+
 def _geometries(names: Sequence[str]) -> list:
     from npumoe.engine.geometry import parse_geometry
 
@@ -247,7 +300,7 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
                   baseline: str | None = None) -> None:
     """One table per case (the values of `case_keys`), the engine's best exact path, and why any
     implementation was skipped or refused."""
-    from npumoe.bench.paths import best_engine_row
+    from npumoe.bench.paths import QUANTIZED_PATHS, best_engine_row
 
     console = _console()
     cases: dict[tuple, list[dict]] = {}
@@ -264,6 +317,10 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
             if f"vs_{baseline}" in best:
                 ratios.append(f"{best[f'vs_{baseline}']:.0%} of the {baseline}")
             console.print(f"  engine's best exact path: {best['impl']}, {', '.join(ratios)}", highlight=False)
+            for row in rows:
+                if row["impl"] in QUANTIZED_PATHS and "tokens_per_s" in row:
+                    console.print(f"  {row['impl']}: {row['tokens_per_s'] / best['tokens_per_s']:.2f}× the engine's "
+                                  f"best exact path (relative error {row['rel_error']:.1%})", highlight=False)
         for row in rows:
             if "error" in row:
                 console.print(f"  {row['impl']} {row['status']}: {row['error']}", style="red", highlight=False)
@@ -297,7 +354,8 @@ def _note(row: dict) -> str:
     if row["status"] in ("skipped", "refused"):
         return f"[red]{row['status']}[/red]"
     if row["status"] == "approximate":
-        return "approximate: prunes"
+        quantized = next((f for f in QUANTIZED if row["impl"].endswith(f"-{f}")), None)
+        return f"approximate: {quantized} experts" if quantized else "approximate: prunes"
     if "bound" not in row:
         return ""
     return f"{row['bound']}-bound" + (f" ({row['compute_kernel']})" if row["bound"] == "compute" else "")

@@ -7,7 +7,9 @@ calibrated on other draws of the same routing distribution, as a deployed plan i
 
 Before anything is timed, each implementation's output is checked against transformers-eager; an exact
 path that fails the check is refused and not timed. Paths that prune are approximate by design: they
-are timed and marked, with their error and dropped fraction. A roofline row closes each case.
+are timed and marked, with their error and dropped fraction. The engine's paths with quantized experts (`weights`)
+are approximate too: they are timed when their error is within the format's bound. A roofline row closes each
+case.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from transformers import PreTrainedModel
 
 from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, routing_prior
 from npumoe.engine.models import TORCH_DTYPES, moe_experts
+from npumoe.engine.vocabulary import QUANTIZED
 
 from .paths import (
     add_ratios,
@@ -41,10 +44,13 @@ class MoeBenchSettings:
     seed: int = 0
     skew: float = 1.0  # Zipf exponent of expert popularity
     calibration_chunks: int = 8  # routing draws the plan is calibrated on
+    weights: tuple[str, ...] = ()  # quantized formats the engine's CPU path also runs in (vocabulary.QUANTIZED)
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.warmup < 0 or self.repeats < 1 or self.calibration_chunks < 1:
             raise ValueError(f"need threads, repeats and calibration chunks >= 1 and warmup >= 0, got {self}")
+        if not set(self.weights) <= set(QUANTIZED):
+            raise ValueError(f"quantized weights must be among {', '.join(QUANTIZED)}, got {list(self.weights)}")
 
 
 def run_moe_bench(geometries: Sequence[Geometry], tokens: Sequence[int], dtypes: Sequence[str],
@@ -99,7 +105,8 @@ def _bench_case(model: PreTrainedModel, geometry: Geometry, prior: torch.Tensor,
     dense = dense_matmuls(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
                           dtype=dtype)
     timed = measure_impls(model, plans, call, tokens=tokens, warmup=settings.warmup, repeats=settings.repeats,
-                          alongside={DENSE + kernel: matmul for kernel, matmul in dense.items()})
+                          alongside={DENSE + kernel: matmul for kernel, matmul in dense.items()},
+                          weights=settings.weights)
     rows = [row for row in timed if not row["impl"].startswith(DENSE)]
     compute_times = {row["impl"].removeprefix(DENSE): row["seconds"] for row in timed
                      if row["impl"].startswith(DENSE) and row["status"] == "ok"}

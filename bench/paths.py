@@ -2,8 +2,9 @@
 
 Every implementation runs behind the same call, a transformers experts module's forward, with the
 implementation chosen through transformers' experts interface: `transformers-<name>` selects one of
-transformers' own, `npumoe-<backend>[-prune]` attaches the engine. The engine's static paths run a
-plan calibrated on loads the benchmark measured itself, so a plan never sees the timed input.
+transformers' own, `npumoe-<backend>[-prune]` attaches the engine, `npumoe-cpu-int8` and `npumoe-cpu-int4` the
+engine with its experts quantized. The engine's static paths run a plan calibrated on loads the benchmark
+measured itself, so a plan never sees the timed input.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from npumoe.engine.plan import ExpertPlan
 from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
 from npumoe.engine.residency import MeasuredCosts, Residency, decide_residency
 from npumoe.engine.runtime import MoeRuntime
-from npumoe.engine.vocabulary import CPU, PRUNE, SPILL, TORCH_STATIC
+from npumoe.engine.vocabulary import CPU, PRUNE, QUANTIZED, SPILL, TORCH_STATIC
 
 from .timing import interleaved_median_seconds
 
@@ -34,6 +35,10 @@ PricedPlan = tuple[ExpertPlan, Residency]  # a plan and where its groups run on 
 # differs only in summation order; bf16 rounds every intermediate (eager even accumulates in bf16).
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
+# Largest relative L2 error a quantized path may have and still be timed: what rounding the weights (and, in the
+# int8 kernels, the activations) costs on random Gaussian weights (2 % and 14-16 % measured), with room.
+QUANTIZED_TOLERANCE = {"int8": 0.03, "int4": 0.2}
+
 TRANSFORMERS_IMPLS = ("eager", "grouped_mm")
 
 
@@ -41,22 +46,28 @@ TRANSFORMERS_IMPLS = ("eager", "grouped_mm")
 class EnginePath:
     backend: str
     overflow: str
+    weights: str | None = None  # the experts' quantized format; None: the model's float dtype
 
     @property
     def exact(self) -> bool:
-        """Spill keeps every assignment; prune drops some by design, so its output is approximate."""
-        return self.overflow == SPILL
+        """Spill keeps every assignment; prune drops some by design and quantized weights round, so their
+        outputs are approximate."""
+        return self.overflow == SPILL and self.weights is None
 
     @property
     def impl(self) -> str:
-        """Its name among the implementations: `npumoe-<backend>`, with `-prune` when it prunes."""
-        return f"npumoe-{self.backend}" if self.exact else f"npumoe-{self.backend}-{self.overflow}"
+        """Its name among the implementations: `npumoe-<backend>`, with `-prune` when it prunes and `-<format>`
+        when its experts are quantized."""
+        return "-".join(part for part in ("npumoe", self.backend, None if self.overflow == SPILL else self.overflow,
+                                          self.weights) if part)
 
 
-ENGINE_PATHS = {path.impl: path for path in (EnginePath(CPU, SPILL), EnginePath(TORCH_STATIC, SPILL),
-                                             EnginePath(TORCH_STATIC, PRUNE))}
+QUANTIZED_PATHS = {path.impl: path for path in (EnginePath(CPU, SPILL, weights) for weights in QUANTIZED)}
+ENGINE_PATHS = {**{path.impl: path for path in (EnginePath(CPU, SPILL), EnginePath(TORCH_STATIC, SPILL),
+                                                EnginePath(TORCH_STATIC, PRUNE))}, **QUANTIZED_PATHS}
 
-IMPLS = (*(f"transformers-{name}" for name in TRANSFORMERS_IMPLS), *ENGINE_PATHS)
+IMPLS = (*(f"transformers-{name}" for name in TRANSFORMERS_IMPLS),
+         *(impl for impl in ENGINE_PATHS if impl not in QUANTIZED_PATHS))  # the quantized ones when asked for
 REFERENCE = "transformers-eager"
 
 
@@ -69,7 +80,7 @@ def build_runtime(model: PreTrainedModel, impl: str, plans: dict[str, PricedPlan
     path = ENGINE_PATHS[impl]
     backend = get_backend(path.backend)
     plan, residency = plans[path.overflow] if backend.static else (None, None)
-    runtime = MoeRuntime(model, backend, plan, overflow=path.overflow, residency=residency)
+    runtime = MoeRuntime(model, backend, plan, overflow=path.overflow, residency=residency, quantized=path.weights)
     runtime.detach()
     return runtime
 
@@ -90,20 +101,23 @@ def selected(model: PreTrainedModel, impl: str, runtime: MoeRuntime | None) -> I
 
 def measure_impls(model: PreTrainedModel, plans: dict[str, PricedPlan], run: Callable[[], torch.Tensor], *,
                   tokens: int, warmup: int, repeats: int,
-                  alongside: Mapping[str, Callable[[], object]] | None = None) -> list[dict]:
-    """Every implementation on `run()`: checked against transformers-eager, then timed side by side in rounds
-    that run each once (median seconds), so that the machine's drift moves all of them alike.
+                  alongside: Mapping[str, Callable[[], object]] | None = None,
+                  weights: Sequence[str] = ()) -> list[dict]:
+    """Every implementation, and the engine with its experts quantized to each of `weights`, on `run()`: checked
+    against transformers-eager, then timed side by side in rounds that run each once (median seconds), so that
+    the machine's drift moves all of them alike.
 
     An implementation that raises is reported (transformers': skipped, cannot run here; the engine's:
-    refused) instead of stopping the benchmark; so is an exact engine path whose output misses, which is
-    never timed. The engine's runtimes share one packed copy of the weights. `alongside`: more calls to time
-    in the same rounds (a roofline's), each reported as a row {"impl": name, "status", "seconds"}.
+    refused) instead of stopping the benchmark; so is an engine path whose output misses (an exact one's
+    tolerance, a quantized one's error bound), which is never timed. The engine's runtimes share one packed
+    copy of the weights. `alongside`: more calls to time in the same rounds (a roofline's), each reported as a
+    row {"impl": name, "status", "seconds"}.
     """
     model.set_experts_implementation("eager")
     reference = run()
     rows: dict[str, dict] = {}
     timed: dict[str, Callable[[], object]] = {}  # holds the runtimes of the paths it times
-    for impl in IMPLS:
+    for impl in (*IMPLS, *(EnginePath(CPU, SPILL, format).impl for format in weights)):
         try:
             runtime = build_runtime(model, impl, plans)
             with selected(model, impl, runtime):
@@ -167,13 +181,14 @@ def gate(impl: str, output: torch.Tensor, reference: torch.Tensor, dtype: torch.
     """The correctness check before timing: relative error, and a refusal when an exact path misses."""
     error = relative_error(output, reference)
     path = ENGINE_PATHS.get(impl)
-    row: dict = {"impl": impl, "rel_error": error, "tolerance": TOLERANCE[dtype]}
-    if path is not None and not path.exact:
+    tolerance = QUANTIZED_TOLERANCE[path.weights] if path is not None and path.weights else TOLERANCE[dtype]
+    row: dict = {"impl": impl, "rel_error": error, "tolerance": tolerance}
+    if path is not None and path.overflow != SPILL:  # pruning drops assignments: no bound holds
         return {**row, "status": "approximate"}
-    if not error <= TOLERANCE[dtype]:  # also refuses NaN
+    if not error <= tolerance:  # also refuses NaN
         return {**row, "status": "refused", "error": f"output differs from {REFERENCE}: relative error "
-                                                    f"{error:.2e} > tolerance {TOLERANCE[dtype]:.0e}"}
-    return {**row, "status": "ok"}
+                                                    f"{error:.2e} > tolerance {tolerance:.0e}"}
+    return {**row, "status": "ok" if path is None or path.exact else "approximate"}
 
 
 def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:

@@ -93,6 +93,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         chunk_tokens=m.chunk_tokens,
         overflow=m.overflow,
         dtype=m.dtype,
+        weights=m.weights or None,
         threads=threads,
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,

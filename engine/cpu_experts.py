@@ -6,8 +6,10 @@ its bias, the layout's gate or activation, the down projection and its bias.
 Two choices make it fast on a CPU:
 - Weights are packed once, when the layer is built, into the layout the matmul kernel reads in order: the
   kernel measured fastest on this machine for the experts' dtype and shapes (cpu_kernels: the engine's own
-  bf16 kernel, oneDNN's packed matmul, or plain torch, as this CPU allows). Packed weights are a copy: the
-  model keeps its own.
+  bf16 kernel, oneDNN's packed matmul, or plain torch, as this CPU allows). With a quantized `format` (int8,
+  int4) each weight is quantized first (quantize.py) and packed for the quantized kernel measured fastest
+  (quant_kernels), the activations staying in the weights' float dtype. Packed weights are a copy, made
+  expert by expert; the caller may then release the module's own (runtime.py).
 - Cores split the experts, not each matmul: every worker thread runs whole experts single-threaded.
   One worker takes the heaviest expert left, the next the lightest, so compute-bound heavy experts
   run beside memory-bound light ones; and a layer waits for its workers once instead of once per
@@ -16,6 +18,7 @@ Two choices make it fast on a CPU:
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections import deque
@@ -24,26 +27,41 @@ from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch
 
+from . import quant_kernels
 from .cpu_kernels import PackedLinear, choose_kernel
 from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
+from .quant_kernels import QuantLinear
+from .quantize import check_format, quantize
+
+Linear = PackedLinear | QuantLinear
 
 Task = Callable[[], object]  # run for its effect; what it returns is dropped
 
 
 class CpuExperts:
-    """E expert FFNs of one layout on dynamic rows, weights in the layout of the matmul kernel fastest here."""
+    """E expert FFNs of one layout on dynamic rows, weights in the layout of the matmul kernel fastest here:
+    float as given, or quantized to `format` ("int8", "int4")."""
 
-    def __init__(self, weights: ExpertWeights, layout: ExpertsLayout = DEFAULT_LAYOUT) -> None:
+    def __init__(self, weights: ExpertWeights, layout: ExpertsLayout = DEFAULT_LAYOUT,
+                 format: str | None = None) -> None:
         self.layout = layout
-        self.kernel = choose_kernel(weights.gate_up, weights.down).kernel
-        self.gate_up = [PackedLinear(w, self.kernel) for w in weights.gate_up]
-        self.down = [PackedLinear(w, self.kernel) for w in weights.down]
+        self.format = format
+        if format is None:
+            self.kernel = choose_kernel(weights.gate_up, weights.down).kernel
+            self.gate_up: list[Linear] = [PackedLinear(w, self.kernel) for w in weights.gate_up]
+            self.down: list[Linear] = [PackedLinear(w, self.kernel) for w in weights.down]
+        else:
+            self.kernel, self.gate_up, self.down = _quantized(weights, format)
         self.gate_up_bias, self.down_bias = weights.gate_up_bias, weights.down_bias
         self._source = _identity(*weights.source)
 
-    def packed_from(self, weights: ExpertWeights) -> bool:
-        """Whether these are the very weights this was packed from, unchanged since."""
-        return self._source == _identity(*weights.source)
+    def packed_from(self, weights: ExpertWeights, format: str | None = None) -> bool:
+        """Whether these are the very weights this was packed from, unchanged since, in `format`."""
+        return self.format == format and self._source == _identity(*weights.source)
+
+    def now_from(self, *source: torch.Tensor) -> None:
+        """Take `source` as the tensors these were packed from: the placeholders that replaced the originals."""
+        self._source = _identity(*source)
 
     def __len__(self) -> int:
         return len(self.gate_up)
@@ -57,6 +75,38 @@ class CpuExperts:
         if self.down_bias is not None:
             y += self.down_bias[expert]
         return y
+
+
+def _quantized(weights: ExpertWeights, format: str) -> tuple[str, list[QuantLinear], list[QuantLinear]]:
+    """The kernel measured fastest here for these experts in `format`, and each expert's weights quantized and
+    packed for it, in the weights' dtype as the activations'."""
+    check_format(format)
+    dtype = weights.gate_up.dtype
+    gate_up = [quantize(w, format) for w in weights.gate_up]
+    down = [quantize(w, format) for w in weights.down]
+    kernel = quant_kernels.choose_kernel(gate_up, down, dtype).kernel
+    # pop as they are packed: the quantized codes of an expert go once its kernel holds them
+    gate_up.reverse(), down.reverse()
+    packed_up = [QuantLinear(gate_up.pop(), kernel, dtype) for _ in range(len(gate_up))]
+    packed_down = [QuantLinear(down.pop(), kernel, dtype) for _ in range(len(down))]
+    _give_back_freed_memory()
+    return kernel, packed_up, packed_down
+
+
+def _glibc_trim() -> Callable[[int], int] | None:
+    libc = ctypes.CDLL(None)  # the symbols already loaded: libc's among them
+    return getattr(libc, "malloc_trim", None)
+
+
+_MALLOC_TRIM = _glibc_trim()
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap memory freed so far to the system. Quantizing frees many float temporaries of an expert's
+    size, which glibc keeps for reuse rather than returning (measured: 1.8 GiB of a real-geometry 2-layer model's
+    int8 load); other C libraries return such blocks themselves and have no malloc_trim."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 def _identity(*weights: torch.Tensor) -> tuple:

@@ -11,10 +11,11 @@ same way, so queries and chunks share one space.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from .prefill import new_cache, prefill, windows
 from .runtime import MoeRuntime
 from .summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids, without_thinking
 from .vocabulary import (
+    AUTO,
     COMPUTE_UNITS,
     CPU,
     DEFAULT_COMPUTE_UNITS,
@@ -38,10 +40,15 @@ from .vocabulary import (
     OVERFLOW_POLICIES,
     PHASES,
     PREFILL,
+    QUANTIZED,
     REDUCE,
     SPILL,
     SUMMARY,
+    WEIGHTS,
+    WEIGHTS_DTYPE,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,10 @@ class EngineSettings:
     chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
     dtype: str = FLOAT32  # one of vocabulary.DTYPES
+    # one of vocabulary.WEIGHTS; None: every weight in `dtype`. When given it decides `dtype` too (WEIGHTS_DTYPE):
+    # int8 and int4 quantize the experts on the CPU path and keep the rest of the model in bf16; auto is decided
+    # at load by the machine (auto_weights.py)
+    weights: str | None = None
     threads: int | None = None  # torch intra-op threads; None = leave as is
     trust_remote_code: bool = False
     allow_download: bool = False
@@ -69,6 +80,11 @@ class EngineSettings:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.weights is not None:
+            if self.weights not in WEIGHTS:
+                raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+            if self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
+                object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
         for name in ("chunk_tokens", "summary_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -139,7 +155,10 @@ class Engine:
         cache = CostCache(settings.costs_dir) if settings.costs_dir is not None else None
         # where the plan's groups run on this backend, here
         self.residency = place(plan, backend, loaded.model, cache) if plan is not None else None
-        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency)
+        # the engine runs the model only through its runtime, so the packed experts are the one copy kept
+        quantized = settings.weights if settings.weights in QUANTIZED else None
+        self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,
+                                  quantized=quantized, release=True)
         self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
@@ -158,8 +177,12 @@ class Engine:
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
+        """The engine for `settings`; `weights = "auto"` is decided here, and the engine's settings hold the
+        format it chose."""
         if settings.threads is not None:
             torch.set_num_threads(settings.threads)
+        if settings.weights == AUTO:
+            settings = _auto_weights(settings)
         plan = ExpertPlan.load(settings.plan) if settings.plan is not None else None
         loaded = load_model(settings.model, trust_remote_code=settings.trust_remote_code,
                             allow_download=settings.allow_download, dtype=settings.dtype)
@@ -297,8 +320,21 @@ class Engine:
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 
     def close(self) -> None:
-        """Detach the engine from the model (its experts implementation goes back to what it was)."""
+        """Detach the engine from the model (its experts implementation goes back to what it was). The model's
+        own expert weights were released when the engine packed them: it cannot run its experts without one."""
         self.runtime.detach()
+
+
+def _auto_weights(settings: EngineSettings) -> EngineSettings:
+    """`settings` with the weights format `auto` stands for on this machine, said in the log."""
+    from .auto_weights import choose_weights
+    from .models import _resolve
+
+    checkpoint, name = _resolve(str(settings.model), allow_download=settings.allow_download,
+                                trust_remote_code=settings.trust_remote_code)
+    choice = choose_weights(checkpoint)
+    log.info("%s: weights auto -> %s", name, choice.reason)
+    return replace(settings, weights=choice.weights)
 
 
 def _token_mean(means: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

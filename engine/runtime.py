@@ -62,13 +62,18 @@ class MoeRuntime:
 
     `residency` (decided for this backend, `placement.place`) says which groups run as graphs, at which
     capacity; without one, every group calibration saw load for does. Without a plan every expert runs on
-    the exact CPU path. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
+    the exact CPU path. `quantized` ("int8", "int4"): the CPU experts run quantized weights (their result is
+    then approximate); group graphs stay float. `release`: once the CPU experts have packed a module's weights,
+    the module's own expert tensors are freed, leaving one copy: the model's experts then run only through a
+    runtime (the eager implementation has nothing left to read), and no later runtime can build group graphs
+    or another format from them. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
     exact and uncounted (one token per step). A new runtime is attached; several runtimes of one model may
     be built, and `attach()` selects which one runs.
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
-                 overflow: str = SPILL, residency: Residency | None = None) -> None:
+                 overflow: str = SPILL, residency: Residency | None = None, *, quantized: str | None = None,
+                 release: bool = False) -> None:
         if backend.static and plan is None:
             raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
         experts = moe_layouts(model)
@@ -93,11 +98,16 @@ class MoeRuntime:
                 log.warning("%s: groups beyond fp16 range run on the CPU: a %s layout cannot be scaled", name,
                             layout.describe())
                 resident = [(group, placement) for group, placement in resident if placement.scale == 1.0]
+            if resident and _released(module):
+                raise ValueError(f"{name}: its expert weights were released when the engine packed them, so no "
+                                 f"{backend.name} group graphs can be built from them; load the model again")
             groups = [_static_group(backend, weights, layout, group.experts, placement)
                       for group, placement in resident]
+            cpu = _cpu_experts(module, weights, layout, quantized)
+            if release:
+                _release(module, layout, cpu)
             self.layers.append(MoeLayer(weights, layout, groups=groups, overflow=overflow, submit=backend.submit,
-                                        experts=_cpu_experts(module, weights, layout),
-                                        post_norm=module.post_expert_norm if layout.post_norm else None))
+                                        experts=cpu, post_norm=module.post_expert_norm if layout.post_norm else None))
         self.names = [name for name, _, _ in experts]
         self._experts = [module for _, module, _ in experts]
         self.attach()
@@ -159,16 +169,40 @@ def _attached(module: nn.Module) -> tuple[MoeRuntime, MoeLayer] | None:
     return getattr(module, "_npumoe_attached", None)
 
 
-def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayout) -> CpuExperts:
-    """The module's experts packed for the CPU: the copy another runtime already holds, if its weights are
-    still the ones it packed, else a new one. The module keeps only a weak reference (`_npumoe_packed`), so
-    the copy goes when the last runtime using it does."""
+def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayout,
+                 quantized: str | None) -> CpuExperts:
+    """The module's experts packed for the CPU in the format `quantized` (None: float): the copy another runtime
+    already holds, if its weights are still the ones it packed in that format, else a new one. The module keeps
+    only a weak reference (`_npumoe_packed`), so the copy goes when the last runtime using it does."""
     held = getattr(module, "_npumoe_packed", None)
     experts = held() if held is not None else None
-    if experts is None or not experts.packed_from(weights):
-        experts = CpuExperts(weights, layout)
+    if experts is None or not experts.packed_from(weights, quantized):
+        if _released(module):
+            raise ValueError(f"{type(module).__name__}: its expert weights were released when the engine packed "
+                             f"them ({module._npumoe_owned.format or 'float'}), so they cannot be packed "
+                             f"{quantized or 'float'} now; load the model again")
+        experts = CpuExperts(weights, layout, quantized)
         module._npumoe_packed = ref(experts)
     return experts
+
+
+def _release(module: nn.Module, layout: ExpertsLayout, experts: CpuExperts) -> None:
+    """Free the module's expert weights now that `experts` holds them packed: each becomes a placeholder of the
+    same shape and dtype over one element (stride 0), so the module still reads as the same layout, and the
+    packed copy is held by the module for as long as the model lives."""
+    if _released(module):
+        return
+    names = ("gate_up_proj" if layout.gate is not None else "up_proj", "down_proj")
+    for name in names:
+        weight = getattr(module, name)
+        placeholder = torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
+        setattr(module, name, nn.Parameter(placeholder, requires_grad=False))
+    experts.now_from(*(getattr(module, name) for name in names))
+    module._npumoe_owned = experts
+
+
+def _released(module: nn.Module) -> bool:
+    return hasattr(module, "_npumoe_owned")
 
 
 def _static_group(backend: Backend, weights: ExpertWeights, layout: ExpertsLayout, ids: tuple[int, ...],

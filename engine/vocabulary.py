@@ -1,4 +1,5 @@
-"""The engine's words for its choices: backends, overflow policies, dtypes, Core ML compute units, progress phases.
+"""The engine's words for its choices: backends, overflow policies, dtypes, weight formats, Core ML compute
+units, progress phases.
 
 Config, the command line, the status view and the benchmarks offer and check these values; the engine
 acts on them. Only names live here, no torch: importing this module stays cheap, so `npumoed --help`,
@@ -24,6 +25,14 @@ BFLOAT16 = "bfloat16"
 DTYPES = (FLOAT32, BFLOAT16)
 # Short spellings the benchmark commands took before there was one; accepted there, never written out.
 DTYPE_ALIASES = {"fp32": FLOAT32, "bf16": BFLOAT16}
+
+# The format a model's weights run in. fp32 and bf16: every weight in that float dtype. int8 and int4: the routed
+# experts quantized (on the CPU path), everything else in bf16. auto: chosen on the machine at load.
+AUTO = "auto"
+FP32, BF16, INT8, INT4 = "fp32", "bf16", "int8", "int4"
+WEIGHTS = (AUTO, FP32, BF16, INT8, INT4)
+QUANTIZED = (INT8, INT4)
+WEIGHTS_DTYPE = {FP32: FLOAT32, BF16: BFLOAT16, INT8: BFLOAT16, INT4: BFLOAT16}  # the float dtype of each format
 
 # Where Core ML may run a graph; each is the lower-case name of a `coremltools.ComputeUnit` member.
 COMPUTE_UNITS = ("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")

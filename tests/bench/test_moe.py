@@ -8,6 +8,7 @@ import torch
 from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
 from npumoe.bench.paths import (
     IMPLS,
+    QUANTIZED_TOLERANCE,
     TOLERANCE,
     best_engine_row,
     calibration_from_loads,
@@ -25,6 +26,7 @@ from npumoe.engine.geometry import (
     routing_prior,
 )
 from npumoe.engine.models import moe_experts
+from npumoe.engine.quant_kernels import QuantLinear
 
 TINY = parse_geometry("64x8x2x32")
 QUICK = MoeBenchSettings(threads=1, warmup=0, repeats=1, calibration_chunks=4)
@@ -142,6 +144,40 @@ def test_an_engine_path_whose_output_differs_is_refused_and_never_timed():
         assert rows[impl]["status"] == "refused" and "relative error" in rows[impl]["error"]
         assert "tokens_per_s" not in rows[impl]
     assert rows["transformers-grouped_mm"]["status"] == "ok"
+
+
+def test_quantized_engine_paths_run_quantized_and_are_timed_as_approximate_within_their_bound(monkeypatch):
+    model, experts, plans, inputs = _tiny_layer(torch.bfloat16)
+    calls = {"n": 0}
+    call = QuantLinear.__call__
+
+    def counted(self, *args, **kwargs):
+        calls["n"] += 1
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(QuantLinear, "__call__", counted)
+    with torch.inference_mode():
+        rows = {row["impl"]: row for row in measure_impls(model, plans, lambda: experts(*inputs), tokens=32,
+                                                           warmup=0, repeats=1, weights=("int8", "int4"))}
+    assert calls["n"] > 0
+    for format in ("int8", "int4"):
+        row = rows[f"npumoe-cpu-{format}"]
+        assert row["status"] == "approximate" and row["tokens_per_s"] > 0
+        assert 0 < row["rel_error"] <= QUANTIZED_TOLERANCE[format] == row["tolerance"]
+    assert rows["npumoe-cpu"]["status"] == "ok"
+
+
+def test_a_quantized_path_beyond_its_error_bound_is_refused():
+    model, experts, plans, inputs = _tiny_layer(torch.bfloat16)
+
+    def run():
+        y = experts(*inputs)
+        return y * 1.2 if model.config._experts_implementation == "npumoe" else y
+
+    with torch.inference_mode():
+        rows = {row["impl"]: row for row in measure_impls(model, plans, run, tokens=32, warmup=0, repeats=1,
+                                                           weights=("int8",))}
+    assert rows["npumoe-cpu-int8"]["status"] == "refused" and "tokens_per_s" not in rows["npumoe-cpu-int8"]
 
 
 def test_a_transformers_implementation_that_cannot_run_is_skipped_and_the_rest_still_run():

@@ -1,0 +1,123 @@
+"""Peak memory of loading a model through the engine and processing one document, beside its weights' bytes.
+
+A checkpoint of the geometry's family at its real sizes, cut to a few layers, is written in bf16 to a temporary
+folder (random weights; the project's byte tokenizer, one token a byte). A child process imports torch,
+transformers and the engine, notes its resident memory, loads the checkpoint through `Engine.load` in the
+weights format asked for and processes a document of exactly the tokens asked for (prefill, and a summary of a
+few tokens). It reports its peak resident memory (the kernel's high-water mark) minus what it held before
+loading, so the interpreter and the libraries are not counted, beside the bytes the weights take in that format
+(engine/model_size.py, from the checkpoint's headers).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+TARGET_RATIO = 1.15  # issue #15: peak RSS of load + one 2,048-token document at most 1.15 x the weights' bytes
+_SUMMARY_TOKENS = 4
+_SENTENCE = "The harbour master logs every ship that enters, the cargo it carries and the berth it takes. "
+
+
+@dataclass(frozen=True)
+class MemorySettings:
+    layers: int = 2
+    document_tokens: int = 2048
+    chunk_tokens: int = 512
+    threads: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.document_tokens, self.chunk_tokens, self.threads) < 1:
+            raise ValueError(f"every size and count must be positive, got {self}")
+
+
+def write_checkpoint(geometry_name: str, layers: int, folder: Path, seed: int = 0) -> Path:
+    """A bf16 checkpoint of `geometry_name`'s family at its real sizes with its first `layers` layers, random
+    weights, written to `folder` with the byte tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from npumoe.engine.geometry import GEOMETRIES, family_config
+    from npumoe.engine.tokenizer import build_byte_tokenizer
+
+    if geometry_name not in GEOMETRIES:
+        raise ValueError(f"unknown geometry {geometry_name!r}; choose one of {', '.join(sorted(GEOMETRIES))}")
+    tokenizer = build_byte_tokenizer()
+    config = family_config(GEOMETRIES[geometry_name], layers=layers, tie_word_embeddings=False,
+                           eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                           bos_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # initialised in bf16: no fp32 copy
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def measure(folder: Path, weights: str, settings: MemorySettings) -> dict:
+    """Load `folder` through the engine in `weights` in a child process, process one document, and return what
+    the child measured with the weights' bytes in that format beside it."""
+    from npumoe.engine.model_size import checkpoint_tensors, model_size
+    from npumoe.engine.vocabulary import WEIGHTS_DTYPE
+
+    if weights not in WEIGHTS_DTYPE:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS_DTYPE)}, got {weights!r}")
+    done = subprocess.run([sys.executable, "-m", __name__, str(folder), weights, json.dumps(settings.__dict__)],
+                          capture_output=True, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if done.returncode != 0:
+        raise RuntimeError(f"the measuring process failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    measured = json.loads(done.stdout.strip().splitlines()[-1])
+    size = model_size(checkpoint_tensors(folder)).formats[weights]
+    peak = measured["peak_rss"] - measured["before_rss"]
+    return {**measured, "weights": weights, "expert_bytes": size.expert_bytes, "other_bytes": size.other_bytes,
+            "weight_bytes": size.total_bytes, "peak_over_before": peak, "ratio": peak / size.total_bytes,
+            "target_ratio": TARGET_RATIO}
+
+
+def run_memory_bench(geometry_name: str, weights: list[str], settings: MemorySettings) -> list[dict]:
+    """One row per weights format, all on one checkpoint written once to a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="npumoe-memory-") as temporary:
+        folder = write_checkpoint(geometry_name, settings.layers, Path(temporary) / "model", settings.seed)
+        return [{"geometry": geometry_name, "layers": settings.layers, **measure(folder, w, settings)}
+                for w in weights]
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak_rss() -> int:
+    """This process's high-water resident memory, in bytes (Linux counts kilobytes, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _child(folder: str, weights: str, settings: MemorySettings) -> dict:
+    """What the measuring process does: everything imported first, then load and one document."""
+    import torch
+
+    from npumoe.engine import Engine, EngineSettings
+
+    torch.set_num_threads(settings.threads)
+    before = _rss()
+    engine = Engine.load(EngineSettings(model=folder, weights=weights, chunk_tokens=settings.chunk_tokens,
+                                        summary_tokens=_SUMMARY_TOKENS))
+    loaded, load_peak = _rss(), _peak_rss()
+    tokenizer = engine.loaded.tokenizer
+    ids = tokenizer(_SENTENCE * (settings.document_tokens // len(_SENTENCE) + 1), add_special_tokens=False)
+    text = tokenizer.decode(ids["input_ids"][:settings.document_tokens])
+    result = engine.process(text)
+    return {"before_rss": before, "loaded_rss": loaded, "load_peak_rss": load_peak, "processed_rss": _rss(),
+            "peak_rss": _peak_rss(), "tokens": result.stats.tokens, "kernel": engine.runtime.layers[0].experts.kernel}
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(sys.argv[1], sys.argv[2], MemorySettings(**json.loads(sys.argv[3])))))

@@ -1,0 +1,78 @@
+"""`weights = "auto"`: the weights format the machine decides.
+
+The fastest float dtype measured here (cpu_kernels: one expert's matmuls timed in each dtype's fastest kernel;
+bf16 wins where the CPU has it natively, fp32 where bf16 is emulated), unless the model would not fit this
+machine's memory in it (model_size's rule: the weights' bytes with their run overhead against what the machine
+leaves the daemon); then the first smaller format that fits, from bf16 through int8 to int4 (the least rounding
+that fits), and int4 when none does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from . import cpu_kernels
+from .model_size import ModelSize, checkpoint_tensors, model_size, needed_bytes, usable_bytes
+from .vocabulary import BF16, FP32, INT4, INT8
+
+_FLOATS = {FP32: torch.float32, BF16: torch.bfloat16}
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    weights: str
+    reason: str  # one line: what was measured and compared
+
+
+def choose_weights(checkpoint: Path, total_memory: int | None = None) -> WeightsChoice:
+    """The format `auto` stands for when loading `checkpoint` on this machine (with `total_memory` bytes of RAM,
+    this machine's by default)."""
+    tensors = checkpoint_tensors(checkpoint)
+    down = next((t for t in tensors if t.expert and "down" in t.name), None)
+    if down is None:
+        raise ValueError(f"{checkpoint}: no routed expert down projection to time the float kernels on")
+    hidden, ffn = down.shape[-2:]
+    seconds = {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()}
+    fastest = min(seconds, key=seconds.__getitem__)
+    timing = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in seconds.items())
+    size = model_size(tensors)
+    usable = usable_bytes(total_memory if total_memory is not None else psutil.virtual_memory().total)
+    if _fits(size, fastest, usable):
+        return WeightsChoice(fastest, f"{fastest}, the fastest float dtype measured here per expert ({timing}); "
+                                      f"needs {_gib(size, fastest)} of {usable / _GIB:.1f} GiB usable")
+    smaller = sorted((f for f in (BF16, INT8, INT4) if _bytes(size, f) < _bytes(size, fastest)),
+                     key=lambda f: -_bytes(size, f))
+    chosen = next((f for f in smaller if _fits(size, f, usable)), INT4)
+    fits = "fits" if _fits(size, chosen, usable) else "does not fit either, the smallest format there is"
+    return WeightsChoice(chosen, f"{chosen}: {fastest}, the fastest float dtype here ({timing}), needs "
+                                 f"{_gib(size, fastest)}, more than the {usable / _GIB:.1f} GiB usable; {chosen} "
+                                 f"needs {_gib(size, chosen)} and {fits}")
+
+
+def expert_seconds(hidden: int, ffn: int, dtype: torch.dtype) -> float:
+    """Seconds of one expert's matmuls in `dtype`'s fastest kernel here (measured once per machine, cached)."""
+    choice = cpu_kernels.choose_for_shape(hidden, ffn, dtype)
+    if choice.seconds:
+        return choice.seconds[choice.kernel]
+    # only one kernel runs here: nothing was compared, so time it on its own
+    generator = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(1, 2 * ffn, hidden, generator=generator).to(dtype)
+    down = torch.randn(1, hidden, ffn, generator=generator).to(dtype)
+    return cpu_kernels.time_kernels([choice.kernel], gate_up, down)[choice.kernel]
+
+
+def _bytes(size: ModelSize, format: str) -> int:
+    return size.formats[format].total_bytes
+
+
+def _fits(size: ModelSize, format: str, usable: int) -> bool:
+    return needed_bytes(_bytes(size, format)) <= usable
+
+
+def _gib(size: ModelSize, format: str) -> str:
+    return f"{needed_bytes(_bytes(size, format)) / _GIB:.1f} GiB"

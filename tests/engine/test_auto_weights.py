@@ -1,0 +1,53 @@
+"""`weights = "auto"`: the fastest float dtype measured here, or the first smaller format that fits memory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+
+from npumoe.engine import Engine, EngineSettings, auto_weights
+from npumoe.engine.auto_weights import choose_weights
+from npumoe.engine.model_size import MIN_RESERVE_BYTES, checkpoint_tensors, model_size, needed_bytes
+
+PLENTY = 2**40
+
+
+@pytest.fixture(scope="module")
+def folder(tiny) -> Path:
+    return tiny("qwen3_moe")
+
+
+@pytest.mark.parametrize("faster", ["fp32", "bf16"])
+def test_with_room_auto_is_the_float_dtype_measured_faster(folder, faster, monkeypatch):
+    timed = []
+
+    def seconds(hidden, ffn, dtype):
+        timed.append((hidden, ffn, str(dtype)))
+        return 1e-3 if str(dtype).endswith({"fp32": "float32", "bf16": "bfloat16"}[faster]) else 2e-3
+
+    monkeypatch.setattr(auto_weights, "expert_seconds", seconds)
+    choice = choose_weights(folder, PLENTY)
+    assert choice.weights == faster and "fastest float dtype" in choice.reason
+    assert sorted(timed) == [(64, 32, "torch.bfloat16"), (64, 32, "torch.float32")]  # the checkpoint's expert sizes
+
+
+def test_when_the_fastest_does_not_fit_auto_takes_the_first_smaller_format_that_does(folder, monkeypatch):
+    monkeypatch.setattr(auto_weights, "expert_seconds", lambda hidden, ffn, dtype: 1.0 if dtype.itemsize == 2 else 0.5)
+    size = model_size(checkpoint_tensors(folder))
+    int8 = needed_bytes(size.formats["int8"].total_bytes)
+    just_short_of_int8 = MIN_RESERVE_BYTES + int8 - 1
+    choice = choose_weights(folder, just_short_of_int8)
+    assert choice.weights == "int4" and "fp32, the fastest float dtype" in choice.reason and "fits" in choice.reason
+    assert choose_weights(folder, MIN_RESERVE_BYTES + int8).weights == "int8"
+    assert "does not fit either" in choose_weights(folder, MIN_RESERVE_BYTES).reason
+
+
+def test_the_engine_decides_auto_at_load_measuring_here_and_says_so(folder, caplog):
+    with caplog.at_level(logging.INFO, logger="npumoe.engine.engine"):
+        engine = Engine.load(EngineSettings(model=str(folder), weights="auto", chunk_tokens=128))
+    assert engine.settings.weights in ("fp32", "bf16")  # the tiny model fits any machine that runs the tests
+    assert engine.settings.dtype == {"fp32": "float32", "bf16": "bfloat16"}[engine.settings.weights]
+    assert engine.loaded.model.dtype.itemsize == (4 if engine.settings.weights == "fp32" else 2)
+    assert f"weights auto -> {engine.settings.weights}" in caplog.text and " ms" in caplog.text
