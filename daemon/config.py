@@ -62,7 +62,7 @@ class ModelConfig:
     chunk_tokens: int = positive(512)
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
     dtype: str = choice(FLOAT32, DTYPES)
-    weights: str = choice("", WEIGHTS)  # empty: every weight in dtype; set, it decides dtype (int8/int4: bf16)
+    weights: str = choice("", ("", *WEIGHTS))  # "": every weight in dtype; set, it decides dtype (int8/int4: bf16)
     summary_tokens: int = positive(128)
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
