@@ -51,7 +51,7 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
     """Write a tiny random-weight ARCH checkpoint (skewed routers, byte tokenizer) to DIRECTORY."""
     if directory.exists() and any(directory.iterdir()):
         raise click.ClickException(f"{directory} exists and is not empty")
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoConfig
 
     from npumoe.engine.tiny import make_tiny
@@ -97,7 +97,7 @@ def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[
 def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, **options: Any) -> None:
     """What `npumoed calibrate` (and the demo's first run) does: extract the documents' text, have the engine's
     `calibrate_plan` (given `options`) write the plan to `out`, with a progress bar and a closing line on stderr."""
-    _quiet_transformers()
+    quiet_transformers()
     from npumoe.engine.planner import calibrate_plan
 
     texts = document_texts(documents)
@@ -261,7 +261,7 @@ def _model_ref(name: str) -> str:
         raise click.ClickException(str(e)) from e
 
 
-def _quiet_transformers() -> None:
+def quiet_transformers() -> None:
     """No weight-loading progress bars from transformers: the commands draw their own."""
     from transformers.utils import logging
 

@@ -84,10 +84,10 @@ class Model:
 
     def get(self) -> LoadedModel:
         if self._loaded is None:
-            from npumoe.daemon.cli.engine import _quiet_transformers
+            from npumoe.daemon.cli.engine import quiet_transformers
             from npumoe.engine.models import load_model
 
-            _quiet_transformers()
+            quiet_transformers()
             self._loaded = load_model(self.ref, trust_remote_code=self.trust_remote_code,
                                       allow_download=self.allow_download, dtype=self.dtype)
         return self._loaded

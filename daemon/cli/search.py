@@ -36,7 +36,7 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     The query is embedded by the configured model exactly as document chunks are, and each chunk is scored
     by that vector's cosine similarity and by how much of the query's words it holds. Loads the model.
     """
-    from npumoe.daemon.cli.engine import _quiet_transformers
+    from npumoe.daemon.cli.engine import quiet_transformers
     from npumoe.daemon.models import engine_settings, load_engine
 
     if not query.strip():
@@ -45,7 +45,7 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     try:
         if not index.models():
             raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
-        _quiet_transformers()
+        quiet_transformers()
         try:
             engine = load_engine(engine_settings(app.config, app.home, threads=None))
         except Exception as e:  # any failure to load is the model's, and the person needs its words
