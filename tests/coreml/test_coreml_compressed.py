@@ -179,6 +179,20 @@ def test_compile_writes_the_format_asked_for_or_configured(home: Path, tmp_path:
     assert read_manifest(Path(int4_build["folder"])).weights == INT4
 
 
+@pytest.mark.slow  # calibrates, compiles and measures the tiny model end to end (about 2 minutes)
+def test_prepare_for_coreml_compiles_in_the_configured_format(home: Path, tiny_model: Path, tmp_path: Path,
+                                                              harbour: str) -> None:
+    home.mkdir(parents=True)
+    (home / "config.toml").write_text('[model]\nweights = "int8"\n')
+    document = tmp_path / "harbour.txt"
+    document.write_text(harbour[:2000])
+    result = CliRunner().invoke(main, ["prepare", "--model", str(tiny_model), "--data", str(document),
+                                       "--backend", "coreml", "--chunk", "128"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    manifests = [read_manifest(path.parent) for path in (home / "compiled").glob("*/*/*/manifest.json")]
+    assert [m.weights for m in manifests] == [INT8]
+
+
 # On a Mac: what the compressed packages compute. Not run on the project's Linux machines.
 @pytest.mark.macos
 @pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predicts only on macOS")
