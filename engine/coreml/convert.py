@@ -2,12 +2,12 @@
 
 Each group graph is `GroupedExperts` in its "ane" layout (grouped 1x1 convolutions), exported with
 torch.export and converted to an fp16 ML Program function x (1, G*H, 1, C) -> y, its weights then stored in
-the build's format (fp16, int8 or int4: compress.py). A group whose values
-would overflow fp16 is converted scaled by s (a power of two): the host divides its input by s and
-multiplies its output by s, and the graph's gate rows are multiplied by s so the gate sees what it
-would unscaled; the up projection, the gated product and the output are then all s times smaller. Functions are
-filled into packages in (layer, group) order, a new package starting before one would pass about
-1 GB of weights in that format, so one package holds a layer's functions, or a few small layers'.
+the build's format (fp16, int8 or int4: compress.py). A group whose values would overflow fp16 is converted
+scaled by s (a power of two): the host divides its input by s and multiplies its output by s, and the
+graph's gate rows are multiplied by s so the gate sees what it would unscaled; the up projection, the gated
+product and the output are then all s times smaller. Functions are filled into packages in (layer, group)
+order, a new package starting before one would pass about 1 GB of weights in that format, so one package
+holds a layer's functions, or a few small layers'.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from npumoe.engine.residency import Residency
 
 from .ane import ane_problems
 from .cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest, weights_fingerprint
-from .compress import FP16, WEIGHT_BYTES, check_format, compress, uncompressed_convolutions
+from .compress import FP16, INT4_BLOCK, WEIGHT_BYTES, check_format, compress, uncompressed_convolutions
 from .env import import_coremltools
 
 MAX_PACKAGE_BYTES = 1 << 30
@@ -113,8 +113,9 @@ def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int, 
         model = compress(model, weights_format)
     function = model._get_mil_internal().functions["main"]
     if weights_format != FP16 and (left := uncompressed_convolutions(function)):
-        raise ConversionError(f"{weights_format} could not store the weights of {', '.join(left)} (hidden "
-                              f"{weights.hidden}, intermediate {weights.ffn}): keep this model's packages fp16")
+        raise ConversionError(f"{weights_format} could not store the weights of {', '.join(left)} (input channels "
+                              f"{weights.hidden} and {weights.ffn}; int4 takes whole blocks of {INT4_BLOCK}): "
+                              f"compile this model's packages in another format")
     problems = ane_problems(function, (INPUT_NAME,), (OUTPUT_NAME,))
     if problems:
         raise ConversionError(f"{graph.group_size} experts at capacity {capacity}: " + "; ".join(problems))

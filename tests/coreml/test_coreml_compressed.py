@@ -97,8 +97,10 @@ def test_compressed_packages_hold_a_fraction_of_the_fp16_weight_bytes(builds: di
     assert sizes[FP16] >= 3 * EXPERTS * HIDDEN * FFN * 2  # every expert's three matrices in fp16
     assert sizes[INT8] <= 0.55 * sizes[FP16]
     assert sizes[INT4] <= 0.30 * sizes[FP16]
-    for weights_format, (_, manifest) in builds.items():
+    for weights_format, (folder, manifest) in builds.items():
         assert manifest.weights == weights_format
+        for package in manifest.package_bytes:  # one target for all: multifunction packages and int4 blocks need it
+            assert ct.utils.load_spec(str(folder / package)).specificationVersion == ct.target.macOS15.value
 
 
 def test_compressed_programs_store_integer_weights_with_their_scales(builds: dict) -> None:
