@@ -41,6 +41,7 @@ class BackendOptions:
 
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; coreml needs it
     compute_units: str = DEFAULT_COMPUTE_UNITS  # where Core ML may run them
+    weights: str | None = None  # the [model] weights format (vocabulary.WEIGHTS): coreml runs packages stored in it
 
 
 _NO_OPTIONS = BackendOptions()

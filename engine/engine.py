@@ -93,7 +93,8 @@ class EngineSettings:
 
     @property
     def backend_options(self) -> BackendOptions:
-        return BackendOptions(compiled_dir=self.compiled_dir, compute_units=self.coreml_compute_units)
+        return BackendOptions(compiled_dir=self.compiled_dir, compute_units=self.coreml_compute_units,
+                              weights=self.weights)
 
 
 @dataclass

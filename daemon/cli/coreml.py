@@ -1,6 +1,7 @@
 """`npumoed compile`: convert a plan's group graphs into Core ML packages for the Neural Engine.
 
-Builds go to the home's compiled/ folder, keyed by model, plan and coremltools version; an existing
+Builds go to the home's compiled/ folder, keyed by model, plan, coremltools version and weights format
+(fp16, or int8 / int4 compressed by coremltools for `[model] weights = int8 | int4`); an existing
 finished build is kept unless --force, and two processes building one wait for each other rather than
 both writing it. Every group calibration saw load for is converted (at the Neural Engine's capacity
 multiple, scaled where fp16 needs it): which of them pay on the accelerator is measured on the Mac.
@@ -22,6 +23,7 @@ from rich.table import Table
 
 from npumoe.daemon.cli.app import App, emit_json, pass_app
 from npumoe.daemon.models import ModelNotFound, resolve_model
+from npumoe.engine.coreml.compress import FP16, PACKAGE_FORMATS, package_format
 from npumoe.engine.vocabulary import COREML
 
 if TYPE_CHECKING:
@@ -50,28 +52,35 @@ class Source(NamedTuple):
               help="Sizing run: how many random layers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=8, show_default=True,
               help="Sizing run: experts per group graph.")
+@click.option("--weights", "weights_format", type=click.Choice(PACKAGE_FORMATS),
+              help="How the packages store expert weights: fp16, or int8 (per channel) / int4 (blocks of 32) "
+                   "[default: the format of [model] weights: int8 or int4 as set, fp16 for the float formats and "
+                   "auto].")
 @click.option("--max-package-mb", type=click.IntRange(min=1), default=MAX_PACKAGE_MB, show_default=True,
               help="Start a new package before one would pass this many MiB of weights.")
 @click.option("--force", is_flag=True, help="Rebuild even when a finished build exists.")
 @click.option("--json", "as_json", is_flag=True, help="Print the build's summary as JSON.")
 @pass_app
 def compile_command(app: App, model_name: str | None, plan_path: Path | None, geometry: str | None, layers: int,
-                    group_size: int, max_package_mb: int, force: bool, as_json: bool) -> None:
-    """Convert group graphs to Core ML packages for the Neural Engine (fp16, multifunction)."""
+                    group_size: int, weights_format: str | None, max_package_mb: int, force: bool,
+                    as_json: bool) -> None:
+    """Convert group graphs to Core ML packages for the Neural Engine (fp16 compute, multifunction)."""
     if (geometry and (model_name or plan_path)) or (not geometry and not (model_name and plan_path)):
         raise click.UsageError("give either --model and --plan, or --geometry for a random-weight sizing run")
     source = _sizing(geometry, layers, group_size) if geometry else _checkpoint(app, model_name, plan_path)
     started = time.perf_counter()
     folder, manifest, reused = build(app.home.compiled, source.plan, source.model_key, lambda: source,
-                                     every_group=bool(geometry), force=force, max_package_bytes=max_package_mb << 20)
+                                     every_group=bool(geometry), force=force, max_package_bytes=max_package_mb << 20,
+                                     weights_format=weights_format or package_format(app.config.model.weights))
     report(folder, manifest, reused, time.perf_counter() - started, as_json)
 
 
 def build(root: Path, plan: ExpertPlan, model_key: str, load: Callable[[], Source], *, every_group: bool = False,
-          force: bool = False, max_package_bytes: int = MAX_PACKAGE_MB << 20) -> tuple[Path, Manifest, bool]:
-    """(build folder, manifest, whether it was built already) for the Core ML graphs of `plan`: every group
-    calibration saw load for (residency on a Mac picks among them), or with `every_group` all of them. `load`
-    gives the weights, called only when there is something to convert."""
+          force: bool = False, max_package_bytes: int = MAX_PACKAGE_MB << 20,
+          weights_format: str = FP16) -> tuple[Path, Manifest, bool]:
+    """(build folder, manifest, whether it was built already) for the Core ML graphs of `plan`, their weights
+    stored in `weights_format`: every group calibration saw load for (residency on a Mac picks among them), or
+    with `every_group` all of them. `load` gives the weights, called only when there is something to convert."""
     from npumoe.engine.backends import backend_class
     from npumoe.engine.coreml.cache import build_folder, build_once
     from npumoe.engine.coreml.convert import ConversionError, build_packages, plan_digest, plan_group_graphs
@@ -82,7 +91,7 @@ def build(root: Path, plan: ExpertPlan, model_key: str, load: Callable[[], Sourc
     if not groups:
         raise click.ClickException("calibration saw no load for any group of the plan: there is nothing to convert")
     digest = plan_digest(plan, groups)
-    folder = build_folder(root, model_key, digest, coremltools_version())
+    folder = build_folder(root, model_key, digest, coremltools_version(), weights_format)
 
     def convert() -> Manifest:
         source = load()
@@ -92,7 +101,7 @@ def build(root: Path, plan: ExpertPlan, model_key: str, load: Callable[[], Sourc
             try:
                 return build_packages(
                     groups, source.weights, source.layout, folder, model=model_key, digest=digest,
-                    max_package_bytes=max_package_bytes,
+                    weights_format=weights_format, max_package_bytes=max_package_bytes,
                     on_converted=lambda g: progress.update(task, advance=1, description=g.function))
             except ConversionError as e:
                 raise click.ClickException(str(e)) from e
@@ -106,7 +115,7 @@ def report(folder: Path, manifest: Manifest, reused: bool, seconds: float, as_js
     total = sum(manifest.package_bytes.values())
     summary = {"folder": str(folder), "reused": reused, "seconds": round(seconds, 1),
                "functions": len(manifest.groups), "package_count": len(manifest.package_bytes), "bytes": total,
-               "packages": manifest.package_bytes}
+               "weights": manifest.weights, "packages": manifest.package_bytes}
     if as_json:
         emit_json(summary)
         return
@@ -116,8 +125,8 @@ def report(folder: Path, manifest: Manifest, reused: bool, seconds: float, as_js
     console = Console()
     console.print(table)
     verb = "already built" if reused else f"built in {seconds:.1f} s"
-    console.print(f"{len(manifest.groups)} functions in {len(manifest.package_bytes)} packages, "
-                  f"{total / 2**20:.1f} MiB, {verb}: {escape(str(folder))}")
+    console.print(f"{len(manifest.groups)} functions in {len(manifest.package_bytes)} packages of "
+                  f"{manifest.weights} weights, {total / 2**20:.1f} MiB, {verb}: {escape(str(folder))}")
 
 
 def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:

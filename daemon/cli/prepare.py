@@ -5,7 +5,7 @@ Its stages, each skipped when what it depends on is unchanged since it last ran:
 1. plan: calibrate the model on the given documents (or the bundled samples) into the home's plans/,
    the file named by what it depends on (the model's files, the documents' bytes, the options);
 2. compile (coreml): convert every group calibration saw load for into Core ML packages, as
-   `npumoed compile` does (its build is found by the plan's groups);
+   `npumoed compile` does (its build is found by the plan's groups), in the format of `[model] weights`;
 3. costs: measure the backend's costs for the plan on this machine into the home's cost cache (with
    Core ML on a Mac: each compiled graph timed on the configured compute units, its ops' placement read);
 4. config: the `[model]` section of the config file names the model, backend and plan; the rest of the
@@ -135,9 +135,10 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
         plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
         units = configured.coreml_compute_units
         chosen = _choose_backend(stages, backend, plan, model, home, units)
+        weights = configured.weights or None  # the coreml backend runs (and so measures) packages in its format
         if chosen == COREML:
-            _compile_stage(stages, home.compiled, plan, model)
-        _costs_stage(stages, chosen, plan, model, home, units)
+            _compile_stage(stages, home.compiled, plan, model, weights)
+        _costs_stage(stages, chosen, plan, model, home, units, weights)
     except ValueError as e:  # ModelError among them; unusable calibration data or settings
         raise click.ClickException(str(e)) from e
     name = model_name if model_name == DEMO or not Path(model_name).expanduser().is_dir() else ref
@@ -209,8 +210,9 @@ def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model
         return chosen
 
 
-def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model) -> None:
+def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model, weights: str | None) -> None:
     from npumoe.daemon.cli.coreml import Source, build
+    from npumoe.engine.coreml.compress import package_format
 
     def source() -> Source:
         from npumoe.engine.placement import plan_experts
@@ -219,19 +221,20 @@ def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model) -
         return Source(plan, [weights for weights, _ in experts].__getitem__, experts[0][1], plan.model_key)
 
     with stages.stage("compile", "Core ML packages") as outcome:
-        folder, manifest, reused = build(root, plan, plan.model_key, source)
+        folder, manifest, reused = build(root, plan, plan.model_key, source, weights_format=package_format(weights))
         total = sum(manifest.package_bytes.values())
         outcome.update(outcome="reused" if reused else "done",
                        detail=f"{len(manifest.groups)} functions in {len(manifest.package_bytes)} packages, "
                               f"{total / 2**20:.1f} MiB: {folder}")
 
 
-def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> None:
+def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str,
+                 weights: str | None) -> None:
     with stages.stage("costs", f"measuring {backend} here", spinner=True) as outcome:
         if backend == CPU:
             outcome.update(outcome="skipped", detail="cpu runs every expert on the exact path: nothing to measure")
             return
-        costs, reused = _costs(backend, plan, model, home, units)
+        costs, reused = _costs(backend, plan, model, home, units, weights)
         from npumoe.engine.backends import backend_class
         from npumoe.engine.residency import decide_residency
 
@@ -243,7 +246,8 @@ def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, h
         outcome.update(outcome="reused" if reused else "done", detail=detail)
 
 
-def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> tuple[MeasuredCosts, bool]:
+def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str,
+           weights: str | None = None) -> tuple[MeasuredCosts, bool]:
     """(the backend's measured costs for the plan here, whether they were cached): measured now when not."""
     from npumoe.engine.cost_cache import CostCache
 
@@ -254,7 +258,8 @@ def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str)
     from npumoe.engine.backends import BackendOptions, get_backend
     from npumoe.engine.placement import measure
 
-    backend_here = get_backend(backend, BackendOptions(compiled_dir=home.compiled, compute_units=units))
+    backend_here = get_backend(backend, BackendOptions(compiled_dir=home.compiled, compute_units=units,
+                                                       weights=weights))
     costs = measure(plan, backend_here, model.get().model)
     cache.put(backend, plan, costs)
     return costs, False

@@ -44,6 +44,19 @@ ANE_REJECTED_OPS: dict[str, str] = {
     "cond": _STATIC_ONLY,
 }
 
+# coremltools guide, "optimize.coreml API Overview": compressed weights are expanded back to float when the model
+# is loaded or run, and every op still computes in float, so the ops that hold them are weights, not work placed
+# on a device. Its performance guide adds that block-wise scales pay on the GPU and recommends per-channel scales
+# for the Neural Engine: where a block-wise (int4) graph's convolutions run is read from the compute plan on the Mac.
+_COMPRESSION = "coremltools guide 'optimize.coreml API Overview' (expanded to float at load or prediction)"
+ANE_WEIGHT_OPS: dict[str, str] = {
+    "constexpr_affine_dequantize": _COMPRESSION,  # int8 / uint8 with scale and zero point (iOS 16 opset)
+    "constexpr_blockwise_shift_scale": _COMPRESSION,  # int4 / int8 with per-channel or per-block scales (iOS 18)
+    "constexpr_lut_to_dense": _COMPRESSION,  # palettized: indices into a lookup table
+    "constexpr_sparse_to_dense": _COMPRESSION,  # pruned: a mask and the kept values
+}
+_WEIGHT_OP_PREFIX = "constexpr_"  # every op that makes a weight when the model loads
+
 # ANEMLL's ANE implementation notes, "Tensor Shape Constraints": rank <= 4 (N, C, H, W),
 # height and width <= 16,384, channels <= 65,536 (the latter shared with the graph's splitting).
 ANE_MAX_RANK = 4
@@ -59,7 +72,8 @@ def ane_problems(function: Any, inputs: tuple[str, ...] = ("x",), outputs: tuple
     """Why a MIL function would not run whole on the Neural Engine as the executor calls it; [] if it would.
 
     Checks that its inputs and outputs are the named static fp16 tensors, that it holds no rejected
-    op and no dilated convolution, and that every tensor fits the rank and dimension limits.
+    op, no dilated convolution and no compressed-weight op it has no source for, and that every tensor
+    computed at run time fits the rank and dimension limits (weights, plain or compressed, are not).
     """
     types = import_coremltools().converters.mil.mil.types
     problems = []
@@ -76,7 +90,10 @@ def ane_problems(function: Any, inputs: tuple[str, ...] = ("x",), outputs: tuple
                             f"({ANE_REJECTED_OPS[op.op_type]})")
         if op.op_type == "conv" and any(d != 1 for d in op.dilations.val):
             problems.append(f"op {op.name} is a dilated convolution ({_HOLLANCE})")
-        if op.op_type != "const":
+        if op.op_type.startswith(_WEIGHT_OP_PREFIX) and op.op_type not in ANE_WEIGHT_OPS:
+            problems.append(f"op {op.name} is {op.op_type}, a compressed-weight op this checker knows no source "
+                            f"for: whether the Neural Engine takes it is unknown")
+        if op.op_type != "const" and op.op_type not in ANE_WEIGHT_OPS:
             problems += [p for var in op.outputs for p in _shape_problems(var, types)]
     return problems
 

@@ -1,11 +1,12 @@
 """The `coreml` backend: group graphs run by Core ML on the Neural Engine, from packages `npumoed compile` built.
 
 A group's graph is found by its weights' fingerprint, capacity and fp16 scale among the finished
-builds under the cache root, compiled once per macOS version into an .mlmodelc beside its package,
-and loaded with the configured compute units when it is first called. `time_groups` times each graph
-and reads from Core ML's compute plan where its ops run, which residency then uses in place of the cost
-model. Where Core ML cannot predict (Linux, macOS before 15) the backend says why, once, and runs the
-same group graphs in torch (`torch-static` semantics), so any plan still runs everywhere.
+builds under the cache root in the package format of the engine's weights setting (fp16, int8 or int4;
+never another format's), compiled once per macOS version into an .mlmodelc beside its package, and loaded
+with the configured compute units when it is first called. `time_groups` times each graph and reads
+from Core ML's compute plan where its ops run, which residency then uses in place of the cost model.
+Where Core ML cannot predict (Linux, macOS before 15) the backend says why, once, and runs the same
+group graphs in torch (`torch-static` semantics), so any plan still runs everywhere.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from npumoe.engine.vocabulary import COMPUTE_UNITS, COREML, DEFAULT_COMPUTE_UNIT
 
 from .ane import ANE_CAPACITY_MULTIPLE
 from .cache import INPUT_NAME, OUTPUT_NAME, CompiledGroup, compiled_groups, folder_lock, weights_fingerprint
+from .compress import FP16, check_format, package_format
 from .compute_plan import neural_engine_ops
 from .convert import convert_group
 from .env import coreml_availability, coremltools_version, import_coremltools
@@ -76,17 +78,20 @@ class CoreMLBackend(TorchStaticBackend):
 
     @classmethod
     def build(cls, options: BackendOptions) -> CoreMLBackend:
-        """Core ML's backend finds its graphs under `compiled_dir` (off macOS it warns once and runs them with
-        torch-static)."""
+        """Core ML's backend finds its graphs under `compiled_dir`, in the package format of the weights setting
+        (off macOS it warns once and runs them with torch-static)."""
         cls.check(options)
         assert options.compiled_dir is not None  # checked just above
-        return cls(options.compiled_dir, options.compute_units)
+        return cls(options.compiled_dir, options.compute_units, package_format(options.weights))
 
-    def __init__(self, cache_root: Path, compute_units: str = DEFAULT_COMPUTE_UNITS) -> None:
+    def __init__(self, cache_root: Path, compute_units: str = DEFAULT_COMPUTE_UNITS,
+                 weights_format: str = FP16) -> None:
         if compute_units not in COMPUTE_UNITS:
             raise ValueError(f"compute units must be one of {', '.join(COMPUTE_UNITS)}, got {compute_units!r}")
+        check_format(weights_format)
         self.cache_root = Path(cache_root)
         self.compute_units = compute_units
+        self.weights_format = weights_format  # the packages it runs: never another format's
         self.available, self.reason = coreml_availability()
         if not self.available:  # its graphs run as torch-static's: at torch-static's shapes, in its dtype
             self.capacity_multiple, self.fp16 = TorchStaticBackend.capacity_multiple, TorchStaticBackend.fp16
@@ -135,8 +140,9 @@ class CoreMLBackend(TorchStaticBackend):
         """The build folder and function compiled for this group."""
         found = self._builds().get((weights_fingerprint(spec.weights.gate_up, spec.weights.down), spec.capacity))
         if found is None:
-            raise LookupError(f"no compiled Core ML graph for a group of {len(spec.weights)} experts at capacity "
-                              f"{spec.capacity} under {self.cache_root}: run `npumoed prepare` or `npumoed compile`")
+            raise LookupError(f"no compiled {self.weights_format} Core ML graph for a group of {len(spec.weights)} "
+                              f"experts at capacity {spec.capacity} under {self.cache_root}: run `npumoed prepare` "
+                              f"or `npumoed compile --weights {self.weights_format}`")
         if found[1].scale != spec.scale:
             raise LookupError(f"the Core ML graph {found[1].function} was compiled at fp16 scale {found[1].scale}, "
                               f"the plan now needs {spec.scale}: compile again")
@@ -166,7 +172,8 @@ class CoreMLBackend(TorchStaticBackend):
             graphs = {}
             for capacity in _FIT_CAPACITIES:
                 path = Path(scratch) / f"sample-c{capacity}.mlpackage"
-                convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity).save(str(path))
+                convert_group(ExpertWeights(gate_up, down), DEFAULT_LAYOUT, capacity,
+                              weights_format=self.weights_format).save(str(path))
                 graphs[capacity] = CoreMLGroupGraph(lambda path=path: self._load(path, None), group_size)
             launch_s, flops = fit_call_cost(
                 lambda rows: graphs[rows](torch.zeros(group_size, rows, hidden)), *_FIT_CAPACITIES,
@@ -182,7 +189,7 @@ class CoreMLBackend(TorchStaticBackend):
 
     def _builds(self) -> dict[tuple[str, int], tuple[Path, CompiledGroup]]:
         if self._index is None:
-            self._index = compiled_groups(self.cache_root, coremltools_version())
+            self._index = compiled_groups(self.cache_root, coremltools_version(), self.weights_format)
         return self._index
 
     def _warn_fallback(self) -> None:

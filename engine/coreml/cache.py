@@ -1,7 +1,8 @@
 """Where compiled Core ML expert packages live, and the manifest that says what each function is.
 
-A build goes to `<root>/<model>/<plan digest>/coremltools-<version>/`, so a new checkpoint, a new
-plan or a new converter each get their own folder and never read a stale one. The manifest is
+A build goes to `<root>/<model>/<plan digest>/coremltools-<version>/` (`coremltools-<version>-int8/` and
+`-int4/` for compressed weights), so a new checkpoint, a new plan, a new converter or another weights
+format each get their own folder and never read a stale one or one of another format. The manifest is
 written last: a folder without one is an unfinished build and is never loaded. A build, and compiling
 a package for this macOS, hold a lock file beside their folder: a second process asking for the same
 one waits, then finds it finished.
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import torch
 from filelock import FileLock
+
+from .compress import FP16, check_format
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -51,6 +54,7 @@ class Manifest:
     act: str
     groups: tuple[CompiledGroup, ...]
     package_bytes: dict[str, int]  # package file name -> size on disk
+    weights: str = FP16  # the format its weights are stored in (compress.py); builds before formats are fp16
 
     def to_json(self) -> str:
         return json.dumps({"version": MANIFEST_VERSION, **asdict(self)}, indent=1)
@@ -80,9 +84,10 @@ def weights_fingerprint(gate_up: torch.Tensor, down: torch.Tensor, samples: int 
     return digest.hexdigest()[:16]
 
 
-def build_folder(root: Path, model: str, plan_digest: str, coremltools_version: str) -> Path:
-    """The folder for one (model, plan, coremltools) build under the cache root."""
-    return root / _slug(model) / plan_digest / f"coremltools-{coremltools_version}"
+def build_folder(root: Path, model: str, plan_digest: str, coremltools_version: str,
+                 weights_format: str = FP16) -> Path:
+    """The folder for one (model, plan, coremltools, weights format) build under the cache root."""
+    return root / _slug(model) / plan_digest / _converter_folder(coremltools_version, weights_format)
 
 
 def folder_lock(folder: Path) -> FileLock:
@@ -107,15 +112,27 @@ def read_manifest(folder: Path) -> Manifest | None:
     return Manifest.from_json(path.read_text()) if path.is_file() else None
 
 
-def compiled_groups(root: Path, coremltools_version: str) -> dict[tuple[str, int], tuple[Path, CompiledGroup]]:
+def compiled_groups(root: Path, coremltools_version: str,
+                    weights_format: str = FP16) -> dict[tuple[str, int], tuple[Path, CompiledGroup]]:
     """(weights fingerprint, capacity) -> (build folder, group) over every finished build under `root`
-    made with this coremltools version: how a backend finds the graph for a group it is handed."""
+    made with this coremltools version in this weights format: how a backend finds the graph for a group it is
+    handed."""
     found = {}
-    for manifest_path in sorted(root.glob(f"*/*/coremltools-{coremltools_version}/{MANIFEST}")):
+    folder = _converter_folder(coremltools_version, weights_format)
+    for manifest_path in sorted(root.glob(f"*/*/{folder}/{MANIFEST}")):
         manifest = read_manifest(manifest_path.parent)
-        for group in manifest.groups if manifest else ():
+        if manifest is None or manifest.weights != weights_format:
+            continue
+        for group in manifest.groups:
             found[(group.weights, group.capacity)] = (manifest_path.parent, group)
     return found
+
+
+def _converter_folder(coremltools_version: str, weights_format: str) -> str:
+    """A build's last folder: the converter's version, and the weights format unless fp16 (whose builds came first)."""
+    check_format(weights_format)
+    suffix = "" if weights_format == FP16 else f"-{weights_format}"
+    return f"coremltools-{coremltools_version}{suffix}"
 
 
 def _slug(model: str) -> str:

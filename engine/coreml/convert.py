@@ -1,12 +1,13 @@
 """Converting a plan's static group graphs into multifunction Core ML packages for the Neural Engine.
 
 Each group graph is `GroupedExperts` in its "ane" layout (grouped 1x1 convolutions), exported with
-torch.export and converted to an fp16 ML Program function x (1, G*H, 1, C) -> y. A group whose values
-would overflow fp16 is converted scaled by s (a power of two): the host divides its input by s and
-multiplies its output by s, and the graph's gate rows are multiplied by s so the gate sees what it
-would unscaled; the up projection, the gated product and the output are then all s times smaller. Functions are
-filled into packages in (layer, group) order, a new package starting before one would pass about
-1 GB, so one package holds a layer's functions, or a few small layers'.
+torch.export and converted to an fp16 ML Program function x (1, G*H, 1, C) -> y, its weights then stored in
+the build's format (fp16, int8 or int4: compress.py). A group whose values would overflow fp16 is converted
+scaled by s (a power of two): the host divides its input by s and multiplies its output by s, and the
+graph's gate rows are multiplied by s so the gate sees what it would unscaled; the up projection, the gated
+product and the output are then all s times smaller. Functions are filled into packages in (layer, group)
+order, a new package starting before one would pass about 1 GB of weights in that format, so one package
+holds a layer's functions, or a few small layers'.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from npumoe.engine.residency import Residency
 
 from .ane import ane_problems
 from .cache import INPUT_NAME, MANIFEST, OUTPUT_NAME, CompiledGroup, Manifest, weights_fingerprint
+from .compress import FP16, INT4_BLOCK, WEIGHT_BYTES, check_format, compress, uncompressed_convolutions
 from .env import import_coremltools
 
 MAX_PACKAGE_BYTES = 1 << 30
-FP16_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -87,12 +88,14 @@ def scaled_weights(weights: ExpertWeights, layout: ExpertsLayout, scale: float) 
     return ExpertWeights(gate_up, weights.down, gate_up_bias, down_bias)
 
 
-def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int, scale: float = 1.0) -> Any:
+def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int, scale: float = 1.0, *,
+                  weights_format: str = FP16) -> Any:
     """The fp16 ML Program (a coremltools MLModel, not loaded) of G experts' graph at capacity C: the experts'
     weights in the engine's form, computing the FFN their experts layout describes, scaled by `scale` (the
-    caller divides its input by it and multiplies its output by it)."""
+    caller divides its input by it and multiplies its output by it), its weights stored in `weights_format`."""
     if (problem := layout.coreml_problem()) is not None:
         raise ConversionError(f"experts of layout {layout.describe()} stay on the CPU: {problem}")
+    check_format(weights_format)
     ct = import_coremltools()
     graph = GroupedExperts(scaled_weights(weights.to(torch.float32), layout, scale), layout, layout="ane").eval()
     example = torch.zeros(1, graph.group_size * graph.hidden_size, 1, capacity)
@@ -104,10 +107,16 @@ def convert_group(weights: ExpertWeights, layout: ExpertsLayout, capacity: int, 
             outputs=[ct.TensorType(OUTPUT_NAME, dtype=np.float16)],
             convert_to="mlprogram",
             compute_precision=ct.precision.FLOAT16,
-            minimum_deployment_target=ct.target.macOS15,  # multifunction packages need it
+            minimum_deployment_target=ct.target.macOS15,  # multifunction packages (and int4 blocks) need it
             skip_model_load=True,
         )
-    problems = ane_problems(model._get_mil_internal().functions["main"], (INPUT_NAME,), (OUTPUT_NAME,))
+        model = compress(model, weights_format)
+    function = model._get_mil_internal().functions["main"]
+    if weights_format != FP16 and (left := uncompressed_convolutions(function)):
+        raise ConversionError(f"{weights_format} could not store the weights of {', '.join(left)} (input channels "
+                              f"{weights.hidden} and {weights.ffn}; int4 takes whole blocks of {INT4_BLOCK}): "
+                              f"compile this model's packages in another format")
+    problems = ane_problems(function, (INPUT_NAME,), (OUTPUT_NAME,))
     if problems:
         raise ConversionError(f"{graph.group_size} experts at capacity {capacity}: " + "; ".join(problems))
     return model
@@ -121,12 +130,14 @@ def build_packages(
     *,
     model: str,
     digest: str,
+    weights_format: str = FP16,
     max_package_bytes: int = MAX_PACKAGE_BYTES,
     on_converted: Callable[[CompiledGroup], None] | None = None,
 ) -> Manifest:
-    """Convert every group graph into `folder` (a build folder) and return its manifest.
+    """Convert every group graph into `folder` (a build folder), its weights stored in `weights_format`, and
+    return its manifest.
 
-    `model` and `digest` (the plan's) are recorded in the manifest. `layer_weights(layer)` gives that
+    `model`, `digest` (the plan's) and the format are recorded in the manifest. `layer_weights(layer)` gives that
     layer's experts' weights, all of `layout` (described in the manifest's `act`). The build is made beside
     `folder` and renamed into place once its manifest is written, so a crash never leaves a half-written
     folder that looks finished; callers hold the folder's lock (`cache.build_once`), so two builds never race.
@@ -140,7 +151,7 @@ def build_packages(
     shutil.rmtree(partial, ignore_errors=True)
     scratch = partial / "scratch"
     compiled: list[CompiledGroup] = []
-    for package, members in _fill_packages(groups, hidden, inter, max_package_bytes):
+    for package, members in _fill_packages(groups, hidden * inter * WEIGHT_BYTES[weights_format], max_package_bytes):
         scratch.mkdir(parents=True)
         functions = ct.utils.MultiFunctionDescriptor()
         for group in members:
@@ -148,7 +159,7 @@ def build_packages(
             index = sum(c.layer == group.layer for c in compiled)
             function = f"layer{group.layer}_g{index}_c{group.capacity}"
             path = scratch / f"{function}.mlpackage"
-            convert_group(weights, layout, group.capacity, group.scale).save(str(path))
+            convert_group(weights, layout, group.capacity, group.scale, weights_format=weights_format).save(str(path))
             functions.add_function(str(path), "main", function)
             compiled.append(CompiledGroup(function, package, group.layer, group.capacity, group.experts,
                                           weights_fingerprint(weights.gate_up, weights.down), group.scale))
@@ -160,7 +171,7 @@ def build_packages(
         shutil.rmtree(scratch)
     sizes = {p.name: sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) for p in partial.glob("*.mlpackage")}
     manifest = Manifest(model=model, plan=digest, coremltools=ct.__version__, hidden=hidden, intermediate=inter,
-                        act=layout.describe(), groups=tuple(compiled), package_bytes=sizes)
+                        act=layout.describe(), groups=tuple(compiled), package_bytes=sizes, weights=weights_format)
     (partial / MANIFEST).write_text(manifest.to_json())
     if folder.exists():  # an unfinished build, or a finished one that is being rebuilt
         shutil.rmtree(folder)
@@ -177,13 +188,14 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _fill_packages(groups: Sequence[GroupGraph], hidden: int, inter: int,
+def _fill_packages(groups: Sequence[GroupGraph], matrix_bytes: float,
                    max_bytes: int) -> Iterator[tuple[str, list[GroupGraph]]]:
-    """(package file name, its group graphs), filled in layer order up to `max_bytes` of fp16 weights each."""
+    """(package file name, its group graphs), filled in layer order up to `max_bytes` of weights each, an expert
+    holding three matrices of `matrix_bytes` (gate, up and down)."""
     packages: list[list[GroupGraph]] = [[]]
     size = 0
     for group in sorted(groups, key=lambda g: g.layer):
-        weight_bytes = len(group.experts) * 3 * hidden * inter * FP16_BYTES
+        weight_bytes = len(group.experts) * 3 * matrix_bytes
         if packages[-1] and size + weight_bytes > max_bytes:
             packages.append([])
             size = 0
