@@ -47,12 +47,19 @@ def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard)
     result = CliRunner().invoke(bench, [
         "fidelity", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt"),
         "--scale", "0.5", "--scale", "2", "--chunk", "64", "--eval-tokens", "128", "--threads", "1",
-        "--warmup", "0", "--repeats", "1", "--plot", str(tmp_path / "f.png"), "--json", str(tmp_path / "f.json")])
+        "--warmup", "0", "--repeats", "1", "--plot", str(tmp_path / "f.png"), "--json", str(tmp_path / "f.json"),
+        "--family", "olmoe", "--layer-geometry", "64x8x2x32", "--layer-tokens", "16"])
     assert result.exit_code == 0, result.output
     assert "exact model" in result.output and "prune" in result.output
+    assert "Weights format against the float model" in result.output and "One MoE layer" in result.output
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     rows = json.loads((tmp_path / "f.json").read_text())["results"]
-    assert [row.get("capacity_scale") for row in rows] == [None, 0.5, 0.5, 2.0, 2.0]
+    assert [row.get("capacity_scale") for row in rows if "section" not in row] == [None, 0.5, 0.5, 2.0, 2.0]
+    # each format with the family's random output layer and with the readout fitted to the calibration text
+    assert [(row["model"], row["head"], row["format"]) for row in rows if row.get("section") == "weights"] == [
+        ("tiny olmoe", head, format) for head in ("random", "readout") for format in ("fp32", "bf16", "int8", "int4")]
+    assert [(row["distribution"], row["format"]) for row in rows if row.get("section") == "layer"] == [
+        ("gaussian", "int8"), ("gaussian", "int4"), ("heavy", "int8"), ("heavy", "int4")]
 
 
 def test_bench_fidelity_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
