@@ -17,7 +17,8 @@ One layer: the routed experts of one layer at a real model's sizes, random weigh
 quantized by the engine; relative L2 error of the layer's output. Gaussian weights and activations are the
 baseline; `heavy` draws what trained LLMs are reported to have instead (no real checkpoint can be read here):
 weights heavier-tailed than Gaussian (Student t, 6 degrees of freedom) with per-row scales that vary
-(log-normal), and a few activation channels far larger than the rest (outlier features).
+(log-normal), and a few activation channels far larger than the rest (outlier features); `heavy-weights` has
+the weights alone, so the two causes can be told apart.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ READOUT_TOKENS = 8192
 T_DOF = 6
 ROW_LOG_SCALE = 0.3
 OUTLIER_SHARE, OUTLIER_SCALE = 0.005, 20.0
-DISTRIBUTIONS = ("gaussian", "heavy")
+# Each draw: (heavy-tailed weights, outlier activation channels). heavy-weights and heavy tell the two apart.
+DISTRIBUTIONS = {"gaussian": (False, False), "heavy-weights": (True, False), "heavy": (True, True)}
 TARGETS = {INT8: 0.01, INT4: 0.05}  # issue #15's bound on a real-size layer's relative error
 
 
@@ -156,8 +158,10 @@ def layer_errors(geometry: Geometry, formats: Sequence[str], distribution: str, 
     model = build_layer_model(geometry, torch.float32, generator)
     experts = layer_experts(model)
     x = torch.randn(tokens, geometry.hidden, generator=generator)
-    if distribution == "heavy":
+    heavy_weights, outlier_channels = DISTRIBUTIONS[distribution]
+    if heavy_weights:
         _heavy_weights(experts, geometry, generator)
+    if outlier_channels:
         outliers = torch.randperm(geometry.hidden, generator=generator)[:max(1, round(OUTLIER_SHARE * geometry.hidden))]
         x[:, outliers] *= OUTLIER_SCALE
     index, weights = draw_routing(routing_prior(geometry, generator), tokens, geometry.top_k, generator)

@@ -69,7 +69,8 @@ class ModelConfig:
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
     # What the weights run in, the one key for it: auto (the fastest float dtype measured here that fits memory, else
     # the smallest format that does), fp32, bf16, int8 or int4 (the experts quantized, the rest bf16)
-    weights: str = choice(AUTO, WEIGHTS, note="auto: chosen at load; `npumoed doctor` says what and why")
+    weights: str = choice(AUTO, WEIGHTS, note="auto | fp32 | bf16 | int8 | int4; auto: chosen at load, "
+                                                       "`npumoed doctor` says what and why")
     # Deprecated, from before `weights`: float32 or bfloat16 alone reads as weights fp32 or bf16; "" is unset
     dtype: str = choice("", ("", *DTYPES), note="deprecated: weights decides the dtype")
     summary_tokens: int = positive(128)

@@ -59,7 +59,7 @@ def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard)
     assert [(row["model"], row["head"], row["format"]) for row in rows if row.get("section") == "weights"] == [
         ("tiny olmoe", head, format) for head in ("random", "readout") for format in ("fp32", "bf16", "int8", "int4")]
     assert [(row["distribution"], row["format"]) for row in rows if row.get("section") == "layer"] == [
-        ("gaussian", "int8"), ("gaussian", "int4"), ("heavy", "int8"), ("heavy", "int4")]
+        (draw, format) for draw in ("gaussian", "heavy-weights", "heavy") for format in ("int8", "int4")]
 
 
 def test_bench_fidelity_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
@@ -74,3 +74,20 @@ def test_importing_the_bench_commands_does_not_import_torch():
     code = "import sys, npumoe.bench.cli; print('torch' in sys.modules)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "False"
+
+
+def test_dtype_auto_is_the_float_dtype_weights_auto_measures_fastest_for_each_geometry(monkeypatch):
+    from npumoe.bench.cli import _geometries, _measured_dtypes
+    from npumoe.engine import auto_weights
+
+    asked = []
+
+    def seconds(hidden, ffn):
+        asked.append((hidden, ffn))
+        return {"fp32": 2.0, "bf16": 1.0} if hidden == 64 else {"fp32": 1.0, "bf16": 2.0}
+
+    monkeypatch.setattr(auto_weights, "float_seconds", seconds)
+    geometries = _geometries(["64x8x2x32", "128x8x2x32"])
+    assert _measured_dtypes(["auto"], geometries) == ("bfloat16", "float32") and asked == [(64, 32), (128, 32)]
+    assert _measured_dtypes(["bfloat16", "auto"], geometries[:1]) == ("bfloat16",)  # each dtype once
+    assert _measured_dtypes(["float32"], geometries) == ("float32",) and len(asked) == 3  # nothing to measure

@@ -74,7 +74,7 @@ def test_the_reference_must_be_fp32(tiny, orchard):
         run_weights_fidelity(load_model(tiny("qwen3_moe"), dtype="bfloat16"), orchard, WeightsFidelitySettings())
 
 
-@pytest.mark.parametrize("distribution", ["gaussian", "heavy"])
+@pytest.mark.parametrize("distribution", ["gaussian", "heavy-weights", "heavy"])
 def test_a_layer_s_quantized_experts_miss_by_more_in_int4_than_in_int8(distribution, quantized_runs):
     rows = layer_errors(SMALL, ["int8", "int4"], distribution, tokens=64)
     assert quantized_runs == ["int8", "int4"]
@@ -93,7 +93,7 @@ def test_heavy_tailed_weights_have_the_gaussian_draw_s_scale_but_heavier_tails()
 
 
 def test_unknown_distributions_and_formats_are_refused():
-    with pytest.raises(ValueError, match="distribution must be one of gaussian, heavy"):
+    with pytest.raises(ValueError, match="distribution must be one of gaussian, heavy-weights, heavy"):
         layer_errors(SMALL, ["int8"], "uniform")
     with pytest.raises(ValueError, match="formats must be among int8, int4"):
         layer_errors(SMALL, ["bf16"], "gaussian")
