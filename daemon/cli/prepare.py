@@ -123,6 +123,8 @@ class Model:
 def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: str, print_only: bool,
                     chunk: int | None, n_tiers: int, group_size: int, weights: str | None) -> None:
     """From a checkpoint to a ready configuration: calibrate, plan, compile, measure, configure."""
+    from npumoe.daemon.cli.engine import float_dtype
+
     home, configured = app.home, app.config.model
     try:
         ref = resolve_model(model_name, home.models)
@@ -130,8 +132,6 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
         raise click.ClickException(str(e)) from e
     console = Console(stderr=True)
     stages = Stages(console)
-    from npumoe.daemon.cli.engine import float_dtype
-
     weights = weights or configured.weights
     options = {"chunk_tokens": chunk or configured.chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
     try:
