@@ -13,15 +13,19 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.table import Column, Table
 
 from npumoe.bench.foreground import foreground
+
+if TYPE_CHECKING:
+    from npumoe.engine.models import LoadedModel
 from npumoe.engine.vocabulary import (
+    AUTO,
     BF16,
-    BFLOAT16,
     DTYPE_ALIASES,
     DTYPES,
     INT4,
@@ -31,8 +35,12 @@ from npumoe.engine.vocabulary import (
     dtype_name,
 )
 
+# The tiny families `bench fidelity` compares weights formats on by default.
+FIDELITY_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+
 # Every spelling of a dtype the options take; what reaches the benchmarks and their results is the vocabulary's own.
-DTYPE_SPELLINGS = (*DTYPES, *DTYPE_ALIASES)
+# auto: the float dtype `weights = auto` runs each geometry's experts in here (the fastest measured).
+DTYPE_SPELLINGS = (AUTO, *DTYPES, *DTYPE_ALIASES)
 
 _err = Console(stderr=True)
 
@@ -59,8 +67,8 @@ def _timing_options(f):
 
 
 def _dtype_option(help_text: str):
-    return click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_SPELLINGS), default=(BFLOAT16,),
-                        show_default=True, help=help_text,
+    return click.option("--dtype", "dtypes", multiple=True, type=click.Choice(DTYPE_SPELLINGS), default=(AUTO,),
+                        show_default=True, help=help_text + " auto: the fastest float dtype measured here.",
                         callback=lambda _ctx, _param, values: tuple(dtype_name(v) for v in values))
 
 
@@ -91,6 +99,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
         json_path: Path | None) -> None:
     """MoE-layer prefill throughput on random weights: transformers' experts vs the engine vs the roofline."""
     parsed = _geometries(geometries)
+    dtypes = _measured_dtypes(dtypes, parsed)
     import torch
 
     from npumoe.bench.machine import describe_machine
@@ -135,6 +144,7 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
             repeats: int, seed: int, json_path: Path | None) -> None:
     """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers."""
     parsed = _geometries(geometries)
+    dtypes = _measured_dtypes(dtypes, parsed)
     import torch
 
     from npumoe.bench.machine import describe_machine
@@ -178,13 +188,24 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
               help="At most this many held-out tokens.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write the trade-off curves to this PNG (needs the plot extra: matplotlib).")
+@click.option("--family", "families", multiple=True, type=click.Choice(FIDELITY_FAMILIES),
+              default=FIDELITY_FAMILIES, show_default=True,
+              help="Tiny skewed family (repeatable) whose bf16, int8 and int4 runs are compared with fp32 (without "
+                   "--model), each with its random output layer and with one fitted to the calibration text.")
+@click.option("--layer-geometry", default="qwen3-30b-a3b", show_default=True,
+              help="The MoE layer whose int8 and int4 experts' relative error is measured, at these real sizes.")
+@click.option("--layer-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Tokens through that layer.")
+@click.option("--capacity/--no-capacity", default=True, show_default=True, help="Run the capacity sweep.")
 @_threads_option
 @_timing_options
 @_json_option
 def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_file: Path | None,
-             scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int, plot_path: Path | None, threads: int,
+             scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int, plot_path: Path | None,
+             families: tuple[str, ...], layer_geometry: str, layer_tokens: int, capacity: bool, threads: int,
              warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
-    """Accuracy against capacity: dropped, spilled and padding fractions, top-1 agreement and KL vs the exact model."""
+    """Accuracy against capacity (dropped, spilled and padding fractions, top-1 agreement and KL vs the exact
+    model), and against the weights' format (bf16, int8, int4 vs fp32, whole model and one real-size layer)."""
     if plot_path is not None:
         _require_matplotlib()
     import tempfile
@@ -199,21 +220,39 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
     calibration_texts, eval_text = _fidelity_texts(calibration_files, eval_file)
     settings = FidelitySettings(threads=threads, scales=tuple(sorted(set(scales))), chunk_tokens=chunk_tokens,
                                 eval_tokens=eval_tokens, warmup=warmup, repeats=repeats)
+    geometry = _geometries([layer_geometry])[0]
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
+    results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="npumoed-fidelity-") as scratch:
         try:
             loaded = load_model(model_path or make_tiny("qwen3_moe", Path(scratch) / "tiny-qwen3_moe", seed=seed))
-            results = run_fidelity_bench(loaded, calibration_texts, eval_text, settings, on_result=_progress)
+            if capacity:
+                results = run_fidelity_bench(loaded, calibration_texts, eval_text, settings, on_result=_progress)
+            weights_rows = _weights_fidelity(loaded if model_path else None, families, calibration_texts, eval_text,
+                                             chunk_tokens, eval_tokens, Path(scratch), seed)
         except (ModelError, ValueError) as e:
             raise click.ClickException(str(e)) from e
-    print_fidelity(results, f"model {loaded.name}, calibrated on {', '.join(name for name, _ in calibration_texts)}, "
-                            f"held out: {results[0]['eval_tokens']} tokens, chunk {chunk_tokens}, {threads} threads")
-    if plot_path is not None:
+    from npumoe.bench.weights_fidelity import DISTRIBUTIONS, layer_errors
+
+    layer_rows = [row for distribution in DISTRIBUTIONS
+                  for row in layer_errors(geometry, QUANTIZED, distribution, tokens=layer_tokens, seed=seed,
+                                          on_result=lambda row: _err.print(
+                                              f"{row['geometry']} {row['distribution']} {row['format']}: relative "
+                                              f"error {row['rel_error']:.2%}", style="dim", highlight=False))]
+    if capacity:
+        print_fidelity(results, f"model {loaded.name}, calibrated on "
+                                f"{', '.join(name for name, _ in calibration_texts)}, held out: "
+                                f"{results[0]['eval_tokens']} tokens, chunk {chunk_tokens}, {threads} threads")
+    print_weights_fidelity(weights_rows, layer_rows, f"held out: {weights_rows[0]['eval_tokens']} tokens; "
+                                                     f"{threads} threads, {machine['cpu']}")
+    results += [{"section": "weights", **row} for row in weights_rows]
+    results += [{"section": "layer", **row} for row in layer_rows]
+    if plot_path is not None and capacity:
         from npumoe.bench.plot import fidelity_figure
 
         plot_path.parent.mkdir(parents=True, exist_ok=True)
-        fidelity_figure(results).savefig(plot_path, dpi=120)
+        fidelity_figure([row for row in results if "section" not in row]).savefig(plot_path, dpi=120)
         _err.print(f"wrote {plot_path}")
     _write_json(json_path, machine, {"model": loaded.name, "model_key": loaded.key, "seed": seed,
                                      "calibration": [name for name, _ in calibration_texts], "warmup": warmup,
@@ -258,6 +297,52 @@ def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_t
                 results)
 
 
+def _weights_fidelity(model: LoadedModel | None, families: Sequence[str], calibration_texts: Sequence[tuple[str, str]],
+                      eval_text: str, chunk_tokens: int, eval_tokens: int, scratch: Path, seed: int) -> list[dict]:
+    """bf16, int8 and int4 against fp32: on the model given (loaded in fp32), else on each tiny family, with its
+    random output layer and with a readout fitted to the calibration texts (so that its top-1 means something)."""
+    from npumoe.bench.weights_fidelity import WeightsFidelitySettings, fit_readout, run_weights_fidelity
+    from npumoe.engine.models import load_model
+    from npumoe.engine.tiny import make_tiny
+
+    settings = WeightsFidelitySettings(chunk_tokens=chunk_tokens, eval_tokens=eval_tokens)
+    if model is not None:
+        return [{"model": model.name, "head": "its own", **row}
+                for row in run_weights_fidelity(model, eval_text, settings)]
+    rows = []
+    for family in families:
+        loaded = load_model(make_tiny(family, scratch / f"weights-{family}", seed=seed))
+        for head in ("random", "readout"):
+            extra = {}
+            if head == "readout":
+                extra["readout_cross_entropy"] = fit_readout(loaded, [text for _, text in calibration_texts],
+                                                             chunk_tokens)
+            for row in run_weights_fidelity(loaded, eval_text, settings):
+                rows.append({"model": f"tiny {family}", "head": head, **extra, **row})
+                _err.print(f"tiny {family}, {head} output layer, {row['format']}: top-1 vs fp32 "
+                           f"{row['top1_vs_fp32']:.1%}", style="dim", highlight=False)
+    return rows
+
+
+def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], caption: str) -> None:
+    from npumoe.bench.weights_fidelity import TARGETS
+
+    table = Table("model", "output layer", "weights", "top-1 vs fp32", "mean KL vs fp32", "top-1 vs its float",
+                  "mean KL vs its float", title="Weights format against the float model", caption=caption,
+                  caption_justify="left")
+    for row in rows:
+        table.add_row(row["model"], row["head"], row["format"], _percent(row["top1_vs_fp32"]),
+                      _error(row["kl_vs_fp32"]), f"{_percent(row['top1_vs_float'])} ({row['vs_float']})",
+                      _error(row["kl_vs_float"]))
+    _console().print(table)
+    layers = Table("geometry", "weights and activations", "format", "relative error", "target",
+                   title="One MoE layer, quantized experts against fp32")
+    for row in layer_rows:
+        layers.add_row(row["geometry"], row["distribution"], row["format"], f"{row['rel_error']:.2%}",
+                       f"≤ {TARGETS[row['format']]:.0%}")
+    _console().print(layers)
+
+
 def _geometries(names: Sequence[str]) -> list:
     from npumoe.engine.geometry import parse_geometry
 
@@ -265,6 +350,20 @@ def _geometries(names: Sequence[str]) -> list:
         return [parse_geometry(name) for name in names]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--geometry") from e
+
+
+def _measured_dtypes(dtypes: Sequence[str], geometries: Sequence) -> tuple[str, ...]:
+    """`dtypes` with auto replaced by the float dtype `weights = auto` runs each geometry's experts in here (measured
+    once per machine, as at load), each dtype once."""
+    if AUTO not in dtypes:
+        return tuple(dtypes)
+    from npumoe.engine.auto_weights import float_seconds
+
+    fastest = []
+    for geometry in geometries:
+        seconds = float_seconds(geometry.hidden, geometry.ffn)
+        fastest.append(WEIGHTS_DTYPE[min(seconds, key=seconds.__getitem__)])
+    return tuple(dict.fromkeys(d for dtype in dtypes for d in (fastest if dtype == AUTO else [dtype])))
 
 
 def _require_matplotlib() -> None:

@@ -7,6 +7,7 @@ accepted types and the allowed values live in one place and `config show` prints
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tomllib
@@ -19,24 +20,29 @@ from typing import Any
 import platformdirs
 
 from npumoe.engine.vocabulary import (
+    AUTO,
     BACKENDS,
     COMPUTE_UNITS,
     CPU,
     DEFAULT_COMPUTE_UNITS,
+    DTYPE_WEIGHTS,
     DTYPES,
-    FLOAT32,
     OVERFLOW_POLICIES,
     SPILL,
     WEIGHTS,
+    WEIGHTS_DTYPE,
 )
 
 WINDOW = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
 QUEUE_URL = re.compile(r"^(postgresql(\+psycopg)?://.*)?$")
 
+log = logging.getLogger(__name__)
 
-def choice(default: str, allowed: Sequence[str]) -> Any:
-    """A key that takes one of `allowed`, `default` when the file leaves it out."""
-    return field(default=default, metadata={"choices": tuple(allowed)})
+
+def choice(default: str, allowed: Sequence[str], note: str = "") -> Any:
+    """A key that takes one of `allowed`, `default` when the file leaves it out; `note`: what `config show` says
+    beside it."""
+    return field(default=default, metadata={"choices": tuple(allowed), **({"note": note} if note else {})})
 
 
 def positive(default: float) -> Any:
@@ -61,8 +67,12 @@ class ModelConfig:
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
     chunk_tokens: int = positive(512)
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
-    dtype: str = choice(FLOAT32, DTYPES)
-    weights: str = choice("", ("", *WEIGHTS))  # "": every weight in dtype; set, it decides dtype (int8/int4: bf16)
+    # What the weights run in, the one key for it: auto (the fastest float dtype measured here that fits memory, else
+    # the smallest format that does), fp32, bf16, int8 or int4 (the experts quantized, the rest bf16)
+    weights: str = choice(AUTO, WEIGHTS, note="auto | fp32 | bf16 | int8 | int4; auto: chosen at load, "
+                                                       "`npumoed doctor` says what and why")
+    # Deprecated, from before `weights`: float32 or bfloat16 alone reads as weights fp32 or bf16; "" is unset
+    dtype: str = choice("", ("", *DTYPES), note="deprecated: weights decides the dtype")
     summary_tokens: int = positive(128)
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
@@ -131,6 +141,12 @@ class Config:
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def notes(self) -> dict[str, dict[str, str]]:
+        """What `config show` says beside some keys, by section and key."""
+        return {section.name: {f.name: f.metadata["note"] for f in dataclasses.fields(getattr(self, section.name))
+                               if "note" in f.metadata}
+                for section in dataclasses.fields(self)}
+
 
 class ConfigError(Exception):
     """An invalid config file; the message names the file and the key."""
@@ -173,6 +189,8 @@ def _build(cls: type, raw: Any, path: Path, where: str) -> Any:
             known = ", ".join(fields)
             raise ConfigError(f"{path}: unknown key '{_join(where, key)}' (known: {known})")
     values = {}
+    if cls is ModelConfig:
+        raw = _legacy_dtype(raw, path)
     for key, value in raw.items():
         name = _join(where, key)
         kind = hints[key]
@@ -181,6 +199,24 @@ def _build(cls: type, raw: Any, path: Path, where: str) -> Any:
         else:
             values[key] = _check(kind, value, fields[key].metadata, path, name)
     return cls(**values)
+
+
+def _legacy_dtype(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+    """[model] with a `dtype` from before `weights` decided it folded in: dtype alone pins weights to its float
+    format (with a warning to write that instead); beside a weights whose float dtype differs it is an error."""
+    dtype, weights = raw.get("dtype", ""), raw.get("weights", AUTO)
+    if dtype not in DTYPE_WEIGHTS or weights not in WEIGHTS:
+        return raw  # nothing to fold, or a value _check names
+    if weights == AUTO:
+        log.warning('%s: [model] dtype is deprecated: weights decides the dtype; dtype = "%s" reads as weights = '
+                    '"%s" (write that instead, or remove dtype to let the machine choose)', path, dtype,
+                    DTYPE_WEIGHTS[dtype])
+        return {**raw, "weights": DTYPE_WEIGHTS[dtype], "dtype": ""}
+    if WEIGHTS_DTYPE[weights] != dtype:
+        raise ConfigError(f'{path}: [model] dtype = "{dtype}" disagrees with weights = "{weights}", whose float dtype '
+                          f'is {WEIGHTS_DTYPE[weights]}; dtype is deprecated: remove it, weights decides')
+    log.warning("%s: [model] dtype is deprecated and says nothing weights does not: remove it", path)
+    return {**raw, "dtype": ""}
 
 
 def _check(kind: Any, value: Any, meta: Any, path: Path, name: str) -> Any:

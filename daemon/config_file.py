@@ -18,7 +18,8 @@ from npumoe.daemon.config import ConfigError, load_config
 
 
 def with_section(path: Path, section: str, values: dict[str, Any]) -> tuple[str, str]:
-    """(the file's text now, its text with `values` set in `[section]`); an absent file reads as empty."""
+    """(the file's text now, its text with `values` set in `[section]`, a key whose value is None removed); an
+    absent file reads as empty."""
     old = path.read_text(encoding="utf-8") if path.exists() else ""
     try:
         document = tomlkit.parse(old)
@@ -28,7 +29,10 @@ def with_section(path: Path, section: str, values: dict[str, Any]) -> tuple[str,
     if table is None:
         table = document[section] = tomlkit.table()
     for key, value in values.items():
-        table[key] = value
+        if value is None:
+            table.pop(key, None)
+        else:
+            table[key] = value
     return old, tomlkit.dumps(document)
 
 

@@ -21,6 +21,7 @@ from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import job_keys
 from npumoe.daemon.models import DEMO, demo_model_dir
+from npumoe.engine.vocabulary import WEIGHTS_DTYPE
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.meta import SCHEMA_VERSION
 from npumoe.jobs.outputs import TMP_PREFIX
@@ -119,8 +120,9 @@ def keys_of(meta: dict[str, Any], home: Home, config: Config,
     model_key = DEMO if Path(meta["model"]) == demo_model_dir(home.models) else meta["model"]
     m = config.model
     plan = str(Path(m.plan).expanduser()) if m.plan else None
+    dtype = WEIGHTS_DTYPE.get(m.weights, meta["dtype"])  # weights auto: whichever dtype the machine chose
     made_as_today = (meta["backend"], meta["overflow"], meta["dtype"], meta["plan"]) == (
-        m.backend, m.overflow, m.dtype, plan)
+        m.backend, m.overflow, dtype, plan)
     if current is not None and model_key == current[0] and made_as_today:
         return current
     settings = {name: meta[name] for name in ("backend", "plan", "overflow", "dtype", "chunk_tokens")}

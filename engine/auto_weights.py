@@ -9,17 +9,22 @@ that fits), and int4 when none does.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
 
-from . import cpu_kernels
-from .model_size import ModelSize, checkpoint_tensors, model_size, needed_bytes, usable_bytes
+from . import bf16_linear, cpu_kernels
+from .model_size import ModelSize, Tensor, checkpoint_tensors, model_size, needed_bytes, usable_bytes
 from .vocabulary import BF16, FP32, INT4, INT8
 
 _FLOATS = {FP32: torch.float32, BF16: torch.bfloat16}
+# This machine's float timings, by expert size, beside the kernel choices they were made with (whose sources they
+# depend on: an edited kernel is timed again).
+_CACHE = cpu_kernels.ChoiceCache("auto-weights", (bf16_linear.SOURCE,))
 _GIB = 2**30
 
 
@@ -27,17 +32,25 @@ _GIB = 2**30
 class WeightsChoice:
     weights: str
     reason: str  # one line: what was measured and compared
+    fits: bool = True  # False: not even the smallest format fits this machine's memory
+
+
+def choose_model_weights(model: str, *, allow_download: bool = False,
+                         trust_remote_code: bool = False) -> tuple[str, WeightsChoice]:
+    """(the model's name, the format `auto` stands for) for a local folder or a Hugging Face id (ModelError when
+    it cannot be found)."""
+    from .models import _resolve
+
+    checkpoint, name = _resolve(model, allow_download=allow_download, trust_remote_code=trust_remote_code)
+    return name, choose_weights(checkpoint)
 
 
 def choose_weights(checkpoint: Path, total_memory: int | None = None) -> WeightsChoice:
     """The format `auto` stands for when loading `checkpoint` on this machine (with `total_memory` bytes of RAM,
     this machine's by default)."""
     tensors = checkpoint_tensors(checkpoint)
-    down = next((t for t in tensors if t.expert and "down" in t.name), None)
-    if down is None:
-        raise ValueError(f"{checkpoint}: no routed expert down projection to time the float kernels on")
-    hidden, ffn = down.shape[-2:]
-    seconds = {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()}
+    hidden, ffn = expert_sizes(checkpoint, tensors)
+    seconds = float_seconds(hidden, ffn)
     fastest = min(seconds, key=seconds.__getitem__)
     timing = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in seconds.items())
     size = model_size(tensors)
@@ -48,10 +61,37 @@ def choose_weights(checkpoint: Path, total_memory: int | None = None) -> Weights
     smaller = sorted((f for f in (BF16, INT8, INT4) if _bytes(size, f) < _bytes(size, fastest)),
                      key=lambda f: -_bytes(size, f))
     chosen = next((f for f in smaller if _fits(size, f, usable)), INT4)
-    fits = "fits" if _fits(size, chosen, usable) else "does not fit either, the smallest format there is"
+    fits = _fits(size, chosen, usable)
     return WeightsChoice(chosen, f"{chosen}: {fastest}, the fastest float dtype here ({timing}), needs "
                                  f"{_gib(size, fastest)}, more than the {usable / _GIB:.1f} GiB usable; {chosen} "
-                                 f"needs {_gib(size, chosen)} and {fits}")
+                                 f"needs {_gib(size, chosen)} and "
+                                 f"{'fits' if fits else 'does not fit either, the smallest format there is'}", fits)
+
+
+def expert_sizes(checkpoint: Path, tensors: Sequence[Tensor]) -> tuple[int, int]:
+    """(hidden, ffn) of one routed expert: the model's hidden size, and the smaller side of its expert weights that
+    is not it (whatever the family names them: down_proj, w2, ...; stored either way round)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
+    # fused (E, out, in) expert tensors too (gpt-oss saves them so), which model_size does not count as experts
+    sides = [side for t in tensors if t.expert or (".experts." in t.name and len(t.shape) == 3
+                                                   and not t.name.endswith("bias")) for side in t.shape[-2:]]
+    if not hidden or not sides:
+        raise ValueError(f"{checkpoint}: no hidden size or routed expert weights to time the float kernels on")
+    return hidden, min((side for side in sides if side != hidden), default=hidden)
+
+
+def float_seconds(hidden: int, ffn: int) -> dict[str, float]:
+    """Seconds of one expert of these sizes in each float format's fastest kernel here: measured the first time on
+    this machine, then read from the user cache (so that auto costs a load nothing after the first, and decides
+    the same way every time)."""
+    key = f"hidden {hidden} ffn {ffn}"
+    cached = _CACHE.get(key, {})
+    if cached is not None and cached.seconds.keys() == _FLOATS.keys():
+        return cached.seconds
+    seconds = {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()}
+    _CACHE.remember(key, cpu_kernels.KernelChoice(min(seconds, key=seconds.__getitem__), seconds, {}))
+    return seconds
 
 
 def expert_seconds(hidden: int, ffn: int, dtype: torch.dtype) -> float:

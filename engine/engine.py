@@ -35,8 +35,8 @@ from .vocabulary import (
     COMPUTE_UNITS,
     CPU,
     DEFAULT_COMPUTE_UNITS,
+    DTYPE_WEIGHTS,
     DTYPES,
-    FLOAT32,
     OVERFLOW_POLICIES,
     PHASES,
     PREFILL,
@@ -58,11 +58,13 @@ class EngineSettings:
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
     chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
-    dtype: str = FLOAT32  # one of vocabulary.DTYPES
-    # one of vocabulary.WEIGHTS; None: every weight in `dtype`. When given it decides `dtype` too (WEIGHTS_DTYPE):
-    # int8 and int4 quantize the experts on the CPU path and keep the rest of the model in bf16; auto is decided
-    # at load by the machine (auto_weights.py)
-    weights: str | None = None
+    # The float part of `weights` (vocabulary.WEIGHTS_DTYPE), filled in from it; None while auto is undecided.
+    # Given with weights left auto it pins the format (float32: fp32, bfloat16: bf16); beside a weights format
+    # whose float part differs it is an error.
+    dtype: str | None = None
+    # One of vocabulary.WEIGHTS: auto is decided at load by the machine (auto_weights.py); fp32 and bf16 run every
+    # weight in that dtype; int8 and int4 quantize the experts on the CPU path and keep the rest in bf16.
+    weights: str = AUTO
     threads: int | None = None  # torch intra-op threads; None = leave as is
     trust_remote_code: bool = False
     allow_download: bool = False
@@ -78,13 +80,17 @@ class EngineSettings:
                              f"got {self.coreml_compute_units!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
-        if self.dtype not in DTYPES:
+        if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.weights is not None:
-            if self.weights not in WEIGHTS:
-                raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
-            if self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
-                object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
+        if self.weights == AUTO and self.dtype is not None:
+            object.__setattr__(self, "weights", DTYPE_WEIGHTS[self.dtype])
+        elif self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
+            if self.dtype not in (None, WEIGHTS_DTYPE[self.weights]):
+                raise ValueError(f"dtype {self.dtype!r} disagrees with weights {self.weights!r}, whose float dtype is "
+                                 f"{WEIGHTS_DTYPE[self.weights]}: give weights alone")
+            object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
         for name in ("chunk_tokens", "summary_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -328,12 +334,10 @@ class Engine:
 
 def _auto_weights(settings: EngineSettings) -> EngineSettings:
     """`settings` with the weights format `auto` stands for on this machine, said in the log."""
-    from .auto_weights import choose_weights
-    from .models import _resolve
+    from .auto_weights import choose_model_weights
 
-    checkpoint, name = _resolve(str(settings.model), allow_download=settings.allow_download,
-                                trust_remote_code=settings.trust_remote_code)
-    choice = choose_weights(checkpoint)
+    name, choice = choose_model_weights(str(settings.model), allow_download=settings.allow_download,
+                                        trust_remote_code=settings.trust_remote_code)
     log.info("%s: weights auto -> %s", name, choice.reason)
     return replace(settings, weights=choice.weights)
 

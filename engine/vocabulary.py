@@ -33,6 +33,7 @@ FP32, BF16, INT8, INT4 = "fp32", "bf16", "int8", "int4"
 WEIGHTS = (AUTO, FP32, BF16, INT8, INT4)
 QUANTIZED = (INT8, INT4)
 WEIGHTS_DTYPE = {FP32: FLOAT32, BF16: BFLOAT16, INT8: BFLOAT16, INT4: BFLOAT16}  # the float dtype of each format
+DTYPE_WEIGHTS = {FLOAT32: FP32, BFLOAT16: BF16}  # the format that runs every weight in a float dtype
 
 # Where Core ML may run a graph; each is the lower-case name of a `coremltools.ComputeUnit` member.
 COMPUTE_UNITS = ("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")

@@ -359,7 +359,7 @@ class Pipeline:
             plan=str(settings.plan) if settings.plan else None,
             backend=settings.backend,
             overflow=settings.overflow,
-            dtype=settings.dtype,
+            dtype=engine.settings.dtype,  # what the engine loaded: weights auto is decided at load
             chunk_tokens=stats.chunk_tokens,
             residency=_residency(engine),
             extraction=Extraction(extracted.format, extracted.pages, len(extracted.text)),

@@ -149,10 +149,12 @@ def config_show(app: App, as_json: bool) -> None:
     if as_json:
         emit_json(effective)
         return
+    notes = app.config.notes()
     for section, values in effective.items():
         click.echo(f"[{section}]")
         for key, value in values.items():
-            click.echo(f"{key} = {_toml(value)}")
+            note = notes[section].get(key)
+            click.echo(f"{key} = {_toml(value)}" + (f"  # {note}" if note else ""))
         click.echo()
 
 

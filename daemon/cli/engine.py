@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from npumoe.daemon.cli.weights import quantize_command, size_command
-from npumoe.engine.vocabulary import BACKENDS, DTYPES, FLOAT32, OVERFLOW_POLICIES, PRUNE
+from npumoe.engine.vocabulary import AUTO, BACKENDS, OVERFLOW_POLICIES, PRUNE, WEIGHTS, WEIGHTS_DTYPE
 
 if TYPE_CHECKING:
     from npumoe.engine.plan import ExpertPlan
@@ -79,36 +79,56 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Experts per group graph.")
-@click.option("--dtype", type=click.Choice(DTYPES), default=FLOAT32, show_default=True)
+@click.option("--weights", type=click.Choice(WEIGHTS), default=AUTO, show_default=True,
+              help="The format the model will run in; calibration loads it in its float dtype (int8 and int4: "
+                   "bfloat16). auto: as the engine chooses here.")
 @click.option("--threads", type=click.IntRange(min=1), help="Torch threads (default: leave as is).")
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own Python code.")
 @click.option("--allow-download", is_flag=True, help="Download the model from the Hugging Face Hub if needed.")
 def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[Path, ...], out: Path, chunk: int,
-                      overflow: str, n_tiers: int, group_size: int, dtype: str, threads: int | None,
+                      overflow: str, n_tiers: int, group_size: int, weights: str, threads: int | None,
                       trust_remote_code: bool, allow_download: bool) -> None:
     """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan.
 
     The plan serves every backend: where its groups run is decided where it runs (`npumoed plan show --backend`)."""
     calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk, overflow=overflow,
-                        n_tiers=n_tiers, group_size=group_size, dtype=dtype, threads=threads,
+                        n_tiers=n_tiers, group_size=group_size, weights=weights, threads=threads,
                         trust_remote_code=trust_remote_code, allow_download=allow_download)
 
 
-def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, **options: Any) -> None:
+def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *, weights: str = AUTO,
+                        **options: Any) -> None:
     """What `npumoed calibrate` (and the demo's first run) does: extract the documents' text, have the engine's
-    `calibrate_plan` (given `options`) write the plan to `out`, with a progress bar and a closing line on stderr."""
+    `calibrate_plan` (given `options`, the model in the float dtype of `weights`) write the plan to `out`, with a
+    progress bar and a closing line on stderr."""
     quiet_transformers()
     from npumoe.engine.planner import calibrate_plan
 
     texts = document_texts(documents)
     stderr = Console(stderr=True)
+    ref = _model_ref(model_name)
     try:
-        plan = calibrate_plan(_model_ref(model_name), texts, out, progress=chunk_bar(stderr), **options)
+        dtype, why = float_dtype(ref, weights, trust_remote_code=options.get("trust_remote_code", False),
+                                 allow_download=options.get("allow_download", False))
+        stderr.print(f"loading the model in {dtype} ({escape(why)})", highlight=False)
+        plan = calibrate_plan(ref, texts, out, progress=chunk_bar(stderr), dtype=dtype, **options)
     except ValueError as e:  # ModelError among them
         raise click.ClickException(str(e)) from e
     stderr.print(f"calibrated {len(plan.layers)} MoE layers x {plan.layers[0].num_experts} experts on "
                  f"{plan.calibration_tokens} tokens ({plan.calibration_chunks} chunks of {plan.chunk_tokens}); "
                  f"tiers {list(plan.tiers)}; wrote {escape(str(out))}")
+
+
+def float_dtype(ref: str, weights: str, *, trust_remote_code: bool = False,
+                allow_download: bool = False) -> tuple[str, str]:
+    """(the float dtype model `ref` runs in with `weights`, what decided it); auto is decided as the engine does at
+    load, on this machine."""
+    if weights != AUTO:
+        return WEIGHTS_DTYPE[weights], f"weights {weights}"
+    from npumoe.engine.auto_weights import choose_model_weights
+
+    _, choice = choose_model_weights(ref, trust_remote_code=trust_remote_code, allow_download=allow_download)
+    return WEIGHTS_DTYPE[choice.weights], f"weights auto -> {choice.reason}"
 
 
 def document_texts(documents: Sequence[Path]) -> list[tuple[str, str]]:

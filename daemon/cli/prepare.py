@@ -36,7 +36,7 @@ from rich.table import Table
 from npumoe.daemon.cli.app import App, BadConfig, pass_app
 from npumoe.daemon.config import ConfigError, default_config_path
 from npumoe.daemon.models import DEMO, ModelNotFound, resolve_model
-from npumoe.engine.vocabulary import BACKENDS, COREML, CPU, DTYPES, TORCH_STATIC
+from npumoe.engine.vocabulary import BACKENDS, COREML, CPU, TORCH_STATIC, WEIGHTS
 
 if TYPE_CHECKING:
     from npumoe.daemon.home import Home
@@ -117,11 +117,14 @@ class Model:
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
               help="Experts per group graph.")
-@click.option("--dtype", type=click.Choice(DTYPES), help="Model dtype (default: the config's).")
+@click.option("--weights", type=click.Choice(WEIGHTS),
+              help="The format the model runs in (default: the config's); auto: chosen here at each load.")
 @pass_app
 def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: str, print_only: bool,
-                    chunk: int | None, n_tiers: int, group_size: int, dtype: str | None) -> None:
+                    chunk: int | None, n_tiers: int, group_size: int, weights: str | None) -> None:
     """From a checkpoint to a ready configuration: calibrate, plan, compile, measure, configure."""
+    from npumoe.daemon.cli.engine import float_dtype
+
     home, configured = app.home, app.config.model
     try:
         ref = resolve_model(model_name, home.models)
@@ -129,9 +132,12 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
         raise click.ClickException(str(e)) from e
     console = Console(stderr=True)
     stages = Stages(console)
-    model = Model(ref, dtype or configured.dtype, configured.trust_remote_code, configured.allow_download)
+    weights = weights or configured.weights
     options = {"chunk_tokens": chunk or configured.chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
     try:
+        dtype, _ = float_dtype(ref, weights, trust_remote_code=configured.trust_remote_code,
+                               allow_download=configured.allow_download)
+        model = Model(ref, dtype, configured.trust_remote_code, configured.allow_download)
         plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
         units = configured.coreml_compute_units
         chosen = _choose_backend(stages, backend, plan, model, home, units)
@@ -142,7 +148,8 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
     except ValueError as e:  # ModelError among them; unusable calibration data or settings
         raise click.ClickException(str(e)) from e
     name = model_name if model_name == DEMO or not Path(model_name).expanduser().is_dir() else ref
-    values = {"name": name, "backend": chosen, "plan": str(plan_path), "dtype": model.dtype}
+    # weights is the one key for the format: a dtype from before it is dropped (None removes a key)
+    values = {"name": name, "backend": chosen, "plan": str(plan_path), "weights": weights, "dtype": None}
     _config_stage(stages, app.config_path or default_config_path(), values, print_only)
     console.print(stages.summary())
 
@@ -265,7 +272,7 @@ def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str,
     return costs, False
 
 
-def _config_stage(stages: Stages, path: Path, values: dict[str, str], print_only: bool) -> None:
+def _config_stage(stages: Stages, path: Path, values: dict[str, str | None], print_only: bool) -> None:
     from npumoe.daemon.config_file import replace_config, section_text, with_section
 
     with stages.stage("config", str(path)) as outcome:

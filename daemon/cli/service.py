@@ -21,6 +21,7 @@ from npumoe.daemon.config import ModelConfig
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue_paths
 from npumoe.daemon.measure import ForegroundLoad, system_energy_counter
+from npumoe.daemon.models import DEMO, ModelNotFound, demo_model_dir, resolve_model
 from npumoe.daemon.power import system_power_source
 from npumoe.daemon.priority import available_cores, worker_threads
 from npumoe.daemon.scheduler import paused_since
@@ -35,7 +36,7 @@ from npumoe.daemon.service import (
     lingering,
     service_manager,
 )
-from npumoe.engine.vocabulary import COREML
+from npumoe.engine.vocabulary import AUTO, COREML
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue import BATCH, Queue
 from npumoe.jobs.schema import SCHEMA_VERSION
@@ -161,8 +162,8 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
         return
     checks = [*_service_checks(), _database_check(app.home),
               *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
-              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), *_backend_checks(),
-              _placement_check(app)]
+              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), _weights_check(app),
+              *_backend_checks(), _placement_check(app)]
     if as_json:
         emit_json({"checks": checks})
     else:
@@ -303,6 +304,27 @@ def _kernel_check() -> dict[str, str]:
     not_built = bf16_linear.unsupported_cpu() is None and bf16_linear.unavailable() is not None
     return _check("cpu kernel", "warn" if not_built else "ok",
                   f"{'; '.join(choices)} (on {cpu_model()}, torch {torch.__version__})")
+
+
+def _weights_check(app: App) -> dict[str, str]:
+    """The format the configured model's weights run in and why: for auto, the choice the engine makes at load,
+    made here the same way (measured once per machine, then cached)."""
+    m = app.config.model
+    if m.weights != AUTO:
+        return {**_check("weights", "ok", f"{m.weights}, set by [model] weights"), "weights": m.weights}
+    if m.name == DEMO and not (demo_model_dir(app.home.models) / "config.json").is_file():
+        return _check("weights", "ok", "auto: decided when the demo model is first made and loaded "
+                                       "(`npumoed demo` or the daemon make it)")
+    from npumoe.engine.auto_weights import choose_model_weights
+    from npumoe.engine.models import ModelError
+
+    try:
+        ref = resolve_model(m.name, app.home.models)
+        _, choice = choose_model_weights(ref, allow_download=False, trust_remote_code=m.trust_remote_code)
+    except (ModelNotFound, ModelError, ValueError) as e:
+        return _check("weights", "warn", f"auto: cannot decide for {m.name}: {e}")
+    return {**_check("weights", "ok" if choice.fits else "warn", f"auto -> {choice.reason}"),
+            "weights": choice.weights}
 
 
 def _backend_checks() -> list[dict[str, str]]:

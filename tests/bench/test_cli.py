@@ -47,12 +47,19 @@ def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard)
     result = CliRunner().invoke(bench, [
         "fidelity", "--calibration-text", str(tmp_path / "cal.txt"), "--eval-text", str(tmp_path / "eval.txt"),
         "--scale", "0.5", "--scale", "2", "--chunk", "64", "--eval-tokens", "128", "--threads", "1",
-        "--warmup", "0", "--repeats", "1", "--plot", str(tmp_path / "f.png"), "--json", str(tmp_path / "f.json")])
+        "--warmup", "0", "--repeats", "1", "--plot", str(tmp_path / "f.png"), "--json", str(tmp_path / "f.json"),
+        "--family", "olmoe", "--layer-geometry", "64x8x2x32", "--layer-tokens", "16"])
     assert result.exit_code == 0, result.output
     assert "exact model" in result.output and "prune" in result.output
+    assert "Weights format against the float model" in result.output and "One MoE layer" in result.output
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
     rows = json.loads((tmp_path / "f.json").read_text())["results"]
-    assert [row.get("capacity_scale") for row in rows] == [None, 0.5, 0.5, 2.0, 2.0]
+    assert [row.get("capacity_scale") for row in rows if "section" not in row] == [None, 0.5, 0.5, 2.0, 2.0]
+    # each format with the family's random output layer and with the readout fitted to the calibration text
+    assert [(row["model"], row["head"], row["format"]) for row in rows if row.get("section") == "weights"] == [
+        ("tiny olmoe", head, format) for head in ("random", "readout") for format in ("fp32", "bf16", "int8", "int4")]
+    assert [(row["distribution"], row["format"]) for row in rows if row.get("section") == "layer"] == [
+        (draw, format) for draw in ("gaussian", "heavy-weights", "heavy") for format in ("int8", "int4")]
 
 
 def test_bench_fidelity_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch):
@@ -67,3 +74,20 @@ def test_importing_the_bench_commands_does_not_import_torch():
     code = "import sys, npumoe.bench.cli; print('torch' in sys.modules)"
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert found.stdout.strip() == "False"
+
+
+def test_dtype_auto_is_the_float_dtype_weights_auto_measures_fastest_for_each_geometry(monkeypatch):
+    from npumoe.bench.cli import _geometries, _measured_dtypes
+    from npumoe.engine import auto_weights
+
+    asked = []
+
+    def seconds(hidden, ffn):
+        asked.append((hidden, ffn))
+        return {"fp32": 2.0, "bf16": 1.0} if hidden == 64 else {"fp32": 1.0, "bf16": 2.0}
+
+    monkeypatch.setattr(auto_weights, "float_seconds", seconds)
+    geometries = _geometries(["64x8x2x32", "128x8x2x32"])
+    assert _measured_dtypes(["auto"], geometries) == ("bfloat16", "float32") and asked == [(64, 32), (128, 32)]
+    assert _measured_dtypes(["bfloat16", "auto"], geometries[:1]) == ("bfloat16",)  # each dtype once
+    assert _measured_dtypes(["float32"], geometries) == ("float32",) and len(asked) == 3  # nothing to measure

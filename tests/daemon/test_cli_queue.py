@@ -69,6 +69,10 @@ def test_config_show_prints_toml_that_reads_back(home: Path, tmp_path: Path) -> 
     echo = tmp_path / "echo.toml"
     echo.write_text(shown.stdout)
     assert npumoed(home, "--config", str(echo), "config", "show").stdout == shown.stdout
+    # the one key for the weights' format, said plainly, and the old dtype key marked as what it is now
+    assert ('weights = "auto"  # auto | fp32 | bf16 | int8 | int4; auto: chosen at load, `npumoed doctor` says what '
+            'and why') in shown.stdout
+    assert 'dtype = ""  # deprecated: weights decides the dtype' in shown.stdout
 
 
 def test_the_queue_benchmark_reports_throughput_duplicates_and_losses(home: Path) -> None:

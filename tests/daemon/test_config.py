@@ -50,3 +50,29 @@ def test_bad_files_name_the_file_and_the_key(tmp_path: Path, body: str, message:
 def test_a_named_file_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_weights_is_the_one_key_for_the_format_and_defaults_to_auto(tmp_path: Path) -> None:
+    assert (Config().model.weights, Config().model.dtype) == ("auto", "")
+    assert load_config(write(tmp_path, '[model]\nweights = "int8"\n')).model.weights == "int8"
+
+
+@pytest.mark.parametrize(("dtype", "weights"), [("float32", "fp32"), ("bfloat16", "bf16")])
+def test_a_dtype_from_before_weights_pins_its_float_format_and_says_it_is_deprecated(tmp_path: Path, caplog,
+                                                                                      dtype: str, weights: str) -> None:
+    with caplog.at_level("WARNING", logger="npumoe.daemon.config"):
+        model = load_config(write(tmp_path, f'[model]\ndtype = "{dtype}"\n')).model
+    assert (model.weights, model.dtype) == (weights, "")
+    assert 'dtype is deprecated' in caplog.text and f'weights = "{weights}"' in caplog.text
+
+
+def test_a_dtype_that_agrees_with_weights_is_only_deprecated_and_one_that_disagrees_is_an_error(tmp_path: Path,
+                                                                                                caplog) -> None:
+    with caplog.at_level("WARNING", logger="npumoe.daemon.config"):
+        model = load_config(write(tmp_path, '[model]\nweights = "int4"\ndtype = "bfloat16"\n')).model
+    assert (model.weights, model.dtype) == ("int4", "") and "deprecated" in caplog.text
+    with pytest.raises(ConfigError, match=r'config.toml: \[model\] dtype = "float32" disagrees with weights = "int8", '
+                                          r"whose float dtype is bfloat16; dtype is deprecated: remove it"):
+        load_config(write(tmp_path, '[model]\nweights = "int8"\ndtype = "float32"\n'))
+    with pytest.raises(ConfigError, match=r"'model\.weights' must be one of auto, fp32, bf16, int8, int4, got ''"):
+        load_config(write(tmp_path, '[model]\nweights = ""\n'))

@@ -83,13 +83,15 @@ def test_prepare_writes_plan_costs_and_config_then_reuses_every_stage(home: Path
 
 def test_print_shows_the_model_section_and_leaves_the_file(home: Path, tiny_model: Path, document: Path) -> None:
     home.mkdir(parents=True)
-    (home / "config.toml").write_text(CONFIG)
+    old_dtype = CONFIG + 'dtype = "bfloat16"\n'  # from before weights: kept as its format, the old key dropped
+    (home / "config.toml").write_text(old_dtype)
     result = prepare("--model", str(tiny_model), "--data", str(document), "--backend", "cpu", "--chunk", "128",
                      "--print")
     assert result.exit_code == 0, result.output
-    assert (home / "config.toml").read_text() == CONFIG
+    assert (home / "config.toml").read_text() == old_dtype
     printed = tomllib.loads(result.stdout)["model"]
     assert printed["backend"] == "cpu" and printed["summary_tokens"] == 16 and Path(printed["plan"]).is_file()
+    assert printed["weights"] == "bf16" and "dtype" not in printed
 
 
 def test_auto_takes_the_backend_the_measured_costs_expect_to_be_faster(home: Path, tiny_model: Path,

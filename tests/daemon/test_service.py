@@ -329,6 +329,42 @@ def test_doctor_names_the_chosen_cpu_kernel_and_the_figures_that_chose_it(home: 
     assert len(timings.calls) == 1  # the second doctor reads the choice the first one made
 
 
+def _weights_check(*args: str) -> dict:
+    return {c["check"]: c for c in json.loads(npumoed(*args, "doctor", "--json").output)["checks"]}["weights"]
+
+
+def test_doctor_says_what_weights_auto_chooses_here_and_why(home: Path, tmp_path: Path, tiny,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from npumoe.engine import auto_weights
+
+    timed = []
+
+    def seconds(hidden: int, ffn: int, dtype: torch.dtype) -> float:
+        timed.append(str(dtype))
+        return 1e-3 if dtype == torch.bfloat16 else 3e-3
+
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(auto_weights, "expert_seconds", seconds)
+    config = tmp_path / "config.toml"
+    config.write_text(f"[model]\nname = '{tiny('qwen3_moe')}'\n")
+    check = _weights_check("--config", str(config))
+    assert (check["status"], check["weights"]) == ("ok", "bf16") and len(timed) == 2
+    assert check["detail"].startswith("auto -> bf16, the fastest float dtype measured here per expert (fp32 3 ms, "
+                                      "bf16 1 ms); needs ")
+    assert _weights_check("--config", str(config)) == check and len(timed) == 2  # measured once on this machine
+
+
+def test_doctor_names_weights_set_in_the_config_and_waits_for_the_demo_model_to_exist(home: Path,
+                                                                                     tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text("[model]\nweights = 'int8'\n")
+    check = _weights_check("--config", str(config))
+    assert (check["status"], check["detail"], check["weights"]) == ("ok", "int8, set by [model] weights", "int8")
+    check = _weights_check()  # the default: auto, for the demo model, which is made at first use
+    assert check["status"] == "ok" and check["detail"].startswith("auto: decided when the demo model is first made")
+    assert not any((home / "models").iterdir())  # doctor made no model
+
+
 def test_doctor_fails_on_an_inbox_it_cannot_use(home: Path, tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text(f"[inbox]\nfolders = ['{tmp_path / 'nowhere'}']\n")

@@ -19,6 +19,14 @@ def folder(tiny) -> Path:
     return tiny("qwen3_moe")
 
 
+@pytest.fixture
+def own_cache(tmp_path, monkeypatch) -> Path:
+    """A user cache of the test's own: the float timings auto caches per machine start out unmeasured."""
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.usefixtures("own_cache")
 @pytest.mark.parametrize("faster", ["fp32", "bf16"])
 def test_with_room_auto_is_the_float_dtype_measured_faster(folder, faster, monkeypatch):
     timed = []
@@ -33,6 +41,31 @@ def test_with_room_auto_is_the_float_dtype_measured_faster(folder, faster, monke
     assert sorted(timed) == [(64, 32, "torch.bfloat16"), (64, 32, "torch.float32")]  # the checkpoint's expert sizes
 
 
+@pytest.mark.usefixtures("own_cache")
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])  # experts named w1/w2/w3; down stored (ffn, hidden)
+def test_the_float_kernels_are_timed_at_the_experts_sizes_whatever_the_family_names_them(tiny, arch, monkeypatch):
+    timed = []
+    monkeypatch.setattr(auto_weights, "expert_seconds", lambda hidden, ffn, dtype: timed.append((hidden, ffn)) or 1.0)
+    choose_weights(tiny(arch), PLENTY)
+    assert timed == [(64, 32), (64, 32)]
+
+
+def test_the_float_timings_are_measured_once_per_machine_then_read_from_the_cache(folder, own_cache, monkeypatch):
+    timed = []
+
+    def seconds(hidden, ffn, dtype):
+        timed.append(str(dtype))
+        return 1e-3 if dtype.itemsize == 2 else 2e-3
+
+    monkeypatch.setattr(auto_weights, "expert_seconds", seconds)
+    first = choose_weights(folder, PLENTY)
+    assert first.weights == "bf16" and len(timed) == 2 and list(own_cache.glob("auto-weights/*.json"))
+    assert choose_weights(folder, PLENTY) == first and len(timed) == 2  # the same choice, nothing timed again
+    monkeypatch.setenv("NPUMOE_CACHE", str(own_cache.parent / "another"))  # another machine's cache: timed anew
+    assert choose_weights(folder, PLENTY) == first and len(timed) == 4
+
+
+@pytest.mark.usefixtures("own_cache")
 def test_when_the_fastest_does_not_fit_auto_takes_the_first_smaller_format_that_does(folder, monkeypatch):
     monkeypatch.setattr(auto_weights, "expert_seconds", lambda hidden, ffn, dtype: 1.0 if dtype.itemsize == 2 else 0.5)
     size = model_size(checkpoint_tensors(folder))
@@ -41,7 +74,9 @@ def test_when_the_fastest_does_not_fit_auto_takes_the_first_smaller_format_that_
     choice = choose_weights(folder, just_short_of_int8)
     assert choice.weights == "int4" and "fp32, the fastest float dtype" in choice.reason and "fits" in choice.reason
     assert choose_weights(folder, MIN_RESERVE_BYTES + int8).weights == "int8"
-    assert "does not fit either" in choose_weights(folder, MIN_RESERVE_BYTES).reason
+    assert choose_weights(folder, MIN_RESERVE_BYTES + int8).fits
+    nothing_fits = choose_weights(folder, MIN_RESERVE_BYTES)
+    assert "does not fit either" in nothing_fits.reason and not nothing_fits.fits
 
 
 def test_the_engine_decides_auto_at_load_measuring_here_and_says_so(folder, caplog):

@@ -35,6 +35,7 @@ def test_the_offline_demo_makes_a_model_calibrates_on_the_readme_and_shows_the_p
     assert made.exit_code == 0, made.output
     calibrated = invoke(calibrate_command, "--model", model, "--data", README, "--out", plan, "--threads", "1")
     assert calibrated.exit_code == 0, calibrated.output
+    assert "loading the model in " in calibrated.output and "(weights auto -> " in calibrated.output
     shown = invoke(plan_group, "show", plan, "--json")
     assert shown.exit_code == 0, shown.output
     data = json.loads(shown.output)
@@ -50,8 +51,10 @@ def test_several_data_files_may_follow_one_data_option(tmp_path, tiny, harbour, 
     for path, text in zip(paths, (harbour, orchard), strict=True):
         path.write_text(text)
     plan = tmp_path / "plan.json"
-    result = invoke(calibrate_command, "--model", tiny("olmoe"), "--data", *paths, "--chunk", "256", "--out", plan)
+    result = invoke(calibrate_command, "--model", tiny("olmoe"), "--data", *paths, "--chunk", "256", "--out", plan,
+                    "--weights", "int8")
     assert result.exit_code == 0, result.output
+    assert "loading the model in bfloat16 (weights int8)" in result.output  # int8's float part
     assert ExpertPlan.load(plan).sources == ("harbour.txt", "orchard.txt")
 
 

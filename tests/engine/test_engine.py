@@ -26,7 +26,8 @@ def folder(tiny) -> str:
 
 @pytest.fixture(scope="module")
 def engine(folder) -> Engine:
-    return Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS))
+    # fp32, as the reference (load_model's default) is: weights auto may choose bf16 here
+    return Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS, weights="fp32"))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +97,8 @@ def test_models_whose_cache_is_more_than_attention_prefill_in_chunks_into_their_
     keep state the chunks must carry: the summary decoded from the chunk-prefilled cache is what greedy
     generation on the whole prompt gives."""
     folder = str(tiny(arch))
-    engine = Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS))
+    engine = Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS,
+                                        weights="fp32"))
     text = orchard[:700]
     result = engine.process(text)
     assert result.stats.chunks > 1

@@ -65,8 +65,9 @@ def test_engine_logits_equal_eager_transformers_on_every_backend(tiny, tmp_path,
     reference = load_model(folder).model
     plan = make_plan_file(folder, harbour, tmp_path / "plan.json")
     engines = {
-        "cpu": Engine.load(EngineSettings(model=str(folder), chunk_tokens=CHUNK)),
-        "torch-static": Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=plan,
+        # the exact paths against the fp32 reference: pinned, since weights auto may choose bf16 here
+        "cpu": Engine.load(EngineSettings(model=str(folder), chunk_tokens=CHUNK, weights="fp32")),
+        "torch-static": Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=plan, weights="fp32",
                                                    costs_dir=tmp_path / "costs")),
     }
     static_work = spilled = 0

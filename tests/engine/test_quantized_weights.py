@@ -50,7 +50,12 @@ def _kl(approximate: torch.Tensor, exact: torch.Tensor) -> float:
 
 def test_weights_decide_the_float_dtype_and_unknown_formats_are_refused(folder):
     assert EngineSettings(model=folder, weights="int4").dtype == "bfloat16"
-    assert EngineSettings(model=folder, dtype="bfloat16", weights="fp32").dtype == "float32"
+    assert EngineSettings(model=folder, dtype="bfloat16").weights == "bf16"  # dtype alone pins its float format
+    assert EngineSettings(model=folder, dtype="bfloat16", weights="int8").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="dtype 'bfloat16' disagrees with weights 'fp32', whose float dtype is "
+                                         "float32: give weights alone"):
+        EngineSettings(model=folder, dtype="bfloat16", weights="fp32")
+    assert EngineSettings(model=folder).weights == "auto" and EngineSettings(model=folder).dtype is None
     with pytest.raises(ValueError, match="weights must be one of"):
         EngineSettings(model=folder, weights="int2")
 

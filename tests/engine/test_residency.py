@@ -151,7 +151,8 @@ def test_a_plan_runs_on_any_backend_with_the_outputs_of_torch_static(tiny, harbo
     logits = {}
     for name in ("torch-static", backend):
         engine = Engine.load(EngineSettings(model=str(folder), backend=name, plan=tmp_path / "plan.json",
-                                            compiled_dir=tmp_path / "compiled", costs_dir=tmp_path / "costs"))
+                                            compiled_dir=tmp_path / "compiled", costs_dir=tmp_path / "costs",
+                                            weights="fp32"))
         ids = ids or engine.loaded.tokenizer(orchard)["input_ids"][:256]
         logits[name] = engine.logits(ids)
         if name != "cpu":

@@ -42,8 +42,8 @@ def test_the_packages_names_still_load_on_first_use():
 def test_config_offers_exactly_the_vocabulary():
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ModelConfig) if "choices" in f.metadata}
     assert choices == {"backend": vocabulary.BACKENDS, "coreml_compute_units": vocabulary.COMPUTE_UNITS,
-                       "overflow": vocabulary.OVERFLOW_POLICIES, "dtype": vocabulary.DTYPES,
-                       "weights": ("", *vocabulary.WEIGHTS)}  # "": unset, the same as leaving it out
+                       "overflow": vocabulary.OVERFLOW_POLICIES, "weights": vocabulary.WEIGHTS,
+                       "dtype": ("", *vocabulary.DTYPES)}  # the deprecated dtype: "", unset, as when left out
 
 
 def test_each_dtype_has_one_spelling_and_the_old_short_ones_map_onto_it():

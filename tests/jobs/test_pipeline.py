@@ -45,6 +45,7 @@ class StandInEngine:
     error: Exception | None = None
     model_key: str = "stand-in@0"
     residency: None = None  # no plan: every expert on the exact CPU path
+    settings: EngineSettings = field(default_factory=lambda: EngineSettings(model="stand-in", weights="bf16"))
     texts: list[str] = field(default_factory=list)
 
     def process(self, text: str, on_progress: Callable[[Progress], None] | None = None) -> DocumentResult:
@@ -138,6 +139,7 @@ def test_a_document_becomes_five_outputs_and_a_done_job(setup: Setup) -> None:
     meta = json.loads((out / "meta.json").read_text())
     assert meta["sha256"] == job.sha256 and meta["job_id"] == job.id and meta["source"] == job.path
     assert meta["model_key"] == "stand-in@0" and meta["tokens"] == 30 and meta["chunks"] == 3
+    assert meta["dtype"] == "bfloat16"  # the engine's own, not the settings asked for (weights auto)
     assert meta["extraction"]["format"] == "markdown" and meta["cpu_seconds"] >= 0
     assert meta["energy_joules"] is None or meta["energy_joules"] >= 0
     assert set(meta["seconds"]) >= {"extract", "prefill", "summary"}
