@@ -141,7 +141,6 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
         plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
         units = configured.coreml_compute_units
         chosen = _choose_backend(stages, backend, plan, model, home, units)
-        weights = configured.weights or None  # the coreml backend runs (and so measures) packages in its format
         if chosen == COREML:
             _compile_stage(stages, home.compiled, plan, model, weights)
         _costs_stage(stages, chosen, plan, model, home, units, weights)

@@ -23,7 +23,7 @@ from npumoe.engine.coreml.convert import ConversionError, GroupGraph, build_pack
 from npumoe.engine.coreml.env import coreml_availability, coremltools_version, import_coremltools
 from npumoe.engine.engine import EngineSettings
 from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
-from npumoe.engine.vocabulary import BF16, COREML, INT4, INT8
+from npumoe.engine.vocabulary import BF16, COREML, FP32, INT4, INT8
 
 ct = import_coremltools()
 types = ct.converters.mil.mil.types
@@ -145,7 +145,7 @@ def test_formats_build_in_their_own_folders_and_a_backend_finds_only_its_own(bui
 
 
 def test_the_engine_weights_setting_picks_the_coreml_package_format(tmp_path: Path) -> None:
-    for weights, expected in ((INT8, INT8), (INT4, INT4), (BF16, FP16), (None, FP16)):
+    for weights, expected in ((INT8, INT8), (INT4, INT4), (BF16, FP16), (FP32, FP16)):
         settings = EngineSettings(model="m", backend=COREML, compiled_dir=tmp_path, weights=weights)
         backend = get_backend(COREML, settings.backend_options)
         assert isinstance(backend, CoreMLBackend) and backend.weights_format == expected
