@@ -64,6 +64,7 @@ class ModelConfig:
     dtype: str = choice(FLOAT32, DTYPES)
     weights: str = choice("", ("", *WEIGHTS))  # "": every weight in dtype; set, it decides dtype (int8/int4: bf16)
     summary_tokens: int = positive(128)
+    section_tokens: int = positive(0)  # longest section summarised on its own; 0: as long as the context allows
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
     idle_unload_seconds: float = positive(300.0)

@@ -1,12 +1,14 @@
 """The engine's high-level API: one document in, a summary, embeddings and run statistics out.
 
 A document is tokenized and cut into sections that fit the model's context with the summary
-prompt around them. Each section is prefilled chunk by chunk (fixed chunk length, the KV cache
-carried across chunks) and summarised by greedy decoding from the prefilled cache. With more than
-one section the section summaries are combined (map, then reduce, repeated until one is left):
-a long document is never silently truncated. Embeddings are the final hidden states mean-pooled
-per chunk and over the whole document, L2-normalised; `embed` makes a search query's vector the
-same way, so queries and chunks share one space.
+prompt around them, and at most `section_tokens` long where that is set: a shorter section is
+prefilled at a shallower attention depth, at the price of more summaries to decode and combine.
+Each section is prefilled chunk by chunk (fixed chunk length, the KV cache carried across chunks)
+and summarised by greedy decoding from the prefilled cache. With more than one section the section
+summaries are combined (map, then reduce, repeated until one is left): a long document is never
+silently truncated. Embeddings are the final hidden states mean-pooled per chunk and over the whole
+document, L2-normalised; `embed` makes a search query's vector the same way, so queries and chunks
+share one space.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class EngineSettings:
     trust_remote_code: bool = False
     allow_download: bool = False
     summary_tokens: int = 128  # max new tokens for the summary
+    # longest section summarised on its own (its chunks attend to nothing before it); 0: as long as the context allows
+    section_tokens: int = 0
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
     coreml_compute_units: str = DEFAULT_COMPUTE_UNITS  # one of vocabulary.COMPUTE_UNITS
     costs_dir: Path | None = None  # where the backend's measured costs are cached; None: measure at every load
@@ -88,6 +92,9 @@ class EngineSettings:
         for name in ("chunk_tokens", "summary_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.section_tokens < 0:
+            raise ValueError(f"section_tokens must be 0 (as long as the context allows) or positive, "
+                             f"got {self.section_tokens}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive or None, got {self.threads}")
 
@@ -168,7 +175,8 @@ class Engine:
         if not self._stop:
             raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
         context, n = loaded.context_tokens, settings.summary_tokens
-        self._section_tokens = context - self._summarize.overhead - n
+        fits = context - self._summarize.overhead - n
+        self._section_tokens = min(fits, settings.section_tokens) if settings.section_tokens else fits
         self._reduce_tokens = context - self._combine.overhead - n
         # Each reduce round must at least halve the summaries, or a long document would never finish.
         if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:

@@ -35,6 +35,7 @@ def test_values_override_defaults_and_ints_count_as_floats(tmp_path: Path) -> No
     ("[model]\nchunk_tokens = '512'\n", "'model.chunk_tokens' must be an integer"),
     ("[model]\nchunk_tokens = true\n", "'model.chunk_tokens' must be an integer"),
     ("[queue]\nlease_seconds = -1\n", "'queue.lease_seconds' must not be negative"),
+    ("[model]\nsection_tokens = -512\n", "'model.section_tokens' must not be negative"),
     ("[scheduler]\nbatch_window = '1am-6am'\n", "'scheduler.batch_window' must look like HH:MM-HH:MM"),
     ("[inbox]\nfolders = '/x'\n", "'inbox.folders' must be a list of strings"),
     ("model = 3\n", "[model] must be a table"),
