@@ -199,6 +199,11 @@ class Engine:
         return cls(settings, loaded, plan)
 
     @property
+    def section_tokens(self) -> int:
+        """The longest section summarised on its own: `section_tokens`, or what the context allows."""
+        return self._section_tokens
+
+    @property
     def model_key(self) -> str:
         return self.loaded.key
 
