@@ -53,13 +53,16 @@ class InboxConfig:
     originals: str = choice("keep", ("keep", "move", "delete"))  # what happens to a document once processed
 
 
+PLAN_CHUNK_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
     backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
-    chunk_tokens: int = positive(512)
+    chunk_tokens: int = positive(512)  # prefill chunk length; 0: the length measured fastest here (at first load)
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
     dtype: str = choice(FLOAT32, DTYPES)
     weights: str = choice("", ("", *WEIGHTS))  # "": every weight in dtype; set, it decides dtype (int8/int4: bf16)
@@ -68,6 +71,12 @@ class ModelConfig:
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
     idle_unload_seconds: float = positive(300.0)
+
+    @property
+    def plan_chunk_tokens(self) -> int:
+        """The chunk length a plan is calibrated at: a plan's chunks are fixed, so a measured length (0) takes
+        the engine's default."""
+        return self.chunk_tokens or PLAN_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from .backends import BackendOptions, backend_class, get_backend
+from .chunk_length import ChunkChoice, measured_chunk_tokens
 from .dispatch import DispatchStats
 from .models import LoadedModel, load_model
 from .placement import CostCache, place
@@ -58,7 +59,8 @@ class EngineSettings:
     model: str  # local path or Hugging Face id
     backend: str = CPU  # one of vocabulary.BACKENDS
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
-    chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
+    # prefill chunk length; 0: the length measured fastest here (chunk_length.py); a plan's own takes precedence
+    chunk_tokens: int = 512
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
     dtype: str = FLOAT32  # one of vocabulary.DTYPES
     # one of vocabulary.WEIGHTS; None: every weight in `dtype`. When given it decides `dtype` too (WEIGHTS_DTYPE):
@@ -89,12 +91,11 @@ class EngineSettings:
                 raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
             if self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
                 object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
-        for name in ("chunk_tokens", "summary_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.section_tokens < 0:
-            raise ValueError(f"section_tokens must be 0 (as long as the context allows) or positive, "
-                             f"got {self.section_tokens}")
+        if self.summary_tokens < 1:
+            raise ValueError(f"summary_tokens must be positive, got {self.summary_tokens}")
+        for name, zero in (("chunk_tokens", "measured"), ("section_tokens", "as long as the context allows")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 ({zero}) or positive, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive or None, got {self.threads}")
 
@@ -166,7 +167,6 @@ class Engine:
         quantized = settings.weights if settings.weights in QUANTIZED else None
         self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,
                                   quantized=quantized, release=True)
-        self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
         self._combine = PromptFrame.build(tokenizer, COMBINE)
@@ -182,6 +182,16 @@ class Engine:
         if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
                              f"(at most {(context - self._combine.overhead - 2 * len(self._separator)) // 3})")
+        # how the chunk length was chosen: measured here (the timings), or given by the plan or the settings (None)
+        self.chunk_choice: ChunkChoice | None = None
+        if plan is not None:
+            self.chunk_tokens = plan.chunk_tokens
+        elif settings.chunk_tokens:
+            self.chunk_tokens = settings.chunk_tokens
+        else:
+            self.chunk_choice = measured_chunk_tokens(loaded.model, loaded.key, section_tokens=self._section_tokens,
+                                                      threads=torch.get_num_threads(), folder=settings.costs_dir)
+            self.chunk_tokens = self.chunk_choice.chunk_tokens
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:

@@ -130,7 +130,7 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
     console = Console(stderr=True)
     stages = Stages(console)
     model = Model(ref, dtype or configured.dtype, configured.trust_remote_code, configured.allow_download)
-    options = {"chunk_tokens": chunk or configured.chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
+    options = {"chunk_tokens": chunk or configured.plan_chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
     try:
         plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
         units = configured.coreml_compute_units

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.daemon.config import Config, ConfigError, load_config
+from npumoe.daemon.config import Config, ConfigError, ModelConfig, load_config
 
 
 def write(tmp_path: Path, body: str) -> Path:
@@ -51,3 +51,8 @@ def test_bad_files_name_the_file_and_the_key(tmp_path: Path, body: str, message:
 def test_a_named_file_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         load_config(tmp_path / "missing.toml")
+
+
+def test_a_plan_is_calibrated_at_the_configured_chunk_length_or_the_default_where_it_is_measured() -> None:
+    assert ModelConfig(chunk_tokens=256).plan_chunk_tokens == 256
+    assert ModelConfig(chunk_tokens=0).plan_chunk_tokens == 512

@@ -177,9 +177,9 @@ def test_an_empty_document_is_refused(engine, text):
     ({"backend": "tpu"}, "unknown backend 'tpu'"),
     ({"overflow": "drop"}, "overflow must be one of spill, prune"),
     ({"dtype": "float16"}, "dtype must be one of float32, bfloat16"),
-    ({"chunk_tokens": 0}, "chunk_tokens must be positive"),
+    ({"chunk_tokens": -1}, r"chunk_tokens must be 0 \(measured\) or positive"),
     ({"threads": 0}, "threads must be positive"),
-    ({"section_tokens": -1}, "section_tokens must be 0 .* or positive"),
+    ({"section_tokens": -1}, r"section_tokens must be 0 \(as long as the context allows\) or positive"),
     ({"backend": "coreml"}, "the coreml backend needs compiled_dir"),
     ({"coreml_compute_units": "gpu_only"}, "coreml_compute_units must be one of cpu_and_ne, all"),
 ])
