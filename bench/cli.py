@@ -287,7 +287,8 @@ def sections(geometry_name: str, layers: int, document_tokens: int, sections: tu
                                         section_tokens=sections, chunk_tokens=chunk_tokens,
                                         summary_tokens=summary_tokens, weights=weights, threads=threads)
         results = run_sections_bench(settings, on_result=lambda row: _err.print(
-            f"section {row['section_tokens']}: {row['tokens_per_s']:,.0f} tokens/s", style="dim"))
+            f"section {row['section_tokens']}: {row['tokens_per_s']:,.1f} tokens/s, {row['sections']} sections, "
+            f"document cosine {row['document_cosine']:.4f}", style="dim", highlight=False))
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     machine = describe_machine(threads)
