@@ -14,6 +14,7 @@ Random weights cannot say how good a summary is, so summaries are compared by co
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -97,13 +98,16 @@ def compare_sections(folder: Path, settings: SectionBenchSettings,
                                             summary_tokens=settings.summary_tokens, section_tokens=length))
         engine.process(text[:settings.chunk_tokens])  # first-call costs (kernel choice, packing) untimed
         result = engine.process(text)
+        length_used = engine.section_tokens
         engine.close()
+        del engine  # one model in memory at a time: the next length loads its own
+        gc.collect()
         if reference is None:
             reference = result
         stats = result.stats
         cosines = chunk_cosines(result.embeddings[:-1], result.spans, reference.embeddings[:-1], reference.spans)
         row = {"weights": settings.weights, "document_tokens": stats.tokens, "chunk_tokens": stats.chunk_tokens,
-               "section_tokens": length, "section_length": engine.section_tokens, "sections": stats.sections,
+               "section_tokens": length, "section_length": length_used, "sections": stats.sections,
                "reduce_rounds": stats.reduce_rounds, "generated_tokens": stats.generated_tokens,
                "seconds": dict(stats.seconds), "tokens_per_s": stats.tokens / stats.seconds["total"],
                "prefill_tokens_per_s": stats.tokens / stats.seconds["prefill"],
