@@ -28,6 +28,7 @@ from npumoe.engine.vocabulary import (
     BF16,
     DTYPE_ALIASES,
     DTYPES,
+    FP32,
     INT4,
     INT8,
     QUANTIZED,
@@ -341,6 +342,59 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
         layers.add_row(row["geometry"], row["distribution"], row["format"], f"{row['rel_error']:.2%}",
                        f"≤ {TARGETS[row['format']]:.0%}")
     _console().print(layers)
+
+
+@bench.command("sections")
+@click.option("--geometry", "geometry_name", default="qwen3-30b-a3b", show_default=True,
+              help="A model named in engine/geometries.json, at its real sizes.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers of the checkpoint written for the run.")
+@click.option("--document-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
+              help="Length of the document (sample texts; one token a byte).")
+@click.option("--section", "sections", multiple=True, type=click.IntRange(min=0), default=(0, 4096, 2048, 1024),
+              show_default=True, help="Section length (repeatable); 0: as long as the context allows, the reference.")
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+              help="Prefill chunk length.")
+@click.option("--summary-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+              help="Most tokens each summary and combine may write ([model] summary_tokens).")
+@click.option("--weights", type=click.Choice((FP32, BF16)), default=BF16, show_default=True,
+              help="Weights format of the run.")
+@_threads_option
+@_json_option
+def sections(geometry_name: str, layers: int, document_tokens: int, sections: tuple[int, ...], chunk_tokens: int,
+             summary_tokens: int, weights: str, threads: int, json_path: Path | None) -> None:
+    """Section length against throughput and how far the vectors move: the trade [model] section_tokens makes."""
+    from npumoe.bench.machine import describe_machine
+    from npumoe.bench.sections import DOCUMENT_COSINE, SectionBenchSettings, run_sections_bench
+
+    try:
+        settings = SectionBenchSettings(geometry=geometry_name, layers=layers, document_tokens=document_tokens,
+                                        section_tokens=sections, chunk_tokens=chunk_tokens,
+                                        summary_tokens=summary_tokens, weights=weights, threads=threads)
+        results = run_sections_bench(settings, on_result=lambda row: _err.print(
+            f"section {row['section_tokens']}: {row['tokens_per_s']:,.1f} tokens/s, {row['sections']} sections, "
+            f"document cosine {row['document_cosine']:.4f}", style="dim", highlight=False))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
+    machine = describe_machine(threads)
+    table = Table("section tokens", "sections", "reduce rounds", "generated", "prefill s", "summary s", "reduce s",
+                  "total s", "prefill tok/s", "tok/s", "× longest", "document cos", "chunk cos mean", "chunk cos min",
+                  caption=f"{geometry_name}, {layers} layers, {weights}, random weights; one {document_tokens}-token "
+                          f"document, chunk {chunk_tokens}, summaries of at most {summary_tokens} tokens. Cosines "
+                          f"against the first row (the longest sections). * the fastest whose document vector keeps "
+                          f"cosine ≥ {DOCUMENT_COSINE}. {threads} threads, {machine['cpu']}.",
+                  caption_justify="left")
+    for row in results:
+        seconds = row["seconds"]
+        length = f"{row['section_tokens'] or 'context'} ({row['section_length']})"
+        table.add_row(f"{length}{' *' if row['chosen'] else ''}", str(row["sections"]), str(row["reduce_rounds"]),
+                      str(row["generated_tokens"]), *(f"{seconds[key]:.1f}" for key in ("prefill", "summary",
+                                                                                        "reduce", "total")),
+                      _number(row["prefill_tokens_per_s"]), _number(row["tokens_per_s"]), _ratio(row["speedup"]),
+                      f"{row['document_cosine']:.4f}", f"{row['chunk_cosine_mean']:.4f}",
+                      f"{row['chunk_cosine_min']:.4f}")
+    _console().print(table)
+    _write_json(json_path, machine, settings.__dict__, results)
 
 
 def _geometries(names: Sequence[str]) -> list:

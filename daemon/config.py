@@ -59,13 +59,16 @@ class InboxConfig:
     originals: str = choice("keep", ("keep", "move", "delete"))  # what happens to a document once processed
 
 
+PLAN_CHUNK_TOKENS = 512
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
     backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
-    chunk_tokens: int = positive(512)
+    chunk_tokens: int = positive(512)  # prefill chunk length; 0: the length measured fastest here (at first load)
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
     # What the weights run in, the one key for it: auto (the fastest float dtype measured here that fits memory, else
     # the smallest format that does), fp32, bf16, int8 or int4 (the experts quantized, the rest bf16)
@@ -74,9 +77,16 @@ class ModelConfig:
     # Deprecated, from before `weights`: float32 or bfloat16 alone reads as weights fp32 or bf16; "" is unset
     dtype: str = choice("", ("", *DTYPES), note="deprecated: weights decides the dtype")
     summary_tokens: int = positive(128)
+    section_tokens: int = positive(0)  # longest section summarised on its own; 0: as long as the context allows
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
     idle_unload_seconds: float = positive(300.0)
+
+    @property
+    def plan_chunk_tokens(self) -> int:
+        """The chunk length a plan is calibrated at: a plan's chunks are fixed, so a measured length (0) takes
+        the engine's default."""
+        return self.chunk_tokens or PLAN_CHUNK_TOKENS
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def job_keys(config: Config) -> tuple[str, str]:
     folder = Path(m.name).expanduser()
     model = str(folder.resolve()) if m.name != DEMO and folder.is_dir() else m.name
     settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
-                "overflow": m.overflow, "weights": m.weights, "summary_tokens": m.summary_tokens}
+                "overflow": m.overflow, "weights": m.weights, "summary_tokens": m.summary_tokens,
+                "section_tokens": m.section_tokens}
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest
 

@@ -97,6 +97,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,
         summary_tokens=m.summary_tokens,
+        section_tokens=m.section_tokens,
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,

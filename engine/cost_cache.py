@@ -24,10 +24,19 @@ def machine() -> str:
     return f"{cpu_model()} ({platform.system()} {platform.machine()})"
 
 
-def _machine_digest() -> str:
+def machine_digest() -> str:
     """Costs measured under another CPU, OS or torch do not hold here."""
     torch_version = version("torch")
     return hashlib.sha256(f"{machine()}|{platform.release()}|torch {torch_version}".encode()).hexdigest()[:12]
+
+
+def write_json(path: Path, data: object) -> None:
+    """Replace the file whole (temporary file, then rename): a reader never sees half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=path.parent, prefix=".writing-", suffix=".json")
+    with os.fdopen(fd, "w") as file:
+        json.dump(data, file, indent=1)
+    os.replace(partial, path)
 
 
 @dataclass(frozen=True)
@@ -37,7 +46,7 @@ class CostCache:
     folder: Path
 
     def path(self, backend: str, plan: ExpertPlan) -> Path:
-        return self.folder / f"{backend}-{_machine_digest()}-{plan.digest()}.json"
+        return self.folder / f"{backend}-{machine_digest()}-{plan.digest()}.json"
 
     def get(self, backend: str, plan: ExpertPlan) -> MeasuredCosts | None:
         try:
@@ -46,12 +55,7 @@ class CostCache:
             return None
 
     def put(self, backend: str, plan: ExpertPlan, costs: MeasuredCosts) -> None:
-        """Replace the file whole (temporary file, then rename): a reader never sees half of it."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        fd, partial = tempfile.mkstemp(dir=self.folder, prefix=".writing-", suffix=".json")
-        with os.fdopen(fd, "w") as file:
-            json.dump(costs.to_dict(), file, indent=1)
-        os.replace(partial, self.path(backend, plan))
+        write_json(self.path(backend, plan), costs.to_dict())
 
     def everything(self) -> list[tuple[str, MeasuredCosts]]:
         """(file name, costs) of every readable file here, for reports."""

@@ -1,12 +1,14 @@
 """The engine's high-level API: one document in, a summary, embeddings and run statistics out.
 
 A document is tokenized and cut into sections that fit the model's context with the summary
-prompt around them. Each section is prefilled chunk by chunk (fixed chunk length, the KV cache
-carried across chunks) and summarised by greedy decoding from the prefilled cache. With more than
-one section the section summaries are combined (map, then reduce, repeated until one is left):
-a long document is never silently truncated. Embeddings are the final hidden states mean-pooled
-per chunk and over the whole document, L2-normalised; `embed` makes a search query's vector the
-same way, so queries and chunks share one space.
+prompt around them, and at most `section_tokens` long where that is set: a shorter section is
+prefilled at a shallower attention depth, at the price of more summaries to decode and combine.
+Each section is prefilled chunk by chunk (fixed chunk length, the KV cache carried across chunks)
+and summarised by greedy decoding from the prefilled cache. With more than one section the section
+summaries are combined (map, then reduce, repeated until one is left): a long document is never
+silently truncated. Embeddings are the final hidden states mean-pooled per chunk and over the whole
+document, L2-normalised; `embed` makes a search query's vector the same way, so queries and chunks
+share one space.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from .backends import BackendOptions, backend_class, get_backend
+from .chunk_length import ChunkChoice, measured_chunk_tokens
 from .dispatch import DispatchStats
 from .models import LoadedModel, load_model
 from .placement import CostCache, place
@@ -56,7 +59,8 @@ class EngineSettings:
     model: str  # local path or Hugging Face id
     backend: str = CPU  # one of vocabulary.BACKENDS
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
-    chunk_tokens: int = 512  # prefill chunk length; a plan's own chunk length takes precedence
+    # prefill chunk length; 0: the length measured fastest here (chunk_length.py); a plan's own takes precedence
+    chunk_tokens: int = 512
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
     # The float part of `weights` (vocabulary.WEIGHTS_DTYPE), filled in from it; None while auto is undecided.
     # Given with weights left auto it pins the format (float32: fp32, bfloat16: bf16); beside a weights format
@@ -69,6 +73,8 @@ class EngineSettings:
     trust_remote_code: bool = False
     allow_download: bool = False
     summary_tokens: int = 128  # max new tokens for the summary
+    # longest section summarised on its own (its chunks attend to nothing before it); 0: as long as the context allows
+    section_tokens: int = 0
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
     coreml_compute_units: str = DEFAULT_COMPUTE_UNITS  # one of vocabulary.COMPUTE_UNITS
     costs_dir: Path | None = None  # where the backend's measured costs are cached; None: measure at every load
@@ -91,9 +97,11 @@ class EngineSettings:
                 raise ValueError(f"dtype {self.dtype!r} disagrees with weights {self.weights!r}, whose float dtype is "
                                  f"{WEIGHTS_DTYPE[self.weights]}: give weights alone")
             object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
-        for name in ("chunk_tokens", "summary_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.summary_tokens < 1:
+            raise ValueError(f"summary_tokens must be positive, got {self.summary_tokens}")
+        for name, zero in (("chunk_tokens", "measured"), ("section_tokens", "as long as the context allows")):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be 0 ({zero}) or positive, got {getattr(self, name)}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be positive or None, got {self.threads}")
 
@@ -166,7 +174,6 @@ class Engine:
         quantized = settings.weights if settings.weights in QUANTIZED else None
         self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,
                                   quantized=quantized, release=True)
-        self.chunk_tokens = plan.chunk_tokens if plan is not None else settings.chunk_tokens
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
         self._combine = PromptFrame.build(tokenizer, COMBINE)
@@ -175,12 +182,23 @@ class Engine:
         if not self._stop:
             raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
         context, n = loaded.context_tokens, settings.summary_tokens
-        self._section_tokens = context - self._summarize.overhead - n
+        fits = context - self._summarize.overhead - n
+        self._section_tokens = min(fits, settings.section_tokens) if settings.section_tokens else fits
         self._reduce_tokens = context - self._combine.overhead - n
         # Each reduce round must at least halve the summaries, or a long document would never finish.
         if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
                              f"(at most {(context - self._combine.overhead - 2 * len(self._separator)) // 3})")
+        # how the chunk length was chosen: measured here (the timings), or given by the plan or the settings (None)
+        self.chunk_choice: ChunkChoice | None = None
+        if plan is not None:
+            self.chunk_tokens = plan.chunk_tokens
+        elif settings.chunk_tokens:
+            self.chunk_tokens = settings.chunk_tokens
+        else:
+            self.chunk_choice = measured_chunk_tokens(loaded.model, loaded.key, section_tokens=self._section_tokens,
+                                                      threads=torch.get_num_threads(), folder=settings.costs_dir)
+            self.chunk_tokens = self.chunk_choice.chunk_tokens
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
@@ -196,6 +214,11 @@ class Engine:
         if plan is not None and plan.model_key.rpartition("@")[2] != loaded.key.rpartition("@")[2]:
             raise PlanError(f"{settings.plan}: calibrated for {plan.model_key}, not for {loaded.key}")
         return cls(settings, loaded, plan)
+
+    @property
+    def section_tokens(self) -> int:
+        """The longest section summarised on its own: `section_tokens`, or what the context allows."""
+        return self._section_tokens
 
     @property
     def model_key(self) -> str:

@@ -59,7 +59,7 @@ class DocumentMeta:
     backend: str
     overflow: str
     dtype: str
-    chunk_tokens: int
+    chunk_tokens: int  # the prefill chunk length used: the plan's, the configured one, or the one measured here
     residency: Residency
     extraction: Extraction
     tokens: int

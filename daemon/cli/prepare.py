@@ -133,7 +133,7 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
     console = Console(stderr=True)
     stages = Stages(console)
     weights = weights or configured.weights
-    options = {"chunk_tokens": chunk or configured.chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
+    options = {"chunk_tokens": chunk or configured.plan_chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
     try:
         dtype, _ = float_dtype(ref, weights, trust_remote_code=configured.trust_remote_code,
                                allow_download=configured.allow_download)

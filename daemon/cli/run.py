@@ -202,7 +202,7 @@ def _demo_config(config: Config, home: Home, calibration_data: list[Path]) -> Co
     plan = home.plans / "demo.json"
     if not plan.exists():
         click.echo(f"calibrating an expert plan for the demo model on the samples: {plan}")
-        calibrate_documents("demo", calibration_data, plan, chunk_tokens=config.model.chunk_tokens,
+        calibrate_documents("demo", calibration_data, plan, chunk_tokens=config.model.plan_chunk_tokens,
                             overflow=config.model.overflow)
     summary_tokens = min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
     model = dataclasses.replace(

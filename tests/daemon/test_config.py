@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.daemon.config import Config, ConfigError, load_config
+from npumoe.daemon.config import Config, ConfigError, ModelConfig, load_config
 
 
 def write(tmp_path: Path, body: str) -> Path:
@@ -35,6 +35,7 @@ def test_values_override_defaults_and_ints_count_as_floats(tmp_path: Path) -> No
     ("[model]\nchunk_tokens = '512'\n", "'model.chunk_tokens' must be an integer"),
     ("[model]\nchunk_tokens = true\n", "'model.chunk_tokens' must be an integer"),
     ("[queue]\nlease_seconds = -1\n", "'queue.lease_seconds' must not be negative"),
+    ("[model]\nsection_tokens = -512\n", "'model.section_tokens' must not be negative"),
     ("[scheduler]\nbatch_window = '1am-6am'\n", "'scheduler.batch_window' must look like HH:MM-HH:MM"),
     ("[inbox]\nfolders = '/x'\n", "'inbox.folders' must be a list of strings"),
     ("model = 3\n", "[model] must be a table"),
@@ -76,3 +77,8 @@ def test_a_dtype_that_agrees_with_weights_is_only_deprecated_and_one_that_disagr
         load_config(write(tmp_path, '[model]\nweights = "int8"\ndtype = "float32"\n'))
     with pytest.raises(ConfigError, match=r"'model\.weights' must be one of auto, fp32, bf16, int8, int4, got ''"):
         load_config(write(tmp_path, '[model]\nweights = ""\n'))
+
+
+def test_a_plan_is_calibrated_at_the_configured_chunk_length_or_the_default_where_it_is_measured() -> None:
+    assert ModelConfig(chunk_tokens=256).plan_chunk_tokens == 256
+    assert ModelConfig(chunk_tokens=0).plan_chunk_tokens == 512

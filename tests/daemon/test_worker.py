@@ -241,3 +241,9 @@ def test_the_coreml_backend_finds_the_graphs_npumoed_compile_built(tmp_path: Pat
     config = Config(model=ModelConfig(name=str(tmp_path), backend="coreml", coreml_compute_units="all"))
     settings = engine_settings(config, Home(tmp_path), threads=1)
     assert (settings.compiled_dir, settings.coreml_compute_units) == (Home(tmp_path).compiled, "all")
+
+
+def test_the_section_and_chunk_lengths_reach_the_engine(tmp_path: Path) -> None:
+    config = Config(model=ModelConfig(name=str(tmp_path), section_tokens=4096, chunk_tokens=256))
+    settings = engine_settings(config, Home(tmp_path), threads=1)
+    assert (settings.section_tokens, settings.chunk_tokens) == (4096, 256)

@@ -1,5 +1,6 @@
 """The engine's attention equals the model's own, chunk by chunk with the cache carried, on a grouped-KV
-model and on gpt-oss (sinks, sliding-window layers), and it is what ran."""
+model, on gpt-oss (sinks, sliding-window layers), on Mixtral with a sliding window on every layer and on
+Qwen3-Next (linear-attention layers beside full-attention ones), and it is what ran."""
 
 from __future__ import annotations
 
@@ -17,7 +18,13 @@ FAMILIES = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
                 "layer_types": ["sliding_attention", "full_attention"]},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
+    "qwen3_next": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                   "shared_expert_intermediate_size": 32, "layer_types": ["linear_attention", "full_attention"],
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                   "linear_value_head_dim": 16},
 }
+CHUNK, DOCUMENT = 12, 40  # four chunks: the last ones attend through the cache, past an 8-token window
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -52,14 +59,17 @@ def counted(monkeypatch):
 @torch.inference_mode()
 def test_chunked_prefill_with_the_engines_attention_equals_eager_on_the_whole_document(family, counted):
     model = _model(family)
-    ids = torch.randint(SMALL["vocab_size"], (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(SMALL["vocab_size"], (DOCUMENT,), generator=torch.Generator().manual_seed(1)).tolist()
     model.set_attn_implementation("eager")
     reference = model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
     assert use_engine_attention(model) == "eager" and model.config._attn_implementation == IMPLEMENTATIONS["eager"]
-    chunked = torch.cat(list(prefill(model, ids, 12, new_cache(model))))
+    chunked = torch.cat(list(prefill(model, ids, CHUNK, new_cache(model))))
     assert ((chunked - reference).norm() / reference.norm()).item() < 1e-5
     path = "sinks" if family == "gpt_oss" else "sdpa"
-    assert counted[path] == 4 * SMALL["num_hidden_layers"]  # every layer of every chunk
+    # every attention layer of every chunk (a linear-attention layer keeps its own recurrence)
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"] * SMALL["num_hidden_layers"]
+    attention_layers = sum(kind != "linear_attention" for kind in layer_types)
+    assert attention_layers and counted[path] == -(-DOCUMENT // CHUNK) * attention_layers
 
 
 def test_a_sliding_window_layer_only_reads_the_keys_its_window_can_see():

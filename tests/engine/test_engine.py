@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from itertools import pairwise
 
 import numpy as np
@@ -152,6 +153,22 @@ def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combi
     assert max(p.tokens_done for p in seen) == stats.tokens
 
 
+def test_section_tokens_caps_each_section_and_each_is_prefilled_on_its_own(folder, engine, harbour, prefix):
+    capped = Engine.load(replace(engine.settings, section_tokens=250))
+    text = harbour[:600]  # one section under the context's own limit; three of 250, 250 and 100 tokens here
+    result = capped.process(text)
+    assert result.stats.sections == 3 and result.stats.reduce_rounds >= 1
+    # the second section's chunks are those of that section processed as a document of its own
+    alone = engine.process(text[250:500]).embeddings[:-1]
+    first = math.ceil((len(prefix) + 250) / CHUNK)
+    np.testing.assert_allclose(result.embeddings[first:first + len(alone)], alone, atol=1e-5)
+
+
+def test_a_section_length_past_the_context_is_the_context(engine):
+    wide = Engine.load(replace(engine.settings, section_tokens=10**6))
+    assert wide._section_tokens == engine._section_tokens < 10**6
+
+
 @pytest.mark.parametrize("text", ["", "  \n\t "])
 def test_an_empty_document_is_refused(engine, text):
     with pytest.raises(ValueError, match="empty or whitespace only"):
@@ -162,8 +179,9 @@ def test_an_empty_document_is_refused(engine, text):
     ({"backend": "tpu"}, "unknown backend 'tpu'"),
     ({"overflow": "drop"}, "overflow must be one of spill, prune"),
     ({"dtype": "float16"}, "dtype must be one of float32, bfloat16"),
-    ({"chunk_tokens": 0}, "chunk_tokens must be positive"),
+    ({"chunk_tokens": -1}, r"chunk_tokens must be 0 \(measured\) or positive"),
     ({"threads": 0}, "threads must be positive"),
+    ({"section_tokens": -1}, r"section_tokens must be 0 \(as long as the context allows\) or positive"),
     ({"backend": "coreml"}, "the coreml backend needs compiled_dir"),
     ({"coreml_compute_units": "gpu_only"}, "coreml_compute_units must be one of cpu_and_ne, all"),
 ])
