@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from . import bf16_linear, quant_kernels, vnni_linear
-from .cpu_experts import run_tasks
+from .cpu_experts import _identity, run_tasks
 from .cpu_kernels import KERNELS as FLOAT_KERNELS
 from .cpu_kernels import ChoiceCache, KernelChoice, PackedLinear, choose_measured, time_in_turns, unavailable_kernels
 from .models import moe_experts
@@ -74,16 +74,15 @@ class ProjectionLinear(nn.Module):
         self.in_features, self.out_features = original.in_features, original.out_features
         self.bias = original.bias  # the same tensor, not a copy
         self.weight_nbytes = linear.nbytes if isinstance(linear, QuantLinear) else original.weight.nbytes
-        self._source = (original.weight, original.weight._version)
+        self._source = _identity(original.weight)
 
     def packed_from(self, original: nn.Linear) -> bool:
         """Whether this was packed from `original`'s current weight, unchanged since."""
-        weight, version = self._source
-        return original.weight is weight and weight._version == version
+        return self._source == _identity(original.weight)
 
     def now_from(self, weight: torch.Tensor) -> None:
         """Take `weight` (the placeholder that replaced the original's) as the one this was packed from."""
-        self._source = (weight, weight._version)
+        self._source = _identity(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from cpus import fake_projection_timings
 from torch import nn
 
 from npumoe.engine import cpu_kernels, projections, quant_kernels, vnni_linear
@@ -19,33 +20,10 @@ from npumoe.engine.runtime import MoeRuntime
 FLOAT_KERNELS = [kernel for kernel in cpu_kernels.KERNELS if kernel != "torch"]
 
 
-class CountedTimings:
-    """Stands in for the projections' timing loop: `fastest` first, every other kernel after it, and a count of
-    the timings asked for."""
-
-    def __init__(self, fastest: str) -> None:
-        self.fastest = fastest
-        self.calls = 0
-
-    def __call__(self, kernels, count, run) -> dict[str, float]:
-        self.calls += 1
-        for kernel in kernels:  # every candidate still runs once, so a broken one fails the test
-            run(kernel, 0)
-        return {kernel: 1e-3 if kernel == self.fastest else 2e-3 for kernel in kernels}
-
-
 @pytest.fixture
 def timed_fastest(monkeypatch, tmp_path):
     """fastest(kernel): the projections' timing finds `kernel` the fastest, nothing chosen yet, a private cache."""
-    monkeypatch.setattr(cpu_kernels, "_choices", {})
-    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
-
-    def fastest(kernel: str) -> CountedTimings:
-        timings = CountedTimings(kernel)
-        monkeypatch.setattr(projections, "time_in_turns", timings)
-        return timings
-
-    return fastest
+    return lambda kernel: fake_projection_timings(monkeypatch, tmp_path / "cache", kernel)
 
 
 def counted_multiplies(monkeypatch) -> list[str]:
