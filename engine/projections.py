@@ -57,8 +57,7 @@ def multiply(kernel: str, linear: Kernel, x: torch.Tensor, out_features: int) ->
         return linear(x)
     m = x.shape[0]
     out = x.new_empty(m, out_features)
-    step = -(-m // torch.get_num_threads())
-    step = -(-step // _SPLIT_ROWS) * _SPLIT_ROWS
+    step = max(_SPLIT_ROWS, -(-m // torch.get_num_threads() // _SPLIT_ROWS) * _SPLIT_ROWS)
     run_tasks([partial(linear, x[start:start + step], out[start:start + step]) for start in range(0, m, step)])
     return out
 

@@ -79,6 +79,7 @@ def test_the_engines_own_kernels_split_the_rows_over_the_workers(monkeypatch):
         want = quantized(x)
     assert calls == [32, 8]  # split in whole tiles of 16 rows
     torch.testing.assert_close(got, want)
+    assert projections.multiply("npumoe-int8-dynamic", counted, x[:0], 64).shape == (0, 64)
 
 
 def test_the_dense_projections_are_attentions_dense_ffns_and_shared_experts_not_routers_experts_or_the_head(tiny):
