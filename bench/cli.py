@@ -134,6 +134,10 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
 @_dtype_option("Model dtype (repeatable).")
 @click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
               help="Random documents of the same length the engine's plan is calibrated on.")
+@click.option("--weights", "weights", multiple=True, type=click.Choice(QUANTIZED),
+              help="Also run the engine's CPU path with its experts (and its dense projections, where that measures "
+                   "faster) quantized to this format (repeatable); approximate rows, timed when within the "
+                   "format's error bound.")
 @click.option("--profile", is_flag=True,
               help="Also split the engine's CPU path's time per part (experts, attention, projections, norms, "
                    "router, cache, ...) at several depths, beside each part's roofline.")
@@ -141,8 +145,8 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
 @_timing_options
 @_json_option
 def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
-            dtypes: tuple[str, ...], calibration_documents: int, profile: bool, threads: int, warmup: int,
-            repeats: int, seed: int, json_path: Path | None) -> None:
+            dtypes: tuple[str, ...], calibration_documents: int, weights: tuple[str, ...], profile: bool, threads: int,
+            warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
     """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers."""
     parsed = _geometries(geometries)
     dtypes = _measured_dtypes(dtypes, parsed)
@@ -154,7 +158,8 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     try:
         settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
                                         chunk_tokens=chunk_tokens, calibration_documents=calibration_documents,
-                                        warmup=warmup, repeats=repeats, seed=seed, profile=profile)
+                                        warmup=warmup, repeats=repeats, seed=seed, profile=profile,
+                                        weights=weights)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     torch.set_num_threads(threads)
@@ -169,7 +174,8 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     if profile:
         print_profile([row for row in results if row["impl"] == "profile"], case_keys, machine)
     _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "layers": layers,
-                                     "calibration_documents": calibration_documents}, results)
+                                     "calibration_documents": calibration_documents, "weights": list(weights)},
+                results)
 
 
 @bench.command("fidelity")

@@ -4,10 +4,11 @@ A real transformers causal LM of the geometry's family, with a few layers at the
 family's own random initialisation, is built in memory (no download). A document of random token ids
 is prefilled in fixed chunks with the KV cache carried across them, through the engine's chunked
 prefill, once per implementation: transformers' own experts implementations, and the engine attached
-with each backend. The engine's plan is calibrated on other random documents.
+with each backend, and (`weights`) the engine's CPU path with its experts, and its dense projections where that
+measures faster, quantized. The engine's plan is calibrated on other random documents.
 
 Before timing, each implementation's final hidden states for the whole document are checked against
-transformers-eager; an exact path that misses is refused, and pruning paths are marked approximate.
+transformers-eager; an exact path that misses is refused, and pruning and quantized paths are marked approximate.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from npumoe.engine.geometry import Geometry, family_config
 from npumoe.engine.models import TORCH_DTYPES
 from npumoe.engine.prefill import new_cache, prefill
 from npumoe.engine.runtime import MoeRuntime
-from npumoe.engine.vocabulary import CPU
+from npumoe.engine.vocabulary import CPU, QUANTIZED
 
 from .paths import (
     add_ratios,
@@ -47,8 +48,11 @@ class PrefillBenchSettings:
     repeats: int = 3
     seed: int = 0
     profile: bool = False  # also split the engine's CPU path's time per part at each depth
+    weights: tuple[str, ...] = ()  # quantized formats the engine's CPU path also runs in (vocabulary.QUANTIZED)
 
     def __post_init__(self) -> None:
+        if not set(self.weights) <= set(QUANTIZED):
+            raise ValueError(f"quantized weights must be among {', '.join(QUANTIZED)}, got {list(self.weights)}")
         if min(self.threads, self.layers, self.document_tokens, self.chunk_tokens, self.calibration_documents,
                self.repeats) < 1 or self.warmup < 0:
             raise ValueError(f"every size and count must be positive (warmup >= 0), got {self}")
@@ -112,7 +116,8 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBe
     def run() -> torch.Tensor:  # (T, H) final hidden states of the whole document
         return torch.cat(list(prefill(model, ids, settings.chunk_tokens, new_cache(model))))
 
-    rows = measure_impls(model, plans, run, tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats)
+    rows = measure_impls(model, plans, run, tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats,
+                         weights=settings.weights)
     return add_ratios(rows)
 
 

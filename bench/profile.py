@@ -5,7 +5,7 @@ leaves out the parts nested in it, so the parts add up to the whole chunk. The p
 - experts: the routed-experts modules; router: the modules beside them that choose experts;
 - dense FFN: dense layers' MLPs and shared experts;
 - projections: every linear layer inside an attention module (QKV/O, and latent projections where a
-  family has them);
+  family has them), whether torch's or the engine's own in its place (engine/projections.py);
 - attention: the rest of an attention module: scores, softmax, values, rotary embeddings (the CPU's fused
   SDPA kernel does scores, softmax and values in one call, so they are one part here);
 - cache: the KV cache's updates; norms: every normalisation module;
@@ -32,6 +32,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from npumoe.engine.models import moe_experts
 from npumoe.engine.prefill import new_cache
+from npumoe.engine.projections import ProjectionLinear
 
 from .timing import interleaved_median_seconds
 
@@ -134,7 +135,7 @@ def _part_of(name: str, module: nn.Module, experts: set[str]) -> str | None:
         return "dense_ffn"
     if leaf in ("self_attn", "linear_attn", "attention"):
         return "attention"
-    if isinstance(module, nn.Linear) and _inside_attention(name):
+    if isinstance(module, (nn.Linear, ProjectionLinear)) and _inside_attention(name):
         return "projections"
     return None
 
@@ -153,16 +154,33 @@ def _work(part: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[floa
     rows = x.shape[:-1].numel()
     if part == "norms":
         return 0.0, 2.0 * x.numel() * x.element_size()
+    if part != "experts":
+        params, nbytes = _weights(module)
+        return 2.0 * rows * params, float(nbytes)
     weights = [p for p in module.parameters() if p.ndim >= 2]
     params = sum(p.numel() for p in weights)
-    itemsize = weights[0].element_size() if weights else x.element_size()
-    if part != "experts":
-        return 2.0 * rows * params, float(params * itemsize)
+    itemsize = weights[0].element_size()
     top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
     count = next(p for p in weights if p.ndim == 3).shape[0]
     touched = torch.unique(top_k_index).numel()
     per_expert = params / count
     return 2.0 * top_k_index.numel() * per_expert, float(touched * per_expert * itemsize)
+
+
+def _weights(module: nn.Module) -> tuple[int, int]:
+    """The elements and bytes of a module's weight matrices: its parameters of two or more dimensions, and the
+    weights the engine's projections hold in their kernels' layouts (in their format's bytes)."""
+    params = nbytes = 0
+    for sub in module.modules():
+        if isinstance(sub, ProjectionLinear):
+            params += sub.in_features * sub.out_features
+            nbytes += sub.weight_nbytes
+            continue
+        for p in sub.parameters(recurse=False):
+            if p.ndim >= 2:
+                params += p.numel()
+                nbytes += p.numel() * p.element_size()
+    return params, nbytes
 
 
 @contextmanager

@@ -139,13 +139,15 @@ def choose_kernel(gate_up: torch.Tensor, down: torch.Tensor) -> KernelChoice:
 
 
 def choose_measured(key: str, candidates: Sequence[str], unavailable: dict[str, str],
-                    timer: Callable[[], dict[str, float]], cache: ChoiceCache) -> KernelChoice:
+                    timer: Callable[[], dict[str, float]], cache: ChoiceCache, *,
+                    one_thread: bool = True) -> KernelChoice:
     """The fastest of `candidates` for the shape class `key`: this process's choice, else the cached one, else
-    timed now by `timer` (median seconds per kernel, run on one torch thread) and cached."""
+    timed now by `timer` (median seconds per kernel, run on one torch thread as an expert's worker runs, or with
+    every torch thread the caller has when not `one_thread`) and cached."""
     with _choices_lock:
         choice = _choices.get(key) or cache.get(key, unavailable)
         if choice is None or choice.seconds.keys() != set(candidates):  # new here, or what can run has changed
-            seconds = _on_one_torch_thread(timer)
+            seconds = _on_one_torch_thread(timer) if one_thread else _in_inference_mode(timer)
             choice = KernelChoice(min(seconds, key=seconds.__getitem__), seconds, unavailable)
             cache.remember(key, choice)
         _choices[key] = choice
@@ -203,6 +205,11 @@ def _rotated(expert_bytes: int) -> int:
 
 
 T = TypeVar("T")
+
+
+def _in_inference_mode(fn: Callable[[], T]) -> T:
+    with torch.inference_mode():
+        return fn()
 
 
 def _on_one_torch_thread(fn: Callable[[], T]) -> T:

@@ -33,6 +33,7 @@ from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .experts_layout import GLU, ExpertsLayout, ExpertWeights, expert_weights
 from .models import moe_layouts
 from .plan import ExpertPlan, LayerPlan, PlanError
+from .projections import DenseProjections
 from .residency import Placement, Residency, decide_residency
 from .vocabulary import SPILL
 
@@ -67,8 +68,10 @@ class MoeRuntime:
     the module's own expert tensors are freed, leaving one copy: the model's experts then run only through a
     runtime (the eager implementation has nothing left to read), and no later runtime can build group graphs
     or another format from them. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
-    exact and uncounted (one token per step). A new runtime is attached; several runtimes of one model may
-    be built, and `attach()` selects which one runs.
+    exact and uncounted (one token per step). The model's dense projections outside the experts (attention's,
+    dense FFNs', shared experts') run through the engine's measured kernels while attached, in `quantized` where
+    that measures faster (projections.py; `release` frees their own weights too). A new runtime is attached;
+    several runtimes of one model may be built, and `attach()` selects which one runs.
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
@@ -110,11 +113,13 @@ class MoeRuntime:
                                         experts=cpu, post_norm=module.post_expert_norm if layout.post_norm else None))
         self.names = [name for name, _, _ in experts]
         self._experts = [module for _, module, _ in experts]
+        self._projections = DenseProjections(model, quantized, release=release)
         self.attach()
 
     def attach(self) -> None:
-        """Run the model's experts through this runtime's layers, in place of any other runtime's, and its
-        attention through the engine's where that computes the same (engine/attention.py)."""
+        """Run the model's experts through this runtime's layers, in place of any other runtime's, its dense
+        projections through this runtime's kernels, and its attention through the engine's where that computes
+        the same (engine/attention.py)."""
         running = self._running()
         if running is self:
             return
@@ -127,13 +132,18 @@ class MoeRuntime:
         for module, layer in zip(self._experts, self.layers, strict=True):
             module._npumoe_attached = (self, layer)
         self.model.set_experts_implementation(IMPLEMENTATION)
+        if running is not None:
+            running._projections.detach()  # its projections out, whichever of them this runtime does not replace
+        self._projections.attach()
 
     def detach(self) -> None:
-        """Give the model back the experts implementation it had before the engine (if this runtime runs)."""
+        """Give the model back the experts implementation and the projections it had before the engine (if this
+        runtime runs)."""
         if self._running() is not self:
             return
         for module in self._experts:
             del module._npumoe_attached
+        self._projections.detach()
         self.model.set_experts_implementation(self._previous)
         if self._previous_attention is not None:
             self.model.set_attn_implementation(self._previous_attention)

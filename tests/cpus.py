@@ -89,6 +89,33 @@ def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> 
     return timings
 
 
+class CountedProjectionTimings:
+    """Stands in for the projections' timing loop (`cpu_kernels.time_in_turns` as projections.py calls it): each
+    candidate runs once, so a broken one still fails, then `fastest` comes first; counts the timings asked for."""
+
+    def __init__(self, fastest: str) -> None:
+        self.fastest = fastest
+        self.calls = 0
+
+    def __call__(self, kernels, count, run) -> dict[str, float]:
+        self.calls += 1
+        for kernel in kernels:
+            run(kernel, 0)
+        return {kernel: 1e-3 if kernel == self.fastest else 2e-3 for kernel in kernels}
+
+
+def fake_projection_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> CountedProjectionTimings:
+    """Projection timing that finds `fastest` the fastest kernel, with no kernel chosen yet and `cache` as the user
+    cache, so fake figures reach no other test."""
+    from npumoe.engine import projections
+
+    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setenv("NPUMOE_CACHE", str(cache))
+    timings = CountedProjectionTimings(fastest)
+    monkeypatch.setattr(projections, "time_in_turns", timings)
+    return timings
+
+
 _FAKE_CC = """
 import pathlib, sys
 args = sys.argv[1:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,14 @@ def test_bench_prefill_prints_one_table_per_case():
     assert result.exit_code == 0, result.output
     assert "geometry 64x8x2x32, layers 2, dtype float32, document_tokens 64, chunk_tokens 32" in result.output
     assert "npumoe-torch-static" in result.output
+
+
+def test_bench_prefill_weights_puts_the_quantized_path_beside_the_engines_best_float_one():
+    result = CliRunner().invoke(bench, ["prefill", "--geometry", "64x8x2x32", "--document-tokens", "64", "--chunk",
+                                        "32", "--calibration-documents", "1", "--weights", "int8", "--threads", "1",
+                                        "--warmup", "0", "--repeats", "1"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"npumoe-cpu-int8: [0-9.]+× the engine's best exact path", result.output)
 
 
 def test_bench_fidelity_writes_the_plot_and_the_json(tmp_path, harbour, orchard):

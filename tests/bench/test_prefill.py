@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cpus import fake_projection_timings
 
-from npumoe.bench.paths import IMPLS, TOLERANCE
+from npumoe.bench.paths import IMPLS, QUANTIZED_TOLERANCE, TOLERANCE
 from npumoe.bench.prefill import PrefillBenchSettings, build_model, run_prefill_bench
+from npumoe.engine import projections
 from npumoe.engine.geometry import Geometry, parse_geometry
 from npumoe.engine.models import moe_experts
 
@@ -40,3 +42,29 @@ def test_every_implementation_prefills_the_same_document_checked_against_eager()
 def test_a_chunk_longer_than_the_document_is_refused():
     with pytest.raises(ValueError, match="longer than the document"):
         PrefillBenchSettings(threads=1, document_tokens=64, chunk_tokens=128)
+
+
+def test_quantized_weights_put_the_engines_quantized_path_beside_the_float_ones(monkeypatch, tmp_path):
+    fake_projection_timings(monkeypatch, tmp_path / "cache", "int8pack")  # int8 projections measure fastest
+    ran = []
+    multiply = projections.multiply
+
+    def counted(kernel, *args):
+        ran.append(kernel)
+        return multiply(kernel, *args)
+
+    monkeypatch.setattr(projections, "multiply", counted)
+    settings = PrefillBenchSettings(threads=1, layers=2, document_tokens=64, chunk_tokens=32,
+                                    calibration_documents=1, warmup=0, repeats=1, weights=("int8",))
+    rows = {row["impl"]: row for row in run_prefill_bench([TINY], ["bfloat16"], settings)}
+    assert list(rows) == [*IMPLS, "npumoe-cpu-int8"]
+    quantized = rows["npumoe-cpu-int8"]
+    assert quantized["status"] == "approximate" and quantized["tokens_per_s"] > 0
+    assert 0 < quantized["rel_error"] <= QUANTIZED_TOLERANCE["int8"]
+    assert "int8pack" in ran  # the whole model's projections ran quantized, not only its experts
+    assert rows["npumoe-cpu"]["status"] == "ok"
+
+
+def test_unknown_quantized_weights_are_refused():
+    with pytest.raises(ValueError, match="quantized weights must be among"):
+        PrefillBenchSettings(threads=1, document_tokens=64, chunk_tokens=32, weights=("int3",))

@@ -7,10 +7,14 @@ import time
 
 import pytest
 import torch
+from cpus import fake_projection_timings
 
 from npumoe.bench.prefill import build_model
 from npumoe.bench.profile import PARTS, depths_to_report, profile_prefill, profile_rows
+from npumoe.engine.backends import get_backend
 from npumoe.engine.geometry import parse_geometry
+from npumoe.engine.projections import ProjectionLinear
+from npumoe.engine.runtime import MoeRuntime
 
 GEOMETRY = parse_geometry("64x8x2x32")
 
@@ -60,3 +64,21 @@ def test_rows_report_each_part_at_the_nearest_chunk_to_each_depth(model):
 def test_depths_reported_are_the_first_chunk_the_usual_depths_and_the_last():
     assert depths_to_report(16384, 512) == [0, 2048, 8192, 15872]
     assert depths_to_report(1024, 256) == [0, 768]
+
+
+def test_the_engines_projections_in_place_of_the_linears_are_still_charged_to_projections(monkeypatch, tmp_path):
+    model = build_model(GEOMETRY, 2, torch.float32, context=512, seed=0)
+    ids = list(range(64))
+    before = profile_prefill(model, ids, 32)[0].parts["projections"]
+    fake_projection_timings(monkeypatch, tmp_path / "cache", "int8pack")  # runs on every CPU
+    runtime = MoeRuntime(model, get_backend("cpu"), quantized="int8")
+    swapped = [m for m in model.modules() if isinstance(m, ProjectionLinear)]
+    assert len(swapped) == 4 * 2  # q, k, v and o of both layers
+    try:
+        after = profile_prefill(model, ids, 32)[0].parts["projections"]
+    finally:
+        runtime.detach()
+    assert after.seconds > 0
+    assert after.flops == before.flops  # the same products, counted from the engine's modules
+    # each projection's weight read once, in its format's bytes: int8 codes and their scales instead of fp32
+    assert after.bytes == sum(m.weight_nbytes for m in swapped) < before.bytes / 3
