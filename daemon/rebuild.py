@@ -21,7 +21,7 @@ from npumoe.daemon.config import Config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import job_keys
 from npumoe.daemon.models import DEMO, demo_model_dir
-from npumoe.engine.vocabulary import WEIGHTS_DTYPE
+from npumoe.engine.vocabulary import AUTO, DTYPE_WEIGHTS
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.meta import SCHEMA_VERSION
 from npumoe.jobs.outputs import TMP_PREFIX
@@ -115,15 +115,16 @@ def read_meta(path: Path) -> dict[str, Any]:
 def keys_of(meta: dict[str, Any], home: Home, config: Config,
             current: tuple[str, str] | None) -> tuple[str, str]:
     """The (model_key, settings_key) the output was made under: today's keys when meta.json shows today's
-    model, backend, plan, overflow and dtype (it does not record the summary length), else keys of its own
-    that no document queued today matches, so such a document is processed again under today's settings."""
+    model, backend, plan, overflow and weights (it does not record the summary or section length), else keys
+    of its own that no document queued today matches, so such a document is processed again under today's
+    settings."""
     model_key = DEMO if Path(meta["model"]) == demo_model_dir(home.models) else meta["model"]
     m = config.model
     plan = str(Path(m.plan).expanduser()) if m.plan else None
-    dtype = WEIGHTS_DTYPE.get(m.weights, meta["dtype"])  # weights auto: whichever dtype the machine chose
-    made_as_today = (meta["backend"], meta["overflow"], meta["dtype"], meta["plan"]) == (
-        m.backend, m.overflow, dtype, plan)
+    made_in = meta.get("weights") or DTYPE_WEIGHTS[meta["dtype"]]  # outputs from before weights: their dtype's
+    made_as_today = (meta["backend"], meta["overflow"], meta["plan"]) == (m.backend, m.overflow, plan) and (
+        m.weights in (AUTO, made_in))  # weights auto: whichever format the machine chose
     if current is not None and model_key == current[0] and made_as_today:
         return current
-    settings = {name: meta[name] for name in ("backend", "plan", "overflow", "dtype", "chunk_tokens")}
+    settings = {name: meta[name] for name in ("backend", "plan", "overflow", "chunk_tokens")} | {"weights": made_in}
     return model_key, "rebuilt-" + hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]

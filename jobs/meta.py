@@ -58,7 +58,8 @@ class DocumentMeta:
     plan: str | None
     backend: str
     overflow: str
-    dtype: str
+    weights: str  # the format the engine ran: fp32, bf16, int8 or int4 (auto decided at load)
+    dtype: str  # the float dtype beside it: int8 and int4 keep the rest of the model in bfloat16
     chunk_tokens: int  # the prefill chunk length used: the plan's, the configured one, or the one measured here
     residency: Residency
     extraction: Extraction

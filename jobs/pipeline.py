@@ -359,7 +359,8 @@ class Pipeline:
             plan=str(settings.plan) if settings.plan else None,
             backend=settings.backend,
             overflow=settings.overflow,
-            dtype=engine.settings.dtype,  # what the engine loaded: weights auto is decided at load
+            weights=engine.settings.weights,  # what the engine loaded: auto is decided at load
+            dtype=engine.settings.dtype,
             chunk_tokens=stats.chunk_tokens,
             residency=_residency(engine),
             extraction=Extraction(extracted.format, extracted.pages, len(extracted.text)),

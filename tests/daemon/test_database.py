@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from npumoe.daemon.cli import main
-from npumoe.daemon.config import Config
+from npumoe.daemon.config import Config, ModelConfig
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.models import demo_model_dir
-from npumoe.daemon.rebuild import rebuild_queue
+from npumoe.daemon.rebuild import keys_of, rebuild_queue
 from npumoe.daemon.service import EXIT_DO_NOT_RESTART
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
@@ -111,7 +111,8 @@ def write_output(home: Home, source: Path, job_id: int, model: str, **settings: 
     sha = hashlib.sha256(source.read_bytes()).hexdigest()
     meta = DocumentMeta(
         source=str(source), sha256=sha, job_id=job_id, model=model, model_key=f"{model}@main",
-        plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")), overflow="spill", dtype="float32",
+        plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")), overflow="spill",
+        weights=str(settings.get("weights", "fp32")), dtype="float32",
         chunk_tokens=512, extraction=Extraction("text", None, 100), tokens=30, chunks=1, sections=1,
         reduce_rounds=0, generated_tokens=4, embeddings=Embeddings(dim=8),
         residency=Residency(accelerator_groups=0, cpu_groups=0, measured_on=None, fallback=None),
@@ -167,6 +168,21 @@ def test_rebuild_records_each_output_as_done_under_the_keys_a_new_add_would_use(
     assert created and job.state == "queued"
     assert rebuild_queue(home, config).known == 3  # running it again changes nothing
     queue.close()
+
+
+def test_rebuild_matches_an_output_to_todays_keys_only_when_its_weights_format_is_todays(tmp_path: Path) -> None:
+    home = Home(tmp_path / "home").ensure()
+    document = tmp_path / "notes.txt"
+    document.write_text(PARAGRAPH)
+    meta = json.loads((write_output(home, document, 3, "m", weights="int8") / "meta.json").read_text())
+    today = ("m", "today")
+    for weights, same in (("int8", True), ("auto", True), ("bf16", False), ("int4", False)):
+        config = Config(model=ModelConfig(name="m", weights=weights))
+        assert (keys_of(meta, home, config, today) == today) is same, weights
+    # An output from before meta.json recorded weights: its dtype's float format.
+    older = {name: value for name, value in meta.items() if name != "weights"}
+    assert keys_of(older, home, Config(model=ModelConfig(name="m", weights="fp32")), today) == today
+    assert keys_of(older, home, Config(model=ModelConfig(name="m", weights="int8")), today) != today
 
 
 def test_rebuild_with_a_sound_database_keeps_it_and_adds_what_is_missing(tmp_path: Path) -> None:

@@ -139,7 +139,7 @@ def test_a_document_becomes_five_outputs_and_a_done_job(setup: Setup) -> None:
     meta = json.loads((out / "meta.json").read_text())
     assert meta["sha256"] == job.sha256 and meta["job_id"] == job.id and meta["source"] == job.path
     assert meta["model_key"] == "stand-in@0" and meta["tokens"] == 30 and meta["chunks"] == 3
-    assert meta["dtype"] == "bfloat16"  # the engine's own, not the settings asked for (weights auto)
+    assert (meta["weights"], meta["dtype"]) == ("bf16", "bfloat16")  # the engine's own, not auto as asked
     assert meta["extraction"]["format"] == "markdown" and meta["cpu_seconds"] >= 0
     assert meta["energy_joules"] is None or meta["energy_joules"] >= 0
     assert set(meta["seconds"]) >= {"extract", "prefill", "summary"}
