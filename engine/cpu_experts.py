@@ -23,8 +23,8 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import islice
 from concurrent.futures import ThreadPoolExecutor, wait
+from itertools import islice
 
 import torch
 
