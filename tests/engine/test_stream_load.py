@@ -3,7 +3,12 @@ quantized experts `npumoed model quantize` wrote taken as they are, and from_pre
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,9 +18,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from npumoe.engine import stream_load
 from npumoe.engine.backends import get_backend
 from npumoe.engine.cpu_experts import CpuExperts
+from npumoe.engine.geometry import family_config, parse_geometry
+from npumoe.engine.model_size import checkpoint_tensors, model_size
 from npumoe.engine.models import fingerprint, load_model, moe_experts
 from npumoe.engine.quant_store import QuantizedReader, quantize_checkpoint, quantized_folder
 from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.tokenizer import build_byte_tokenizer
+
+linux = pytest.mark.skipif(sys.platform != "linux", reason="reads the peak from Linux's /proc")
 
 # per-expert tensors stacked by transformers' converters (Qwen's gate/up/down, DeepSeek's, Mixtral's w1/w3/w2),
 # a fused checkpoint renamed into the model's names (GraniteMoE), and fused, transposed, interleaved experts
@@ -130,3 +140,49 @@ def test_a_checkpoint_the_loader_cannot_map_is_loaded_by_from_pretrained_and_the
     assert "not streamed tensor by tensor" in caplog.text and "not in the checkpoint" in caplog.text
     reference = AutoModelForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
     assert torch.equal(_logits(loaded.model), _logits(reference))
+
+
+# The child notes its resident memory once everything is imported, loads the checkpoint packing its experts, and
+# prints its high-water mark over that: Linux's VmHWM, in kilobytes (ru_maxrss would keep this test's own peak,
+# inherited across exec).
+_CHILD = textwrap.dedent("""
+    import json, sys
+    import psutil, torch
+    from npumoe.engine.models import load_model
+    torch.set_num_threads(1)
+    before = psutil.Process().memory_info().rss
+    loaded = load_model(sys.argv[1], dtype="bfloat16", pack=True)
+    peak = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    print(json.dumps({"streamed": loaded.streamed, "peak_over_before": peak - before}))
+""")
+
+
+@pytest.fixture(scope="module")
+def real_sized_checkpoint(tmp_path_factory) -> Path:
+    """Two Qwen3-MoE layers at Qwen3-30B-A3B's expert sizes (hidden 2048, expert FFN 768) with 16 of its 128
+    experts and a small vocabulary, in bf16 (about 340 MB, nearly all experts)."""
+    folder = tmp_path_factory.mktemp("real-sized") / "model"
+    config = family_config(parse_geometry("2048x16x4x768"), layers=2, vocab_size=512, num_attention_heads=8,
+                           num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    build_byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+# What loading costs beside the weights that does not grow with them: library code first run while loading
+# (about 20 MiB of file pages), the model's modules, a few experts read ahead of packing.
+_FIXED = 64 * 2**20
+
+
+@linux
+def test_loading_peaks_at_little_more_than_the_weights(real_sized_checkpoint):
+    """from_pretrained then packing held the experts twice (about 2x); streamed, the peak is one copy and a little.
+    The quantized formats' peaks are measured at full size by `npumoed bench memory`."""
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(real_sized_checkpoint)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    weights = model_size(checkpoint_tensors(real_sized_checkpoint)).formats["bf16"].total_bytes
+    assert result["streamed"]
+    assert result["peak_over_before"] <= 1.15 * weights + _FIXED, result["peak_over_before"] / weights
