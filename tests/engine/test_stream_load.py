@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from npumoe.engine import stream_load
+from npumoe.engine import Engine, EngineSettings, stream_load
 from npumoe.engine.backends import get_backend
 from npumoe.engine.cpu_experts import CpuExperts
 from npumoe.engine.geometry import family_config, parse_geometry
@@ -118,6 +118,21 @@ def test_experts_quantized_once_are_read_at_load_not_quantized_again(bf16_checkp
     after = load_model(bf16_checkpoint, dtype="bfloat16").model
     MoeRuntime(after, get_backend("cpu"), quantized=format, release=True)
     assert torch.equal(_logits(loaded.model), _logits(after))
+
+
+def test_the_engine_reads_the_homes_quantized_experts_and_runs_them_as_packed(bf16_checkpoint, tmp_path,
+                                                                             monkeypatch):
+    models = tmp_path / "models"
+    quantize_checkpoint(bf16_checkpoint, quantized_folder(models, bf16_checkpoint, fingerprint(bf16_checkpoint),
+                                                          "int4"), "int4")
+    read: list[str] = []
+    weight = QuantizedReader.weight
+    monkeypatch.setattr(QuantizedReader, "weight", lambda self, name: read.append(name) or weight(self, name))
+    engine = Engine.load(EngineSettings(model=str(bf16_checkpoint), weights="int4", models_dir=models))
+    assert engine.loaded.streamed and read
+    assert all(module._npumoe_owned is layer.experts
+               for (_, module), layer in zip(moe_experts(engine.loaded.model), engine.runtime.layers, strict=True))
+    assert {layer.experts.format for layer in engine.runtime.layers} == {"int4"}
 
 
 def test_without_quantized_files_for_this_format_the_experts_are_quantized_at_load(bf16_checkpoint, tmp_path,
