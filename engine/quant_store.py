@@ -216,7 +216,7 @@ class QuantizedReader:
             self._open[name] = TensorFile(self.target / name)
         held = self._open[name]
         try:
-            return _weight(self.format, tensor, _Parts(held, tensor))
+            return _weight(self.format, tensor, _Parts(held))
         except TensorFileError as e:
             raise QuantizedStoreError(f"{self.target}: {e}") from e
 
@@ -229,8 +229,8 @@ class QuantizedReader:
 class _Parts:
     """The stored parts of one quantized tensor in an open file, read when asked for."""
 
-    def __init__(self, file: TensorFile, tensor: str) -> None:
-        self.file, self.tensor = file, tensor
+    def __init__(self, file: TensorFile) -> None:
+        self.file = file
 
     def __contains__(self, key: str) -> bool:
         return key in self.file.header
@@ -271,7 +271,7 @@ def _checked_manifest(target: Path, source: Path | None) -> tuple[str, dict[str,
     return format, files, source
 
 
-def _weight(format: str, tensor: str, held) -> QuantizedWeight:
+def _weight(format: str, tensor: str, held: dict[str, torch.Tensor] | _Parts) -> QuantizedWeight:
     """One quantized weight from its stored parts ("<tensor>.codes", ".scale", ".zero") in `held`."""
     parts = {part: held[f"{tensor}.{part}"] for part in ("codes", "scale", "zero") if f"{tensor}.{part}" in held}
     return QuantizedWeight.from_tensors(format, parts)
