@@ -4,9 +4,10 @@ A checkpoint of the geometry's family at its real sizes, cut to a few layers, is
 folder (random weights; the project's byte tokenizer, one token a byte). A child process imports torch,
 transformers and the engine, notes its resident memory, loads the checkpoint through `Engine.load` in the
 weights format asked for and processes a document of exactly the tokens asked for (prefill, and a summary of a
-few tokens). It reports its peak resident memory (the kernel's high-water mark) minus what it held before
-loading, so the interpreter and the libraries are not counted, beside the bytes the weights take in that format
-(engine/model_size.py, from the checkpoint's headers).
+few tokens). The engine reads the checkpoint tensor by tensor, the experts straight into their packed form
+(engine/stream_load.py; `streamed` says it did). It reports its peak resident memory (the kernel's high-water
+mark) minus what it held before loading, so the interpreter and the libraries are not counted, beside the bytes
+the weights take in that format (engine/model_size.py, from the checkpoint's headers).
 """
 
 from __future__ import annotations
@@ -95,9 +96,14 @@ def _rss() -> int:
 
 
 def _peak_rss() -> int:
-    """This process's high-water resident memory, in bytes (Linux counts kilobytes, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+    """This process's high-water resident memory, in bytes. On Linux, VmHWM: it starts afresh with the new program,
+    whereas ru_maxrss keeps across exec the peak of the process that started this one (the bench, which wrote the
+    checkpoint). Elsewhere ru_maxrss (macOS counts bytes)."""
+    status = Path("/proc/self/status")
+    if status.is_file():
+        return next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                    if line.startswith("VmHWM:"))
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def _child(folder: str, weights: str, settings: MemorySettings) -> dict:
@@ -116,7 +122,8 @@ def _child(folder: str, weights: str, settings: MemorySettings) -> dict:
     text = tokenizer.decode(ids["input_ids"][:settings.document_tokens])
     result = engine.process(text)
     return {"before_rss": before, "loaded_rss": loaded, "load_peak_rss": load_peak, "processed_rss": _rss(),
-            "peak_rss": _peak_rss(), "tokens": result.stats.tokens, "kernel": engine.runtime.layers[0].experts.kernel}
+            "peak_rss": _peak_rss(), "tokens": result.stats.tokens, "kernel": engine.runtime.layers[0].experts.kernel,
+            "streamed": engine.loaded.streamed}
 
 
 if __name__ == "__main__":

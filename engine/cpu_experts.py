@@ -22,18 +22,22 @@ import ctypes
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from itertools import islice
 
 import torch
 
 from . import quant_kernels
-from .cpu_kernels import PackedLinear, choose_kernel
+from .cpu_kernels import _MAX_ROTATED, PackedLinear, choose_kernel
 from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from .quant_kernels import QuantLinear
-from .quantize import check_format, quantize
+from .quantize import QuantizedWeight, check_format, quantize
 
 Linear = PackedLinear | QuantLinear
+# one expert's gate-up (n·I, H) and down (H, I) weights in the engine's form: float, or quantized
+Expert = tuple[torch.Tensor | QuantizedWeight, torch.Tensor | QuantizedWeight]
+TIMED_EXPERTS = _MAX_ROTATED  # the most experts a kernel choice times: the first ones are held until it is made
 
 Task = Callable[[], object]  # run for its effect; what it returns is dropped
 
@@ -44,16 +48,54 @@ class CpuExperts:
 
     def __init__(self, weights: ExpertWeights, layout: ExpertsLayout = DEFAULT_LAYOUT,
                  format: str | None = None) -> None:
-        self.layout = layout
-        self.format = format
-        if format is None:
-            self.kernel = choose_kernel(weights.gate_up, weights.down).kernel
-            self.gate_up: list[Linear] = [PackedLinear(w, self.kernel) for w in weights.gate_up]
-            self.down: list[Linear] = [PackedLinear(w, self.kernel) for w in weights.down]
-        else:
-            self.kernel, self.gate_up, self.down = _quantized(weights, format)
+        self._pack(((weights.gate_up[e], weights.down[e]) for e in range(len(weights))), weights.gate_up.dtype,
+                   layout, format)
         self.gate_up_bias, self.down_bias = weights.gate_up_bias, weights.down_bias
         self._source = _identity(*weights.source)
+
+    @classmethod
+    def streamed(cls, experts: Iterable[Expert], dtype: torch.dtype, layout: ExpertsLayout = DEFAULT_LAYOUT,
+                 format: str | None = None, gate_up_bias: torch.Tensor | None = None,
+                 down_bias: torch.Tensor | None = None) -> CpuExperts:
+        """Experts packed as they come, in order, each as its (n·I, H) gate-up and (H, I) down weights in the
+        engine's form (float, or already in `format`), with `dtype` activations: a loader reading them one at a
+        time never holds more than the packed ones and a few being read. Packed from no module's tensors."""
+        experts_ = cls.__new__(cls)
+        experts_._pack(iter(experts), dtype, layout, format)
+        experts_.gate_up_bias, experts_.down_bias = gate_up_bias, down_bias
+        experts_._source = ()
+        return experts_
+
+    def _pack(self, experts: Iterator[Expert], dtype: torch.dtype, layout: ExpertsLayout, format: str | None) -> None:
+        """Choose the kernel on the first experts, then pack every expert for it, letting each go once packed."""
+        if format is not None:
+            check_format(format)
+        self.layout, self.format = layout, format
+        in_format = (tuple(_in_format(w, format) for w in expert) for expert in experts)
+        timed = deque(islice(in_format, TIMED_EXPERTS))  # what a kernel choice times, at most
+        if format is None:
+            self.kernel = choose_kernel(torch.stack([up for up, _ in timed]), torch.stack([d for _, d in timed])).kernel
+        else:
+            self.kernel = quant_kernels.choose_kernel([up for up, _ in timed], [d for _, d in timed], dtype).kernel
+
+        def each() -> Iterator[tuple[torch.Tensor | QuantizedWeight, ...]]:
+            while timed:
+                yield timed.popleft()
+            yield from in_format
+
+        self.gate_up: list[Linear] = []
+        self.down: list[Linear] = []
+        for gate_up, down in each():
+            self.gate_up.append(self._linear(gate_up, dtype))
+            self.down.append(self._linear(down, dtype))
+            if format is not None:
+                # quantizing leaves holes of float temporaries between the packed weights that glibc keeps rather
+                # than reuse; given back expert by expert, a real-geometry layer's int8 load peaks 1.1 GiB lower
+                _give_back_freed_memory()
+        _give_back_freed_memory()
+
+    def _linear(self, w: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> Linear:
+        return PackedLinear(w, self.kernel) if self.format is None else QuantLinear(w, self.kernel, dtype)
 
     def packed_from(self, weights: ExpertWeights, format: str | None = None) -> bool:
         """Whether these are the very weights this was packed from, unchanged since, in `format`."""
@@ -77,20 +119,13 @@ class CpuExperts:
         return y
 
 
-def _quantized(weights: ExpertWeights, format: str) -> tuple[str, list[QuantLinear], list[QuantLinear]]:
-    """The kernel measured fastest here for these experts in `format`, and each expert's weights quantized and
-    packed for it, in the weights' dtype as the activations'."""
-    check_format(format)
-    dtype = weights.gate_up.dtype
-    gate_up = [quantize(w, format) for w in weights.gate_up]
-    down = [quantize(w, format) for w in weights.down]
-    kernel = quant_kernels.choose_kernel(gate_up, down, dtype).kernel
-    # pop as they are packed: the quantized codes of an expert go once its kernel holds them
-    gate_up.reverse(), down.reverse()
-    packed_up = [QuantLinear(gate_up.pop(), kernel, dtype) for _ in range(len(gate_up))]
-    packed_down = [QuantLinear(down.pop(), kernel, dtype) for _ in range(len(down))]
-    _give_back_freed_memory()
-    return kernel, packed_up, packed_down
+def _in_format(w: torch.Tensor | QuantizedWeight, format: str | None) -> torch.Tensor | QuantizedWeight:
+    """An expert weight in `format`: quantized now if it came as float (None: float, as it came)."""
+    if isinstance(w, QuantizedWeight):
+        if w.format != format:
+            raise ValueError(f"experts packed {format or 'float'} were given {w.format} weights")
+        return w
+    return w if format is None else quantize(w, format)
 
 
 def _glibc_trim() -> Callable[[int], int] | None:

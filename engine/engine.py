@@ -78,6 +78,8 @@ class EngineSettings:
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
     coreml_compute_units: str = DEFAULT_COMPUTE_UNITS  # one of vocabulary.COMPUTE_UNITS
     costs_dir: Path | None = None  # where the backend's measured costs are cached; None: measure at every load
+    # the home's models folder: int8/int4 experts that `npumoed model quantize` wrote there are read, not made again
+    models_dir: Path | None = None
 
     def __post_init__(self) -> None:
         backend_class(self.backend).check(self.backend_options)  # an unknown name, or options it cannot run with
@@ -209,8 +211,11 @@ class Engine:
         if settings.weights == AUTO:
             settings = _auto_weights(settings)
         plan = ExpertPlan.load(settings.plan) if settings.plan is not None else None
+        # without a plan every expert runs on the CPU: packed as it is read, in the format the runtime runs
         loaded = load_model(settings.model, trust_remote_code=settings.trust_remote_code,
-                            allow_download=settings.allow_download, dtype=settings.dtype)
+                            allow_download=settings.allow_download, dtype=settings.dtype, pack=plan is None,
+                            format=settings.weights if settings.weights in QUANTIZED else None,
+                            models_dir=settings.models_dir)
         if plan is not None and plan.model_key.rpartition("@")[2] != loaded.key.rpartition("@")[2]:
             raise PlanError(f"{settings.plan}: calibrated for {plan.model_key}, not for {loaded.key}")
         return cls(settings, loaded, plan)

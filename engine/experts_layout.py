@@ -193,16 +193,21 @@ def expert_weights(module: nn.Module, layout: ExpertsLayout) -> ExpertWeights:
     """The module's experts' weights in the engine's form: views of the module's tensors, except where the
     stored gate and up rows alternate (then a reordered copy)."""
     up_name = "gate_up_proj" if layout.gate is not None else "up_proj"
-    gate_up, down = getattr(module, up_name).detach(), module.down_proj.detach()
-    gate_up_bias = getattr(module, f"{up_name}_bias").detach() if layout.bias else None
-    down_bias = module.down_proj_bias.detach() if layout.bias else None
+    biases = (getattr(module, f"{up_name}_bias").detach(), module.down_proj_bias.detach()) if layout.bias else ()
+    return engine_form(layout, getattr(module, up_name).detach(), module.down_proj.detach(), *biases,
+                       source=(getattr(module, up_name), module.down_proj))
+
+
+def engine_form(layout: ExpertsLayout, gate_up: torch.Tensor, down: torch.Tensor,
+                gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+                source: tuple[torch.Tensor, ...] = ()) -> ExpertWeights:
+    """Experts' weights as a module of `layout` stores them (E first), in the engine's form."""
     if layout.transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
     if layout.interleaved:
         gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
         gate_up_bias = None if gate_up_bias is None else torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], 1)
-    return ExpertWeights(gate_up, down, gate_up_bias, down_bias,
-                         source=(getattr(module, up_name), module.down_proj))
+    return ExpertWeights(gate_up, down, gate_up_bias, down_bias, source=source)
 
 
 def _act_class(module: nn.Module) -> str:

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from . import tensor_reader
 from .models import fingerprint
 from .quantize import INT4, INT4_GROUP, INT8, QuantizedWeight, check_format, int4_fits, quantize
+from .tensor_reader import TensorFile, TensorFileError
 
 MANIFEST = "quantization.json"
 VERSION = 1
@@ -57,14 +59,16 @@ def is_expert_weight(name: str, shape: list[int], dtype: str, *, format: str = I
 def read_header(path: Path) -> dict[str, dict]:
     """A safetensors file's header: {name: {"dtype", "shape", "data_offsets"}} (and "__metadata__"), read
     without touching its tensors."""
-    with path.open("rb") as file:
-        (size,) = struct.unpack("<Q", file.read(8))
-        if size > 100 * 2**20:
-            raise QuantizedStoreError(f"{path}: not a safetensors file (header of {size} bytes)")
-        try:
-            return json.loads(file.read(size))
-        except ValueError as e:
-            raise QuantizedStoreError(f"{path}: not a safetensors file ({e})") from e
+    try:
+        return tensor_reader.read_header(path)
+    except TensorFileError as e:
+        raise QuantizedStoreError(str(e)) from e
+
+
+def quantized_folder(models: Path, checkpoint: Path, fingerprint: str, format: str) -> Path:
+    """Where the home keeps a checkpoint's experts quantized to `format`: under models/quantized/, by the
+    checkpoint's folder name and its weights' fingerprint (other weights, another folder)."""
+    return models / "quantized" / f"{checkpoint.name}-{fingerprint}" / format
 
 
 def _quantized_shapes(shape: list[int], format: str, group: int) -> dict[str, tuple[torch.dtype, list[int]]]:
@@ -183,6 +187,73 @@ class QuantizedExperts:
 def load_quantized(target: Path, source: Path | None = None) -> QuantizedExperts:
     """The quantized experts in `target`, their tensors memory-mapped (read from disk as they are used); refused
     if `source` (by default the checkpoint they were made from) no longer holds the weights they were made from."""
+    format, files, source = _checked_manifest(target, source)
+    weights = {}
+    for name, tensors in files.items():
+        held = _mapped(target / name)
+        for tensor in tensors:
+            weights[tensor] = _weight(format, tensor, held)
+    return QuantizedExperts(format, source, weights)
+
+
+class QuantizedReader:
+    """Quantized experts read one weight at a time into memory of their own (tensor_reader), for loading a model:
+    the experts are packed from them, and a map of the files would count in the process beside the packed copy."""
+
+    def __init__(self, target: Path, source: Path | None = None) -> None:
+        self.target = target
+        self.format, files, self.source = _checked_manifest(target, source)
+        self._file_of = {tensor: name for name, tensors in files.items() for tensor in tensors}
+        self._open: dict[str, TensorFile] = {}
+
+    def __contains__(self, tensor: str) -> bool:
+        return tensor in self._file_of
+
+    def weight(self, tensor: str) -> QuantizedWeight:
+        """The quantized weight of checkpoint tensor `tensor`."""
+        name = self._file_of[tensor]
+        if name not in self._open:
+            self._open[name] = TensorFile(self.target / name)
+        held = self._open[name]
+        try:
+            return _weight(self.format, tensor, _Parts(held))
+        except TensorFileError as e:
+            raise QuantizedStoreError(f"{self.target}: {e}") from e
+
+    def close(self) -> None:
+        for file in self._open.values():
+            file.close()
+        self._open.clear()
+
+
+class _Parts:
+    """The stored parts of one quantized tensor in an open file, read when asked for."""
+
+    def __init__(self, file: TensorFile) -> None:
+        self.file = file
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.file.header
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.file.read(key)
+
+
+def find_quantized(models: Path, checkpoint: Path, format: str) -> QuantizedReader | None:
+    """The experts `npumoed model quantize` wrote for this checkpoint in `format` under the home's `models`
+    folder, or None when there are none for its current weights."""
+    target = quantized_folder(models, checkpoint, fingerprint(checkpoint), format)
+    if not (target / MANIFEST).is_file():
+        return None
+    reader = QuantizedReader(target, checkpoint)
+    if reader.format != format:
+        raise QuantizedStoreError(f"{target}: holds {reader.format} experts, not {format}; quantize again")
+    return reader
+
+
+def _checked_manifest(target: Path, source: Path | None) -> tuple[str, dict[str, list[str]], Path]:
+    """(format, {file: tensors}, checkpoint) of the quantized experts in `target`, refused if the checkpoint
+    (`source`, by default the one named in the manifest) no longer holds the weights they were made from."""
     try:
         manifest = json.loads((target / MANIFEST).read_text())
         format, files = manifest["format"], manifest["files"]
@@ -197,14 +268,13 @@ def load_quantized(target: Path, source: Path | None = None) -> QuantizedExperts
         raise QuantizedStoreError(f"{target}: no readable quantized experts ({e})") from e
     if not (source / "config.json").is_file() or fingerprint(source) != manifest["fingerprint"]:
         raise QuantizedStoreError(f"{target}: made from other weights than those now in {source}; quantize again")
-    weights = {}
-    for name, tensors in files.items():
-        held = _mapped(target / name)
-        for tensor in tensors:
-            parts = {part: held[f"{tensor}.{part}"] for part in ("codes", "scale", "zero")
-                     if f"{tensor}.{part}" in held}
-            weights[tensor] = QuantizedWeight.from_tensors(format, parts)
-    return QuantizedExperts(format, source, weights)
+    return format, files, source
+
+
+def _weight(format: str, tensor: str, held: dict[str, torch.Tensor] | _Parts) -> QuantizedWeight:
+    """One quantized weight from its stored parts ("<tensor>.codes", ".scale", ".zero") in `held`."""
+    parts = {part: held[f"{tensor}.{part}"] for part in ("codes", "scale", "zero") if f"{tensor}.{part}" in held}
+    return QuantizedWeight.from_tensors(format, parts)
 
 
 def _mapped(path: Path) -> dict[str, torch.Tensor]:

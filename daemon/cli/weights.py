@@ -13,12 +13,6 @@ from rich.table import Table
 FORMATS = ("int8", "int4")  # listed here rather than imported, so that `npumoed --help` does not import torch
 
 
-def quantized_folder(models: Path, checkpoint: Path, fingerprint: str, format: str) -> Path:
-    """Where the home keeps a checkpoint's experts quantized to `format`: under models/quantized/, by the
-    checkpoint's folder name and its weights' fingerprint (other weights, another folder)."""
-    return models / "quantized" / f"{checkpoint.name}-{fingerprint}" / format
-
-
 @click.command("quantize")
 @click.argument("model_name", metavar="MODEL")
 @click.option("--weights", "format", type=click.Choice(FORMATS), required=True, help="Format of the experts.")
@@ -31,7 +25,7 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
     from npumoe.daemon.cli.engine import _model_ref
     from npumoe.daemon.home import Home
     from npumoe.engine.models import ModelError, _resolve, fingerprint
-    from npumoe.engine.quant_store import QuantizedStoreError, quantize_checkpoint
+    from npumoe.engine.quant_store import QuantizedStoreError, quantize_checkpoint, quantized_folder
 
     try:
         checkpoint, _ = _resolve(_model_ref(model_name), allow_download=False, trust_remote_code=False)

@@ -13,6 +13,7 @@ def test_the_child_loads_processes_the_document_and_its_peak_is_set_beside_the_w
     folder = tiny("qwen3_moe")
     row = measure(folder, weights, MemorySettings(document_tokens=300, chunk_tokens=128))
     assert row["tokens"] == 300  # the document the child made has exactly the tokens asked for
+    assert row["streamed"]  # read tensor by tensor, not by from_pretrained
     assert row["kernel"] in ({"npumoe-int4-dynamic", "int4pack", "dequantize"} if weights == "int4"
                              else {"npumoe-bf16", "onednn", "torch"})
     assert row["weight_bytes"] == model_size(checkpoint_tensors(folder)).formats[weights].total_bytes
