@@ -1,0 +1,429 @@
+/* Exact flash attention of a prefill chunk against its KV cache, for x86-64 CPUs with AVX-512, with grouped
+ * KV heads read once for every query head they serve.
+ *
+ * A unit of work is one KV head and a run of query positions: its rows are every (position, query head of the
+ * group), so the keys and values of a block are packed once and used by all of them (torch's CPU flash kernel
+ * reads them once per query head). Each query position sees the keys [lo, hi) (causal, sliding window); keys
+ * outside take no weight. The softmax is online and in float32; with sinks, each head's sink logit joins the
+ * denominator and adds no value (gpt-oss).
+ *
+ * Two bodies: bfloat16 on AMX tiles (QK and PV as tile products with float32 accumulation, the weights rounded
+ * to bf16 for PV as torch's bf16 kernel does), and float32 with AVX-512 FMA. Units are shared out to `threads`
+ * POSIX threads (the caller's thread is one of them) by an atomic counter.
+ * Built and loaded at run time by attention_kernel.py, which checks the CPU first.
+ */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
+#define NK 64        /* keys per block */
+#define TR 16        /* rows per row tile */
+#define MAX_DIM 256
+
+typedef struct {
+    const void *q, *k, *v;
+    void *out;
+    int64_t q_head, q_row, k_head, k_row, v_head, v_row, o_head, o_row; /* element strides */
+    const int64_t *lo, *hi; /* per query position: the keys [lo, hi) it sees */
+    const float *sinks;     /* per query head, or NULL */
+    int64_t heads, groups, rows, dim, positions; /* positions: query positions per unit */
+    float scale;
+    int64_t units, next;
+    int failed;
+} job_t;
+
+/* exp(x) for x <= 0 to about 1 ulp: 2^n · p(r), r = x - n·ln2, Taylor to degree 7; below -120 it is 0. */
+static inline AVX512 __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-120.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline AVX512 float exp1(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+
+static inline AVX512 __mmask16 lanes(int64_t a, int64_t b, int64_t base) {
+    /* the lanes base..base+15 that fall in [a, b) */
+    int64_t from = a - base < 0 ? 0 : a - base, to = b - base > 16 ? 16 : b - base;
+    if (to <= from) return 0;
+    return (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
+}
+
+/* Online softmax of one row's block of scores s[NK] (keys j0..): updates m, l; writes the weights to p (float,
+ * zero where hidden) and returns the factor the row's earlier output is scaled by. */
+static inline AVX512 float softmax_row(float *s, float *m, float *l, int64_t lo, int64_t hi, int64_t j0, float scale) {
+    const __m512 vscale = _mm512_set1_ps(scale);
+    __mmask16 k[NK / 16];
+    __m512 vmax = _mm512_set1_ps(-__builtin_inff());
+    for (int c = 0; c < NK / 16; c++) {
+        k[c] = lanes(lo, hi, j0 + 16 * c);
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), vscale);
+        _mm512_storeu_ps(s + 16 * c, x);
+        vmax = _mm512_mask_max_ps(vmax, k[c], vmax, x);
+    }
+    float block_max = _mm512_reduce_max_ps(vmax);
+    if (block_max == -__builtin_inff()) { /* nothing visible in this block */
+        memset(s, 0, NK * sizeof(float));
+        return 1.0f;
+    }
+    float m_new = block_max > *m ? block_max : *m;
+    float alpha = *m == -__builtin_inff() ? 0.0f : exp1(*m - m_new);
+    __m512 vm = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
+    for (int c = 0; c < NK / 16; c++) {
+        __m512 p = _mm512_maskz_mov_ps(k[c], exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), vm)));
+        _mm512_storeu_ps(s + 16 * c, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);
+    *m = m_new;
+    return alpha;
+}
+
+/* The final output row: o / l, with the sink's share of the denominator when there is one. */
+static inline AVX512 float final_factor(float m, float l, const float *sink) {
+    if (sink == NULL) return l > 0 ? 1.0f / l : 0.0f;
+    float m_all = *sink > m ? *sink : m;
+    float kept = m == -__builtin_inff() ? 0.0f : exp1(m - m_all);
+    return kept / (l * kept + exp1(*sink - m_all));
+}
+
+/* Rows of a unit: r = position offset * per_group + head in group. Row tiles cover [first, last) keys. */
+typedef struct {
+    int64_t g, p0, count, rows; /* KV head, first position, positions, rows (count * per_group) */
+} unit_t;
+
+static unit_t unit_of(const job_t *job, int64_t u) {
+    int64_t per_unit = (job->rows + job->positions - 1) / job->positions;
+    unit_t unit = {u / per_unit, (u % per_unit) * job->positions, 0, 0};
+    unit.count = job->rows - unit.p0 < job->positions ? job->rows - unit.p0 : job->positions;
+    unit.rows = unit.count * (job->heads / job->groups);
+    return unit;
+}
+
+/* ---------------------------------------------------------------- bfloat16 on AMX tiles */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config_t;
+
+typedef struct {
+    uint16_t *q;   /* rows x dim, bf16 */
+    float *o;      /* rows x dim */
+    float *m, *l;  /* rows */
+    float *s;      /* TR x NK */
+    uint16_t *p;   /* TR x NK, bf16 */
+    uint16_t *kb;  /* dim/2 x NK x 2: the block's keys as AMX's B operand of QK */
+    uint16_t *vb;  /* NK/2 x dim x 2: the block's values as AMX's B operand of PV */
+    float *t;      /* TR x 64 */
+    int64_t *tlo, *thi; /* per row tile: the keys any of its rows sees */
+} bf16_buffers;
+
+static inline AMX void to_bf16_row(uint16_t *dst, const float *src, int64_t n) {
+    for (int64_t c = 0; c < n; c += 16)
+        _mm256_storeu_si256((__m256i *)(dst + c), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + c)));
+}
+
+static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b) {
+    const int64_t d = job->dim, per_group = job->heads / job->groups;
+    const int64_t tiles = (unit->rows + TR - 1) / TR, padded = tiles * TR;
+    const uint16_t *q = job->q, *k = (const uint16_t *)job->k + unit->g * job->k_head,
+                   *v = (const uint16_t *)job->v + unit->g * job->v_head;
+    int64_t first = INT64_MAX, last = 0;
+    for (int64_t t = 0; t < tiles; t++) b->tlo[t] = INT64_MAX, b->thi[t] = 0;
+    for (int64_t r = 0; r < padded; r++) {
+        uint16_t *qr = b->q + r * d;
+        b->m[r] = -__builtin_inff(), b->l[r] = 0.0f;
+        memset(b->o + r * d, 0, d * sizeof(float));
+        if (r >= unit->rows) {
+            memset(qr, 0, d * sizeof(uint16_t));
+            continue;
+        }
+        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
+        memcpy(qr, q + head * job->q_head + pos * job->q_row, d * sizeof(uint16_t));
+        int64_t lo = job->lo[pos], hi = job->hi[pos];
+        if (lo < hi) {
+            if (lo < b->tlo[r / TR]) b->tlo[r / TR] = lo;
+            if (hi > b->thi[r / TR]) b->thi[r / TR] = hi;
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++) {
+        if (b->tlo[t] < first) first = b->tlo[t];
+        if (b->thi[t] > last) last = b->thi[t];
+    }
+    for (int64_t j0 = first; j0 < last; j0 += NK) {
+        const int64_t keys = last - j0 < NK ? last - j0 : NK;
+        uint32_t *kb = (uint32_t *)b->kb, *vb = (uint32_t *)b->vb;
+        for (int64_t j = 0; j < NK; j++) {
+            const uint32_t *kj = (const uint32_t *)(k + (j0 + j) * job->k_row);
+            for (int64_t pair = 0; pair < d / 2; pair++) kb[pair * NK + j] = j < keys ? kj[pair] : 0;
+        }
+        for (int64_t pair = 0; pair < NK / 2; pair++) {
+            const int64_t j = 2 * pair;
+            const uint16_t *v0 = v + (j0 + j) * job->v_row, *v1 = v0 + job->v_row;
+            for (int64_t c = 0; c < d; c++)
+                vb[pair * d + c] = (j < keys ? v0[c] : 0) | (uint32_t)(j + 1 < keys ? v1[c] : 0) << 16;
+        }
+        for (int64_t t = 0; t < tiles; t++) {
+            if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;
+            /* S = Q Kᵀ: tiles 0-3 hold 16 rows x 64 keys */
+            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t c = 0; c < d / 32; c++) {
+                _tile_loadd(4, b->q + t * TR * d + c * 32, d * 2);
+#define QK(ks) _tile_loadd(5, b->kb + ((c * 16) * NK + (ks) * 16) * 2, NK * 4); _tile_dpbf16ps(ks, 4, 5);
+                QK(0) QK(1) QK(2) QK(3)
+#undef QK
+            }
+            _tile_stored(0, b->s, NK * 4);
+            _tile_stored(1, b->s + 16, NK * 4);
+            _tile_stored(2, b->s + 32, NK * 4);
+            _tile_stored(3, b->s + 48, NK * 4);
+            float alpha[TR];
+            for (int64_t i = 0; i < TR; i++) {
+                int64_t r = t * TR + i, lo = 0, hi = 0;
+                if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
+                alpha[i] = softmax_row(b->s + i * NK, b->m + r, b->l + r, lo, hi, j0, job->scale);
+                to_bf16_row(b->p + i * NK, b->s + i * NK, NK);
+            }
+            /* O = O·alpha + P V, 64 output columns at a time */
+            for (int64_t c0 = 0; c0 < d; c0 += 64) {
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int kc = 0; kc < NK / 32; kc++) {
+                    _tile_loadd(4, b->p + kc * 32, NK * 2);
+#define PV(cs) _tile_loadd(5, b->vb + ((kc * 16) * d + c0 + (cs) * 16) * 2, d * 4); _tile_dpbf16ps(cs, 4, 5);
+                    PV(0) PV(1) PV(2) PV(3)
+#undef PV
+                }
+                _tile_stored(0, b->t, 64 * 4);
+                _tile_stored(1, b->t + 16, 64 * 4);
+                _tile_stored(2, b->t + 32, 64 * 4);
+                _tile_stored(3, b->t + 48, 64 * 4);
+                for (int64_t i = 0; i < TR; i++) {
+                    float *o = b->o + (t * TR + i) * d + c0;
+                    const __m512 a = _mm512_set1_ps(alpha[i]);
+                    for (int c = 0; c < 64; c += 16)
+                        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), a, _mm512_loadu_ps(b->t + i * 64 + c)));
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < unit->rows; r++) {
+        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
+        const float f = final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL);
+        float *o = b->o + r * d;
+        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(f)));
+        to_bf16_row((uint16_t *)job->out + head * job->o_head + pos * job->o_row, o, d);
+    }
+}
+
+static AMX void *worker_bf16(void *arg) {
+    job_t *job = arg;
+    tile_config_t config = {0};
+    config.palette = 1;
+    for (int i = 0; i < 6; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    _tile_loadconfig(&config);
+    const int64_t d = job->dim, rows = job->positions * (job->heads / job->groups) + TR;
+    bf16_buffers b;
+    char *memory = aligned_alloc(64, (rows * d * 2 + rows * d * 4 + rows * 8 + TR * NK * 6 + 2 * NK * d * 2 + TR * 64 * 4
+                                      + (rows / TR + 1) * 16 + 64 * 12) / 64 * 64);
+    if (memory == NULL) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        _tile_release();
+        return NULL;
+    }
+    char *at = memory;
+#define TAKE(field, type, count) b.field = (type *)at; at += ((count) * sizeof(type) + 63) / 64 * 64;
+    TAKE(q, uint16_t, rows * d) TAKE(o, float, rows * d) TAKE(m, float, rows) TAKE(l, float, rows)
+    TAKE(s, float, TR * NK) TAKE(p, uint16_t, TR * NK) TAKE(kb, uint16_t, NK * d) TAKE(vb, uint16_t, NK * d)
+    TAKE(t, float, TR * 64) TAKE(tlo, int64_t, rows / TR + 1) TAKE(thi, int64_t, rows / TR + 1)
+#undef TAKE
+    for (int64_t u; (u = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->units;) {
+        unit_t unit = unit_of(job, u);
+        unit_bf16(job, &unit, &b);
+    }
+    free(memory);
+    _tile_release();
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- float32 with AVX-512 FMA */
+
+typedef struct {
+    float *q, *o, *m, *l, *s, *kt; /* kt: dim x NK, the block's keys transposed */
+    int64_t *tlo, *thi;
+} f32_buffers;
+
+static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b) {
+    const int64_t d = job->dim, per_group = job->heads / job->groups;
+    const int64_t tiles = (unit->rows + TR - 1) / TR, padded = tiles * TR;
+    const float *q = job->q, *k = (const float *)job->k + unit->g * job->k_head,
+                *v = (const float *)job->v + unit->g * job->v_head;
+    int64_t first = INT64_MAX, last = 0;
+    for (int64_t t = 0; t < tiles; t++) b->tlo[t] = INT64_MAX, b->thi[t] = 0;
+    for (int64_t r = 0; r < padded; r++) {
+        float *qr = b->q + r * d;
+        b->m[r] = -__builtin_inff(), b->l[r] = 0.0f;
+        memset(b->o + r * d, 0, d * sizeof(float));
+        if (r >= unit->rows) {
+            memset(qr, 0, d * sizeof(float));
+            continue;
+        }
+        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
+        memcpy(qr, q + head * job->q_head + pos * job->q_row, d * sizeof(float));
+        int64_t lo = job->lo[pos], hi = job->hi[pos];
+        if (lo < hi) {
+            if (lo < b->tlo[r / TR]) b->tlo[r / TR] = lo;
+            if (hi > b->thi[r / TR]) b->thi[r / TR] = hi;
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++) {
+        if (b->tlo[t] < first) first = b->tlo[t];
+        if (b->thi[t] > last) last = b->thi[t];
+    }
+    for (int64_t j0 = first; j0 < last; j0 += NK) {
+        const int64_t keys = last - j0 < NK ? last - j0 : NK;
+        for (int64_t j = 0; j < NK; j++) {
+            const float *kj = k + (j0 + j) * job->k_row;
+            for (int64_t c = 0; c < d; c++) b->kt[c * NK + j] = j < keys ? kj[c] : 0.0f;
+        }
+        for (int64_t t = 0; t < tiles; t++) {
+            if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;
+            /* S = Q Kᵀ, 4 rows x 64 keys at a time */
+            for (int64_t r0 = t * TR; r0 < t * TR + TR; r0 += 4) {
+                __m512 acc[4][4];
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+                for (int64_t e = 0; e < d; e++) {
+                    const float *kt = b->kt + e * NK;
+                    __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16), k2 = _mm512_loadu_ps(kt + 32),
+                           k3 = _mm512_loadu_ps(kt + 48);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        __m512 x = _mm512_set1_ps(b->q[(r0 + i) * d + e]);
+                        acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
+                        acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
+                        acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
+                        acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+                    }
+                }
+                for (int i = 0; i < 4; i++)
+                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(b->s + (r0 - t * TR + i) * NK + 16 * c, acc[i][c]);
+            }
+            float alpha[TR];
+            for (int64_t i = 0; i < TR; i++) {
+                int64_t r = t * TR + i, lo = 0, hi = 0;
+                if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
+                alpha[i] = softmax_row(b->s + i * NK, b->m + r, b->l + r, lo, hi, j0, job->scale);
+            }
+            /* O = O·alpha + P V, 4 rows x 64 columns at a time */
+            for (int64_t r0 = 0; r0 < TR; r0 += 4) {
+                for (int64_t c0 = 0; c0 < d; c0 += 64) {
+                    __m512 acc[4][4];
+                    for (int i = 0; i < 4; i++) {
+                        const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
+                        for (int c = 0; c < 4; c++)
+                            acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(b->o + (t * TR + r0 + i) * d + c0 + 16 * c), a);
+                    }
+                    for (int64_t j = 0; j < keys; j++) {
+                        const float *vj = v + (j0 + j) * job->v_row + c0;
+                        __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
+                               v3 = _mm512_loadu_ps(vj + 48);
+#pragma GCC unroll 4
+                        for (int i = 0; i < 4; i++) {
+                            __m512 x = _mm512_set1_ps(b->s[(r0 + i) * NK + j]);
+                            acc[i][0] = _mm512_fmadd_ps(x, v0, acc[i][0]);
+                            acc[i][1] = _mm512_fmadd_ps(x, v1, acc[i][1]);
+                            acc[i][2] = _mm512_fmadd_ps(x, v2, acc[i][2]);
+                            acc[i][3] = _mm512_fmadd_ps(x, v3, acc[i][3]);
+                        }
+                    }
+                    for (int i = 0; i < 4; i++)
+                        for (int c = 0; c < 4; c++)
+                            _mm512_storeu_ps(b->o + (t * TR + r0 + i) * d + c0 + 16 * c, acc[i][c]);
+                }
+            }
+        }
+    }
+    for (int64_t r = 0; r < unit->rows; r++) {
+        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
+        const __m512 f = _mm512_set1_ps(final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL));
+        float *out = (float *)job->out + head * job->o_head + pos * job->o_row;
+        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(b->o + r * d + c), f));
+    }
+}
+
+static AVX512 void *worker_f32(void *arg) {
+    job_t *job = arg;
+    const int64_t d = job->dim, rows = job->positions * (job->heads / job->groups) + TR;
+    f32_buffers b;
+    char *memory = aligned_alloc(64, (rows * d * 8 + rows * 8 + TR * NK * 4 + NK * d * 4 + (rows / TR + 1) * 16 + 64 * 8)
+                                     / 64 * 64 + 64);
+    if (memory == NULL) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        return NULL;
+    }
+    char *at = memory;
+#define TAKE(field, type, count) b.field = (type *)at; at += ((count) * sizeof(type) + 63) / 64 * 64;
+    TAKE(q, float, rows * d) TAKE(o, float, rows * d) TAKE(m, float, rows) TAKE(l, float, rows)
+    TAKE(s, float, TR * NK) TAKE(kt, float, NK * d) TAKE(tlo, int64_t, rows / TR + 1) TAKE(thi, int64_t, rows / TR + 1)
+#undef TAKE
+    for (int64_t u; (u = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->units;) {
+        unit_t unit = unit_of(job, u);
+        unit_f32(job, &unit, &b);
+    }
+    free(memory);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+/* Asks Linux for the AMX tile state (once per process); 0 when granted. */
+int npumoe_attention_amx_init(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0 ? 0 : -1;
+}
+
+static int run(job_t *job, void *(*worker)(void *), int64_t threads) {
+    pthread_t ids[64];
+    int64_t started = 0;
+    if (threads > 64) threads = 64;
+    for (int64_t i = 1; i < threads; i++) {
+        if (pthread_create(&ids[started], NULL, worker, job) != 0) break;
+        started++;
+    }
+    worker(job);
+    for (int64_t i = 0; i < started; i++) pthread_join(ids[i], NULL);
+    return job->failed ? -1 : 0;
+}
+
+/* q (heads, rows, dim) with strides; k, v (groups, keys, dim); out (heads, rows, dim). dim % 64 == 0, <= 256;
+ * heads % groups == 0. Returns 0, or -1 when a thread could not get its buffers. */
+#define ENTRY(name, worker)                                                                                           \
+    int name(const void *q, int64_t q_head, int64_t q_row, const void *k, int64_t k_head, int64_t k_row,            \
+             const void *v, int64_t v_head, int64_t v_row, void *out, int64_t o_head, int64_t o_row,               \
+             const int64_t *lo, const int64_t *hi, const float *sinks, int64_t heads, int64_t groups, int64_t rows, \
+             int64_t dim, float scale, int64_t positions, int64_t threads) {                                       \
+        if (dim % 64 || dim > MAX_DIM || heads % groups || positions < 1) return -2;                              \
+        job_t job = {q, k, v, out, q_head, q_row, k_head, k_row, v_head, v_row, o_head, o_row, lo, hi, sinks,     \
+                     heads, groups, rows, dim, positions, scale, groups * ((rows + positions - 1) / positions), 0, 0}; \
+        return run(&job, worker, threads);                                                                        \
+    }
+ENTRY(npumoe_attention_bf16_amx, worker_bf16)
+ENTRY(npumoe_attention_f32, worker_f32)
