@@ -23,7 +23,7 @@
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
-#define NK 64        /* keys per block */
+#define NK 128       /* keys per block */
 #define TR 16        /* rows per row tile */
 #define MAX_DIM 256
 
@@ -39,25 +39,25 @@ typedef struct {
     int failed;
 } job_t;
 
-/* exp(x) for x <= 0 to about 1 ulp: 2^n · p(r), r = x - n·ln2, Taylor to degree 7; below -120 it is 0. */
-static inline AVX512 __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-120.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 5040);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+/* 2^y for y <= 0: 2^n · p(y - n), n the nearest integer, p Taylor's series of e^(r ln2) to degree 7 (about 1 ulp)
+ * or, for weights that are rounded to bf16 anyway, degree 5 (2e-6 relative); below -150 it is 0. */
+#define EXP2_BODY(degree)                                                                                            \
+    y = _mm512_max_ps(y, _mm512_set1_ps(-150.0f));                                                                  \
+    const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);                        \
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(y, n), _mm512_set1_ps(0.693147180559945309f));                     \
+    __m512 p = _mm512_set1_ps(degree == 7 ? 1.0f / 5040 : 1.0f / 120);                                              \
+    if (degree == 7) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));                                         \
+    if (degree == 7) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));                                         \
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));                                                           \
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));                                                            \
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));                                                                \
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));                                                                \
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));                                                                \
     return _mm512_scalef_ps(p, n);
-}
+static inline AVX512 __m512 exp2_512(__m512 y) { EXP2_BODY(7) }
+static inline AVX512 __m512 exp2_512_short(__m512 y) { EXP2_BODY(5) }
 
-static inline AVX512 float exp1(float x) { return _mm512_cvtss_f32(exp512(_mm512_set1_ps(x))); }
+static inline AVX512 float exp2_1(float y) { return _mm512_cvtss_f32(exp2_512(_mm512_set1_ps(y))); }
 
 static inline AVX512 __mmask16 lanes(int64_t a, int64_t b, int64_t base) {
     /* the lanes base..base+15 that fall in [a, b) */
@@ -66,42 +66,50 @@ static inline AVX512 __mmask16 lanes(int64_t a, int64_t b, int64_t base) {
     return (__mmask16)(((1u << to) - 1) & ~((1u << from) - 1));
 }
 
-/* Online softmax of one row's block of scores s[NK] (keys j0..): updates m, l; writes the weights to p (float,
- * zero where hidden) and returns the factor the row's earlier output is scaled by. */
-static inline AVX512 float softmax_row(float *s, float *m, float *l, int64_t lo, int64_t hi, int64_t j0, float scale) {
-    const __m512 vscale = _mm512_set1_ps(scale);
-    __mmask16 k[NK / 16];
-    __m512 vmax = _mm512_set1_ps(-__builtin_inff());
-    for (int c = 0; c < NK / 16; c++) {
-        k[c] = lanes(lo, hi, j0 + 16 * c);
-        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * c), vscale);
-        _mm512_storeu_ps(s + 16 * c, x);
-        vmax = _mm512_mask_max_ps(vmax, k[c], vmax, x);
-    }
-    float block_max = _mm512_reduce_max_ps(vmax);
-    if (block_max == -__builtin_inff()) { /* nothing visible in this block */
-        memset(s, 0, NK * sizeof(float));
-        return 1.0f;
-    }
-    float m_new = block_max > *m ? block_max : *m;
-    float alpha = *m == -__builtin_inff() ? 0.0f : exp1(*m - m_new);
-    __m512 vm = _mm512_set1_ps(m_new), sum = _mm512_setzero_ps();
-    for (int c = 0; c < NK / 16; c++) {
-        __m512 p = _mm512_maskz_mov_ps(k[c], exp512(_mm512_sub_ps(_mm512_loadu_ps(s + 16 * c), vm)));
-        _mm512_storeu_ps(s + 16 * c, p);
-        sum = _mm512_add_ps(sum, p);
-    }
-    *l = *l * alpha + _mm512_reduce_add_ps(sum);
-    *m = m_new;
-    return alpha;
+#define LOG2E 1.44269504088896341f
+
+/* Online softmax of one row's block of raw scores s[NK] (keys j0..), whose logits are s·scale: updates the
+ * row's running maximum m (of raw scores) and sum l; writes the weights (zero where hidden) to pb in bf16, or
+ * over s in float32; returns the factor the row's earlier output is scaled by. */
+#define SOFTMAX_ROW(name, target, bf16)                                                                               \
+static inline __attribute__((always_inline)) target float name(float *s, uint16_t *pb, float *m, float *l,            \
+                                                                int64_t lo, int64_t hi, int64_t j0, float scale) {    \
+    __mmask16 k[NK / 16];                                                                                             \
+    __m512 vmax = _mm512_set1_ps(-__builtin_inff());                                                                  \
+    for (int c = 0; c < NK / 16; c++) {                                                                               \
+        k[c] = lanes(lo, hi, j0 + 16 * c);                                                                            \
+        vmax = _mm512_mask_max_ps(vmax, k[c], vmax, _mm512_loadu_ps(s + 16 * c));                                     \
+    }                                                                                                                 \
+    const float block_max = _mm512_reduce_max_ps(vmax);                                                               \
+    if (block_max == -__builtin_inff()) { /* nothing visible */                                                       \
+        if (bf16) memset(pb, 0, NK * sizeof(uint16_t));                                                               \
+        else memset(s, 0, NK * sizeof(float));                                                                        \
+        return 1.0f;                                                                                                  \
+    }                                                                                                                 \
+    const float m_new = block_max > *m ? block_max : *m, c2 = scale * LOG2E;                                          \
+    const float alpha = *m == -__builtin_inff() ? 0.0f : exp2_1((*m - m_new) * c2);                                   \
+    const __m512 vc = _mm512_set1_ps(c2), vmc = _mm512_set1_ps(m_new * c2);                                           \
+    __m512 sum = _mm512_setzero_ps();                                                                                 \
+    for (int c = 0; c < NK / 16; c++) {                                                                               \
+        const __m512 y = _mm512_fmsub_ps(_mm512_loadu_ps(s + 16 * c), vc, vmc);                                       \
+        const __m512 p = _mm512_maskz_mov_ps(k[c], bf16 ? exp2_512_short(y) : exp2_512(y));                           \
+        sum = _mm512_add_ps(sum, p);                                                                                  \
+        if (bf16) _mm256_storeu_si256((__m256i *)(pb + 16 * c), (__m256i)_mm512_cvtneps_pbh(p));                      \
+        else _mm512_storeu_ps(s + 16 * c, p);                                                                         \
+    }                                                                                                                 \
+    *l = *l * alpha + _mm512_reduce_add_ps(sum);                                                                      \
+    *m = m_new;                                                                                                       \
+    return alpha;                                                                                                     \
 }
 
-/* The final output row: o / l, with the sink's share of the denominator when there is one. */
-static inline AVX512 float final_factor(float m, float l, const float *sink) {
+SOFTMAX_ROW(softmax_row_f32, AVX512, 0)
+
+/* The final output row's factor: 1 / l, with the sink's share of the denominator when there is one. */
+static inline AVX512 float final_factor(float m, float l, const float *sink, float scale) {
     if (sink == NULL) return l > 0 ? 1.0f / l : 0.0f;
-    float m_all = *sink > m ? *sink : m;
-    float kept = m == -__builtin_inff() ? 0.0f : exp1(m - m_all);
-    return kept / (l * kept + exp1(*sink - m_all));
+    const float own = m == -__builtin_inff() ? -__builtin_inff() : m * scale * LOG2E, theirs = *sink * LOG2E;
+    const float top = own > theirs ? own : theirs, kept = own == -__builtin_inff() ? 0.0f : exp2_1(own - top);
+    return kept / (l * kept + exp2_1(theirs - top));
 }
 
 /* Rows of a unit: r = position offset * per_group + head in group. Row tiles cover [first, last) keys. */
@@ -129,13 +137,15 @@ typedef struct {
     uint16_t *q;   /* rows x dim, bf16 */
     float *o;      /* rows x dim */
     float *m, *l;  /* rows */
-    float *s;      /* TR x NK */
-    uint16_t *p;   /* TR x NK, bf16 */
+    float *s;      /* 2TR x NK */
+    uint16_t *p;   /* 2TR x NK, bf16 */
     uint16_t *kb;  /* dim/2 x NK x 2: the block's keys as AMX's B operand of QK */
     uint16_t *vb;  /* NK/2 x dim x 2: the block's values as AMX's B operand of PV */
-    float *t;      /* TR x 64 */
+    float *t;      /* 2TR x 32 */
     int64_t *tlo, *thi; /* per row tile: the keys any of its rows sees */
 } bf16_buffers;
+
+SOFTMAX_ROW(softmax_row_bf16, AMX, 1)
 
 static inline AMX void to_bf16_row(uint16_t *dst, const float *src, int64_t n) {
     for (int64_t c = 0; c < n; c += 16)
@@ -144,7 +154,7 @@ static inline AMX void to_bf16_row(uint16_t *dst, const float *src, int64_t n) {
 
 static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b) {
     const int64_t d = job->dim, per_group = job->heads / job->groups;
-    const int64_t tiles = (unit->rows + TR - 1) / TR, padded = tiles * TR;
+    const int64_t tiles = (unit->rows + 2 * TR - 1) / (2 * TR) * 2, padded = tiles * TR;
     const uint16_t *q = job->q, *k = (const uint16_t *)job->k + unit->g * job->k_head,
                    *v = (const uint16_t *)job->v + unit->g * job->v_head;
     int64_t first = INT64_MAX, last = 0;
@@ -182,52 +192,54 @@ static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b)
             for (int64_t c = 0; c < d; c++)
                 vb[pair * d + c] = (j < keys ? v0[c] : 0) | (uint32_t)(j + 1 < keys ? v1[c] : 0) << 16;
         }
-        for (int64_t t = 0; t < tiles; t++) {
-            if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;
-            /* S = Q Kᵀ: tiles 0-3 hold 16 rows x 64 keys */
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int64_t c = 0; c < d / 32; c++) {
-                _tile_loadd(4, b->q + t * TR * d + c * 32, d * 2);
-#define QK(ks) _tile_loadd(5, b->kb + ((c * 16) * NK + (ks) * 16) * 2, NK * 4); _tile_dpbf16ps(ks, 4, 5);
-                QK(0) QK(1) QK(2) QK(3)
-#undef QK
+        for (int64_t t = 0; t < tiles; t += 2) { /* two row tiles: tiles 0-3 accumulate, 4-5 hold rows, 6-7 keys */
+            if ((b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) && (b->thi[t + 1] <= j0 || b->tlo[t + 1] >= j0 + NK)) continue;
+            const uint16_t *q0 = b->q + t * TR * d, *q1 = q0 + TR * d;
+            for (int64_t kh = 0; kh < NK / 32; kh++) { /* S = Q Kᵀ, 32 rows x 32 keys at a time */
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t c = 0; c < d / 32; c++) {
+                    _tile_loadd(4, q0 + c * 32, d * 2);
+                    _tile_loadd(5, q1 + c * 32, d * 2);
+                    _tile_loadd(6, b->kb + ((c * 16) * NK + kh * 32) * 2, NK * 4);
+                    _tile_loadd(7, b->kb + ((c * 16) * NK + kh * 32 + 16) * 2, NK * 4);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+                }
+                _tile_stored(0, b->s + kh * 32, NK * 4);
+                _tile_stored(1, b->s + kh * 32 + 16, NK * 4);
+                _tile_stored(2, b->s + TR * NK + kh * 32, NK * 4);
+                _tile_stored(3, b->s + TR * NK + kh * 32 + 16, NK * 4);
             }
-            _tile_stored(0, b->s, NK * 4);
-            _tile_stored(1, b->s + 16, NK * 4);
-            _tile_stored(2, b->s + 32, NK * 4);
-            _tile_stored(3, b->s + 48, NK * 4);
-            float alpha[TR];
-            for (int64_t i = 0; i < TR; i++) {
+            float alpha[2 * TR];
+            for (int64_t i = 0; i < 2 * TR; i++) {
                 int64_t r = t * TR + i, lo = 0, hi = 0;
                 if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
-                alpha[i] = softmax_row(b->s + i * NK, b->m + r, b->l + r, lo, hi, j0, job->scale);
-                to_bf16_row(b->p + i * NK, b->s + i * NK, NK);
+                alpha[i] = softmax_row_bf16(b->s + i * NK, b->p + i * NK, b->m + r, b->l + r, lo, hi, j0, job->scale);
             }
-            /* O = O·alpha + P V, 64 output columns at a time */
-            for (int64_t c0 = 0; c0 < d; c0 += 64) {
+            for (int64_t c0 = 0; c0 < d; c0 += 32) { /* O = O·alpha + P V, 32 rows x 32 columns at a time */
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int kc = 0; kc < NK / 32; kc++) {
+                for (int64_t kc = 0; kc < NK / 32; kc++) {
                     _tile_loadd(4, b->p + kc * 32, NK * 2);
-#define PV(cs) _tile_loadd(5, b->vb + ((kc * 16) * d + c0 + (cs) * 16) * 2, d * 4); _tile_dpbf16ps(cs, 4, 5);
-                    PV(0) PV(1) PV(2) PV(3)
-#undef PV
+                    _tile_loadd(5, b->p + TR * NK + kc * 32, NK * 2);
+                    _tile_loadd(6, b->vb + ((kc * 16) * d + c0) * 2, d * 4);
+                    _tile_loadd(7, b->vb + ((kc * 16) * d + c0 + 16) * 2, d * 4);
+                    _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
                 }
-                _tile_stored(0, b->t, 64 * 4);
-                _tile_stored(1, b->t + 16, 64 * 4);
-                _tile_stored(2, b->t + 32, 64 * 4);
-                _tile_stored(3, b->t + 48, 64 * 4);
-                for (int64_t i = 0; i < TR; i++) {
+                _tile_stored(0, b->t, 32 * 4);
+                _tile_stored(1, b->t + 16, 32 * 4);
+                _tile_stored(2, b->t + TR * 32, 32 * 4);
+                _tile_stored(3, b->t + TR * 32 + 16, 32 * 4);
+                for (int64_t i = 0; i < 2 * TR; i++) {
                     float *o = b->o + (t * TR + i) * d + c0;
                     const __m512 a = _mm512_set1_ps(alpha[i]);
-                    for (int c = 0; c < 64; c += 16)
-                        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), a, _mm512_loadu_ps(b->t + i * 64 + c)));
+                    for (int c = 0; c < 32; c += 16)
+                        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), a, _mm512_loadu_ps(b->t + i * 32 + c)));
                 }
             }
         }
     }
     for (int64_t r = 0; r < unit->rows; r++) {
         int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
-        const float f = final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL);
+        const float f = final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL, job->scale);
         float *o = b->o + r * d;
         for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(f)));
         to_bf16_row((uint16_t *)job->out + head * job->o_head + pos * job->o_row, o, d);
@@ -238,11 +250,11 @@ static AMX void *worker_bf16(void *arg) {
     job_t *job = arg;
     tile_config_t config = {0};
     config.palette = 1;
-    for (int i = 0; i < 6; i++) config.rows[i] = 16, config.colsb[i] = 64;
+    for (int i = 0; i < 8; i++) config.rows[i] = 16, config.colsb[i] = 64;
     _tile_loadconfig(&config);
-    const int64_t d = job->dim, rows = job->positions * (job->heads / job->groups) + TR;
+    const int64_t d = job->dim, rows = job->positions * (job->heads / job->groups) + 2 * TR;
     bf16_buffers b;
-    char *memory = aligned_alloc(64, (rows * d * 2 + rows * d * 4 + rows * 8 + TR * NK * 6 + 2 * NK * d * 2 + TR * 64 * 4
+    char *memory = aligned_alloc(64, (rows * d * 2 + rows * d * 4 + rows * 8 + 2 * TR * NK * 6 + 2 * NK * d * 2 + 2 * TR * 32 * 4
                                       + (rows / TR + 1) * 16 + 64 * 12) / 64 * 64);
     if (memory == NULL) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
@@ -252,8 +264,8 @@ static AMX void *worker_bf16(void *arg) {
     char *at = memory;
 #define TAKE(field, type, count) b.field = (type *)at; at += ((count) * sizeof(type) + 63) / 64 * 64;
     TAKE(q, uint16_t, rows * d) TAKE(o, float, rows * d) TAKE(m, float, rows) TAKE(l, float, rows)
-    TAKE(s, float, TR * NK) TAKE(p, uint16_t, TR * NK) TAKE(kb, uint16_t, NK * d) TAKE(vb, uint16_t, NK * d)
-    TAKE(t, float, TR * 64) TAKE(tlo, int64_t, rows / TR + 1) TAKE(thi, int64_t, rows / TR + 1)
+    TAKE(s, float, 2 * TR * NK) TAKE(p, uint16_t, 2 * TR * NK) TAKE(kb, uint16_t, NK * d) TAKE(vb, uint16_t, NK * d)
+    TAKE(t, float, 2 * TR * 32) TAKE(tlo, int64_t, rows / TR + 1) TAKE(thi, int64_t, rows / TR + 1)
 #undef TAKE
     for (int64_t u; (u = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->units;) {
         unit_t unit = unit_of(job, u);
@@ -308,30 +320,33 @@ static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b
             if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;
             /* S = Q Kᵀ, 4 rows x 64 keys at a time */
             for (int64_t r0 = t * TR; r0 < t * TR + TR; r0 += 4) {
-                __m512 acc[4][4];
-                for (int i = 0; i < 4; i++)
-                    for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
-                for (int64_t e = 0; e < d; e++) {
-                    const float *kt = b->kt + e * NK;
-                    __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16), k2 = _mm512_loadu_ps(kt + 32),
-                           k3 = _mm512_loadu_ps(kt + 48);
+                for (int64_t j1 = 0; j1 < NK; j1 += 64) {
+                    __m512 acc[4][4];
+                    for (int i = 0; i < 4; i++)
+                        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+                    for (int64_t e = 0; e < d; e++) {
+                        const float *kt = b->kt + e * NK + j1;
+                        __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16), k2 = _mm512_loadu_ps(kt + 32),
+                               k3 = _mm512_loadu_ps(kt + 48);
 #pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) {
-                        __m512 x = _mm512_set1_ps(b->q[(r0 + i) * d + e]);
-                        acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
-                        acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
-                        acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
-                        acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+                        for (int i = 0; i < 4; i++) {
+                            __m512 x = _mm512_set1_ps(b->q[(r0 + i) * d + e]);
+                            acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
+                            acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
+                            acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
+                            acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+                        }
                     }
+                    for (int i = 0; i < 4; i++)
+                        for (int c = 0; c < 4; c++)
+                            _mm512_storeu_ps(b->s + (r0 - t * TR + i) * NK + j1 + 16 * c, acc[i][c]);
                 }
-                for (int i = 0; i < 4; i++)
-                    for (int c = 0; c < 4; c++) _mm512_storeu_ps(b->s + (r0 - t * TR + i) * NK + 16 * c, acc[i][c]);
             }
             float alpha[TR];
             for (int64_t i = 0; i < TR; i++) {
                 int64_t r = t * TR + i, lo = 0, hi = 0;
                 if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
-                alpha[i] = softmax_row(b->s + i * NK, b->m + r, b->l + r, lo, hi, j0, job->scale);
+                alpha[i] = softmax_row_f32(b->s + i * NK, NULL, b->m + r, b->l + r, lo, hi, j0, job->scale);
             }
             /* O = O·alpha + P V, 4 rows x 64 columns at a time */
             for (int64_t r0 = 0; r0 < TR; r0 += 4) {
@@ -364,7 +379,7 @@ static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b
     }
     for (int64_t r = 0; r < unit->rows; r++) {
         int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
-        const __m512 f = _mm512_set1_ps(final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL));
+        const __m512 f = _mm512_set1_ps(final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL, job->scale));
         float *out = (float *)job->out + head * job->o_head + pos * job->o_row;
         for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(b->o + r * d + c), f));
     }

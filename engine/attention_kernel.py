@@ -19,8 +19,9 @@ import torch
 from .host import cpu_flags
 from .native import NativeKernel
 
-# Query positions per unit of work: its rows (positions x query heads per KV head) share each packed key block.
-POSITIONS = 32
+# Query positions per unit of work: its rows (positions x query heads per KV head) share each packed block of
+# keys and values, so a unit is as long as keeps its rows' output in L2 and still gives every thread units.
+MAX_POSITIONS, UNITS_PER_THREAD = 128, 2
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -77,6 +78,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torc
     if sinks is not None:
         sinks = sinks.detach().float().contiguous()
     out = query.new_empty(batch, rows, heads, dim)
+    threads = threads or torch.get_num_threads()
+    positions = max(1, min(MAX_POSITIONS, -(-rows * key.shape[1] // (threads * UNITS_PER_THREAD))))
     function = getattr(KERNEL.library(), "npumoe_attention_bf16_amx" if query.dtype == torch.bfloat16
                        else "npumoe_attention_f32")
     for b in range(batch):
@@ -84,7 +87,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torc
         status = function(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
                           v.data_ptr(), v.stride(0), v.stride(1), o.data_ptr(), o.stride(1), o.stride(0),
                           lo.data_ptr(), hi.data_ptr(), None if sinks is None else sinks.data_ptr(),
-                          heads, key.shape[1], rows, dim, scale, POSITIONS, threads or torch.get_num_threads())
+                          heads, key.shape[1], rows, dim, scale, positions, threads)
         if status != 0:
             raise MemoryError("the attention kernel could not allocate its buffers")
     return out
