@@ -66,24 +66,17 @@ def _visible_keys(key: torch.Tensor, value: torch.Tensor,
 def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                 sinks: torch.Tensor, *, scaling: float | None, causal: bool) -> torch.Tensor:
     """Flash attention over the scores plus one sink logit per head that takes probability but adds no value."""
-    batch, heads, rows, dim = query.shape
-    groups = key.shape[1]
-    per_group = heads // groups
-    # The query heads of one KV head become one longer sequence, so each KV head is read once; the mask
-    # is repeated for them (it is (…, rows, keys) and the same for every head).
-    folded = query.reshape(batch, groups, per_group * rows, dim)
-    if mask is not None:
-        mask = mask.expand(batch, 1, rows, mask.shape[-1]).repeat(1, 1, per_group, 1)
-    elif causal:
+    heads, rows = query.shape[1], query.shape[2]
+    if mask is None and causal:  # the chunk's rows end at the last key: one (rows, keys) mask, broadcast over heads
         offset = key.shape[2] - rows
-        positions = torch.arange(rows, device=query.device).repeat(per_group)
-        mask = (positions[:, None] + offset >= torch.arange(key.shape[2], device=query.device)[None, :])[None, None]
+        mask = (torch.arange(rows, device=query.device)[:, None] + offset
+                >= torch.arange(key.shape[2], device=query.device)[None, :])[None, None]
     if mask is not None and mask.dtype == torch.bool:  # this kernel takes an additive mask in the query's dtype
         mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
-    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        folded, key, value, attn_mask=mask, scale=scaling)
-    out = out.reshape(batch, heads, rows, -1)
-    logsumexp = logsumexp.reshape(batch, heads, rows, 1)
+    # The kernel takes grouped KV heads as they are and broadcasts the mask over the heads.
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=mask,
+                                                                                scale=scaling)
+    logsumexp = logsumexp.reshape(*logsumexp.shape, 1)
     return (out.float() * torch.sigmoid(logsumexp - sinks.float().reshape(1, heads, 1, 1))).to(query.dtype)
 
 
