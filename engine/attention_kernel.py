@@ -34,7 +34,7 @@ def unsupported_cpu() -> str | None:
     return None
 
 
-_amx: str | None | bool = False  # False: not asked yet
+_amx: str | bool | None = False  # False: not asked yet
 
 
 def unavailable(dtype: torch.dtype) -> str | None:
