@@ -76,8 +76,9 @@ static inline __attribute__((always_inline)) target float name(float *s, uint16_
                                                                 int64_t lo, int64_t hi, int64_t j0, float scale) {    \
     __mmask16 k[NK / 16];                                                                                             \
     __m512 vmax = _mm512_set1_ps(-__builtin_inff());                                                                  \
+    const int every = lo <= j0 && hi >= j0 + NK;                                                                      \
     for (int c = 0; c < NK / 16; c++) {                                                                               \
-        k[c] = lanes(lo, hi, j0 + 16 * c);                                                                            \
+        k[c] = every ? 0xffff : lanes(lo, hi, j0 + 16 * c);                                                           \
         vmax = _mm512_mask_max_ps(vmax, k[c], vmax, _mm512_loadu_ps(s + 16 * c));                                     \
     }                                                                                                                 \
     const float block_max = _mm512_reduce_max_ps(vmax);                                                               \
@@ -87,7 +88,7 @@ static inline __attribute__((always_inline)) target float name(float *s, uint16_
         return 1.0f;                                                                                                  \
     }                                                                                                                 \
     const float m_new = block_max > *m ? block_max : *m, c2 = scale * LOG2E;                                          \
-    const float alpha = *m == -__builtin_inff() ? 0.0f : exp2_1((*m - m_new) * c2);                                   \
+    const float alpha = *m == m_new ? 1.0f : *m == -__builtin_inff() ? 0.0f : exp2_1((*m - m_new) * c2);             \
     const __m512 vc = _mm512_set1_ps(c2), vmc = _mm512_set1_ps(m_new * c2);                                           \
     __m512 sum = _mm512_setzero_ps();                                                                                 \
     for (int c = 0; c < NK / 16; c++) {                                                                               \
@@ -141,7 +142,6 @@ typedef struct {
     uint16_t *p;   /* 2TR x NK, bf16 */
     uint16_t *kb;  /* dim/2 x NK x 2: the block's keys as AMX's B operand of QK */
     uint16_t *vb;  /* NK/2 x dim x 2: the block's values as AMX's B operand of PV */
-    float *t;      /* 2TR x 32 */
     int64_t *tlo, *thi; /* per row tile: the keys any of its rows sees */
 } bf16_buffers;
 
@@ -215,8 +215,18 @@ static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b)
                 if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
                 alpha[i] = softmax_row_bf16(b->s + i * NK, b->p + i * NK, b->m + r, b->l + r, lo, hi, j0, job->scale);
             }
-            for (int64_t c0 = 0; c0 < d; c0 += 32) { /* O = O·alpha + P V, 32 rows x 32 columns at a time */
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+            for (int64_t i = 0; i < 2 * TR; i++) { /* rows whose running maximum moved: their output so far scales */
+                if (alpha[i] == 1.0f) continue;
+                float *o = b->o + (t * TR + i) * d;
+                const __m512 a = _mm512_set1_ps(alpha[i]);
+                for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), a));
+            }
+            float *o0 = b->o + t * TR * d, *o1 = o0 + TR * d;
+            for (int64_t c0 = 0; c0 < d; c0 += 32) { /* O += P V, 32 rows x 32 columns at a time, in the tiles */
+                _tile_loadd(0, o0 + c0, d * 4);
+                _tile_loadd(1, o0 + c0 + 16, d * 4);
+                _tile_loadd(2, o1 + c0, d * 4);
+                _tile_loadd(3, o1 + c0 + 16, d * 4);
                 for (int64_t kc = 0; kc < NK / 32; kc++) {
                     _tile_loadd(4, b->p + kc * 32, NK * 2);
                     _tile_loadd(5, b->p + TR * NK + kc * 32, NK * 2);
@@ -224,16 +234,10 @@ static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b)
                     _tile_loadd(7, b->vb + ((kc * 16) * d + c0 + 16) * 2, d * 4);
                     _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
                 }
-                _tile_stored(0, b->t, 32 * 4);
-                _tile_stored(1, b->t + 16, 32 * 4);
-                _tile_stored(2, b->t + TR * 32, 32 * 4);
-                _tile_stored(3, b->t + TR * 32 + 16, 32 * 4);
-                for (int64_t i = 0; i < 2 * TR; i++) {
-                    float *o = b->o + (t * TR + i) * d + c0;
-                    const __m512 a = _mm512_set1_ps(alpha[i]);
-                    for (int c = 0; c < 32; c += 16)
-                        _mm512_storeu_ps(o + c, _mm512_fmadd_ps(_mm512_loadu_ps(o + c), a, _mm512_loadu_ps(b->t + i * 32 + c)));
-                }
+                _tile_stored(0, o0 + c0, d * 4);
+                _tile_stored(1, o0 + c0 + 16, d * 4);
+                _tile_stored(2, o1 + c0, d * 4);
+                _tile_stored(3, o1 + c0 + 16, d * 4);
             }
         }
     }
@@ -254,7 +258,7 @@ static AMX void *worker_bf16(void *arg) {
     _tile_loadconfig(&config);
     const int64_t d = job->dim, rows = job->positions * (job->heads / job->groups) + 2 * TR;
     bf16_buffers b;
-    char *memory = aligned_alloc(64, (rows * d * 2 + rows * d * 4 + rows * 8 + 2 * TR * NK * 6 + 2 * NK * d * 2 + 2 * TR * 32 * 4
+    char *memory = aligned_alloc(64, (rows * d * 2 + rows * d * 4 + rows * 8 + 2 * TR * NK * 6 + 2 * NK * d * 2
                                       + (rows / TR + 1) * 16 + 64 * 12) / 64 * 64);
     if (memory == NULL) {
         __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
@@ -265,7 +269,7 @@ static AMX void *worker_bf16(void *arg) {
 #define TAKE(field, type, count) b.field = (type *)at; at += ((count) * sizeof(type) + 63) / 64 * 64;
     TAKE(q, uint16_t, rows * d) TAKE(o, float, rows * d) TAKE(m, float, rows) TAKE(l, float, rows)
     TAKE(s, float, 2 * TR * NK) TAKE(p, uint16_t, 2 * TR * NK) TAKE(kb, uint16_t, NK * d) TAKE(vb, uint16_t, NK * d)
-    TAKE(t, float, 2 * TR * 32) TAKE(tlo, int64_t, rows / TR + 1) TAKE(thi, int64_t, rows / TR + 1)
+    TAKE(tlo, int64_t, rows / TR + 1) TAKE(thi, int64_t, rows / TR + 1)
 #undef TAKE
     for (int64_t u; (u = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->units;) {
         unit_t unit = unit_of(job, u);
