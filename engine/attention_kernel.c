@@ -26,6 +26,10 @@
 #define NK 128       /* keys per block */
 #define TR 16        /* rows per row tile */
 #define MAX_DIM 256
+#ifndef MR
+#define MR 8        /* float32: rows x 16·MC keys or columns per register tile */
+#define MC 2
+#endif
 
 typedef struct {
     const void *q, *k, *v;
@@ -322,27 +326,23 @@ static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b
         }
         for (int64_t t = 0; t < tiles; t++) {
             if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;
-            /* S = Q Kᵀ, 4 rows x 64 keys at a time */
-            for (int64_t r0 = t * TR; r0 < t * TR + TR; r0 += 4) {
-                for (int64_t j1 = 0; j1 < NK; j1 += 64) {
-                    __m512 acc[4][4];
-                    for (int i = 0; i < 4; i++)
-                        for (int c = 0; c < 4; c++) acc[i][c] = _mm512_setzero_ps();
+            /* S = Q Kᵀ, MR rows x 16·MC keys at a time */
+            for (int64_t r0 = t * TR; r0 < t * TR + TR; r0 += MR) {
+                for (int64_t j1 = 0; j1 < NK; j1 += 16 * MC) {
+                    __m512 acc[MR][MC];
+                    for (int i = 0; i < MR; i++)
+                        for (int c = 0; c < MC; c++) acc[i][c] = _mm512_setzero_ps();
                     for (int64_t e = 0; e < d; e++) {
-                        const float *kt = b->kt + e * NK + j1;
-                        __m512 k0 = _mm512_loadu_ps(kt), k1 = _mm512_loadu_ps(kt + 16), k2 = _mm512_loadu_ps(kt + 32),
-                               k3 = _mm512_loadu_ps(kt + 48);
-#pragma GCC unroll 4
-                        for (int i = 0; i < 4; i++) {
-                            __m512 x = _mm512_set1_ps(b->q[(r0 + i) * d + e]);
-                            acc[i][0] = _mm512_fmadd_ps(x, k0, acc[i][0]);
-                            acc[i][1] = _mm512_fmadd_ps(x, k1, acc[i][1]);
-                            acc[i][2] = _mm512_fmadd_ps(x, k2, acc[i][2]);
-                            acc[i][3] = _mm512_fmadd_ps(x, k3, acc[i][3]);
+                        __m512 kt[MC];
+                        for (int c = 0; c < MC; c++) kt[c] = _mm512_loadu_ps(b->kt + e * NK + j1 + 16 * c);
+#pragma GCC unroll 8
+                        for (int i = 0; i < MR; i++) {
+                            const __m512 x = _mm512_set1_ps(b->q[(r0 + i) * d + e]);
+                            for (int c = 0; c < MC; c++) acc[i][c] = _mm512_fmadd_ps(x, kt[c], acc[i][c]);
                         }
                     }
-                    for (int i = 0; i < 4; i++)
-                        for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < MR; i++)
+                        for (int c = 0; c < MC; c++)
                             _mm512_storeu_ps(b->s + (r0 - t * TR + i) * NK + j1 + 16 * c, acc[i][c]);
                 }
             }
@@ -352,30 +352,26 @@ static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b
                 if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
                 alpha[i] = softmax_row_f32(b->s + i * NK, NULL, b->m + r, b->l + r, lo, hi, j0, job->scale);
             }
-            /* O = O·alpha + P V, 4 rows x 64 columns at a time */
-            for (int64_t r0 = 0; r0 < TR; r0 += 4) {
-                for (int64_t c0 = 0; c0 < d; c0 += 64) {
-                    __m512 acc[4][4];
-                    for (int i = 0; i < 4; i++) {
+            /* O = O·alpha + P V, MR rows x 16·MC columns at a time */
+            for (int64_t r0 = 0; r0 < TR; r0 += MR) {
+                for (int64_t c0 = 0; c0 < d; c0 += 16 * MC) {
+                    __m512 acc[MR][MC];
+                    for (int i = 0; i < MR; i++) {
                         const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
-                        for (int c = 0; c < 4; c++)
+                        for (int c = 0; c < MC; c++)
                             acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(b->o + (t * TR + r0 + i) * d + c0 + 16 * c), a);
                     }
                     for (int64_t j = 0; j < keys; j++) {
-                        const float *vj = v + (j0 + j) * job->v_row + c0;
-                        __m512 v0 = _mm512_loadu_ps(vj), v1 = _mm512_loadu_ps(vj + 16), v2 = _mm512_loadu_ps(vj + 32),
-                               v3 = _mm512_loadu_ps(vj + 48);
-#pragma GCC unroll 4
-                        for (int i = 0; i < 4; i++) {
-                            __m512 x = _mm512_set1_ps(b->s[(r0 + i) * NK + j]);
-                            acc[i][0] = _mm512_fmadd_ps(x, v0, acc[i][0]);
-                            acc[i][1] = _mm512_fmadd_ps(x, v1, acc[i][1]);
-                            acc[i][2] = _mm512_fmadd_ps(x, v2, acc[i][2]);
-                            acc[i][3] = _mm512_fmadd_ps(x, v3, acc[i][3]);
+                        __m512 vj[MC];
+                        for (int c = 0; c < MC; c++) vj[c] = _mm512_loadu_ps(v + (j0 + j) * job->v_row + c0 + 16 * c);
+#pragma GCC unroll 8
+                        for (int i = 0; i < MR; i++) {
+                            const __m512 x = _mm512_set1_ps(b->s[(r0 + i) * NK + j]);
+                            for (int c = 0; c < MC; c++) acc[i][c] = _mm512_fmadd_ps(x, vj[c], acc[i][c]);
                         }
                     }
-                    for (int i = 0; i < 4; i++)
-                        for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < MR; i++)
+                        for (int c = 0; c < MC; c++)
                             _mm512_storeu_ps(b->o + (t * TR + r0 + i) * d + c0 + 16 * c, acc[i][c]);
                 }
             }
