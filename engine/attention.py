@@ -4,7 +4,7 @@ transformers' SDPA path copies every KV head once per query head it serves (`rep
 is given on the CPU, which is every chunk after the first; models whose eager attention has per-head sink
 logits (gpt-oss) cannot use SDPA at all and materialise every (query, key) weight. This function runs
 the CPU's fused flash-attention kernel in both cases, exactly:
-- grouped KV heads are shared (`enable_gqa`, or the query heads of a group folded into one sequence);
+- grouped KV heads are shared (`enable_gqa`, and the flash kernel takes them as they are for sinks);
 - keys that the mask hides from every query of the chunk (all but the last window of a sliding-window
   layer) are cut off before the kernel, so a window's cost does not grow with the document;
 - sinks: softmax over [scores, sink] equals softmax over the scores times sigmoid(logsumexp - sink),
