@@ -96,12 +96,7 @@ def _mask_ranges(mask: torch.Tensor, rows: int, keys: int) -> tuple[torch.Tensor
         visible = mask[0, 0] == 0
         if not bool((visible | (mask[0, 0] <= torch.finfo(mask.dtype).min)).all()):
             return None
-    lo = visible.to(torch.uint8).argmax(dim=-1)  # the first key seen (0 where none is)
-    hi = lo + visible.sum(dim=-1)
-    columns = torch.arange(keys)
-    if not torch.equal((columns >= lo[:, None]) & (columns < hi[:, None]), visible):
-        return None
-    return lo, hi
+    return attention_kernel.mask_ranges(visible)
 
 
 def _visible_keys(key: torch.Tensor, value: torch.Tensor,

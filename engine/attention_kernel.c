@@ -442,3 +442,18 @@ static int run(job_t *job, void *(*worker)(void *), int64_t threads) {
     }
 ENTRY(npumoe_attention_bf16_amx, worker_bf16)
 ENTRY(npumoe_attention_f32, worker_f32)
+
+/* Each row of a (rows, keys) boolean mask as the one run of keys it shows: lo, hi per row (0, 0 for none).
+ * Returns 0, or -1 when a row shows keys apart from each other (the mask is not ranges). */
+int npumoe_mask_ranges(const uint8_t *mask, int64_t rows, int64_t keys, int64_t stride, int64_t *lo, int64_t *hi) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *row = mask + r * stride, *first = memchr(row, 1, keys);
+        lo[r] = hi[r] = 0;
+        if (first == NULL) continue;
+        const uint8_t *end = memchr(first, 0, keys - (first - row));
+        const int64_t a = first - row, b = end == NULL ? keys : end - row;
+        if (b < keys && memchr(row + b, 1, keys - b) != NULL) return -1;
+        lo[r] = a, hi[r] = b;
+    }
+    return 0;
+}

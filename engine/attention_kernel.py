@@ -93,10 +93,26 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torc
     return out
 
 
+def mask_ranges(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A (rows, keys) boolean mask as one run of keys per row [lo, hi) (0, 0 where a row shows none), or None
+    where some row shows keys apart from each other. One scan of the mask, for the kernel's own use."""
+    if visible.dtype != torch.bool or visible.dim() != 2:
+        raise ValueError(f"need a (rows, keys) boolean mask, got {visible.dtype} {tuple(visible.shape)}")
+    if visible.stride(-1) != 1:
+        visible = visible.contiguous()
+    rows, keys = visible.shape
+    lo, hi = torch.empty(rows, dtype=torch.int64), torch.empty(rows, dtype=torch.int64)
+    status = KERNEL.library().npumoe_mask_ranges(visible.data_ptr(), rows, keys, visible.stride(0), lo.data_ptr(),
+                                                 hi.data_ptr())
+    return (lo, hi) if status == 0 else None
+
+
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _ARGUMENTS = (_POINTER, _SIZE, _SIZE) * 4 + (_POINTER, _POINTER, _POINTER) + (_SIZE,) * 4 + (ctypes.c_float,
                                                                                               _SIZE, _SIZE)
 KERNEL = NativeKernel("attention_kernel", "the attention kernel",
                       {"npumoe_attention_amx_init": (), "npumoe_attention_bf16_amx": _ARGUMENTS,
-                       "npumoe_attention_f32": _ARGUMENTS}, unsupported_cpu, restype=ctypes.c_int)
+                       "npumoe_attention_f32": _ARGUMENTS,
+                       "npumoe_mask_ranges": (_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER)},
+                      unsupported_cpu, restype=ctypes.c_int)
 SOURCE = KERNEL.source

@@ -88,6 +88,9 @@ def test_masks_that_are_one_run_of_keys_per_row_become_ranges_and_others_stay_wi
     holes[0, 0, 1, 4] = False
     assert key_ranges(holes, 4, 8, causal=False) is None
     assert key_ranges(visible.expand(1, 2, 4, 8), 4, 8, causal=False) is None  # one mask per head
+    blind = visible.clone()
+    blind[0, 0, 2] = False  # a row that sees nothing
+    assert [r.tolist() for r in key_ranges(blind, 4, 8, causal=False)] == [[0, 2, 0, 3], [5, 6, 0, 8]]
     lo, hi = key_ranges(None, 3, 10, causal=True)
     assert lo.tolist() == [0, 0, 0] and hi.tolist() == [1, 2, 3]
     calls = []
