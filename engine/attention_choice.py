@@ -17,7 +17,7 @@ from . import attention_kernel
 from .cpu_kernels import ChoiceCache, KernelChoice, time_in_turns
 
 KERNELS = ("npumoe", "torch")
-CHUNK, DEPTH = 512, 2048  # what a timing run attends: a prefill chunk against a cache of this depth
+CHUNK, DEPTH = 512, 1024  # what a timing run attends: a prefill chunk against a cache of this depth
 
 _CACHE = ChoiceCache("attention-kernels", (attention_kernel.SOURCE,))
 _choices: dict[str, KernelChoice] = {}
