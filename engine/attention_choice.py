@@ -2,7 +2,7 @@
 
 The engine's kernel is faster where it shares grouped KV heads and the CPU's tiles pay off, but that is measured,
 not assumed from the feature list: the first chunk of each dtype and head layout on a machine times both on a
-512-token chunk at a few thousand tokens of depth, with all of torch's threads, and keeps the faster. The choice
+512-token chunk against 1,024 cached tokens, with all of torch's threads, and keeps the faster. The choice
 and its figures are cached per machine like the experts' kernels (cpu_kernels).
 """
 
