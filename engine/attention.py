@@ -4,16 +4,21 @@ transformers' SDPA path copies every KV head once per query head it serves (`rep
 is given on the CPU, which is every chunk after the first; models whose eager attention has per-head sink
 logits (gpt-oss) cannot use SDPA at all and materialise every (query, key) weight. This function runs
 the CPU's fused flash-attention kernel in both cases, exactly:
-- grouped KV heads are shared (`enable_gqa`, or the query heads of a group folded into one sequence);
+- grouped KV heads are shared (`enable_gqa`, and the flash kernel takes them as they are for sinks);
 - keys that the mask hides from every query of the chunk (all but the last window of a sliding-window
   layer) are cut off before the kernel, so a window's cost does not grow with the document;
 - sinks: softmax over [scores, sink] equals softmax over the scores times sigmoid(logsumexp - sink),
   and the flash kernel returns the logsumexp.
+Where each query sees one run of keys (causal, sliding window: any mask that is a key range per row) and the
+engine's own kernel (attention_kernel) measures faster here (attention_choice), that kernel runs instead: it
+reads each KV head once for all the query heads it serves and takes sinks itself.
 Model code is not patched: `use_engine_attention` selects the function by name on a model whose own
 attention it can stand in for, and gives back the name it replaced.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +26,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import attention_choice, attention_kernel
 
 # The engine's function under one name per attention it stands in for, each with that attention's own masks:
 # model code may edit the mask it was given (DeepSeek-V4 appends a float bias to an eager mask).
@@ -38,17 +45,58 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     rows = query.shape[2]
     causal = rows > 1 and attention_mask is None and (is_causal if is_causal is not None
                                                       else getattr(module, "is_causal", True))
+    p = dropout if module.training else 0.0
+    if p == 0.0 and attention_choice.choose(query, key, value).kernel == "npumoe":
+        ranges = key_ranges(attention_mask, rows, key.shape[2], causal)
+        if ranges is not None:
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return attention_kernel.attend(query, key, value, *ranges, scale=scale, sinks=s_aux), None
     if attention_mask is not None:
         key, value, attention_mask = _visible_keys(key, value, attention_mask)
     elif causal and key.shape[2] > rows:  # an empty preallocated cache: only the chunk's own keys exist
         key, value = key[:, :, :rows], value[:, :, :rows]
-    p = dropout if module.training else 0.0
     if s_aux is None:
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=p,
                                              scale=scaling, is_causal=causal, enable_gqa=key.shape[1] != query.shape[1])
     else:
         out = _with_sinks(query, key, value, attention_mask, s_aux, scaling=scaling, causal=causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+# The key ranges of the masks of the chunk in flight, by the mask's id: every layer of a chunk is given the same
+# mask (or one of two, full and sliding-window). A tensor edited in place is read again where torch counts its
+# versions; an inference tensor has no count, and the model code that edits masks makes new ones (DeepSeek-V4).
+_ranges: dict[int, tuple[weakref.ref[torch.Tensor], int, tuple[torch.Tensor, torch.Tensor] | None]] = {}
+
+
+def key_ranges(mask: torch.Tensor | None, rows: int, keys: int,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per query row i, the keys [lo[i], hi[i]) it sees, where that is all a mask says; None where it says more
+    (a float bias, keys hidden between seen ones, a mask per batch entry or head)."""
+    if mask is None:
+        hi = torch.arange(1, rows + 1) if causal else torch.full((rows,), keys)
+        return torch.zeros(rows, dtype=torch.int64), hi
+    version = -1 if mask.is_inference() else mask._version
+    held = _ranges.get(id(mask))
+    if held is not None and held[0]() is mask and held[1] == version:
+        return held[2]
+    for stale in [k for k, (ref, _, _) in _ranges.items() if ref() is None]:
+        del _ranges[stale]
+    ranges = _mask_ranges(mask, rows, keys)
+    _ranges[id(mask)] = (weakref.ref(mask), version, ranges)
+    return ranges
+
+
+def _mask_ranges(mask: torch.Tensor, rows: int, keys: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if mask.dim() != 4 or mask.shape[:2] != (1, 1) or mask.shape[2:] != (rows, keys) or mask.device.type != "cpu":
+        return None
+    if mask.dtype == torch.bool:
+        visible = mask[0, 0]
+    else:  # additive: 0 shows a key, the dtype's lowest value or -inf hides it; anything else is a bias
+        visible = mask[0, 0] == 0
+        if not bool((visible | (mask[0, 0] <= torch.finfo(mask.dtype).min)).all()):
+            return None
+    return attention_kernel.mask_ranges(visible)
 
 
 def _visible_keys(key: torch.Tensor, value: torch.Tensor,
@@ -66,24 +114,17 @@ def _visible_keys(key: torch.Tensor, value: torch.Tensor,
 def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
                 sinks: torch.Tensor, *, scaling: float | None, causal: bool) -> torch.Tensor:
     """Flash attention over the scores plus one sink logit per head that takes probability but adds no value."""
-    batch, heads, rows, dim = query.shape
-    groups = key.shape[1]
-    per_group = heads // groups
-    # The query heads of one KV head become one longer sequence, so each KV head is read once; the mask
-    # is repeated for them (it is (…, rows, keys) and the same for every head).
-    folded = query.reshape(batch, groups, per_group * rows, dim)
-    if mask is not None:
-        mask = mask.expand(batch, 1, rows, mask.shape[-1]).repeat(1, 1, per_group, 1)
-    elif causal:
+    heads, rows = query.shape[1], query.shape[2]
+    if mask is None and causal:  # the chunk's rows end at the last key: one (rows, keys) mask, broadcast over heads
         offset = key.shape[2] - rows
-        positions = torch.arange(rows, device=query.device).repeat(per_group)
-        mask = (positions[:, None] + offset >= torch.arange(key.shape[2], device=query.device)[None, :])[None, None]
+        mask = (torch.arange(rows, device=query.device)[:, None] + offset
+                >= torch.arange(key.shape[2], device=query.device)[None, :])[None, None]
     if mask is not None and mask.dtype == torch.bool:  # this kernel takes an additive mask in the query's dtype
         mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
-    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        folded, key, value, attn_mask=mask, scale=scaling)
-    out = out.reshape(batch, heads, rows, -1)
-    logsumexp = logsumexp.reshape(batch, heads, rows, 1)
+    # The kernel takes grouped KV heads as they are and broadcasts the mask over the heads.
+    out, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, attn_mask=mask,
+                                                                                scale=scaling)
+    logsumexp = logsumexp.reshape(*logsumexp.shape, 1)
     return (out.float() * torch.sigmoid(logsumexp - sinks.float().reshape(1, heads, 1, 1))).to(query.dtype)
 
 
