@@ -97,6 +97,27 @@ class ProjectionLinear(nn.Module):
                 f"kernel={self.kernel}")
 
 
+class HeadRows(nn.Module):
+    """The LM head computed on its rows as one contiguous (m, K) matrix. Decoding hands it a slice of the last
+    position, (1, 1, K) with the stride of a whole chunk; for such a bf16 input torch 2.13 on the CPU copies the
+    whole (V, K) weight, 0.6 GiB and seconds for a 150k vocabulary, where the same product on (1, K) rows does
+    not. The original Linear is kept (not as a submodule) and computes it: same weight, same kernel."""
+
+    def __init__(self, original: nn.Linear) -> None:
+        super().__init__()
+        object.__setattr__(self, "original", original)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.original(x.reshape(-1, self.original.in_features).contiguous())
+        return y.reshape(*x.shape[:-1], self.original.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:  # what callers of get_output_embeddings() read
+        return self.original.weight
+
+
 def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelChoice, Callable[[], Kernel]]:
     """The kernel measured fastest here for a Linear of this (N, K) weight (its dtype, `format` allowing), and
     how to build it; timed on this weight at first use on this machine, then read from the cache."""
@@ -194,12 +215,25 @@ def dense_projections(model: nn.Module) -> list[tuple[str, Slot]]:
     return found
 
 
+def _head_slot(model: nn.Module) -> Slot | None:
+    """Where the model's LM head sits, when it is a plain Linear (held as it is or in `HeadRows`)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head.original if isinstance(head, HeadRows) else head
+    if type(head) is not nn.Linear:
+        return None
+    for name, module in model.named_modules():
+        if name and (module is head or (isinstance(module, HeadRows) and module.original is head)):
+            parent, _, leaf = name.rpartition(".")
+            return Slot(model.get_submodule(parent), leaf, head)
+    return None
+
+
 class DenseProjections:
     """The model's dense projections that run faster through the engine's kernels, packed in `format` where
     that measures faster (None: float only); `attach` puts them in the model, `detach` the originals back."""
 
     def __init__(self, model: nn.Module, format: str | None = None, *, release: bool = False) -> None:
-        self.slots: list[tuple[Slot, ProjectionLinear]] = []
+        self.slots: list[tuple[Slot, nn.Module]] = []
         for _, slot in dense_projections(model):
             projection = projection_for(slot.original, format)
             if projection is None:
@@ -207,6 +241,8 @@ class DenseProjections:
             if release:
                 _release(slot.original, projection)
             self.slots.append((slot, projection))
+        if (head := _head_slot(model)) is not None:
+            self.slots.append((head, HeadRows(head.original)))
 
     def attach(self) -> None:
         for slot, projection in self.slots:

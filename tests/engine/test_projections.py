@@ -182,3 +182,22 @@ def test_timing_runs_each_candidate_on_this_machine(timed_fastest, monkeypatch):
                if k not in choice.unavailable and k != "dequantize"]
     assert set(choice.seconds) == set(can_run) and choice.kernel in can_run
     assert isinstance(build(), QuantLinear if choice.kernel in quant_kernels.KERNELS["int8"] else PackedLinear)
+
+
+def test_the_head_runs_on_contiguous_rows_while_attached_and_computes_the_same_logits(tiny):
+    model = load_model(tiny("qwen3_moe"), dtype="bfloat16").model
+    head = model.get_output_embeddings()
+    hidden = torch.randn(1, 13, model.config.hidden_size).to(torch.bfloat16)
+    last = hidden[:, -1:, :]  # what decoding hands the head: a slice with the stride of the whole chunk
+    with torch.inference_mode():
+        want = F.linear(last.contiguous(), head.weight)
+        runtime = MoeRuntime(model, get_backend("cpu"))
+        rows = model.get_output_embeddings()
+        got = model.lm_head(last)
+        generated = model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+        runtime.detach()
+    assert isinstance(rows, projections.HeadRows) and rows.original is head and rows.weight is head.weight
+    assert rows.calls == 3  # the direct call and one per generated token
+    assert generated.shape == (1, 5)
+    assert got.shape == (1, 1, head.out_features) and torch.equal(got, want)
+    assert model.get_output_embeddings() is head  # detach puts the Linear back
