@@ -29,7 +29,7 @@ import torch
 
 from . import quant_kernels
 from .cpu_kernels import PackedLinear, choose_kernel
-from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
+from .experts_layout import DEFAULT_LAYOUT, GLU, ExpertsLayout, ExpertWeights
 from .quant_kernels import QuantLinear
 from .quantize import check_format, quantize
 
@@ -53,6 +53,10 @@ class CpuExperts:
         else:
             self.kernel, self.gate_up, self.down = _quantized(weights, format)
         self.gate_up_bias, self.down_bias = weights.gate_up_bias, weights.down_bias
+        # silu-gated experts without biases on the engine's own quantized kernels: one native call an expert
+        self._fused = (self.kernel in quant_kernels.FUSED and layout.gate == GLU
+                       and layout.activation in quant_kernels.SILU and self.gate_up_bias is None
+                       and self.down_bias is None)
         self._source = _identity(*weights.source)
 
     def packed_from(self, weights: ExpertWeights, format: str | None = None) -> bool:
@@ -68,6 +72,8 @@ class CpuExperts:
 
     def __call__(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, H) rows through expert `expert`: (n, n·I) -> (n, I) -> (n, H), written into `out` when given."""
+        if self._fused:
+            return quant_kernels.silu_glu_ffn(self.gate_up[expert], self.down[expert], x, out)
         h = self.gate_up[expert](x)
         if self.gate_up_bias is not None:
             h += self.gate_up_bias[expert]
