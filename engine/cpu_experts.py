@@ -30,7 +30,7 @@ import torch
 
 from . import quant_kernels
 from .cpu_kernels import _MAX_ROTATED, PackedLinear, choose_kernel
-from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
+from .experts_layout import DEFAULT_LAYOUT, GLU, ExpertsLayout, ExpertWeights
 from .quant_kernels import QuantLinear
 from .quantize import QuantizedWeight, check_format, quantize
 
@@ -97,6 +97,13 @@ class CpuExperts:
     def _linear(self, w: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> Linear:
         return PackedLinear(w, self.kernel) if self.format is None else QuantLinear(w, self.kernel, dtype)
 
+    @property
+    def _fused(self) -> bool:
+        """Silu-gated experts without biases on the engine's own quantized kernels: one native call an expert."""
+        return (self.kernel in quant_kernels.FUSED and self.layout.gate == GLU
+                and self.layout.activation in quant_kernels.SILU and self.gate_up_bias is None
+                and self.down_bias is None)
+
     def packed_from(self, weights: ExpertWeights, format: str | None = None) -> bool:
         """Whether these are the very weights this was packed from, unchanged since, in `format`."""
         return self.format == format and self._source == _identity(*weights.source)
@@ -110,6 +117,8 @@ class CpuExperts:
 
     def __call__(self, expert: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, H) rows through expert `expert`: (n, n·I) -> (n, I) -> (n, H), written into `out` when given."""
+        if self._fused:
+            return quant_kernels.silu_glu_ffn(self.gate_up[expert], self.down[expert], x, out)
         h = self.gate_up[expert](x)
         if self.gate_up_bias is not None:
             h += self.gate_up_bias[expert]

@@ -125,12 +125,10 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
     for (int r = 0; r < rows; r++) finish_int8_row(acc[r], sums, scale, xs[r], (char *)y + r * ldy, bf16, columns);
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/4, 64, 4) int8 with k64 = k
- * rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n) in x's
- * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
-TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4;
+/* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
     uint8_t *q = malloc((size_t)(m * padded));
     float *xs = malloc((size_t)m * sizeof *xs);
     if (!q || !xs) {
@@ -147,16 +145,17 @@ TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
         for (int64_t t = 0, r0 = 0; t < tiles; t++) {
             const int64_t rows = (m - r0 + (tiles - t) - 1) / (tiles - t);  /* tiles differ by a row at most */
             const uint8_t *qt = q + r0 * padded;
-            void *yt = (char *)y + (r0 * ldy + block * BLOCK) * size;
+            void *yt = (char *)y + (r0 * ldy + block * BLOCK) * ysize;
+            const int64_t ystride = ldy * ysize;
             const int32_t *sb = sums + block * BLOCK;
             const float *cb = scale + block * BLOCK;
             switch (rows) {  /* a constant row count per call, so each loop unrolls fully */
-            case 1: tile_int8(1, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
-            case 2: tile_int8(2, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
-            case 3: tile_int8(3, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
-            case 4: tile_int8(4, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
-            case 5: tile_int8(5, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
-            default: tile_int8(6, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ldy * size, bf16, columns); break;
+            case 1: tile_int8(1, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns); break;
+            case 2: tile_int8(2, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns); break;
+            case 3: tile_int8(3, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns); break;
+            case 4: tile_int8(4, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns); break;
+            case 5: tile_int8(5, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns); break;
+            default: tile_int8(6, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns); break;
             }
             r0 += rows;
         }
@@ -164,6 +163,14 @@ TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     free(q);
     free(xs);
     return 0;
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/4, 64, 4) int8 with k64 = k
+ * rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n) in x's
+ * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
+TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
+    return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
 }
 
 /* Linux hands a process AMX tile state only when asked: 0 once it has, else the error. */
@@ -207,10 +214,10 @@ static inline AMX INLINE void amx_block(const uint8_t *q, int64_t ldq, const int
     _tile_stored(3, c + 48, 4 * BLOCK);
 }
 
-/* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
-AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, tiles = (m + 15) / 16;
+/* linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
+static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4, tiles = (m + 15) / 16;
     uint8_t *q = malloc((size_t)(tiles * 16 * padded));
     float *xs = malloc((size_t)m * sizeof *xs);
     if (!q || !xs) {
@@ -239,7 +246,7 @@ AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
                 const __m512i acc[4] = {_mm512_load_si512(cr), _mm512_load_si512(cr + 16),
                                         _mm512_load_si512(cr + 32), _mm512_load_si512(cr + 48)};
                 finish_int8_row(acc, sums + block * BLOCK, scale + block * BLOCK, xs[r],
-                                (char *)y + (r * ldy + block * BLOCK) * size, bf16, n - block * BLOCK);
+                                (char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, n - block * BLOCK);
             }
         }
     }
@@ -247,6 +254,12 @@ AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
     free(q);
     free(xs);
     return 0;
+}
+
+/* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
+AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
+    return linear_int8_amx(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
 }
 
 static inline TARGET __m512 bf16_to_ps(const uint16_t *p) {
@@ -302,12 +315,10 @@ static inline TARGET INLINE void tile_int4(const int rows, const uint8_t *q, int
                     first(columns - 16 * c));
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed (n64/64, k/8, 64, 4) nibble pairs; s, z: (n64/64,
- * k/group, 64) bf16; group a multiple of 16 dividing k; y: (m, n) in x's dtype with row stride ldy. Returns 0, or
- * -1 when scratch memory ran out. */
-TARGET int npumoe_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
-                              const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy) {
-    const int64_t groups = k / group, size = bf16 ? 2 : 4;
+/* npumoe_linear_int4 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
+                              const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
+    const int64_t groups = k / group, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
     uint8_t *q = malloc((size_t)(m * k));
     float *xs = malloc((size_t)m * sizeof *xs), *gs = calloc((size_t)(m * groups), sizeof *gs);
     if (!q || !xs || !gs) {
@@ -327,14 +338,15 @@ TARGET int npumoe_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, c
             const int64_t rows = (m - r0 + (tiles - t) - 1) / (tiles - t);
             const uint8_t *qt = q + r0 * k;
             const float *gt = gs + r0 * groups;
-            void *yt = (char *)y + (r0 * ldy + block * BLOCK) * size;
+            void *yt = (char *)y + (r0 * ldy + block * BLOCK) * ysize;
+            const int64_t ystride = ldy * ysize;
             switch (rows) {
-            case 1: tile_int4(1, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
-            case 2: tile_int4(2, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
-            case 3: tile_int4(3, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
-            case 4: tile_int4(4, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
-            case 5: tile_int4(5, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
-            default: tile_int4(6, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ldy * size, bf16, columns); break;
+            case 1: tile_int4(1, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns); break;
+            case 2: tile_int4(2, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns); break;
+            case 3: tile_int4(3, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns); break;
+            case 4: tile_int4(4, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns); break;
+            case 5: tile_int4(5, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns); break;
+            default: tile_int4(6, qt, k, xs + r0, gt, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns); break;
             }
             r0 += rows;
         }
@@ -343,4 +355,80 @@ TARGET int npumoe_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, c
     free(xs);
     free(gs);
     return 0;
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed (n64/64, k/8, 64, 4) nibble pairs; s, z: (n64/64,
+ * k/group, 64) bf16; group a multiple of 16 dividing k; y: (m, n) in x's dtype with row stride ldy. Returns 0, or
+ * -1 when scratch memory ran out. */
+TARGET int npumoe_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
+                              const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy) {
+    return linear_int4(x, m, ldx, bf16, w, s, z, group, n, k, y, ldy, bf16);
+}
+
+/* e^x for |x| up to 88 (clamped beyond), to about 1e-6 relative: 2^n · 2^f with n = round(x·log2 e), |f| <= 1/2,
+ * and 2^f by its Taylor series to the f^6 term. */
+static inline TARGET __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    static const float terms[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f,
+                                  6.9314718e-1f, 1.0f};
+    __m512 p = _mm512_set1_ps(terms[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(terms[i]));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* Each of m rows of h (row stride ldh): the first `inter` values become silu(gate) · up, gate the first `inter`
+ * and up the next `inter`, in float32. */
+static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int64_t r = 0; r < m; r++) {
+        float *row = h + r * ldh;
+        for (int64_t j = 0; j < inter; j += 16) {
+            const __mmask16 mask = first(inter - j);
+            const __m512 gate = _mm512_maskz_loadu_ps(mask, row + j), up = _mm512_maskz_loadu_ps(mask, row + inter + j);
+            const __m512 decay = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gate));
+            const __m512 silu = _mm512_div_ps(gate, _mm512_add_ps(one, decay));
+            _mm512_mask_storeu_ps(row + j, mask, _mm512_mul_ps(silu, up));
+        }
+    }
+}
+
+/* A packed weight of any of the formats above (vnni_linear.py's PackedWeight): int8 codes, sums and scale; int4 codes,
+ * scale, zero and group. */
+struct npumoe_weight {
+    const void *codes, *sums, *scale, *zero;
+    int64_t group, n, k;
+};
+
+enum { INT8_VNNI, INT8_AMX, INT4_VNNI };
+
+static int run_linear(int kind, const struct npumoe_weight *w, const void *x, int64_t m, int64_t ldx, int bf16, void *y,
+                      int64_t ldy, int ybf16) {
+    switch (kind) {
+    case INT8_VNNI:
+        return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
+    case INT8_AMX:
+        return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
+    default:
+        return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
+    }
+}
+
+/* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K), down packed (N, I),
+ * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself); x and y as
+ * in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
+int npumoe_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int kind, const struct npumoe_weight *up,
+                           const struct npumoe_weight *down, void *y, int64_t ldy) {
+    const int64_t inter = down->k, width = up->n;
+    float *h = malloc((size_t)(m * width) * sizeof *h);
+    if (!h) return -1;
+    int failed = run_linear(kind, up, x, m, ldx, bf16, h, width, 0);
+    if (!failed) {
+        silu_glu_rows(h, m, width, inter);
+        failed = run_linear(kind, down, h, m, width, 0, y, ldy, bf16);
+    }
+    free(h);
+    return failed;
 }

@@ -9,6 +9,8 @@ Activations are rounded per row to int8 (absmax / 127, as quant_kernels.quantize
 dequantized reference's up to that rounding. Weights of any output width are padded to whole blocks (and int8's
 inputs to whole 64s); int4 needs groups of a multiple of 16 along K. int8 also runs on AMX-INT8 tiles where the
 CPU has them (`linear(..., amx=True)`, after `amx_unavailable()` says None), over the same packed weights.
+`silu_glu_expert` runs a whole gated expert (gate-up, silu(gate)·up, down) in one call, its intermediate values in
+float32 and never leaving the kernel.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
 quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with
@@ -91,22 +93,19 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
     n = packed.shape[0]
     if out is None:
         out = x.new_empty(m, n)
-    if (x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype or k != packed.shape[1]
-            or out.shape != (m, n) or x.stride(1) != 1 or out.stride(1) != 1):
-        raise ValueError(f"VNNI {packed.format} linear: x {x.dtype} {tuple(x.shape)}, weight {packed.shape}, out "
-                         f"{out.dtype} {tuple(out.shape)}; float32 or bf16 rows, unit-stride")
+    _check_rows(f"{packed.format} linear", x, out, packed.shape)
     if not m:
         return out
     bf16 = int(x.dtype == torch.bfloat16)
     library = KERNEL.library()
-    if amx:
-        why = "it takes int8 weights" if packed.format != INT8 else amx_unavailable()
-        if why is not None:
-            raise ValueError(f"the AMX kernel cannot run this: {why}")
-    if packed.format == INT8:
-        int8 = library.npumoe_linear_int8_amx if amx else library.npumoe_linear_int8
-        failed = int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(), packed.sums.data_ptr(),
-                      packed.scale.data_ptr(), n, k, out.data_ptr(), out.stride(0))
+    if _kind(packed.format, amx) == _INT8_AMX:
+        failed = library.npumoe_linear_int8_amx(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
+                                                packed.sums.data_ptr(), packed.scale.data_ptr(), n, k,
+                                                out.data_ptr(), out.stride(0))
+    elif packed.format == INT8:
+        failed = library.npumoe_linear_int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
+                                            packed.sums.data_ptr(), packed.scale.data_ptr(), n, k, out.data_ptr(),
+                                            out.stride(0))
     else:
         failed = library.npumoe_linear_int4(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
                                             packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, n, k,
@@ -114,6 +113,68 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
     if failed:
         raise MemoryError(f"the VNNI {packed.format} kernel could not allocate {m} rows of scratch")
     return out
+
+
+def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: torch.Tensor | None = None, *,
+                    amx: bool = False) -> torch.Tensor:
+    """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
+    packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given; int8 on AMX tiles with `amx`."""
+    m, k = x.shape
+    n, inter = down.shape
+    if up.format != down.format or up.shape != (2 * inter, k):
+        raise ValueError(f"a gated expert needs gate-up (2I, K) and down (N, I) weights of one format, got "
+                         f"{up.format} {up.shape} and {down.format} {down.shape}")
+    if out is None:
+        out = x.new_empty(m, n)
+    _check_rows(f"{up.format} expert", x, out, (n, k))
+    if not m:
+        return out
+    library = KERNEL.library()
+    kind = _kind(up.format, amx)
+    failed = library.npumoe_silu_glu_expert(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), kind,
+                                            ctypes.byref(_native(up)), ctypes.byref(_native(down)), out.data_ptr(),
+                                            out.stride(0))
+    if failed:
+        raise MemoryError(f"the VNNI {up.format} expert could not allocate {m} rows of scratch")
+    return out
+
+
+class _Weight(ctypes.Structure):
+    """vnni_linear.c's struct npumoe_weight: one packed weight's tensors and sizes."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("sums", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+def _native(packed: PackedWeight) -> _Weight:
+    def address(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    return _Weight(packed.codes.data_ptr(), address(packed.sums), packed.scale.data_ptr(), address(packed.zero),
+                   packed.group, *packed.shape)
+
+
+_INT8_VNNI, _INT8_AMX, _INT4_VNNI = range(3)  # vnni_linear.c's kinds of kernel
+
+
+def _kind(format: str, amx: bool) -> int:
+    """vnni_linear.c's number for the kernel that runs `format`, after checking that AMX can take it."""
+    if amx:
+        why = "it takes int8 weights" if format != INT8 else amx_unavailable()
+        if why is not None:
+            raise ValueError(f"the AMX kernel cannot run this: {why}")
+        return _INT8_AMX
+    return _INT8_VNNI if format == INT8 else _INT4_VNNI
+
+
+def _check_rows(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int]) -> None:
+    """Refuse x and out unless they are (m, K) and (m, N) float32 or bf16 rows of one dtype, unit-stride, for a
+    product of shape (N, K)."""
+    m, k = x.shape
+    if (x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype or k != shape[1]
+            or out.shape != (m, shape[0]) or x.stride(1) != 1 or out.stride(1) != 1):
+        raise ValueError(f"VNNI {what}: x {x.dtype} {tuple(x.shape)}, weight {shape}, out {out.dtype} "
+                         f"{tuple(out.shape)}; float32 or bf16 rows, unit-stride")
 
 
 def unavailable() -> str | None:
@@ -156,5 +217,6 @@ KERNEL = NativeKernel(
                                 _POINTER, _SIZE),
      "npumoe_amx_init": (),
      "npumoe_linear_int4": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-                            _POINTER, _SIZE)},
+                            _POINTER, _SIZE),
+     "npumoe_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE)},
     unsupported_cpu, restype=ctypes.c_int)

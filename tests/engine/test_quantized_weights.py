@@ -6,14 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npumoe.engine import Engine, EngineSettings
+from npumoe.engine import Engine, EngineSettings, quant_kernels, vnni_linear
 from npumoe.engine.backends import get_backend
 from npumoe.engine.cpu_experts import CpuExperts
+from npumoe.engine.cpu_kernels import KernelChoice
 from npumoe.engine.dispatch import MoeLayer
-from npumoe.engine.experts_layout import expert_weights
+from npumoe.engine.experts_layout import CLAMPED_GLU, ExpertsLayout, ExpertWeights, expert_weights
 from npumoe.engine.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
 from npumoe.engine.models import moe_layouts
-from npumoe.engine.quant_kernels import QuantLinear
+from npumoe.engine.quant_kernels import OWN, QuantLinear
 from npumoe.engine.quantize import relative_error
 from npumoe.engine.runtime import MoeRuntime
 
@@ -133,3 +134,31 @@ def test_without_release_the_module_keeps_its_weights():
     before = module.gate_up_proj.data_ptr()
     MoeRuntime(model, get_backend("cpu"), quantized="int4")
     assert module.gate_up_proj.data_ptr() == before and module.gate_up_proj.stride()[0] != 0
+
+
+@pytest.mark.skipif(vnni_linear.unavailable() is not None, reason=f"no VNNI kernel here: {vnni_linear.unavailable()}")
+@pytest.mark.parametrize("format", ["int8", "int4"])
+@pytest.mark.parametrize("layout", [ExpertsLayout(), ExpertsLayout(activation="gelu"),
+                                    ExpertsLayout(gate=CLAMPED_GLU, limit=7.0)], ids=lambda layout: layout.describe())
+def test_silu_gated_experts_run_in_one_native_call_an_expert_on_the_engines_own_kernels(monkeypatch, format, layout):
+    """Other layouts (and torch's kernels, which CpuExperts takes as measured) run the two matmuls with the
+    layout's gate between them; one call computes the same up to the bf16 rounding of that intermediate."""
+    monkeypatch.setattr(quant_kernels, "choose_kernel", lambda *_: KernelChoice(OWN[format], {}, {}))
+    calls = []
+    real = vnni_linear.silu_glu_expert
+
+    def counted(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(vnni_linear, "silu_glu_expert", counted)
+    generator = torch.Generator().manual_seed(0)
+    weights = ExpertWeights(torch.randn(2, 2 * LAYER.ffn, LAYER.hidden, generator=generator).to(torch.bfloat16) / 8,
+                            torch.randn(2, LAYER.hidden, LAYER.ffn, generator=generator).to(torch.bfloat16))
+    experts = CpuExperts(weights, layout, format)
+    x = torch.randn(40, LAYER.hidden, generator=generator).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = experts(1, x)
+        two_matmuls = experts.down[1](layout.apply(experts.gate_up[1](x)))
+    assert calls == ([40] if layout == ExpertsLayout() else [])
+    assert relative_error(got, two_matmuls) <= (1e-2 if calls else 0)
