@@ -17,6 +17,7 @@ from npumoe.bench.paths import (
     static_plans,
 )
 from npumoe.bench.roofline import active_flops, moe_roofline
+from npumoe.engine import quant_kernels
 from npumoe.engine.geometry import (
     GEOMETRIES,
     Geometry,
@@ -156,6 +157,13 @@ def test_quantized_engine_paths_run_quantized_and_are_timed_as_approximate_withi
         return call(self, *args, **kwargs)
 
     monkeypatch.setattr(QuantLinear, "__call__", counted)
+    fused = quant_kernels.silu_glu_ffn  # the engine's own kernels run a silu-gated expert in one call
+
+    def counted_fused(*args, **kwargs):
+        calls["n"] += 1
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(quant_kernels, "silu_glu_ffn", counted_fused)
     with torch.inference_mode():
         rows = {row["impl"]: row for row in measure_impls(model, plans, lambda: experts(*inputs), tokens=32,
                                                            warmup=0, repeats=1, weights=("int8", "int4"))}

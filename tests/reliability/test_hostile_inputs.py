@@ -18,6 +18,7 @@ import pytest
 from home_audit import incomplete
 from hostile_run import ESCAPING_NAMES, FORGED_LOG_LINE, FORGING_NAME, SECRET, HostileRun
 
+from npumoe.engine.host import cache_root
 from npumoe.jobs.outputs import TMP_PREFIX
 
 # Refused before they are queued: set aside in failed/ with a `.error.txt` that says why.
@@ -111,7 +112,11 @@ def test_nothing_outside_the_inbox_is_read_through_a_link(hostile: HostileRun) -
 
 def test_nothing_is_written_outside_the_home_except_passing_temporary_files(hostile: HostileRun) -> None:
     temp = Path(tempfile.gettempdir())
-    outside = {e["real"] for e in hostile.events if e.get("write") and not under(e["real"], hostile.home)}
+    # the user cache (compiled kernels, measured choices: machine facts, no document's content) is the one other
+    # place the engine keeps files, by design
+    cache = cache_root()
+    outside = {e["real"] for e in hostile.events
+               if e.get("write") and not under(e["real"], hostile.home) and not under(e["real"], cache)}
     lasting = {path for path in outside if Path(path).parent != temp or os.path.lexists(path)}
     assert lasting == set()
     assert list(hostile.home.rglob(f"{TMP_PREFIX}*")) == []
