@@ -64,7 +64,8 @@ class MoeRuntime:
     `residency` (decided for this backend, `placement.place`) says which groups run as graphs, at which
     capacity; without one, every group calibration saw load for does. Without a plan every expert runs on
     the exact CPU path. `quantized` ("int8", "int4"): the CPU experts run quantized weights (their result is
-    then approximate); group graphs stay float. `release`: once the CPU experts have packed a module's weights,
+    then approximate); torch-static group graphs stay float, Core ML ones run packages compressed alike.
+    `release`: once the CPU experts have packed a module's weights,
     the module's own expert tensors are freed, leaving one copy: the model's experts then run only through a
     runtime (the eager implementation has nothing left to read), and no later runtime can build group graphs
     or another format from them. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
