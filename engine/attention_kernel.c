@@ -132,6 +132,37 @@ static unit_t unit_of(const job_t *job, int64_t u) {
 
 /* ---------------------------------------------------------------- bfloat16 on AMX tiles */
 
+/* A unit's rows (its query positions x the query heads of its KV group) made ready: each row's query copied in
+ * (elements of `elem` bytes; rows past the unit's padded with zeros), its softmax state and output reset, and the
+ * keys each row tile sees, [tlo, thi), and the whole unit, [first, last). */
+static void start_unit(const job_t *job, const unit_t *unit, int64_t tiles, size_t elem, void *q_rows, float *o,
+                       float *m, float *l, int64_t *tlo, int64_t *thi, int64_t *first, int64_t *last) {
+    const int64_t d = job->dim, per_group = job->heads / job->groups;
+    const char *q = job->q;
+    *first = INT64_MAX, *last = 0;
+    for (int64_t t = 0; t < tiles; t++) tlo[t] = INT64_MAX, thi[t] = 0;
+    for (int64_t r = 0; r < tiles * TR; r++) {
+        char *qr = (char *)q_rows + r * d * elem;
+        m[r] = -__builtin_inff(), l[r] = 0.0f;
+        memset(o + r * d, 0, d * sizeof(float));
+        if (r >= unit->rows) {
+            memset(qr, 0, d * elem);
+            continue;
+        }
+        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
+        memcpy(qr, q + (head * job->q_head + pos * job->q_row) * elem, d * elem);
+        int64_t lo = job->lo[pos], hi = job->hi[pos];
+        if (lo < hi) {
+            if (lo < tlo[r / TR]) tlo[r / TR] = lo;
+            if (hi > thi[r / TR]) thi[r / TR] = hi;
+        }
+    }
+    for (int64_t t = 0; t < tiles; t++) {
+        if (tlo[t] < *first) *first = tlo[t];
+        if (thi[t] > *last) *last = thi[t];
+    }
+}
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -158,31 +189,11 @@ static inline AMX void to_bf16_row(uint16_t *dst, const float *src, int64_t n) {
 
 static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b) {
     const int64_t d = job->dim, per_group = job->heads / job->groups;
-    const int64_t tiles = (unit->rows + 2 * TR - 1) / (2 * TR) * 2, padded = tiles * TR;
-    const uint16_t *q = job->q, *k = (const uint16_t *)job->k + unit->g * job->k_head,
+    const int64_t tiles = (unit->rows + 2 * TR - 1) / (2 * TR) * 2;
+    const uint16_t *k = (const uint16_t *)job->k + unit->g * job->k_head,
                    *v = (const uint16_t *)job->v + unit->g * job->v_head;
-    int64_t first = INT64_MAX, last = 0;
-    for (int64_t t = 0; t < tiles; t++) b->tlo[t] = INT64_MAX, b->thi[t] = 0;
-    for (int64_t r = 0; r < padded; r++) {
-        uint16_t *qr = b->q + r * d;
-        b->m[r] = -__builtin_inff(), b->l[r] = 0.0f;
-        memset(b->o + r * d, 0, d * sizeof(float));
-        if (r >= unit->rows) {
-            memset(qr, 0, d * sizeof(uint16_t));
-            continue;
-        }
-        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
-        memcpy(qr, q + head * job->q_head + pos * job->q_row, d * sizeof(uint16_t));
-        int64_t lo = job->lo[pos], hi = job->hi[pos];
-        if (lo < hi) {
-            if (lo < b->tlo[r / TR]) b->tlo[r / TR] = lo;
-            if (hi > b->thi[r / TR]) b->thi[r / TR] = hi;
-        }
-    }
-    for (int64_t t = 0; t < tiles; t++) {
-        if (b->tlo[t] < first) first = b->tlo[t];
-        if (b->thi[t] > last) last = b->thi[t];
-    }
+    int64_t first, last;
+    start_unit(job, unit, tiles, sizeof(uint16_t), b->q, b->o, b->m, b->l, b->tlo, b->thi, &first, &last);
     for (int64_t j0 = first; j0 < last; j0 += NK) {
         const int64_t keys = last - j0 < NK ? last - j0 : NK;
         uint32_t *kb = (uint32_t *)b->kb, *vb = (uint32_t *)b->vb;
@@ -293,31 +304,10 @@ typedef struct {
 
 static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b) {
     const int64_t d = job->dim, per_group = job->heads / job->groups;
-    const int64_t tiles = (unit->rows + TR - 1) / TR, padded = tiles * TR;
-    const float *q = job->q, *k = (const float *)job->k + unit->g * job->k_head,
-                *v = (const float *)job->v + unit->g * job->v_head;
-    int64_t first = INT64_MAX, last = 0;
-    for (int64_t t = 0; t < tiles; t++) b->tlo[t] = INT64_MAX, b->thi[t] = 0;
-    for (int64_t r = 0; r < padded; r++) {
-        float *qr = b->q + r * d;
-        b->m[r] = -__builtin_inff(), b->l[r] = 0.0f;
-        memset(b->o + r * d, 0, d * sizeof(float));
-        if (r >= unit->rows) {
-            memset(qr, 0, d * sizeof(float));
-            continue;
-        }
-        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
-        memcpy(qr, q + head * job->q_head + pos * job->q_row, d * sizeof(float));
-        int64_t lo = job->lo[pos], hi = job->hi[pos];
-        if (lo < hi) {
-            if (lo < b->tlo[r / TR]) b->tlo[r / TR] = lo;
-            if (hi > b->thi[r / TR]) b->thi[r / TR] = hi;
-        }
-    }
-    for (int64_t t = 0; t < tiles; t++) {
-        if (b->tlo[t] < first) first = b->tlo[t];
-        if (b->thi[t] > last) last = b->thi[t];
-    }
+    const int64_t tiles = (unit->rows + TR - 1) / TR;
+    const float *k = (const float *)job->k + unit->g * job->k_head, *v = (const float *)job->v + unit->g * job->v_head;
+    int64_t first, last;
+    start_unit(job, unit, tiles, sizeof(float), b->q, b->o, b->m, b->l, b->tlo, b->thi, &first, &last);
     for (int64_t j0 = first; j0 < last; j0 += NK) {
         const int64_t keys = last - j0 < NK ? last - j0 : NK;
         for (int64_t j = 0; j < NK; j++) {

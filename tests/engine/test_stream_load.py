@@ -102,11 +102,16 @@ def bf16_checkpoint(tiny, tmp_path_factory) -> Path:
     return folder
 
 
+def quantized_home(checkpoint: Path, tmp_path: Path, format: str) -> Path:
+    """A home's models folder holding `npumoed model quantize`'s files of `checkpoint` in `format`."""
+    models = tmp_path / "models"
+    quantize_checkpoint(checkpoint, quantized_folder(models, checkpoint, fingerprint(checkpoint), format), format)
+    return models
+
+
 @pytest.mark.parametrize("format", ["int8", "int4"])
 def test_experts_quantized_once_are_read_at_load_not_quantized_again(bf16_checkpoint, tmp_path, monkeypatch, format):
-    models = tmp_path / "models"
-    quantize_checkpoint(bf16_checkpoint, quantized_folder(models, bf16_checkpoint, fingerprint(bf16_checkpoint),
-                                                          format), format)
+    models = quantized_home(bf16_checkpoint, tmp_path, format)
     read: list[str] = []
     weight = QuantizedReader.weight
     monkeypatch.setattr(QuantizedReader, "weight", lambda self, name: read.append(name) or weight(self, name))
@@ -122,9 +127,7 @@ def test_experts_quantized_once_are_read_at_load_not_quantized_again(bf16_checkp
 
 def test_the_engine_reads_the_homes_quantized_experts_and_runs_them_as_packed(bf16_checkpoint, tmp_path,
                                                                              monkeypatch):
-    models = tmp_path / "models"
-    quantize_checkpoint(bf16_checkpoint, quantized_folder(models, bf16_checkpoint, fingerprint(bf16_checkpoint),
-                                                          "int4"), "int4")
+    models = quantized_home(bf16_checkpoint, tmp_path, "int4")
     read: list[str] = []
     weight = QuantizedReader.weight
     monkeypatch.setattr(QuantizedReader, "weight", lambda self, name: read.append(name) or weight(self, name))
@@ -137,9 +140,7 @@ def test_the_engine_reads_the_homes_quantized_experts_and_runs_them_as_packed(bf
 
 def test_without_quantized_files_for_this_format_the_experts_are_quantized_at_load(bf16_checkpoint, tmp_path,
                                                                                    monkeypatch):
-    models = tmp_path / "models"
-    quantize_checkpoint(bf16_checkpoint, quantized_folder(models, bf16_checkpoint, fingerprint(bf16_checkpoint),
-                                                          "int8"), "int8")
+    models = quantized_home(bf16_checkpoint, tmp_path, "int8")
     read: list[str] = []
     monkeypatch.setattr(QuantizedReader, "weight", lambda self, name: read.append(name))
     assert load_model(bf16_checkpoint, dtype="bfloat16", pack=True, format="int4", models_dir=models).streamed
