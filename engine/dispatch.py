@@ -24,6 +24,7 @@ from itertools import accumulate
 
 import torch
 
+from . import combine_kernel
 from .cpu_experts import CpuExperts, Task, run_tasks
 from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from .vocabulary import OVERFLOW_POLICIES, PRUNE, SPILL
@@ -285,12 +286,16 @@ class MoeLayer:
 
 def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
     """(S, H) expert outputs in sorted order (out[i] belongs to assignment order[i]) and (T, k) router weights
-    -> (T, H): each token's weighted sum, as a (1, k) x (k, H) matmul per token, accumulated in float32 so a bf16
-    sum is rounded once. Weights finer than the outputs (a float32 router beside bf16 experts) are not rounded
-    to them: the sum is taken in their dtype, as transformers does."""
+    -> (T, H): each token's weighted sum, accumulated in float32 so a bf16 sum is rounded once, by the engine's
+    combine kernel where it runs (combine_kernel.py), else as a (1, k) x (k, H) matmul per token. Weights finer
+    than the outputs (a float32 router beside bf16 experts) are not rounded to them: the sum is taken in their
+    dtype, as transformers does."""
     T, k = top_k_weights.shape
+    at = torch.empty_like(order).scatter_(0, order, torch.arange(len(order), device=order.device))  # order⁻¹
+    if combine_kernel.supports(out, top_k_weights):
+        return combine_kernel.combine(out, at, top_k_weights)
     # (S, H) token-major: row t·k + j is token t's j-th assignment's output
-    by_token = torch.index_select(out, 0, torch.argsort(order), out=_workspace.get("by_token", len(order), out))
+    by_token = torch.index_select(out, 0, at, out=_workspace.get("by_token", len(order), out))
     dtype = torch.promote_types(out.dtype, top_k_weights.dtype)
     weighted = torch.bmm(top_k_weights.to(dtype).reshape(T, 1, k), by_token.view(T, k, -1).to(dtype))
     return weighted.view(T, -1).to(out.dtype)
