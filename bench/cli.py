@@ -342,11 +342,13 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
                       _error(row["kl_vs_fp32"]), f"{_percent(row['top1_vs_float'])} ({row['vs_float']})",
                       _error(row["kl_vs_float"]))
     _console().print(table)
-    layers = Table("geometry", "weights and activations", "format", "relative error", "target",
-                   title="One MoE layer, quantized experts against fp32")
+    layers = Table("geometry", "weights and activations", "format", "relative error", "weights alone", "target",
+                   title="One MoE layer, quantized experts against fp32",
+                   caption="weights alone: the format's floor, its rounded weights with exact fp32 activations",
+                   caption_justify="left")
     for row in layer_rows:
         layers.add_row(row["geometry"], row["distribution"], row["format"], f"{row['rel_error']:.2%}",
-                       f"≤ {TARGETS[row['format']]:.0%}")
+                       f"{row['weights_alone_error']:.2%}", f"≤ {TARGETS[row['format']]:.0%}")
     _console().print(layers)
 
 

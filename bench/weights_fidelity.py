@@ -14,11 +14,13 @@ temperature that minimises cross-entropy. The body, experts included, stays rand
 top-1 mean something (it predicts real text), and its margins are what decide agreement.
 
 One layer: the routed experts of one layer at a real model's sizes, random weights, fp32 reference, the experts
-quantized by the engine; relative L2 error of the layer's output. Gaussian weights and activations are the
-baseline; `heavy` draws what trained LLMs are reported to have instead (no real checkpoint can be read here):
-weights heavier-tailed than Gaussian (Student t, 6 degrees of freedom) with per-row scales that vary
-(log-normal), and a few activation channels far larger than the rest (outlier features); `heavy-weights` has
-the weights alone, so the two causes can be told apart.
+quantized by the engine; relative L2 error of the layer's output. Beside it, the format's own floor: the same layer
+with its weights rounded to the format and everything else exact (fp32 activations, torch's experts), which no
+kernel of that format can beat; what the engine adds above it is its rounding of the activations to int8.
+Gaussian weights and activations are the baseline; `heavy` draws what trained LLMs are reported to have instead
+(no real checkpoint can be read here): weights heavier-tailed than Gaussian (Student t, 6 degrees of freedom)
+with per-row scales that vary (log-normal), and a few activation channels far larger than the rest (outlier
+features); `heavy-weights` has the weights alone, so the two causes can be told apart.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from npumoe.engine.backends import get_backend
 from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 from npumoe.engine.models import LoadedModel
 from npumoe.engine.prefill import new_cache, prefill, windows
+from npumoe.engine.quantize import quantize
 from npumoe.engine.runtime import MoeRuntime
 from npumoe.engine.vocabulary import BF16, CPU, FP32, INT4, INT8, QUANTIZED
 
@@ -180,10 +183,28 @@ def layer_errors(geometry: Geometry, formats: Sequence[str], distribution: str, 
             if ran == 0:
                 raise RuntimeError(f"the {format} experts did not run")
             rows.append({"geometry": geometry.name, "distribution": distribution, "format": format,
-                         "tokens": tokens, "rel_error": relative_error(output, reference)})
+                         "tokens": tokens, "rel_error": relative_error(output, reference),
+                         "weights_alone_error": relative_error(_with_rounded_weights(experts, format, x, index,
+                                                                                     weights), reference)})
             if on_result is not None:
                 on_result(rows[-1])
     return rows
+
+
+@torch.no_grad()
+def _with_rounded_weights(experts: torch.nn.Module, format: str, *inputs: torch.Tensor) -> torch.Tensor:
+    """The experts' output on `inputs` with their weights rounded to `format` (and back to fp32), computed by the
+    module itself; the weights are put back after."""
+    weights = [p for p in experts.parameters() if p.ndim == 3]  # (E, N, K) gate-up and down projections
+    originals = [w.clone() for w in weights]
+    try:
+        for weight in weights:
+            for e in range(weight.shape[0]):
+                weight[e] = quantize(weight[e], format).dequantize()
+        return experts(*inputs)
+    finally:
+        for weight, original in zip(weights, originals, strict=True):
+            weight.copy_(original)
 
 
 @torch.no_grad()

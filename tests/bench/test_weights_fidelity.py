@@ -14,8 +14,9 @@ from npumoe.bench.weights_fidelity import (
     layer_errors,
     run_weights_fidelity,
 )
-from npumoe.engine.geometry import build_layer_model, layer_experts, parse_geometry
+from npumoe.engine.geometry import build_layer_model, draw_routing, layer_experts, parse_geometry, routing_prior
 from npumoe.engine.models import load_model
+from npumoe.engine.quantize import quantize
 
 SMALL = parse_geometry("64x8x2x32")
 
@@ -80,7 +81,27 @@ def test_a_layer_s_quantized_experts_miss_by_more_in_int4_than_in_int8(distribut
     assert quantized_runs == ["int8", "int4"]
     errors = {row["format"]: row["rel_error"] for row in rows}
     assert 0 < errors["int8"] < errors["int4"] < 0.5
+    # the format's floor (its rounded weights alone) is below what the engine, which also rounds activations, gets
+    assert all(0 < row["weights_alone_error"] < 1.1 * row["rel_error"] for row in rows)
     assert all((row["geometry"], row["distribution"], row["tokens"]) == (SMALL.name, distribution, 64) for row in rows)
+
+
+def test_the_floor_runs_the_layer_on_weights_rounded_to_the_format_and_puts_them_back(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    experts = layer_experts(build_layer_model(SMALL, torch.float32, generator))
+    x = torch.randn(16, SMALL.hidden, generator=generator)
+    index, weights = draw_routing(routing_prior(SMALL, generator), 16, SMALL.top_k, generator)
+    before = [p.clone() for p in experts.parameters()]
+    rounded = []
+    monkeypatch.setattr(weights_fidelity, "quantize", lambda w, format: rounded.append(format) or quantize(w, format))
+    got = weights_fidelity._with_rounded_weights(experts, "int4", x, index, weights)
+    assert rounded == ["int4"] * (2 * SMALL.experts)  # every expert's gate-up and down
+    assert all(torch.equal(p, b) for p, b in zip(experts.parameters(), before, strict=True))
+    with torch.no_grad():
+        for p in experts.parameters():
+            if p.ndim == 3:
+                p.copy_(torch.stack([quantize(w, "int4").dequantize() for w in p]))
+        torch.testing.assert_close(got, experts(x, index, weights))
 
 
 def test_heavy_tailed_weights_have_the_gaussian_draw_s_scale_but_heavier_tails():
