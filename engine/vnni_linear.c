@@ -32,6 +32,10 @@
 /* Weights stream from memory once per call: each kernel asks for the bytes this far ahead of the ones it is
  * multiplying, so that DRAM's latency overlaps the arithmetic (16 KiB measured best of 8-64 KiB on AMX). */
 #define AHEAD 16384
+/* An expert's rows lose at most about this share of themselves to rounding on AMX (quantize_row_levels): 3 %, above
+ * what a Gaussian row of thousands of values loses (0.9 %) or a gated expert's heavier-tailed intermediate row, so
+ * only rows with outliers pay for a second level. */
+#define ROUNDING_BOUND 0.03f
 #define INLINE __attribute__((always_inline))  /* each row count its own fully unrolled copy */
 
 static inline __mmask16 first(int64_t lanes) {
@@ -60,23 +64,59 @@ static inline TARGET void store_y(void *row, int bf16, int64_t j, __m512 v, __mm
 }
 
 /* One row of k activations as int8 codes plus `offset` into q (padded with `offset` up to `padded`);
- * returns the row's scale. With `sums`, also each group of `group` (a multiple of 16) codes' sum. */
+ * returns the row's scale. With `sums`, also each group of `group` (a multiple of 16) codes' sum; with `loss`, the
+ * share of the row's squared L2 norm that rounding lost. */
 static TARGET float quantize_row(const void *row, int bf16, int64_t k, int64_t padded, int32_t offset, uint8_t *q,
-                                 int64_t group, float *sums) {
+                                 int64_t group, float *sums, float *loss) {
     __m512 top = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16) top = _mm512_max_ps(top, _mm512_abs_ps(load_x(row, bf16, i, first(k - i))));
     float scale = _mm512_reduce_max_ps(top) / 127.0f;
     if (scale < FLT_MIN) scale = FLT_MIN;  /* an all-zero row: zero codes */
     const __m512 divisor = _mm512_set1_ps(scale);
     const __m512i shift = _mm512_set1_epi32(offset);
+    __m512 lost = _mm512_setzero_ps(), whole = _mm512_setzero_ps();
     for (int64_t i = 0; i < k; i += 16) {
         const __mmask16 mask = first(k - i);
-        __m512i codes = _mm512_cvtps_epi32(_mm512_div_ps(load_x(row, bf16, i, mask), divisor));
+        const __m512 v = load_x(row, bf16, i, mask);
+        __m512i codes = _mm512_cvtps_epi32(_mm512_div_ps(v, divisor));
         if (sums) sums[i / group] += (float)_mm512_reduce_add_epi32(codes);
+        if (loss) {
+            const __m512 missed = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(codes), divisor, v);
+            lost = _mm512_fmadd_ps(missed, missed, lost);
+            whole = _mm512_fmadd_ps(v, v, whole);
+        }
         _mm512_mask_cvtepi32_storeu_epi8(q + i, mask, _mm512_add_epi32(codes, shift));
     }
     memset(q + k, offset, (size_t)(padded - k));
+    if (loss) {
+        const float norm = _mm512_reduce_add_ps(whole);
+        *loss = norm > 0.0f ? _mm512_reduce_add_ps(lost) / norm : 0.0f;  /* an all-zero row loses nothing */
+    }
     return scale;
+}
+
+/* One row as int8 codes plus 128 at its scale s (as quantize_row) into `hi`, and, when those lose more than
+ * ROUNDING_BOUND of the row (relative L2: a row whose largest values dwarf the rest, as outlier features do), what
+ * they missed (x − s·code, at most s/2 in size) at s/254 into `lo`: the pair carries the row to about 15 bits.
+ * Writes the scales used to `scales`; returns the levels used, 1 or 2. */
+static TARGET int quantize_row_levels(const void *row, int bf16, int64_t k, int64_t padded, uint8_t *hi, uint8_t *lo,
+                                      float *scales) {
+    float loss;
+    const float scale = quantize_row(row, bf16, k, padded, 128, hi, 16, NULL, &loss), fine = scale / 254.0f;
+    scales[0] = scale;
+    if (!(loss > ROUNDING_BOUND * ROUNDING_BOUND)) return 1;
+    const __m512 coarse = _mm512_set1_ps(scale), divisor = _mm512_set1_ps(fine);
+    const __m512i shift = _mm512_set1_epi32(128);
+    for (int64_t i = 0; i < k; i += 16) {
+        const __mmask16 mask = first(k - i);
+        const __m512i codes = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, hi + i)), shift);
+        const __m512 missed = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(codes), coarse, load_x(row, bf16, i, mask));
+        _mm512_mask_cvtepi32_storeu_epi8(lo + i, mask,
+                                         _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_div_ps(missed, divisor)), shift));
+    }
+    memset(lo + k, 128, (size_t)(padded - k));
+    scales[1] = fine;
+    return 2;
 }
 
 /* acc + VPDPBUSD(u8 a, s8 b). Written out because GCC 12's intrinsic keeps a tile's sums in memory, copying them
@@ -97,14 +137,16 @@ static inline TARGET int32_t four_bytes(const uint8_t *p) {
     return four;
 }
 
-/* One row of int8 results from its int32 sums over 64 columns: (Σ(x + 128)·w − 128·Σw) · x scale · w scale. */
-static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const int32_t *sums, const float *scale, float xs,
-                                                 void *y, int bf16, int64_t columns) {
+/* One row of int8 results from its int32 sums over 64 columns: (Σ(x + 128)·w − 128·Σw) · x scale · w scale; with
+ * `lo`, the sums of the row's second level (quantize_row_pair) at scale xs_lo are added. */
+static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const __m512i *lo, const int32_t *sums,
+                                                 const float *scale, float xs, float xs_lo, void *y, int bf16,
+                                                 int64_t columns) {
     for (int c = 0; c < 4; c++) {
         const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * c), 7);
-        const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[c], offset));
-        store_y(y, bf16, 16 * c, _mm512_mul_ps(v, _mm512_mul_ps(_mm512_loadu_ps(scale + 16 * c), _mm512_set1_ps(xs))),
-                first(columns - 16 * c));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[c], offset)), _mm512_set1_ps(xs));
+        if (lo) v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(lo[c], offset)), _mm512_set1_ps(xs_lo), v);
+        store_y(y, bf16, 16 * c, _mm512_mul_ps(v, _mm512_loadu_ps(scale + 16 * c)), first(columns - 16 * c));
     }
 }
 
@@ -131,7 +173,8 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
             }
         }
     }
-    for (int r = 0; r < rows; r++) finish_int8_row(acc[r], sums, scale, xs[r], (char *)y + r * ldy, bf16, columns);
+    for (int r = 0; r < rows; r++)
+        finish_int8_row(acc[r], NULL, sums, scale, xs[r], 0.0f, (char *)y + r * ldy, bf16, columns);
 }
 
 /* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. */
@@ -146,7 +189,7 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
         return -1;
     }
     for (int64_t r = 0; r < m; r++)
-        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL);
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL, NULL);
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
     for (int64_t block = 0; block * BLOCK < n; block++) {
         const int8_t *wb = w + block * BLOCK * padded;
@@ -225,20 +268,39 @@ static inline AMX INLINE void amx_block(const uint8_t *q, int64_t ldq, const int
     _tile_stored(3, c + 48, 4 * BLOCK);
 }
 
-/* linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
+/* Where the int32 sums of row `row` of codes lie in `c`, which holds those of the last two row tiles. */
+static inline int32_t *sums_of(int32_t *c, int64_t row) {
+    return c + ((row / 16) % 2 * 16 + row % 16) * BLOCK;
+}
+
+/* linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). With `levels`, a row of x that
+ * one level of codes would round by more than ROUNDING_BOUND takes a second row of codes (quantize_row_levels), and
+ * its results sum both: more tile work only for such rows, which costs an expert's few rows little beside reading its
+ * weights. */
 static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
-    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4, tiles = (m + 15) / 16;
-    uint8_t *q = malloc((size_t)(tiles * 16 * padded));
-    float *xs = malloc((size_t)m * sizeof *xs);
-    if (!q || !xs) {
+                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16, int levels) {
+    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4, most = levels ? 2 * m : m;
+    uint8_t *q = malloc((size_t)(((most + 15) / 16 * 16 + 1) * padded));  /* + a row for an unused second level */
+    float *xs = malloc((size_t)most * sizeof *xs);
+    int64_t *first_row = malloc((size_t)(m + 1) * sizeof *first_row);  /* token r's rows: first_row[r] .. [r + 1] */
+    if (!q || !xs || !first_row) {
         free(q);
         free(xs);
+        free(first_row);
         return -1;
     }
-    for (int64_t r = 0; r < m; r++)
-        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL);
-    memset(q + m * padded, 128, (size_t)((tiles * 16 - m) * padded));  /* padding rows: codes 0 */
+    int64_t rows = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const char *row = (const char *)x + r * ldx * size;
+        first_row[r] = rows;
+        if (levels)
+            rows += quantize_row_levels(row, bf16, k, padded, q + rows * padded, q + (rows + 1) * padded, xs + rows);
+        else
+            xs[rows] = quantize_row(row, bf16, k, padded, 128, q + rows * padded, 16, NULL, NULL), rows++;
+    }
+    first_row[m] = rows;
+    const int64_t tiles = (rows + 15) / 16;
+    memset(q + rows * padded, 128, (size_t)((tiles * 16 - rows) * padded));  /* padding rows: codes 0 */
     struct tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
@@ -247,30 +309,35 @@ static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
         config.bytes_per_row[t] = 64;
     }
     _tile_loadconfig(&config);
-    int32_t c[16 * BLOCK] __attribute__((aligned(64)));
+    int32_t c[2 * 16 * BLOCK] __attribute__((aligned(64)));  /* two row tiles' sums: a row's levels may straddle */
     for (int64_t block = 0; block * BLOCK < n; block++) {
         const int8_t *wb = w + block * BLOCK * padded;
-        for (int64_t t = 0; t < tiles; t++) {
-            amx_block(q + t * 16 * padded, padded, wb, padded / 64, c, t == 0);  /* later row tiles find it cached */
-            for (int64_t r = t * 16; r < m && r < t * 16 + 16; r++) {
-                const int32_t *cr = c + (r - t * 16) * BLOCK;
-                const __m512i acc[4] = {_mm512_load_si512(cr), _mm512_load_si512(cr + 16),
-                                        _mm512_load_si512(cr + 32), _mm512_load_si512(cr + 48)};
-                finish_int8_row(acc, sums + block * BLOCK, scale + block * BLOCK, xs[r],
-                                (char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, n - block * BLOCK);
+        for (int64_t t = 0, r = 0; t < tiles; t++) {  /* later row tiles find the block cached */
+            amx_block(q + t * 16 * padded, padded, wb, padded / 64, sums_of(c, 16 * t), t == 0);
+            for (; r < m && first_row[r + 1] <= (t + 1) * 16; r++) {  /* the rows whose codes are all summed */
+                const int64_t at = first_row[r], two = first_row[r + 1] - at == 2;
+                const int32_t *cr = sums_of(c, at), *cl = sums_of(c, at + two);
+                const __m512i acc[8] = {_mm512_load_si512(cr), _mm512_load_si512(cr + 16),
+                                        _mm512_load_si512(cr + 32), _mm512_load_si512(cr + 48),
+                                        _mm512_load_si512(cl), _mm512_load_si512(cl + 16),
+                                        _mm512_load_si512(cl + 32), _mm512_load_si512(cl + 48)};
+                finish_int8_row(acc, two ? acc + 4 : NULL, sums + block * BLOCK, scale + block * BLOCK, xs[at],
+                                two ? xs[at + 1] : 0.0f, (char *)y + (r * ldy + block * BLOCK) * ysize, ybf16,
+                                n - block * BLOCK);
             }
         }
     }
     _tile_release();
     free(q);
     free(xs);
+    free(first_row);
     return 0;
 }
 
 /* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
 AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                                const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8_amx(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
+    return linear_int8_amx(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16, 0);
 }
 
 static inline TARGET __m512 bf16_to_ps(const uint16_t *p) {
@@ -340,7 +407,7 @@ static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, c
         return -1;
     }
     for (int64_t r = 0; r < m; r++)
-        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, k, 0, q + r * k, group, gs + r * groups);
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, k, 0, q + r * k, group, gs + r * groups, NULL);
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, octets = group / 8;
     for (int64_t block = 0; block * BLOCK < n; block++) {
         const uint8_t *wb = w + block * BLOCK * k / 2;
@@ -422,15 +489,15 @@ static int run_linear(int kind, const struct npumoe_weight *w, const void *x, in
     case INT8_VNNI:
         return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
     case INT8_AMX:
-        return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
+        return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, 1);
     default:
         return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
     }
 }
 
 /* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K), down packed (N, I),
- * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself); x and y as
- * in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
+ * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself, in two levels
+ * on AMX); x and y as in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
 int npumoe_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int kind, const struct npumoe_weight *up,
                            const struct npumoe_weight *down, void *y, int64_t ldy) {
     const int64_t inter = down->k, width = up->n;
