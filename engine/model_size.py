@@ -4,7 +4,8 @@ In fp32 and bf16 every weight is in that dtype. In int8 and int4 the routed expe
 (quantize.py: int8 with a float32 scale per output row; int4 in groups of INT4_GROUP with a bf16 scale and
 zero each, 5 bits a weight) and everything else stays bf16 (embeddings, norms, attention, routers; the biases
 of experts too). A checkpoint is counted from its safetensors headers (no weight is read); a config alone from
-the model built on the meta device (no memory allocated).
+the model built on the meta device (no memory allocated). Experts a checkpoint stores in MXFP4 (gpt-oss) count
+as the (E, out, in) weights they dequantize to; their scales are not counted, as each format has its own.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .mxfp4 import BLOCKS, dequantized_shape, stored_part
 from .quant_store import is_expert_weight, read_header
 from .quantize import INT4, INT4_GROUP, INT8
 
@@ -90,13 +92,19 @@ def checkpoint_tensors(folder: Path) -> list[Tensor]:
                 continue
             if entry["dtype"] not in _DTYPE_BYTES:
                 raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, which this count does not know")
-            tensors.append(Tensor(name, tuple(entry["shape"]), is_expert_weight(name, entry["shape"], entry["dtype"])))
+            mxfp4 = stored_part(name) if entry["dtype"] == "U8" else None
+            if mxfp4 is None:
+                tensors.append(Tensor(name, tuple(entry["shape"]),
+                                      is_expert_weight(name, entry["shape"], entry["dtype"])))
+            elif mxfp4[1] == BLOCKS:
+                tensors.append(Tensor(mxfp4[0], dequantized_shape(entry["shape"]), True))
     return tensors
 
 
 def config_tensors(config: Mapping[str, Any]) -> list[Tensor]:
     """The parameters of the model a config.json describes, built on the meta device. Its routed experts are
-    the weights (not biases) under an `experts` module, fused (E, out, in) as transformers holds them."""
+    the weights (not biases) under an `experts` module, counted (E, out, in) as the engine quantizes them (its
+    rows are output channels), whichever way round transformers holds them."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     settings = dict(config)
@@ -106,8 +114,14 @@ def config_tensors(config: Mapping[str, Any]) -> list[Tensor]:
     built = AutoConfig.for_model(family, **settings)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(built)
-    return [Tensor(name, tuple(p.shape), ".experts." in f".{name}" and p.ndim >= 2 and not name.endswith("bias"))
-            for name, p in model.named_parameters()]
+    tensors = []
+    for name, parameter in model.named_parameters():
+        shape = tuple(parameter.shape)
+        expert = ".experts." in f".{name}" and parameter.ndim >= 2 and not name.endswith("bias")
+        if expert and getattr(model.get_submodule(name.rpartition(".")[0]), "is_transposed", False):
+            shape = (*shape[:-2], shape[-1], shape[-2])  # stored (E, in, out)
+        tensors.append(Tensor(name, shape, expert))
+    return tensors
 
 
 # What loading and running a model needs beyond its weights' bytes: peak RSS while loading and processing a

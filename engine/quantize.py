@@ -85,7 +85,8 @@ def quantize(w: torch.Tensor, format: str, *, group: int = INT4_GROUP) -> Quanti
     check_format(format)
     if w.ndim != 2 or not w.is_floating_point():
         raise ValueError(f"quantize needs a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
-    w = w.detach().float()
+    # contiguous: a transposed view's codes would be strided, which some kernels misread
+    w = w.detach().float().contiguous()
     if format == INT8:
         scale = w.abs().amax(dim=1) / _INT8_MAX
         scale = torch.where(scale > 0, scale, 1.0)  # an all-zero row: any scale gives zero codes

@@ -13,9 +13,10 @@ about twice at the peak of loading. Here instead:
   one expert at a time, float or quantized (taking the experts `npumoed model quantize` wrote where they exist),
   and the module keeps placeholders, as after the engine packs a loaded model's experts (runtime.py).
 
-A checkpoint this loader cannot read as it is (stored quantized, such as gpt-oss's MXFP4 blocks; a conversion
-other than stacking experts; a parameter it does not hold) raises `NotStreamable` before any weight is read, and
-the caller loads it the way transformers does.
+Experts stored in MXFP4 (gpt-oss, mxfp4.py) are dequantized one expert at a time as they are read, so they too
+are never held whole in float when packed. A checkpoint this loader cannot read as it is (stored in another
+quantized format; a conversion other than stacking experts; a parameter it does not hold) raises `NotStreamable`
+before any weight is read, and the caller loads it the way transformers does.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from transformers.core_model_loading import (
 from .cpu_experts import CpuExperts
 from .experts_layout import ExpertsLayout, engine_form
 from .models import moe_layouts
+from .mxfp4 import BLOCKS, MXFP4, SCALES, dequantize_expert, stored_part
 from .quant_store import QuantizedReader
 from .quantize import QuantizedWeight
 from .tensor_reader import TensorFile
@@ -55,13 +57,15 @@ class NotStreamable(Exception):
 @dataclass(frozen=True)
 class _Piece:
     """Where one checkpoint tensor goes in an experts module's parameter: all of it (`expert` None, a fused
-    (E, …) tensor), or one expert's rows `part` of `parts` (its gate then its up projection, say)."""
+    (E, …) tensor), or one expert's rows `part` of `parts` (its gate then its up projection, say). A fused tensor
+    stored in MXFP4 is its blocks, `scales` (file, key) its scales."""
 
     file: str
     key: str
     expert: int | None
     part: int = 0
     parts: int = 1
+    scales: tuple[str, str] | None = None
 
 
 @dataclass
@@ -76,9 +80,8 @@ def stream_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, *, ex
     """The model in `path`, its weights read one at a time in `dtype`. With `pack`, every experts module's weights
     go straight into the engine's CPU experts in `format` (None: float), from `quantized` where it holds them.
     models.ModelError when the model is not one the engine runs (checked before any weight is read)."""
-    quantization = getattr(config, "quantization_config", None)
-    if quantization:
-        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else type(quantization)
+    method = _quant_method(config)
+    if method not in (None, MXFP4):
         raise NotStreamable(f"its weights are stored quantized ({method})")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation,
@@ -89,7 +92,7 @@ def stream_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, *, ex
         raise NotStreamable("it has no safetensors files")
     opened = {file.name: TensorFile(file) for file in files}
     try:
-        plan = _plan(model, opened, layouts)
+        plan = _plan(model, opened, layouts, mxfp4=method == MXFP4)
         for target, (file, key) in plan.plain.items():
             _put(model, target, opened[file].read(key))
         for name, pieces in plan.experts.items():
@@ -109,15 +112,35 @@ def stream_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, *, ex
     return model.eval()
 
 
-def _plan(model: PreTrainedModel, opened: dict[str, TensorFile], layouts: dict[str, ExpertsLayout]) -> _Plan:
-    """Where every checkpoint tensor goes, decided from the headers before any weight is read."""
+def _quant_method(config: PretrainedConfig) -> str | None:
+    """How the checkpoint's weights are stored quantized ("mxfp4", …); None when they are not."""
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    return str(getattr(method, "value", method)) if method else "an unnamed method"
+
+
+def _plan(model: PreTrainedModel, opened: dict[str, TensorFile], layouts: dict[str, ExpertsLayout], *,
+          mxfp4: bool = False) -> _Plan:
+    """Where every checkpoint tensor goes, decided from the headers before any weight is read; with `mxfp4`,
+    the experts' MXFP4 blocks and scales too."""
     expected = model.state_dict()
     transforms = get_model_conversion_mapping(model)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     plan = _Plan({}, defaultdict(lambda: defaultdict(list)))
+    stored: dict[str, dict[str, tuple[str, str]]] = defaultdict(dict)  # MXFP4 parameter -> blocks/scales -> place
     for file, tensors in opened.items():
         for key in tensors.names():
+            if mxfp4 and (part := stored_part(key)) is not None:
+                target, pattern = rename_source_key(part[0], renamings, converters, model.base_model_prefix,
+                                                    expected)
+                if target not in expected or pattern is not None or target.rpartition(".")[0] not in layouts:
+                    raise NotStreamable(f"its MXFP4 tensor {key} is not a routed experts weight the loader maps")
+                stored[target][part[1]] = (file, key)
+                continue
             target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
             if target not in expected:
                 if pattern is None:
@@ -132,6 +155,11 @@ def _plan(model: PreTrainedModel, opened: dict[str, TensorFile], layouts: dict[s
                 plan.experts[module][short].append(_Piece(file, key, None))
             else:
                 plan.experts[module][short].append(_expert_piece(file, key, pattern, converters, layouts[module]))
+    for target, parts in stored.items():
+        if len(parts) != 2:
+            raise NotStreamable(f"its MXFP4 {target} has {', '.join(parts)} but not both blocks and scales")
+        module, _, short = target.rpartition(".")
+        plan.experts[module][short].append(_Piece(*parts[BLOCKS], None, scales=parts[SCALES]))
     missing = set(expected) - set(plan.plain) - set(model.all_tied_weights_keys) - {
         f"{module}.{short}" for module, held in plan.experts.items() for short in held}
     if missing:
@@ -170,16 +198,25 @@ def _stored_expert(parameter: torch.Tensor, pieces: list[_Piece], expert: int,
                    opened: dict[str, TensorFile]) -> torch.Tensor:
     """One expert's slice of an experts parameter as the module stores it, read from the checkpoint, in the
     parameter's dtype."""
+    first = pieces[0]
+    if first.scales is not None:  # MXFP4: dequantized as transformers does, into the parameter's dtype
+        scales_file, scales_key = first.scales
+        blocks, scales = opened[first.file].read(first.key, expert), opened[scales_file].read(scales_key, expert)
+        return _checked(parameter, expert, dequantize_expert(blocks, scales, parameter.dtype))
     if pieces[0].expert is None:
         stored = opened[pieces[0].file].read(pieces[0].key, expert)
     else:
         parts = sorted((p for p in pieces if p.expert == expert), key=lambda p: p.part)
         stored = torch.cat([opened[p.file].read(p.key) for p in parts]) if len(parts) > 1 else \
             opened[parts[0].file].read(parts[0].key)
+    return _checked(parameter, expert, stored).to(parameter.dtype)
+
+
+def _checked(parameter: torch.Tensor, expert: int, stored: torch.Tensor) -> torch.Tensor:
     if tuple(stored.shape) != tuple(parameter.shape[1:]):
         raise ValueError(f"expert {expert}'s weight in the checkpoint is {tuple(stored.shape)}, the model's "
                          f"{tuple(parameter.shape[1:])}")
-    return stored.to(parameter.dtype)
+    return stored
 
 
 def _whole(parameter: torch.Tensor, pieces: list[_Piece], opened: dict[str, TensorFile]) -> torch.Tensor:

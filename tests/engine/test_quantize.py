@@ -126,6 +126,21 @@ def test_a_kernel_writes_into_out_and_takes_no_rows():
     assert QuantLinear(q, "dequantize", torch.float32)(torch.zeros(0, 64)).shape == (0, 64)
 
 
+
+def test_a_transposed_weight_quantizes_as_its_contiguous_copy_for_every_kernel():
+    """Experts stored (E, in, out), as gpt-oss's are, are quantized from a transposed view: strided codes would be
+    misread by oneDNN's prepack and refused by torch's int8pack."""
+    stored = randn(256, 192, seed=8)
+    strided, packed = quantize(stored.T, INT8), quantize(stored.T.contiguous(), INT8)
+    assert strided.codes.is_contiguous() and torch.equal(strided.codes, packed.codes)
+    x = randn(5, 256, seed=9)
+    kernels = _kernels_here(INT8, torch.float32, strided)
+    assert "int8pack" in kernels
+    for kernel in kernels:
+        got, want = QuantLinear(strided, kernel, torch.float32)(x), QuantLinear(packed, kernel, torch.float32)(x)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), kernel
+
+
 @pytest.mark.parametrize("bad", ["wrong kernel", "wrong dtype", "wrong width"])
 def test_what_a_kernel_cannot_take_is_refused(bad):
     q = quantize(randn(64, 64, seed=5), INT4)
