@@ -32,7 +32,7 @@
 /* Weights stream from memory once per call: each kernel asks for the bytes this far ahead of the ones it is
  * multiplying, so that DRAM's latency overlaps the arithmetic (16 KiB measured best of 8-64 KiB on AMX). */
 #define AHEAD 16384
-/* An expert's rows lose at most about this share of themselves to rounding on AMX (quantize_row_levels): 3 %, above
+/* An expert's rows lose at most about this share of themselves to rounding (quantize_row_levels): 3 %, above
  * what a Gaussian row of thousands of values loses (0.9 %) or a gated expert's heavier-tailed intermediate row, so
  * only rows with outliers pay for a second level. */
 #define ROUNDING_BOUND 0.03f
@@ -150,10 +150,64 @@ static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const __m
     }
 }
 
-/* Rows of the int8 kernel: u8 codes (x + 128) q with row stride ldq and scales xs; w one block (K/4, 64, 4). */
+/* x's m rows rounded for the int8 kernels: rows of u8 codes q (row stride `padded`, whole tiles of `tile` rows, the
+ * padding rows codes 0), a scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1, one each, or
+ * with `levels` two where one loses more than ROUNDING_BOUND (quantize_row_levels). */
+struct codes {
+    uint8_t *q;
+    float *xs;
+    int64_t *first_row, rows;
+};
+
+static void free_codes(struct codes *codes) {
+    free(codes->q);
+    free(codes->xs);
+    free(codes->first_row);
+}
+
+/* Fills `codes` (0), or returns -1 when memory ran out (nothing left to free). */
+static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, int levels,
+                             int64_t tile, struct codes *codes) {
+    const int64_t most = levels ? 2 * m : m, size = bf16 ? 2 : 4;
+    codes->q = malloc((size_t)(((most + tile - 1) / tile * tile + 1) * padded));  /* + a row for an unused level */
+    codes->xs = malloc((size_t)most * sizeof *codes->xs);
+    codes->first_row = malloc((size_t)(m + 1) * sizeof *codes->first_row);
+    if (!codes->q || !codes->xs || !codes->first_row) {
+        free_codes(codes);
+        return -1;
+    }
+    int64_t rows = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const char *row = (const char *)x + r * ldx * size;
+        uint8_t *at = codes->q + rows * padded;
+        codes->first_row[r] = rows;
+        if (levels)
+            rows += quantize_row_levels(row, bf16, k, padded, at, at + padded, codes->xs + rows);
+        else
+            codes->xs[rows] = quantize_row(row, bf16, k, padded, 128, at, 16, NULL, NULL), rows++;
+    }
+    codes->first_row[m] = codes->rows = rows;
+    memset(codes->q + rows * padded, 128, (size_t)(((rows + tile - 1) / tile * tile - rows) * padded));
+    return 0;
+}
+
+/* Token r's results over one block of 64 columns from its rows' int32 sums, hi and (its second level) lo or NULL. */
+static inline TARGET void finish_token(const int32_t *hi, const int32_t *lo, const struct codes *codes, int64_t r,
+                                       const int32_t *sums, const float *scale, void *y, int bf16, int64_t columns) {
+    const int64_t at = codes->first_row[r];
+    const __m512i acc[8] = {_mm512_loadu_si512(hi), _mm512_loadu_si512(hi + 16), _mm512_loadu_si512(hi + 32),
+                            _mm512_loadu_si512(hi + 48), _mm512_loadu_si512(lo ? lo : hi),
+                            _mm512_loadu_si512((lo ? lo : hi) + 16), _mm512_loadu_si512((lo ? lo : hi) + 32),
+                            _mm512_loadu_si512((lo ? lo : hi) + 48)};
+    finish_int8_row(acc, lo ? acc + 4 : NULL, sums, scale, codes->xs[at], lo ? codes->xs[at + 1] : 0.0f, y, bf16,
+                    columns);
+}
+
+/* Rows of the int8 kernel: u8 codes (x + 128) q with row stride ldq and scales xs; w one block (K/4, 64, 4). With
+ * `raw`, the rows' int32 sums go there (64 a row) for the caller to finish. */
 static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int64_t ldq, const float *xs, const int8_t *w,
                                     int64_t quads, const int32_t *sums, const float *scale, void *y, int64_t ldy,
-                                    int bf16, int64_t columns, int fetch) {
+                                    int bf16, int64_t columns, int fetch, int32_t *raw) {
     __m512i acc[TILE_ROWS][4];
     for (int r = 0; r < TILE_ROWS; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
@@ -173,47 +227,57 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
             }
         }
     }
-    for (int r = 0; r < rows; r++)
-        finish_int8_row(acc[r], NULL, sums, scale, xs[r], 0.0f, (char *)y + r * ldy, bf16, columns);
+    for (int r = 0; r < rows; r++) {
+        if (raw)
+            for (int c = 0; c < 4; c++) _mm512_storeu_si512(raw + r * BLOCK + 16 * c, acc[r][c]);
+        else
+            finish_int8_row(acc[r], NULL, sums, scale, xs[r], 0.0f, (char *)y + r * ldy, bf16, columns);
+    }
 }
 
-/* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+/* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype; with `levels`, rows with outliers
+ * rounded in two levels (round_rows), whose sums are finished token by token once all are made. */
 static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
-    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
-    uint8_t *q = malloc((size_t)(m * padded));
-    float *xs = malloc((size_t)m * sizeof *xs);
-    if (!q || !xs) {
-        free(q);
-        free(xs);
+                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16, int levels) {
+    const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
+    struct codes codes;
+    if (round_rows(x, m, ldx, bf16, k, padded, levels, 1, &codes)) return -1;
+    const int64_t rows_of_codes = codes.rows, tiles = (rows_of_codes + TILE_ROWS - 1) / TILE_ROWS;
+    int32_t *raw = NULL;  /* every row's sums over a block, when some token has two rows */
+    if (rows_of_codes > m && !(raw = malloc((size_t)(rows_of_codes * BLOCK) * sizeof *raw))) {
+        free_codes(&codes);
         return -1;
     }
-    for (int64_t r = 0; r < m; r++)
-        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, padded, 128, q + r * padded, 16, NULL, NULL);
-    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    const float *xs = codes.xs;
     for (int64_t block = 0; block * BLOCK < n; block++) {
         const int8_t *wb = w + block * BLOCK * padded;
         const int64_t columns = n - block * BLOCK;
+        const int32_t *sb = sums + block * BLOCK;
+        const float *cb = scale + block * BLOCK;
         for (int64_t t = 0, r0 = 0; t < tiles; t++) {
-            const int64_t rows = (m - r0 + (tiles - t) - 1) / (tiles - t);  /* tiles differ by a row at most */
-            const uint8_t *qt = q + r0 * padded;
+            const int64_t rows = (rows_of_codes - r0 + (tiles - t) - 1) / (tiles - t);  /* tiles differ by a row at most */
+            const uint8_t *qt = codes.q + r0 * padded;
             void *yt = (char *)y + (r0 * ldy + block * BLOCK) * ysize;
             const int64_t ystride = ldy * ysize;
-            const int32_t *sb = sums + block * BLOCK;
-            const float *cb = scale + block * BLOCK;
+            int32_t *rt = raw ? raw + r0 * BLOCK : NULL;
             switch (rows) {  /* a constant row count per call, so each loop unrolls fully */
-            case 1: tile_int8(1, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t); break;
-            case 2: tile_int8(2, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t); break;
-            case 3: tile_int8(3, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t); break;
-            case 4: tile_int8(4, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t); break;
-            case 5: tile_int8(5, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t); break;
-            default: tile_int8(6, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t); break;
+            case 1: tile_int8(1, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t, rt); break;
+            case 2: tile_int8(2, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t, rt); break;
+            case 3: tile_int8(3, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t, rt); break;
+            case 4: tile_int8(4, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t, rt); break;
+            case 5: tile_int8(5, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t, rt); break;
+            default: tile_int8(6, qt, padded, xs + r0, wb, padded / 4, sb, cb, yt, ystride, ybf16, columns, !t, rt); break;
             }
             r0 += rows;
         }
+        for (int64_t r = 0; raw && r < m; r++) {
+            const int64_t at = codes.first_row[r];
+            finish_token(raw + at * BLOCK, codes.first_row[r + 1] - at == 2 ? raw + (at + 1) * BLOCK : NULL, &codes, r,
+                         sb, cb, (char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, columns);
+        }
     }
-    free(q);
-    free(xs);
+    free(raw);
+    free_codes(&codes);
     return 0;
 }
 
@@ -222,7 +286,7 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
  * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
 TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
+    return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16, 0);
 }
 
 /* Linux hands a process AMX tile state only when asked: 0 once it has, else the error. */
@@ -279,28 +343,10 @@ static inline int32_t *sums_of(int32_t *c, int64_t row) {
  * weights. */
 static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                                const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16, int levels) {
-    const int64_t padded = (k + 63) / 64 * 64, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4, most = levels ? 2 * m : m;
-    uint8_t *q = malloc((size_t)(((most + 15) / 16 * 16 + 1) * padded));  /* + a row for an unused second level */
-    float *xs = malloc((size_t)most * sizeof *xs);
-    int64_t *first_row = malloc((size_t)(m + 1) * sizeof *first_row);  /* token r's rows: first_row[r] .. [r + 1] */
-    if (!q || !xs || !first_row) {
-        free(q);
-        free(xs);
-        free(first_row);
-        return -1;
-    }
-    int64_t rows = 0;
-    for (int64_t r = 0; r < m; r++) {
-        const char *row = (const char *)x + r * ldx * size;
-        first_row[r] = rows;
-        if (levels)
-            rows += quantize_row_levels(row, bf16, k, padded, q + rows * padded, q + (rows + 1) * padded, xs + rows);
-        else
-            xs[rows] = quantize_row(row, bf16, k, padded, 128, q + rows * padded, 16, NULL, NULL), rows++;
-    }
-    first_row[m] = rows;
-    const int64_t tiles = (rows + 15) / 16;
-    memset(q + rows * padded, 128, (size_t)((tiles * 16 - rows) * padded));  /* padding rows: codes 0 */
+    const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
+    struct codes codes;
+    if (round_rows(x, m, ldx, bf16, k, padded, levels, 16, &codes)) return -1;
+    const int64_t tiles = (codes.rows + 15) / 16;
     struct tile_config config;
     memset(&config, 0, sizeof config);
     config.palette = 1;
@@ -309,28 +355,21 @@ static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
         config.bytes_per_row[t] = 64;
     }
     _tile_loadconfig(&config);
-    int32_t c[2 * 16 * BLOCK] __attribute__((aligned(64)));  /* two row tiles' sums: a row's levels may straddle */
+    int32_t c[2 * 16 * BLOCK] __attribute__((aligned(64)));  /* two row tiles' sums: a token's rows may straddle */
     for (int64_t block = 0; block * BLOCK < n; block++) {
         const int8_t *wb = w + block * BLOCK * padded;
         for (int64_t t = 0, r = 0; t < tiles; t++) {  /* later row tiles find the block cached */
-            amx_block(q + t * 16 * padded, padded, wb, padded / 64, sums_of(c, 16 * t), t == 0);
-            for (; r < m && first_row[r + 1] <= (t + 1) * 16; r++) {  /* the rows whose codes are all summed */
-                const int64_t at = first_row[r], two = first_row[r + 1] - at == 2;
-                const int32_t *cr = sums_of(c, at), *cl = sums_of(c, at + two);
-                const __m512i acc[8] = {_mm512_load_si512(cr), _mm512_load_si512(cr + 16),
-                                        _mm512_load_si512(cr + 32), _mm512_load_si512(cr + 48),
-                                        _mm512_load_si512(cl), _mm512_load_si512(cl + 16),
-                                        _mm512_load_si512(cl + 32), _mm512_load_si512(cl + 48)};
-                finish_int8_row(acc, two ? acc + 4 : NULL, sums + block * BLOCK, scale + block * BLOCK, xs[at],
-                                two ? xs[at + 1] : 0.0f, (char *)y + (r * ldy + block * BLOCK) * ysize, ybf16,
-                                n - block * BLOCK);
+            amx_block(codes.q + t * 16 * padded, padded, wb, padded / 64, sums_of(c, 16 * t), t == 0);
+            for (; r < m && codes.first_row[r + 1] <= (t + 1) * 16; r++) {  /* the tokens whose rows are all summed */
+                const int64_t at = codes.first_row[r];
+                finish_token(sums_of(c, at), codes.first_row[r + 1] - at == 2 ? sums_of(c, at + 1) : NULL, &codes, r,
+                             sums + block * BLOCK, scale + block * BLOCK,
+                             (char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, n - block * BLOCK);
             }
         }
     }
     _tile_release();
-    free(q);
-    free(xs);
-    free(first_row);
+    free_codes(&codes);
     return 0;
 }
 
@@ -487,7 +526,7 @@ static int run_linear(int kind, const struct npumoe_weight *w, const void *x, in
                       int64_t ldy, int ybf16) {
     switch (kind) {
     case INT8_VNNI:
-        return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
+        return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, 1);
     case INT8_AMX:
         return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, 1);
     default:
@@ -496,8 +535,8 @@ static int run_linear(int kind, const struct npumoe_weight *w, const void *x, in
 }
 
 /* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K), down packed (N, I),
- * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself, in two levels
- * on AMX); x and y as in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
+ * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself, int8 rows with
+ * outliers in two levels); x and y as in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
 int npumoe_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int kind, const struct npumoe_weight *up,
                            const struct npumoe_weight *down, void *y, int64_t ldy) {
     const int64_t inter = down->k, width = up->n;

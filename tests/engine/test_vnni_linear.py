@@ -122,31 +122,34 @@ def test_a_gated_expert_in_one_call_is_its_two_matmuls_with_silu_between(format,
 
 @needs_amx
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_a_gated_expert_on_amx_tiles_gives_the_vnni_kernels_results_bit_for_bit_on_rows_without_outliers(dtype):
+def test_a_gated_expert_on_amx_tiles_gives_the_vnni_kernels_results_bit_for_bit(dtype):
     for hidden, inter in EXPERT_SHAPES[INT8]:
         up = vnni_linear.pack(quantize(randn(2 * inter, hidden, seed=hidden) / 4, INT8))
         down = vnni_linear.pack(quantize(randn(hidden, inter, seed=inter), INT8))
         for rows in ROW_COUNTS:
-            x = randn(rows, hidden, seed=rows).to(dtype)
+            x = randn(rows, hidden, seed=rows)
+            x[::3, :2] *= 50  # rows with outliers: two levels of codes in both kernels
+            x = x.to(dtype)
             assert torch.equal(vnni_linear.silu_glu_expert(x, up, down, amx=True),
                                vnni_linear.silu_glu_expert(x, up, down))
 
 
-@needs_amx
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_on_amx_rows_with_outliers_are_rounded_in_two_levels_and_lose_little(dtype):
+def test_a_gated_expert_rounds_rows_with_outliers_in_two_levels_and_loses_little(dtype):
     hidden, inter = 512, 192
-    up, down = quantize(randn(2 * inter, hidden, seed=1) / hidden**0.5, INT8), quantize(randn(hidden, inter, seed=2)
-                                                                                     / inter**0.5, INT8)
-    packed_up, packed_down = vnni_linear.pack(up), vnni_linear.pack(down)
+    up = quantize(randn(2 * inter, hidden, seed=1) / hidden**0.5, INT8)
+    down = quantize(randn(hidden, inter, seed=2) / inter**0.5, INT8)
     x = randn(40, hidden, seed=3)
     x[::2, :4] *= 50  # outlier features in every other row: one int8 level rounds the rest of such a row away
+    x = x.to(dtype)
+    got = vnni_linear.silu_glu_expert(x, vnni_linear.pack(up), vnni_linear.pack(down))
+    x = x.float()
+    one_level = silu_glu_reference(x, up, down)  # every row rounded once, as the plain rows are
     floor = silu_glu_float(x, up.dequantize(), down.dequantize())  # the weights' own rounding alone
-    amx = vnni_linear.silu_glu_expert(x.to(dtype), packed_up, packed_down, amx=True)
-    vnni = vnni_linear.silu_glu_expert(x.to(dtype), packed_up, packed_down)
-    assert torch.equal(amx[1::2], vnni[1::2])  # the plain rows: one level in both kernels
-    # one level loses 5 % of the outlier rows to rounding (beyond the weights' own), two levels 1.2 %
-    assert relative_error(amx[::2], floor[::2]) < 0.02 < 0.04 < relative_error(vnni[::2], floor[::2])
+    assert relative_error(got[1::2], one_level[1::2]) < (1e-3 if dtype == torch.float32 else 4e-3)
+    # beyond the weights' own rounding, one level loses 5 % of the outlier rows, two levels 1.2 %
+    assert relative_error(got[::2], floor[::2]) < 0.02 < 0.04 < relative_error(one_level[::2], floor[::2])
 
 
 def silu_glu_float(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
