@@ -1,7 +1,8 @@
 /* y = x · ŵᵀ for int8 and int4 quantized weights ŵ (quantize.py), for x86-64 CPUs with AVX512-VNNI.
  *
  * Each call rounds every row of x (float32 or bf16) to int8 with its own scale (absmax / 127, rounded to
- * nearest even, as quant_kernels.quantize_rows does), then multiplies bytes with VPDPBUSD (u8 x s8 -> s32,
+ * nearest even, as quant_kernels.quantize_rows does; for int8, a row that this rounds by more than ROUNDING_BOUND, as
+ * outlier features make it, takes a second row of codes for what the first missed), then multiplies bytes with VPDPBUSD (u8 x s8 -> s32,
  * four products a lane) and scales the int32 sums at the end. Weights are packed as the bf16 kernel's are:
  * blocks of 64 output columns, each one in-order stream along K with four K values of a column side by side
  * (VPDPBUSD's operand layout); a tile of up to 6 rows x 64 columns keeps its sums in registers, and row
@@ -151,8 +152,8 @@ static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const __m
 }
 
 /* x's m rows rounded for the int8 kernels: rows of u8 codes q (row stride `padded`, whole tiles of `tile` rows, the
- * padding rows codes 0), a scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1, one each, or
- * with `levels` two where one loses more than ROUNDING_BOUND (quantize_row_levels). */
+ * padding rows codes 0), a scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1, one, or two
+ * where one loses more than ROUNDING_BOUND (quantize_row_levels). */
 struct codes {
     uint8_t *q;
     float *xs;
@@ -166,9 +167,9 @@ static void free_codes(struct codes *codes) {
 }
 
 /* Fills `codes` (0), or returns -1 when memory ran out (nothing left to free). */
-static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, int levels,
-                             int64_t tile, struct codes *codes) {
-    const int64_t most = levels ? 2 * m : m, size = bf16 ? 2 : 4;
+static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, int64_t tile,
+                             struct codes *codes) {
+    const int64_t most = 2 * m, size = bf16 ? 2 : 4;
     codes->q = malloc((size_t)(((most + tile - 1) / tile * tile + 1) * padded));  /* + a row for an unused level */
     codes->xs = malloc((size_t)most * sizeof *codes->xs);
     codes->first_row = malloc((size_t)(m + 1) * sizeof *codes->first_row);
@@ -181,10 +182,7 @@ static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, in
         const char *row = (const char *)x + r * ldx * size;
         uint8_t *at = codes->q + rows * padded;
         codes->first_row[r] = rows;
-        if (levels)
-            rows += quantize_row_levels(row, bf16, k, padded, at, at + padded, codes->xs + rows);
-        else
-            codes->xs[rows] = quantize_row(row, bf16, k, padded, 128, at, 16, NULL, NULL), rows++;
+        rows += quantize_row_levels(row, bf16, k, padded, at, at + padded, codes->xs + rows);
     }
     codes->first_row[m] = codes->rows = rows;
     memset(codes->q + rows * padded, 128, (size_t)(((rows + tile - 1) / tile * tile - rows) * padded));
@@ -235,13 +233,13 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
     }
 }
 
-/* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype; with `levels`, rows with outliers
- * rounded in two levels (round_rows), whose sums are finished token by token once all are made. */
+/* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. Where rows with outliers took two
+ * levels of codes (round_rows), the tiles leave their sums for a finish token by token once all are made. */
 static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16, int levels) {
+                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
     struct codes codes;
-    if (round_rows(x, m, ldx, bf16, k, padded, levels, 1, &codes)) return -1;
+    if (round_rows(x, m, ldx, bf16, k, padded, 1, &codes)) return -1;
     const int64_t rows_of_codes = codes.rows, tiles = (rows_of_codes + TILE_ROWS - 1) / TILE_ROWS;
     int32_t *raw = NULL;  /* every row's sums over a block, when some token has two rows */
     if (rows_of_codes > m && !(raw = malloc((size_t)(rows_of_codes * BLOCK) * sizeof *raw))) {
@@ -286,7 +284,7 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
  * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
 TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16, 0);
+    return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
 }
 
 /* Linux hands a process AMX tile state only when asked: 0 once it has, else the error. */
@@ -337,15 +335,13 @@ static inline int32_t *sums_of(int32_t *c, int64_t row) {
     return c + ((row / 16) % 2 * 16 + row % 16) * BLOCK;
 }
 
-/* linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). With `levels`, a row of x that
- * one level of codes would round by more than ROUNDING_BOUND takes a second row of codes (quantize_row_levels), and
- * its results sum both: more tile work only for such rows, which costs an expert's few rows little beside reading its
- * weights. */
+/* linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). A token whose row took two
+ * levels of codes has two rows in the tiles, and its results sum both. */
 static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16, int levels) {
+                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
     struct codes codes;
-    if (round_rows(x, m, ldx, bf16, k, padded, levels, 16, &codes)) return -1;
+    if (round_rows(x, m, ldx, bf16, k, padded, 16, &codes)) return -1;
     const int64_t tiles = (codes.rows + 15) / 16;
     struct tile_config config;
     memset(&config, 0, sizeof config);
@@ -376,7 +372,7 @@ static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
 /* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
 AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                                const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8_amx(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16, 0);
+    return linear_int8_amx(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
 }
 
 static inline TARGET __m512 bf16_to_ps(const uint16_t *p) {
@@ -526,17 +522,17 @@ static int run_linear(int kind, const struct npumoe_weight *w, const void *x, in
                       int64_t ldy, int ybf16) {
     switch (kind) {
     case INT8_VNNI:
-        return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, 1);
+        return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
     case INT8_AMX:
-        return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, 1);
+        return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
     default:
         return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
     }
 }
 
 /* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K), down packed (N, I),
- * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself, int8 rows with
- * outliers in two levels); x and y as in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
+ * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself); x and y as
+ * in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
 int npumoe_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int kind, const struct npumoe_weight *up,
                            const struct npumoe_weight *down, void *y, int64_t ldy) {
     const int64_t inter = down->k, width = up->n;

@@ -152,6 +152,20 @@ def test_a_gated_expert_rounds_rows_with_outliers_in_two_levels_and_loses_little
     assert relative_error(got[::2], floor[::2]) < 0.02 < 0.04 < relative_error(one_level[::2], floor[::2])
 
 
+@needs_kernel
+@pytest.mark.parametrize("amx", [False, True], ids=["vnni", "amx"])
+def test_an_int8_linear_rounds_rows_with_outliers_in_two_levels(amx):
+    if amx and vnni_linear.amx_unavailable() is not None:
+        pytest.skip(f"no AMX kernel here: {vnni_linear.amx_unavailable()}")
+    weight = quantize(randn(192, 1024, seed=1), INT8)
+    x = randn(20, 1024, seed=2)
+    x[::2, :2] = 50.0  # a row of 1,024 with two outliers: one level would lose 4.7 % of it (bound: 3 %)
+    got = vnni_linear.linear(x, vnni_linear.pack(weight), amx=amx)
+    exact = x.double() @ weight.dequantize().double().T  # the weights' own rounding alone
+    assert relative_error(got[1::2], reference(x[1::2], weight)) < 1e-5  # plain rows: one level, as the reference
+    assert relative_error(got[::2], exact[::2]) < 1e-3 < 1e-2 < relative_error(reference(x[::2], weight), exact[::2])
+
+
 def silu_glu_float(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     gate, value = (x.double() @ up.double().T).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * value) @ down.double().T
