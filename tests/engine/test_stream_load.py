@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from npumoe.engine import Engine, EngineSettings, stream_load
 from npumoe.engine.backends import get_backend
-from npumoe.engine.cpu_experts import CpuExperts
 from npumoe.engine.geometry import family_config, parse_geometry
 from npumoe.engine.model_size import checkpoint_tensors, model_size
 from npumoe.engine.models import fingerprint, load_model, moe_experts
@@ -72,16 +71,11 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 @pytest.mark.parametrize("format", [None, "int8", "int4"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
-def test_experts_packed_as_they_are_read_run_as_those_packed_after_loading(tiny, monkeypatch, arch, format):
+def test_experts_packed_as_they_are_read_run_as_those_packed_after_loading(tiny, packed_at_load, arch, format):
     folder = tiny(arch)
     dtype = "float32" if format is None else "bfloat16"
     after = load_model(folder, dtype=dtype).model
     MoeRuntime(after, get_backend("cpu"), quantized=format, release=True)
-    packed_at_load = []
-    streamed = CpuExperts.streamed.__func__
-    monkeypatch.setattr(CpuExperts, "streamed",
-                        classmethod(lambda cls, *a, **k: packed_at_load.append(streamed(cls, *a, **k)) or
-                                    packed_at_load[-1]))
     loaded = load_model(folder, dtype=dtype, pack=True, format=format)
     modules = [module for _, module in moe_experts(loaded.model)]
     assert loaded.streamed and len(packed_at_load) == len(modules)

@@ -17,7 +17,6 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from npumoe.engine import stream_load
 from npumoe.engine.auto_weights import expert_sizes
 from npumoe.engine.backends import get_backend
-from npumoe.engine.cpu_experts import CpuExperts
 from npumoe.engine.model_size import checkpoint_tensors, config_tensors, model_size
 from npumoe.engine.models import load_model, moe_experts
 from npumoe.engine.mxfp4 import dequantize_expert
@@ -98,15 +97,10 @@ def test_a_streamed_mxfp4_model_is_the_one_from_pretrained_dequantizes(mxfp4_che
 
 @pytest.mark.parametrize("format", [None, "int8", "int4"])
 def test_mxfp4_experts_packed_as_they_are_read_run_as_those_quantized_after_loading(mxfp4_checkpoint, dequantized,
-                                                                                  monkeypatch, format):
+                                                                                  packed_at_load, format):
     dtype = torch.float32 if format is None else torch.bfloat16
     after = reference(mxfp4_checkpoint, dtype)
     MoeRuntime(after, get_backend("cpu"), quantized=format, release=True)
-    packed_at_load = []
-    streamed = CpuExperts.streamed.__func__
-    monkeypatch.setattr(CpuExperts, "streamed",
-                        classmethod(lambda cls, *a, **k: packed_at_load.append(streamed(cls, *a, **k)) or
-                                    packed_at_load[-1]))
     loaded = load_model(mxfp4_checkpoint, dtype=str(dtype).removeprefix("torch."), pack=True, format=format)
     modules = [module for _, module in moe_experts(loaded.model)]
     assert loaded.streamed and len(packed_at_load) == len(modules)
