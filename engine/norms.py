@@ -57,7 +57,8 @@ def convention(module: nn.Module) -> tuple[int, str, bool] | None:
 
 class EngineRMSNorm(nn.Module):
     """An RMSNorm module's output computed by the engine's kernel; the original is kept (not as a submodule) to be
-    put back and to compute what the kernel does not take. `calls` counts the kernel's runs."""
+    put back and to compute what the kernel does not take, and its attributes read through this one (model code
+    reads a norm's `weight`: Nemotron-H casts its input to the weight's dtype). `calls` counts the kernel's runs."""
 
     def __init__(self, original: nn.Module) -> None:
         super().__init__()
@@ -68,16 +69,24 @@ class EngineRMSNorm(nn.Module):
         self.mode, eps_attribute, one_plus = known
         self.eps = float(getattr(original, eps_attribute))
         weight = original.weight.detach()
-        self.weight_dtype = weight.dtype
-        self.weight = (1.0 + weight.float() if one_plus else weight.float()).contiguous()  # widening is exact
+        self.scale = (1.0 + weight.float() if one_plus else weight.float()).contiguous()  # widening is exact
         self.calls = 0
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "original" not in self.__dict__:
+                raise
+            return getattr(self.__dict__["original"], name)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel computes the original's output for `x` (else the original runs)."""
+        weight = self.original.weight
         return (x.dtype in norm_kernel.DTYPES and x.device.type == "cpu" and x.dim() > 0
-                and x.shape[-1] == self.weight.shape[0] and x.stride(-1) == 1
-                and (self.mode == WEIGHT_FIRST or torch.promote_types(self.weight_dtype, x.dtype) == x.dtype)
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.original.weight.requires_grad)))
+                and x.shape[-1] == self.scale.shape[0] and x.stride(-1) == 1
+                and (self.mode == WEIGHT_FIRST or torch.promote_types(weight.dtype, x.dtype) == x.dtype)
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.takes(x):
@@ -89,12 +98,12 @@ class EngineRMSNorm(nn.Module):
         out_rows = out.view(-1, width)
         m = rows.shape[0]
         step = max(-(-m // torch.get_num_threads()), -(-_MIN_TASK_ELEMENTS // width))
-        run_tasks([partial(norm_kernel.rms_norm, rows[start:start + step], self.weight, self.eps, self.mode,
+        run_tasks([partial(norm_kernel.rms_norm, rows[start:start + step], self.scale, self.eps, self.mode,
                            out_rows[start:start + step]) for start in range(0, m, step)])
         return out
 
     def extra_repr(self) -> str:
-        return f"{type(self.original).__qualname__}, width={self.weight.shape[0]}, eps={self.eps}"
+        return f"{type(self.original).__qualname__}, width={self.scale.shape[0]}, eps={self.eps}"
 
 
 def model_norms(model: nn.Module) -> list[tuple[str, Slot]]:

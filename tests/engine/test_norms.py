@@ -84,13 +84,13 @@ def test_bf16_rounded_on_the_integer_bits_equals_the_cpus_conversion_and_the_mod
     x = (3 * torch.randn(50, 100, generator=torch.Generator().manual_seed(3))).bfloat16()
     x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0])  # a row of specials stays NaN
     engine = EngineRMSNorm(module)
-    emulated = norm_kernel.rms_norm(x, engine.weight, engine.eps, CAST_FIRST, torch.empty_like(x), native_bf16=False)
+    emulated = norm_kernel.rms_norm(x, engine.scale, engine.eps, CAST_FIRST, torch.empty_like(x), native_bf16=False)
     with torch.inference_mode():
         want = module(x)
     assert bool(emulated[0].isnan().all()) and bool(want[0].isnan().all())
     assert_same_as_module(emulated[1:], want[1:])
     if torch.cpu._is_avx512_bf16_supported():
-        native = norm_kernel.rms_norm(x, engine.weight, engine.eps, CAST_FIRST, torch.empty_like(x), native_bf16=True)
+        native = norm_kernel.rms_norm(x, engine.scale, engine.eps, CAST_FIRST, torch.empty_like(x), native_bf16=True)
         assert torch.equal(native[1:], emulated[1:])
 
 
@@ -171,6 +171,9 @@ def test_attach_runs_the_kernel_and_detach_puts_the_modules_back(tiny):
         back = {name: model.get_submodule(name) for name in originals}
         want = model(ids).logits
     assert all(isinstance(m, EngineRMSNorm) and m.original is originals[name] for name, m in swapped.items())
+    # model code reading a norm's attributes sees the original's (Nemotron-H casts to the norm weight's dtype)
+    assert all(m.weight is originals[name].weight and m.variance_epsilon == originals[name].variance_epsilon
+               for name, m in swapped.items())
     assert all(m.calls == 2 for m in swapped.values())  # each norm ran in the kernel in both forward passes
     assert all(back[name] is original for name, original in originals.items())
     assert torch.equal(got, again)
