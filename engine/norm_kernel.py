@@ -5,8 +5,8 @@ narrow), each a pass over the activations; one (512, 2048) bf16 norm took ~3 ms 
 times what reading and writing it once costs. The kernel reads each row once and rounds where the module does
 (`CAST_FIRST`, `WEIGHT_FIRST`: see norm_kernel.c), so it equals the module up to the order of the sum of squares.
 
-It runs on one thread per call (norms.py splits rows over the engine's workers). Built and loaded by native.py;
-where the CPU is not x86-64 with AVX-512 or no compiler builds it, `unavailable()` says why.
+It runs on the caller's thread. Built and loaded by native.py; where the CPU is not x86-64 with AVX-512 or no
+compiler builds it, `unavailable()` says why.
 """
 
 from __future__ import annotations
