@@ -15,7 +15,8 @@ module rounds before the weight: an ulp of the normalised value, scaled by the w
 When: always where the kernel runs (x86-64 with AVX-512 and a C compiler; elsewhere `EngineNorms.unavailable`
 says why and torch's modules stay), not by measurement as the projections choose: the kernel reads and writes
 each row once where the module makes five passes with an operator dispatch each, so no row count or width makes
-it slower (measured: ~8x at a 512-token chunk, and a single decode row also faster).
+it slower (on 2 cores of a Xeon: a (512, 2048) bf16 norm 0.3-0.8 ms against torch's 2.4 ms and more, a single
+decode row 0.04 ms against 0.05), and timing both per shape would cost more than it could save.
 
 It runs on the caller's thread, rows not split over the engine's workers (cpu_experts.run_tasks): on 2 cores of a
 Xeon a (512, 2048) bf16 norm took 0.70 ms in one call and 0.95 ms split in two (3.0 ms against 1.1 ms while
