@@ -66,11 +66,17 @@ class EngineRMSNorm(nn.Module):
         if known is None:
             raise ValueError(f"the norm kernel does not reproduce {type(original).__qualname__}")
         object.__setattr__(self, "original", original)  # not a submodule: the model holds one of the two at a time
-        self.mode, eps_attribute, one_plus = known
+        self.mode, eps_attribute, self.one_plus = known
         self.eps = float(getattr(original, eps_attribute))
-        weight = original.weight.detach()
-        self.scale = (1.0 + weight.float() if one_plus else weight.float()).contiguous()  # widening is exact
+        self._widen()
         self.calls = 0
+
+    def _widen(self) -> None:
+        """The original's weight as the kernel reads it (float32, 1 + weight where the class scales so); widening is
+        exact. Kept with the weight's version, so that the weight changed in place (a state dict loaded) is seen."""
+        weight = self.original.weight.detach()
+        self.scale = (1.0 + weight.float() if self.one_plus else weight.float()).contiguous()
+        self._source = _state(weight)
 
     def __getattr__(self, name: str) -> object:
         try:
@@ -92,6 +98,8 @@ class EngineRMSNorm(nn.Module):
         if not self.takes(x):
             return self.original(x)
         self.calls += 1
+        if self._source != _state(self.original.weight):
+            self._widen()
         width = x.shape[-1]
         out = torch.empty(x.shape, dtype=x.dtype)
         # x's rows as a view where its leading dimensions allow one, else a copy
@@ -100,6 +108,12 @@ class EngineRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{type(self.original).__qualname__}, width={self.scale.shape[0]}, eps={self.eps}"
+
+
+def _state(weight: torch.Tensor) -> tuple[int, int | None]:
+    """Where a weight is and how many times it was changed in place (a tensor made in inference mode keeps no
+    count: such a weight is taken as it was)."""
+    return weight.data_ptr(), None if weight.is_inference() else weight._version
 
 
 def model_norms(model: nn.Module) -> list[tuple[str, Slot]]:

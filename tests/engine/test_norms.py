@@ -95,6 +95,18 @@ def test_bf16_rounded_on_the_integer_bits_equals_the_cpus_conversion_and_the_mod
 
 
 @needs_kernel
+def test_a_weight_changed_in_place_is_the_one_the_kernel_scales_by():
+    module = random_norm(norm_class("transformers.models.olmoe.modeling_olmoe.OlmoeRMSNorm"), 72, torch.bfloat16)
+    engine = EngineRMSNorm(module)
+    x = torch.randn(4, 72, generator=torch.Generator().manual_seed(6)).bfloat16()
+    module.load_state_dict({"weight": 2 * module.weight.detach()})  # copies into the same parameter
+    with torch.inference_mode():
+        got, want = engine(x), module(x)
+    assert engine.calls == 1
+    assert_same_as_module(got, want)
+
+
+@needs_kernel
 def test_strided_rows_run_in_the_kernel_and_strided_elements_in_the_module():
     module = random_norm(norm_class("transformers.models.mixtral.modeling_mixtral.MixtralRMSNorm"), 128,
                          torch.bfloat16)
