@@ -1,8 +1,9 @@
 /* RMSNorm of rows of float32 or bfloat16 in one pass over memory, for x86-64 CPUs with AVX-512.
  *
  * Each row is read once from memory: its sum of squares in float32, r = 1 / sqrt(sum / n + eps) (the division
- * and square root correctly rounded, as torch's mean and rsqrt are), then y = x·r scaled by the weight, all while
- * the row sits in L1. transformers' RMSNorm modules round at two different points, and each is kept:
+ * and square root correctly rounded, as torch's mean and rsqrt are), then y = x·r scaled by the weight, while the
+ * row is still in cache (rows go in blocks of up to 16 KB). transformers' RMSNorm modules round at two different
+ * points, and each is kept:
  *   CAST_FIRST:   y = round(round(x·r) · w)  the normalised row rounded to the input dtype before the weight
  *                                            (Llama, Qwen3-MoE, Mixtral, OLMoE...); bf16 · bf16 is exact in float32,
  *                                            so one rounding of the float32 product is torch's bf16 multiply

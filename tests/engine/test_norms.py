@@ -192,6 +192,14 @@ def test_attach_runs_the_kernel_and_detach_puts_the_modules_back(tiny):
     assert float((got - want).abs().max() / want.abs().max()) < 1e-4
 
 
+def test_the_kernel_says_why_it_cannot_run_on_another_cpu(monkeypatch):
+    monkeypatch.setattr(norm_kernel.platform, "machine", lambda: "arm64")
+    assert norm_kernel.unsupported_cpu() == "the norm kernel is for x86-64 CPUs, this is arm64"
+    monkeypatch.setattr(norm_kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert norm_kernel.unsupported_cpu() == "this CPU lacks AVX-512"
+
+
 def test_where_the_kernel_cannot_run_the_modules_stay_and_say_why(tiny, monkeypatch):
     monkeypatch.setattr(norm_kernel, "unavailable", lambda: "this CPU lacks AVX-512")
     model = load_model(tiny("qwen3_moe")).model
