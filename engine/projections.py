@@ -195,7 +195,7 @@ class Slot:
 
     parent: nn.Module
     leaf: str
-    original: nn.Linear
+    original: nn.Module
 
 
 def dense_projections(model: nn.Module) -> list[tuple[str, Slot]]:

@@ -32,6 +32,7 @@ from .cpu_experts import CpuExperts
 from .dispatch import DispatchStats, MoeLayer, StaticGroup
 from .experts_layout import GLU, ExpertsLayout, ExpertWeights, expert_weights
 from .models import moe_layouts
+from .norms import EngineNorms
 from .plan import ExpertPlan, LayerPlan, PlanError
 from .projections import DenseProjections
 from .residency import Placement, Residency, decide_residency
@@ -71,7 +72,8 @@ class MoeRuntime:
     or another format from them. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
     exact and uncounted (one token per step). The model's dense projections outside the experts (attention's,
     dense FFNs', shared experts') run through the engine's measured kernels while attached, in `quantized` where
-    that measures faster (projections.py; `release` frees their own weights too). A new runtime is attached;
+    that measures faster (projections.py; `release` frees their own weights too), and its RMSNorms through the
+    engine's norm kernel where it runs here (norms.py). A new runtime is attached;
     several runtimes of one model may be built, and `attach()` selects which one runs.
     """
 
@@ -115,11 +117,12 @@ class MoeRuntime:
         self.names = [name for name, _, _ in experts]
         self._experts = [module for _, module, _ in experts]
         self._projections = DenseProjections(model, quantized, release=release)
+        self._norms = EngineNorms(model)
         self.attach()
 
     def attach(self) -> None:
         """Run the model's experts through this runtime's layers, in place of any other runtime's, its dense
-        projections through this runtime's kernels, and its attention through the engine's where that computes
+        projections and norms through this runtime's kernels, and its attention through the engine's where that computes
         the same (engine/attention.py)."""
         running = self._running()
         if running is self:
@@ -133,18 +136,21 @@ class MoeRuntime:
         for module, layer in zip(self._experts, self.layers, strict=True):
             module._npumoe_attached = (self, layer)
         self.model.set_experts_implementation(IMPLEMENTATION)
-        if running is not None:
-            running._projections.detach()  # its projections out, whichever of them this runtime does not replace
+        if running is not None:  # its projections and norms out, whichever of them this runtime does not replace
+            running._projections.detach()
+            running._norms.detach()
         self._projections.attach()
+        self._norms.attach()
 
     def detach(self) -> None:
-        """Give the model back the experts implementation and the projections it had before the engine (if this
-        runtime runs)."""
+        """Give the model back the experts implementation, the projections and the norms it had before the engine
+        (if this runtime runs)."""
         if self._running() is not self:
             return
         for module in self._experts:
             del module._npumoe_attached
         self._projections.detach()
+        self._norms.detach()
         self.model.set_experts_implementation(self._previous)
         if self._previous_attention is not None:
             self.model.set_attn_implementation(self._previous_attention)

@@ -11,8 +11,10 @@ from cpus import fake_projection_timings
 
 from npumoe.bench.prefill import build_model
 from npumoe.bench.profile import PARTS, depths_to_report, profile_prefill, profile_rows
+from npumoe.engine import norm_kernel
 from npumoe.engine.backends import get_backend
 from npumoe.engine.geometry import parse_geometry
+from npumoe.engine.norms import EngineRMSNorm
 from npumoe.engine.projections import ProjectionLinear
 from npumoe.engine.runtime import MoeRuntime
 
@@ -82,3 +84,21 @@ def test_the_engines_projections_in_place_of_the_linears_are_still_charged_to_pr
     assert after.flops == before.flops  # the same products, counted from the engine's modules
     # each projection's weight read once, in its format's bytes: int8 codes and their scales instead of fp32
     assert after.bytes == sum(m.weight_nbytes for m in swapped) < before.bytes / 3
+
+
+def test_the_engines_norms_in_place_of_the_models_are_still_charged_to_norms():
+    if (why := norm_kernel.unavailable()) is not None:
+        pytest.skip(f"the norm kernel cannot run here: {why}")
+    model = build_model(GEOMETRY, 2, torch.float32, context=512, seed=0)
+    ids = list(range(64))
+    before = profile_prefill(model, ids, 32)[0].parts["norms"]
+    runtime = MoeRuntime(model, get_backend("cpu"))
+    engine_norms = [m for m in model.modules() if isinstance(m, EngineRMSNorm)]
+    assert len(engine_norms) == 4 * 2 + 1  # input, post-attention, q and k norms of both layers, and the final one
+    try:
+        after = profile_prefill(model, ids, 32)[0].parts["norms"]
+    finally:
+        runtime.detach()
+    assert all(m.calls >= 1 for m in engine_norms)
+    assert after.seconds > 0
+    assert after.bytes == before.bytes  # each norm reads and writes its input, whichever module computes it
