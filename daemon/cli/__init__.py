@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,20 @@ class AreaGroup(click.Group):
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         if name not in AREA_COMMANDS:
             return super().get_command(ctx, name)
+        wait_passively()  # before the area's module, which may load torch and with it OpenMP
         module, attr = AREA_COMMANDS[name].split(":")
         return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), attr)
+
+
+def wait_passively() -> None:
+    """Have OpenMP's idle threads sleep rather than spin, unless the person chose otherwise (OMP_WAIT_POLICY).
+
+    By default torch's OpenMP threads spin for a while after each parallel region, holding a core that the
+    engine's own worker threads (and the person's programs) then wait for; the engine alternates between the two
+    many times a layer. Waiting passively costs a wake-up per region and measured faster: whole-model prefill of
+    a 2,048-token document on 2 cores rose 6 % (bf16) and 20 % (int8). OpenMP reads the setting when it loads, so
+    it is set before any command that may load torch."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @click.group(cls=AreaGroup, context_settings={"help_option_names": ["-h", "--help"]})
