@@ -12,12 +12,11 @@ other mask stays with torch. Whether it is faster on this machine is measured, n
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import torch
 
 from .host import cpu_flags
-from .native import NativeKernel
+from .native import NativeKernel, x86_avx512_missing
 
 # Query positions per unit of work: its rows (positions x query heads per KV head) share each packed block of
 # keys and values, so a unit is as long as keeps its rows' output in L2 and still gives every thread units.
@@ -27,11 +26,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the attention kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return "this CPU lacks AVX-512"
-    return None
+    return x86_avx512_missing("the attention kernel")
 
 
 _amx: str | bool | None = False  # False: not asked yet

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shlex
 import shutil
 import stat
@@ -24,9 +25,20 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .host import cache_root
 
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
+
+
+def x86_avx512_missing(what: str) -> str | None:
+    """Why this CPU cannot run `what`, a kernel for x86-64 CPUs with AVX-512, or None when it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"{what} is for x86-64 CPUs, this is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return "this CPU lacks AVX-512"
+    return None
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ compiler builds it, `unavailable()` says why.
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import torch
 
-from .native import NativeKernel
+from .native import NativeKernel, x86_avx512_missing
 
 DTYPES = (torch.float32, torch.bfloat16)
 CAST_FIRST, WEIGHT_FIRST = 0, 1  # where the module rounds to the input dtype: before the weight, or after it
@@ -24,11 +23,7 @@ CAST_FIRST, WEIGHT_FIRST = 0, 1  # where the module rounds to the input dtype: b
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the norm kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return "this CPU lacks AVX-512"
-    return None
+    return x86_avx512_missing("the norm kernel")
 
 
 def unavailable() -> str | None:

@@ -32,7 +32,7 @@ from torch import nn
 from . import norm_kernel
 from .models import moe_experts
 from .norm_kernel import CAST_FIRST, WEIGHT_FIRST
-from .projections import Slot
+from .projections import Slot, SlotSwaps
 
 # Where each known class rounds (norm_kernel.c), the attribute holding its epsilon, and whether it scales by
 # 1 + weight; keyed by the class's module and name, so that a subclass (which may compute otherwise) is not taken.
@@ -131,19 +131,10 @@ def model_norms(model: nn.Module) -> list[tuple[str, Slot]]:
     return found
 
 
-class EngineNorms:
-    """The model's norms that the engine's kernel runs (none where it cannot run here: `unavailable` says why);
-    `attach` puts them in the model, `detach` the originals back."""
+class EngineNorms(SlotSwaps):
+    """The model's norms that the engine's kernel runs (none where it cannot run here: `unavailable` says why)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.unavailable = norm_kernel.unavailable()
         self.slots = [] if self.unavailable else [(slot, EngineRMSNorm(slot.original))
                                                   for _, slot in model_norms(model)]
-
-    def attach(self) -> None:
-        for slot, norm in self.slots:
-            setattr(slot.parent, slot.leaf, norm)
-
-    def detach(self) -> None:
-        for slot, _ in self.slots:
-            setattr(slot.parent, slot.leaf, slot.original)

@@ -228,9 +228,24 @@ def _head_slot(model: nn.Module) -> Slot | None:
     return None
 
 
-class DenseProjections:
+class SlotSwaps:
+    """Modules of the engine's, each for the original in its slot: `attach` puts them in the model, `detach` the
+    originals back."""
+
+    slots: list[tuple[Slot, nn.Module]]
+
+    def attach(self) -> None:
+        for slot, module in self.slots:
+            setattr(slot.parent, slot.leaf, module)
+
+    def detach(self) -> None:
+        for slot, _ in self.slots:
+            setattr(slot.parent, slot.leaf, slot.original)
+
+
+class DenseProjections(SlotSwaps):
     """The model's dense projections that run faster through the engine's kernels, packed in `format` where
-    that measures faster (None: float only); `attach` puts them in the model, `detach` the originals back."""
+    that measures faster (None: float only)."""
 
     def __init__(self, model: nn.Module, format: str | None = None, *, release: bool = False) -> None:
         self.slots: list[tuple[Slot, nn.Module]] = []
@@ -243,11 +258,3 @@ class DenseProjections:
             self.slots.append((slot, projection))
         if (head := _head_slot(model)) is not None:
             self.slots.append((head, HeadRows(head.original)))
-
-    def attach(self) -> None:
-        for slot, projection in self.slots:
-            setattr(slot.parent, slot.leaf, projection)
-
-    def detach(self) -> None:
-        for slot, _ in self.slots:
-            setattr(slot.parent, slot.leaf, slot.original)

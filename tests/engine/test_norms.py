@@ -5,6 +5,7 @@ it does, leaves what it does not take to the module, and attach/detach swap the 
 from __future__ import annotations
 
 import importlib
+import platform
 
 import pytest
 import torch
@@ -193,9 +194,9 @@ def test_attach_runs_the_kernel_and_detach_puts_the_modules_back(tiny):
 
 
 def test_the_kernel_says_why_it_cannot_run_on_another_cpu(monkeypatch):
-    monkeypatch.setattr(norm_kernel.platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
     assert norm_kernel.unsupported_cpu() == "the norm kernel is for x86-64 CPUs, this is arm64"
-    monkeypatch.setattr(norm_kernel.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert norm_kernel.unsupported_cpu() == "this CPU lacks AVX-512"
 
