@@ -139,8 +139,9 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                    "faster) quantized to this format (repeatable); approximate rows, timed when within the "
                    "format's error bound.")
 @click.option("--profile", is_flag=True,
-              help="Also split the engine's CPU path's time per part (experts, attention, projections, norms, "
-                   "router, cache, ...) at several depths, beside each part's roofline.")
+              help="Also split the time of the engine's CPU path (and of each --weights format's) per part "
+                   "(experts, attention, projections, norms, router, cache, ...) at several depths, beside each "
+                   "part's roofline.")
 @_threads_option
 @_timing_options
 @_json_option
@@ -539,17 +540,18 @@ def _error(value: float | None) -> str:
 
 
 def print_profile(rows: Sequence[dict], case_keys: Sequence[str], machine: dict) -> None:
-    """One table per case: each part's milliseconds, share and distance from its roofline, a column per depth."""
+    """One table per case and profiled path: each part's milliseconds, share and distance from its roofline, a
+    column per depth."""
     from rich.table import Table
 
     console = _console()
     cases: dict[tuple, list[dict]] = {}
     for row in rows:
-        cases.setdefault(tuple(row[key] for key in case_keys), []).append(row)
-    for case, case_rows in cases.items():
+        cases.setdefault((row["profiled"], *(row[key] for key in case_keys)), []).append(row)
+    for (profiled, *case), case_rows in cases.items():
         depths = sorted({row["depth"] for row in case_rows})
-        table = Table(title="profile of npumoe-cpu, " + ", ".join(f"{k} {v}" for k, v in zip(case_keys, case,
-                                                                                           strict=True)))
+        table = Table(title=f"profile of {profiled}, " + ", ".join(f"{k} {v}" for k, v in zip(case_keys, case,
+                                                                                             strict=True)))
         table.add_column("part")
         for depth in depths:
             table.add_column(f"depth {depth:,}: ms (share, × roofline)", justify="right")

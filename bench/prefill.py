@@ -26,9 +26,10 @@ from npumoe.engine.geometry import Geometry, family_config
 from npumoe.engine.models import TORCH_DTYPES
 from npumoe.engine.prefill import new_cache, prefill
 from npumoe.engine.runtime import MoeRuntime
-from npumoe.engine.vocabulary import CPU, QUANTIZED
+from npumoe.engine.vocabulary import CPU, QUANTIZED, SPILL
 
 from .paths import (
+    EnginePath,
     add_ratios,
     calibration_from_loads,
     measure_impls,
@@ -47,7 +48,7 @@ class PrefillBenchSettings:
     warmup: int = 1
     repeats: int = 3
     seed: int = 0
-    profile: bool = False  # also split the engine's CPU path's time per part at each depth
+    profile: bool = False  # also split the engine's CPU paths' time per part at each depth
     weights: tuple[str, ...] = ()  # quantized formats the engine's CPU path also runs in (vocabulary.QUANTIZED)
 
     def __post_init__(self) -> None:
@@ -122,14 +123,20 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBe
 
 
 def _profile(model: PreTrainedModel, settings: PrefillBenchSettings, bandwidth: float) -> list[dict]:
-    """The engine's exact CPU path (the daemon's default) on a fresh document, part by part."""
+    """The engine's exact CPU path (the daemon's default), then its quantized paths, on a fresh document, part by
+    part; each row names the path it profiled."""
     generator = torch.Generator().manual_seed(settings.seed + 1)
     ids = torch.randint(model.config.vocab_size, (settings.document_tokens,), generator=generator).tolist()
-    runtime = MoeRuntime(model, get_backend(CPU))
-    try:
-        return run_profile(model, ids, settings.chunk_tokens, bandwidth=bandwidth)
-    finally:
-        runtime.detach()
+    rows = []
+    for path in (EnginePath(CPU, SPILL), *(EnginePath(CPU, SPILL, format) for format in settings.weights)):
+        runtime = MoeRuntime(model, get_backend(CPU), quantized=path.weights)
+        try:
+            rows += [{"profiled": path.impl, **row}
+                     for row in run_profile(model, ids, settings.chunk_tokens, bandwidth=bandwidth,
+                                            experts_format=path.weights)]
+        finally:
+            runtime.detach()
+    return rows
 
 
 def _calibrate(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -30,6 +30,7 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from npumoe.engine.model_size import Tensor, tensor_bytes
 from npumoe.engine.models import moe_experts
 from npumoe.engine.prefill import new_cache
 from npumoe.engine.projections import ProjectionLinear
@@ -62,7 +63,8 @@ class ChunkProfile:
 class PartTimer:
     """Hooks that charge each module's exclusive time, and its counted work, to its part."""
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, experts_format: str | None = None) -> None:
+        self._experts_format = experts_format
         self._stack: list[tuple[str, float]] = []
         self._chunk: ChunkProfile | None = None
         experts = {name for name, _ in moe_experts(model)}
@@ -116,7 +118,7 @@ class PartTimer:
             self.enter(part)
 
         def after(mod: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
-            self.leave(*_work(part, mod, args, kwargs))
+            self.leave(*_work(part, mod, args, kwargs, self._experts_format))
 
         return [module.register_forward_pre_hook(before, with_kwargs=True),
                 module.register_forward_hook(after, with_kwargs=True)]
@@ -144,10 +146,11 @@ def _inside_attention(name: str) -> bool:
     return any(p.endswith(("self_attn", "linear_attn", "attention")) for p in name.split(".")[:-1])
 
 
-def _work(part: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[float, float]:
+def _work(part: str, module: nn.Module, args: tuple, kwargs: dict,
+          experts_format: str | None = None) -> tuple[float, float]:
     """(FLOPs, bytes) of one call of a part's module, from the tensors it was given: each weight is read
-    once and does 2 FLOPs per row; a norm reads and writes its input. Attention's core is counted in
-    `_counted_attention`."""
+    once and does 2 FLOPs per row; a norm reads and writes its input; the experts' weights are read in
+    `experts_format` when the engine runs them quantized. Attention's core is counted in `_counted_attention`."""
     x = args[0] if args else next(iter(kwargs.values()), None)
     if not isinstance(x, torch.Tensor) or part in ("attention", "cache", "other"):
         return 0.0, 0.0
@@ -159,12 +162,13 @@ def _work(part: str, module: nn.Module, args: tuple, kwargs: dict) -> tuple[floa
         return 2.0 * rows * params, float(nbytes)
     weights = [p for p in module.parameters() if p.ndim >= 2]
     params = sum(p.numel() for p in weights)
-    itemsize = weights[0].element_size()
     top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
     count = next(p for p in weights if p.ndim == 3).shape[0]
     touched = torch.unique(top_k_index).numel()
-    per_expert = params / count
-    return 2.0 * top_k_index.numel() * per_expert, float(touched * per_expert * itemsize)
+    read = (sum(p.numel() * p.element_size() for p in weights) if experts_format is None
+            else sum(tensor_bytes(Tensor(name, tuple(p.shape), expert=True), experts_format)
+                     for name, p in module.named_parameters() if p.ndim >= 2))
+    return 2.0 * top_k_index.numel() * params / count, read * touched / count
 
 
 def _weights(module: nn.Module) -> tuple[int, int]:
@@ -219,9 +223,11 @@ def _timed_cache(cache: object, timer: PartTimer) -> None:
 
 
 @torch.inference_mode()
-def profile_prefill(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int) -> list[ChunkProfile]:
-    """Prefill `ids` once in chunks with every part timed; one profile per chunk."""
-    timer = PartTimer(model)
+def profile_prefill(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int, *,
+                    experts_format: str | None = None) -> list[ChunkProfile]:
+    """Prefill `ids` once in chunks with every part timed; one profile per chunk. `experts_format`: the
+    quantized format the engine runs the experts in (their bytes read), None for the model's own dtype."""
+    timer = PartTimer(model, experts_format)
     profiles = []
     try:
         with _counted_attention(model, timer):
@@ -270,11 +276,10 @@ def depths_to_report(document_tokens: int, chunk_tokens: int) -> list[int]:
 
 
 def run_profile(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int, *, bandwidth: float,
-                before: Callable[[], object] | None = None) -> list[dict]:
+                experts_format: str | None = None) -> list[dict]:
     """Profile one prefill of `ids` (after one warm-up chunk) and report it at the usual depths."""
-    if before is not None:
-        before()
-    list(profile_prefill(model, ids[:chunk_tokens], chunk_tokens))  # warm-up: first-call costs out of the way
-    profiles = profile_prefill(model, ids, chunk_tokens)
+    # warm-up: first-call costs out of the way
+    list(profile_prefill(model, ids[:chunk_tokens], chunk_tokens, experts_format=experts_format))
+    profiles = profile_prefill(model, ids, chunk_tokens, experts_format=experts_format)
     return profile_rows(profiles, depths_to_report(len(ids), chunk_tokens),
                         flop_rate=machine_rates(model, chunk_tokens), bandwidth=bandwidth)

@@ -65,6 +65,25 @@ def test_quantized_weights_put_the_engines_quantized_path_beside_the_float_ones(
     assert rows["npumoe-cpu"]["status"] == "ok"
 
 
+def test_the_profile_splits_each_quantized_paths_time_too(monkeypatch, tmp_path):
+    fake_projection_timings(monkeypatch, tmp_path / "cache", "int8pack")
+    ran = []
+    multiply = projections.multiply
+    monkeypatch.setattr(projections, "multiply", lambda kernel, *args: ran.append(kernel) or multiply(kernel, *args))
+    calls = {}
+    for profile in (False, True):
+        ran.clear()
+        settings = PrefillBenchSettings(threads=1, layers=2, document_tokens=64, chunk_tokens=32,
+                                        calibration_documents=1, warmup=0, repeats=1, weights=("int8",),
+                                        profile=profile)
+        rows = run_prefill_bench([TINY], ["bfloat16"], settings, bandwidth=1e10)
+        calls[profile] = ran.count("int8pack")
+    profiled = [row for row in rows if row["impl"] == "profile"]
+    assert {row["profiled"] for row in profiled} == {"npumoe-cpu", "npumoe-cpu-int8"}
+    assert all(row["ms"] > 0 for row in profiled if row["part"] == "projections")
+    assert calls[True] > calls[False]  # the int8 path's profile ran its quantized projections
+
+
 def test_unknown_quantized_weights_are_refused():
     with pytest.raises(ValueError, match="quantized weights must be among"):
         PrefillBenchSettings(threads=1, document_tokens=64, chunk_tokens=32, weights=("int3",))

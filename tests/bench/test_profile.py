@@ -53,6 +53,15 @@ def test_the_work_counted_is_the_models(model):
     assert first.parts["cache"].bytes == 2 * 2 * tokens * kv * 4 * layers
 
 
+def test_quantized_experts_are_priced_at_the_bytes_of_their_format(model):
+    ids = list(range(64))
+    float32 = profile_prefill(model, ids, 32)[0].parts["experts"]
+    int4 = profile_prefill(model, ids, 32, experts_format="int4")[0].parts["experts"]
+    assert int4.flops == float32.flops
+    # fp32: 4 bytes a weight; int4: half a byte, and a bf16 scale and zero for each group of 32
+    assert int4.bytes == pytest.approx(float32.bytes * (0.5 + 4 / 32) / 4)
+
+
 def test_rows_report_each_part_at_the_nearest_chunk_to_each_depth(model):
     profiles = profile_prefill(model, list(range(96)), 32)
     rows = profile_rows(profiles, [0, 64], flop_rate=1e9, bandwidth=1e9)
