@@ -10,7 +10,7 @@ fastest for that weight's shape at a prefill chunk's rows with this process's to
 the experts choose among (cpu_kernels; exact: torch's product up to summation order) and, with a quantized
 format, the quantized ones too (quant_kernels; int8 rounds each row of x dynamically), which win only where they
 measure faster than float at that shape. Where plain torch wins, the Linear stays as it is. Choices are cached
-per machine like the experts'.
+per machine like the experts'. Beside int4 experts the projections take int8 at most (`projection_format`).
 
 The engine's own kernels (bf16_linear, vnni_linear) run on one thread: a projection's rows are split over the
 experts' workers (cpu_experts.run_tasks). torch's and oneDNN's kernels use torch's threads themselves.
@@ -37,7 +37,7 @@ from .cpu_kernels import KERNELS as FLOAT_KERNELS
 from .cpu_kernels import ChoiceCache, KernelChoice, PackedLinear, choose_measured, time_in_turns, unavailable_kernels
 from .models import moe_experts
 from .quant_kernels import ACTIVATION_DTYPES, QuantLinear
-from .quantize import INT4, int4_fits, quantize
+from .quantize import INT8, quantize
 
 ROWS = 512  # rows a timing run multiplies: one prefill chunk of the engine's default length
 OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
@@ -118,6 +118,15 @@ class HeadRows(nn.Module):
         return self.original.weight
 
 
+def projection_format(experts_format: str | None) -> str | None:
+    """The quantized format dense projections may take beside experts in `experts_format`: int8 at most. They are a
+    few percent of a MoE model's bytes (Qwen3-30B-A3B's attention: 0.9 of 30.5 billion parameters, 0.3 GB more
+    in int8 than int4) but every token passes through all of them: int4 projections took a whole 2-layer
+    qwen3-30b-a3b model's error from 2 % to 12-13 % where they measured faster (llama.cpp's Q4_K_M keeps
+    attention's value projection at 6 bits in many layers for the same reason)."""
+    return None if experts_format is None else INT8
+
+
 def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelChoice, Callable[[], Kernel]]:
     """The kernel measured fastest here for a Linear of this (N, K) weight (its dtype, `format` allowing), and
     how to build it; timed on this weight at first use on this machine, then read from the cache."""
@@ -126,7 +135,7 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelC
     for kernel in FLOAT_KERNELS:
         if kernel not in unavailable:
             builders[kernel] = partial(PackedLinear, weight, kernel)
-    if format is not None and weight.dtype in ACTIVATION_DTYPES and (format != INT4 or int4_fits(weight.shape[1])):
+    if format is not None and weight.dtype in ACTIVATION_DTYPES:
         quantized = quantize(weight, format)
         cannot = quant_kernels.unavailable_kernels(format, weight.dtype, quantized)
         unavailable |= cannot
@@ -154,9 +163,11 @@ def shape_class(weight: torch.Tensor, format: str | None) -> str:
             f"in {weight.shape[1]} rows {ROWS} threads {torch.get_num_threads()}")
 
 
-def projection_for(linear: nn.Linear, format: str | None) -> ProjectionLinear | None:
-    """`linear` run by the kernel fastest here in `format` (None: float): the one another runtime already built,
-    if it still holds, else a new one; None where plain torch is fastest (the Linear then stays)."""
+def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionLinear | None:
+    """`linear` run by the kernel fastest here, float or in the format `projection_format` allows beside experts in
+    `experts_format` (None: float only): the one another runtime already built, if it still holds, else a new one;
+    None where plain torch is fastest (the Linear then stays)."""
+    format = projection_format(experts_format)
     held = getattr(linear, "_npumoe_projections", {}).get(format)
     projection = held() if held is not None else None
     if projection is not None and projection.packed_from(linear):
@@ -244,8 +255,8 @@ class SlotSwaps:
 
 
 class DenseProjections(SlotSwaps):
-    """The model's dense projections that run faster through the engine's kernels, packed in `format` where
-    that measures faster (None: float only)."""
+    """The model's dense projections that run faster through the engine's kernels, quantized where that measures
+    faster (int8 beside int8 or int4 experts; `format` None: float only)."""
 
     def __init__(self, model: nn.Module, format: str | None = None, *, release: bool = False) -> None:
         self.slots: list[tuple[Slot, nn.Module]] = []

@@ -71,10 +71,10 @@ class MoeRuntime:
     runtime (the eager implementation has nothing left to read), and no later runtime can build group graphs
     or another format from them. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
     exact and uncounted (one token per step). The model's dense projections outside the experts (attention's,
-    dense FFNs', shared experts') run through the engine's measured kernels while attached, in `quantized` where
-    that measures faster (projections.py; `release` frees their own weights too), and its RMSNorms through the
-    engine's norm kernel where it runs here (norms.py). A new runtime is attached;
-    several runtimes of one model may be built, and `attach()` selects which one runs.
+    dense FFNs', shared experts') run through the engine's measured kernels while attached, quantized (int8 at
+    most) where that measures faster (projections.py; `release` frees their own weights too), and its RMSNorms
+    through the engine's norm kernel where it runs here (norms.py). A new runtime is attached; several runtimes of
+    one model may be built, and `attach()` selects which one runs.
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,

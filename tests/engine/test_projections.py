@@ -145,6 +145,15 @@ def test_a_quantized_kernel_runs_a_projection_only_where_it_measures_faster_than
     assert isinstance(kept_float.linear, PackedLinear) and kept_float.format is None
 
 
+def test_beside_int4_experts_a_projection_is_quantized_to_int8_at_most(timed_fastest):
+    timings = timed_fastest("int8pack")
+    projection = projection_for(nn.Linear(128, 64), "int4")
+    assert isinstance(projection.linear, QuantLinear) and projection.format == "int8"
+    (candidates,) = timings.candidates
+    assert "int8pack" in candidates
+    assert not set(candidates) & set(quant_kernels.KERNELS["int4"])
+
+
 def test_released_projections_hold_the_one_copy_and_refuse_another_format(tiny, timed_fastest):
     timed_fastest("int8pack")
     model = load_model(tiny("qwen3_moe")).model
