@@ -2,13 +2,16 @@
 
 - int8: w[n, k] ≈ q[n, k] · scale[n], q in [-127, 127] (symmetric; -128 unused so -q never overflows).
 - int4: w[n, k] ≈ (q[n, k] − 8) · scale[n, g] + zero[n, g] for k in group g of INT4_GROUP columns, q in [0, 15]:
-  asymmetric, each group's codes spanning its own min..max. With random (Gaussian) expert weights the zero point
-  takes a real geometry layer's error from 15.9 % (symmetric) to 13.7 % at group 32, and from 17.7 % to 15.7 % at
-  group 64; group 32 costs half a bit more per weight than 64 (5 bits against 4.5 with bf16 scale and zero).
+  asymmetric. Each group's codes first span its own min..max; then, twice, its scale and zero are refitted by
+  least squares to the codes they gave and the weights rounded again, which clips a group's extremes where that
+  lowers its error (a refit that would round the group worse is not taken). With random (Gaussian) expert
+  weights the zero point takes a real geometry layer's error from 15.9 % (symmetric) to 13.9 % at group 32 (17.7 %
+  to 15.7 % at group 64; group 32 costs half a bit more per weight than 64, 5 bits against 4.5 with bf16 scale
+  and zero), and the refits to 13.0 % (one weight matrix: 7.8 % to 7.3 %) for about twice the time to quantize.
   Codes are stored two a byte, the even k in the low nibble: a plain layout any kernel (or Core ML) can read,
   which each kernel repacks for itself.
 
-Weights are quantized by rounding to nearest; `reference_linear` is the dequantized matmul the kernels are
+Weights are rounded to the nearest code of their grid; `reference_linear` is the dequantized matmul the kernels are
 checked against.
 """
 
@@ -24,6 +27,8 @@ INT4_GROUP = 32
 _INT8_MAX = 127
 _INT4_LEVELS = 15
 _INT4_MIDDLE = 8
+_INT4_REFITS = 2
+_INT4_ROWS_AT_ONCE = 256
 
 
 @dataclass(frozen=True)
@@ -95,15 +100,51 @@ def quantize(w: torch.Tensor, format: str, *, group: int = INT4_GROUP) -> Quanti
     n, k = w.shape
     if not int4_fits(k, group):
         raise ValueError(f"int4 needs the input width ({k}) to be a multiple of its even group size {group}")
-    grouped = w.reshape(n, k // group, group)
+    # a few rows at a time: the refits' float temporaries stay a few MB whatever the weight's size
+    parts = [_int4_rows(rows.reshape(len(rows), k // group, group)) for rows in w.split(_INT4_ROWS_AT_ONCE)]
+    codes, scale, zero = (torch.cat(tensors) for tensors in zip(*parts, strict=True))
+    return QuantizedWeight(INT4, pack_int4(codes.reshape(n, k)), scale, zero, group)
+
+
+def _int4_rows(grouped: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(n, G, group) weights -> their uint8 codes (n, G, group) and bf16 scale and zero (n, G)."""
     low, high = grouped.amin(dim=2), grouped.amax(dim=2)
-    # bf16 scale and zero, rounded before the codes are chosen so that the codes fit what is stored
-    scale = ((high - low) / _INT4_LEVELS).to(torch.bfloat16)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = (low + _INT4_MIDDLE * scale.float()).to(torch.bfloat16)
-    codes = torch.round((grouped - zero.float()[..., None]) / scale.float()[..., None] + _INT4_MIDDLE)
-    codes = codes.clamp_(0, _INT4_LEVELS).to(torch.uint8).reshape(n, k)
-    return QuantizedWeight(INT4, pack_int4(codes), scale, zero, group)
+    scale = (high - low) / _INT4_LEVELS
+    codes, scale, zero, error = _int4_codes(grouped, scale, low + _INT4_MIDDLE * scale)
+    for _ in range(_INT4_REFITS):
+        fitted = _int4_codes(grouped, *_least_squares(grouped, codes - _INT4_MIDDLE, scale, zero))
+        better = fitted[3] < error  # per group: a refit that rounds worse (bf16, clamping) is not taken
+        codes = torch.where(better[..., None], fitted[0], codes)
+        scale, zero, error = (torch.where(better, new, old) for new, old in zip(fitted[1:], (scale, zero, error),
+                                                                               strict=True))
+    return codes.to(torch.uint8), scale.to(torch.bfloat16), zero.to(torch.bfloat16)
+
+
+def _int4_codes(grouped: torch.Tensor, scale: torch.Tensor,
+                zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, G, group) weights rounded to the nearest codes for each group's scale and zero, those rounded to bf16
+    first so that the codes fit what is stored: (codes as float, scale, zero, each group's squared error)."""
+    scale = scale.to(torch.bfloat16).float()
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: any scale, its zero exact
+    zero = zero.to(torch.bfloat16).float()
+    codes = torch.round((grouped - zero[..., None]) / scale[..., None] + _INT4_MIDDLE).clamp_(0, _INT4_LEVELS)
+    error = ((codes - _INT4_MIDDLE) * scale[..., None] + zero[..., None] - grouped).square_().sum(dim=2)
+    return codes, scale, zero, error
+
+
+def _least_squares(grouped: torch.Tensor, centred: torch.Tensor, scale: torch.Tensor,
+                   zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each group's scale and zero that fit its weights best, in squared error, with these (code − 8) values
+    (where all its codes are equal, the group keeps `scale` and `zero`)."""
+    count = grouped.shape[2]
+    sum_c, sum_cc = centred.sum(dim=2), centred.square().sum(dim=2)
+    sum_w, sum_cw = grouped.sum(dim=2), (centred * grouped).sum(dim=2)
+    determinant = count * sum_cc - sum_c.square()
+    fits = determinant > 0
+    safe = torch.where(fits, determinant, torch.ones_like(determinant))
+    fitted_scale = (count * sum_cw - sum_c * sum_w) / safe
+    fitted_zero = (sum_w - fitted_scale * sum_c) / count
+    return torch.where(fits, fitted_scale, scale), torch.where(fits, fitted_zero, zero)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
