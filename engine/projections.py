@@ -157,6 +157,11 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelC
     return choice, lambda: packed.get(choice.kernel) or builders[choice.kernel]()
 
 
+def cached_choices() -> dict[str, KernelChoice]:
+    """Every projection-kernel choice this machine has cached, by shape class."""
+    return _CACHE.choices()
+
+
 def shape_class(weight: torch.Tensor, format: str | None) -> str:
     """The key a projection's choice is kept under: dtype, format, shape, the rows timed and the threads."""
     return (f"projection {str(weight.dtype).removeprefix('torch.')} {format or 'float'} out {weight.shape[0]} "

@@ -162,8 +162,8 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
         return
     checks = [*_service_checks(), _database_check(app.home),
               *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
-              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(), _weights_check(app),
-              *_backend_checks(), _placement_check(app)]
+              _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(),
+              _measured_kernels_check(), _weights_check(app), *_backend_checks(), _placement_check(app)]
     if as_json:
         emit_json({"checks": checks})
     else:
@@ -304,6 +304,20 @@ def _kernel_check() -> dict[str, str]:
     not_built = bf16_linear.unsupported_cpu() is None and bf16_linear.unavailable() is not None
     return _check("cpu kernel", "warn" if not_built else "ok",
                   f"{'; '.join(choices)} (on {cpu_model()}, torch {torch.__version__})")
+
+
+def _measured_kernels_check() -> dict[str, str]:
+    """The other kernels chosen by measurement on this machine, as cached: the quantized experts', the dense
+    projections' and attention's (each is timed at the first load that needs it, not by doctor)."""
+    from npumoe.engine import attention_choice, projections, quant_kernels
+
+    families = {"quantized experts": quant_kernels.cached_choices(), "projections": projections.cached_choices(),
+                "attention": attention_choice.cached_choices()}
+    measured = [f"{family}: " + "; ".join(f"{key}: {choice.kernel} ({choice.figures()})"
+                                         for key, choice in choices.items())
+                for family, choices in families.items() if choices]
+    return _check("measured kernels", "ok", " | ".join(measured) if measured else
+                  "none yet: each is timed at the first model load that needs it")
 
 
 def _weights_check(app: App) -> dict[str, str]:

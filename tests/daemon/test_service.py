@@ -35,7 +35,8 @@ from npumoe.daemon.service import (
     carry_out,
     lingering,
 )
-from npumoe.engine import cpu_kernels
+from npumoe.engine import attention_choice, cpu_kernels, projections, quant_kernels
+from npumoe.engine.cpu_kernels import KernelChoice
 from npumoe.engine.host import cpu_model
 from npumoe.jobs.queue import BATCH, Queue
 
@@ -327,6 +328,29 @@ def test_doctor_names_the_chosen_cpu_kernel_and_the_figures_that_chose_it(home: 
     assert f"on {cpu_model()}, torch {torch.__version__}" in detail
     npumoed("doctor", "--json")
     assert len(timings.calls) == 1  # the second doctor reads the choice the first one made
+
+
+def test_doctor_lists_the_quantized_projection_and_attention_kernels_this_machine_measured(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+
+    def measured() -> dict:
+        return {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}["measured kernels"]
+
+    assert measured() == {"check": "measured kernels", "status": "ok",
+                          "detail": "none yet: each is timed at the first model load that needs it"}
+    quant_kernels._CACHE.remember("int8 bfloat16 activations hidden 2048 ffn 768",
+                                  KernelChoice("npumoe-int8-amx-dynamic", {"npumoe-int8-amx-dynamic": 0.001,
+                                                                           "int8pack": 0.004}, {}))
+    projections._CACHE.remember("projection bfloat16 int8 out 512 in 2048 rows 512 threads 2",
+                                KernelChoice("torch", {"torch": 0.002, "onednn": 0.003}, {}))
+    attention_choice._CACHE.remember("bfloat16 heads 32 kv heads 4 head_dim 128",
+                                     KernelChoice("npumoe", {"npumoe": 0.01, "torch": 0.02}, {}))
+    assert measured()["detail"] == (
+        "quantized experts: int8 bfloat16 activations hidden 2048 ffn 768: npumoe-int8-amx-dynamic "
+        "(npumoe-int8-amx-dynamic 1 ms, int8pack 4 ms) | projections: projection bfloat16 int8 out 512 in 2048 rows "
+        "512 threads 2: torch (torch 2 ms, onednn 3 ms) | attention: bfloat16 heads 32 kv heads 4 head_dim 128: "
+        "npumoe (npumoe 10 ms, torch 20 ms)")
 
 
 def _weights_check(*args: str) -> dict:
