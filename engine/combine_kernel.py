@@ -6,9 +6,9 @@ whole gathered buffer to float32 and runs T tiny (1, k) x (k, H) matmuls; for a 
 reads each output row where the experts wrote it, sums in float32 and rounds once: the same result up to
 summation order. Tokens are split over the engine's workers.
 
-Plain C (no CPU feature assumed; AVX2 and AVX-512 versions beside it on x86-64 Linux, picked at load): it runs
-wherever native.py can build it; where it cannot (no compiler),
-`unavailable()` says why and the dispatcher combines with torch (dispatch.combine).
+Plain C (no CPU feature assumed; AVX2 and AVX-512 versions beside it on x86-64 with glibc, picked at load): it
+runs wherever native.py can build it; where it cannot (no compiler), `unavailable()` says why and the dispatcher
+combines with torch (dispatch.combine).
 """
 
 from __future__ import annotations

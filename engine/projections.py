@@ -122,7 +122,7 @@ def projection_format(experts_format: str | None) -> str | None:
     """The quantized format dense projections may take beside experts in `experts_format`: int8 at most. They are a
     few percent of a MoE model's bytes (Qwen3-30B-A3B's attention: 0.9 of 30.5 billion parameters, 0.3 GB more
     in int8 than int4) but every token passes through all of them: int4 projections took a whole 2-layer
-    qwen3-30b-a3b model's error from 2 % to 12-13 % where they measured faster (llama.cpp's Q4_K_M keeps
+    qwen3-30b-a3b model's error from 3 % to 12-13 % where they measured faster (llama.cpp's Q4_K_M keeps
     attention's value projection at 6 bits in many layers for the same reason)."""
     return None if experts_format is None else INT8
 
