@@ -160,14 +160,14 @@ def _work(part: str, module: nn.Module, args: tuple, kwargs: dict,
     if part != "experts":
         params, nbytes = _weights(module)
         return 2.0 * rows * params, float(nbytes)
-    weights = [p for p in module.parameters() if p.ndim >= 2]
-    params = sum(p.numel() for p in weights)
+    weights = {name: p for name, p in module.named_parameters() if p.ndim >= 2}
+    params = sum(p.numel() for p in weights.values())
     top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
-    count = next(p for p in weights if p.ndim == 3).shape[0]
+    count = next(p for p in weights.values() if p.ndim == 3).shape[0]
     touched = torch.unique(top_k_index).numel()
-    read = (sum(p.numel() * p.element_size() for p in weights) if experts_format is None
-            else sum(tensor_bytes(Tensor(name, tuple(p.shape), expert=True), experts_format)
-                     for name, p in module.named_parameters() if p.ndim >= 2))
+    read = sum(p.numel() * p.element_size() if experts_format is None
+               else tensor_bytes(Tensor(name, tuple(p.shape), expert=True), experts_format)
+               for name, p in weights.items())
     return 2.0 * top_k_index.numel() * params / count, read * touched / count
 
 

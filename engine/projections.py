@@ -64,7 +64,7 @@ def multiply(kernel: str, linear: Kernel, x: torch.Tensor, out_features: int) ->
 
 class ProjectionLinear(nn.Module):
     """A Linear's y = x·wᵀ + b with w held for the kernel measured fastest here (`kernel`), quantized when
-    `format` ("int8", "int4") is set; the original Linear is kept (not as a submodule) to be put back."""
+    `format` (int8: projection_format) is set; the original Linear is kept (not as a submodule) to be put back."""
 
     def __init__(self, original: nn.Linear, linear: Kernel, kernel: str, format: str | None) -> None:
         super().__init__()

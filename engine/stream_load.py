@@ -203,8 +203,8 @@ def _stored_expert(parameter: torch.Tensor, pieces: list[_Piece], expert: int,
         scales_file, scales_key = first.scales
         blocks, scales = opened[first.file].read(first.key, expert), opened[scales_file].read(scales_key, expert)
         return _checked(parameter, expert, dequantize_expert(blocks, scales, parameter.dtype))
-    if pieces[0].expert is None:
-        stored = opened[pieces[0].file].read(pieces[0].key, expert)
+    if first.expert is None:
+        stored = opened[first.file].read(first.key, expert)
     else:
         parts = sorted((p for p in pieces if p.expert == expert), key=lambda p: p.part)
         stored = torch.cat([opened[p.file].read(p.key) for p in parts]) if len(parts) > 1 else \

@@ -139,7 +139,7 @@ static inline TARGET int32_t four_bytes(const uint8_t *p) {
 }
 
 /* One row of int8 results from its int32 sums over 64 columns: (Σ(x + 128)·w − 128·Σw) · x scale · w scale; with
- * `lo`, the sums of the row's second level (quantize_row_pair) at scale xs_lo are added. */
+ * `lo`, the sums of the row's second level (quantize_row_levels) at scale xs_lo are added. */
 static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const __m512i *lo, const int32_t *sums,
                                                  const float *scale, float xs, float xs_lo, void *y, int bf16,
                                                  int64_t columns) {
