@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
+import torch
 
 from npumoe.engine.cpu_experts import CpuExperts
+
+
+@pytest.fixture
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """torch threads for one test (the suite runs with one); parametrize indirectly to choose how many."""
+    count = getattr(request, "param", 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    yield count
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,16 +22,6 @@ from npumoe.engine.host import cpu_model
 
 E, H, FFN = 4, 64, 32
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
-
-
-@pytest.fixture
-def threads(request: pytest.FixtureRequest) -> Iterator[int]:
-    """torch threads for one test (the suite runs with one); parametrize indirectly to choose how many."""
-    count = getattr(request, "param", 2)
-    before = torch.get_num_threads()
-    torch.set_num_threads(count)
-    yield count
-    torch.set_num_threads(before)
 
 
 def random_experts(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

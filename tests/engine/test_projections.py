@@ -61,7 +61,7 @@ def test_a_float_projection_computes_torchs_linear(monkeypatch, kernel, dtype):
     torch.testing.assert_close(got, want, **({} if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)))
 
 
-def test_the_engines_own_kernels_split_the_rows_over_the_workers(monkeypatch):
+def test_the_engines_own_kernels_split_the_rows_over_the_workers(threads):
     if (why := vnni_linear.unavailable()) is not None:
         pytest.skip(why)
     linear = nn.Linear(128, 64)
@@ -72,7 +72,6 @@ def test_the_engines_own_kernels_split_the_rows_over_the_workers(monkeypatch):
         calls.append(x.shape[0])
         return QuantLinear.__call__(quantized, x, out)
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     x = torch.randn(40, 128)
     with torch.inference_mode():
         got = projections.multiply("npumoe-int8-dynamic", counted, x, 64)
