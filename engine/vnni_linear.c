@@ -3,18 +3,20 @@
  * Each call rounds every row of x (float32 or bf16) to int8 with its own scale (absmax / 127, rounded to
  * nearest even, as quant_kernels.quantize_rows does; for int8, a row that this rounds by more than ROUNDING_BOUND, as
  * outlier features make it, takes a second row of codes for what the first missed), then multiplies bytes with VPDPBUSD (u8 x s8 -> s32,
- * four products a lane) and scales the int32 sums at the end. Weights are packed as the bf16 kernel's are:
- * blocks of 64 output columns, each one in-order stream along K with four K values of a column side by side
- * (VPDPBUSD's operand layout); a tile of up to 6 rows x 64 columns keeps its sums in registers, and row
- * tiles are balanced (8 rows run as 4 + 4).
+ * four products a lane) and scales the int32 sums at the end. Weights are packed in blocks of 64 output columns,
+ * each one in-order stream along K with four K values of a column side by side (VPDPBUSD's operand layout); a
+ * tile of up to 6 rows x 64 columns keeps its sums in registers, and row tiles are balanced (8 rows run as 4 + 4).
  *
  * int8: the unsigned operand is x + 128; the offset comes back out through each column's weight sum.
  * int4: the unsigned operand is the weight code (0..15), two codes a byte: the low nibbles of a 64-column
  * block's 256 bytes are K values 8j..8j+3, the high nibbles 8j+4..8j+7. Each group of K values has a scale s
  * and zero z per column (w = (q - 8)·s + z), so a group's sum is s·Σq·x + (z - 8s)·Σx, with Σx, the group's
  * sum of x codes, found while rounding x.
- * int8 also runs on AMX-INT8 tiles where the CPU has them (TDPBUSD: the same operands 16 rows x 64 K at a time,
- * from the same packed weights read with a row stride), rows padded to 16.
+ * int8's block is cut along K into chunks of 64 values, and a chunk into four 1 KiB runs of 16 columns (16 rows of
+ * 4 K values x 16 columns each): the operand of an AMX-INT8 TDPBUSD, so that int8 also runs on AMX tiles where the
+ * CPU has them, 16 rows x 64 K at a time, rows padded to 16. The AMX kernel lays the rows' codes out as tiles too
+ * (16 rows x 64 codes, 1 KiB): a tile load from contiguous bytes ran about three times as fast from L2 on a Sapphire
+ * Rapids core as one whose 16 rows lie 256 bytes or more apart.
  * Built and loaded at run time by vnni_linear.py, which asks the CPU for AVX512-VNNI first.
  */
 #define _GNU_SOURCE  /* syscall() */
@@ -151,9 +153,10 @@ static inline TARGET INLINE void finish_int8_row(const __m512i acc[4], const __m
     }
 }
 
-/* x's m rows rounded for the int8 kernels: rows of u8 codes q (row stride `padded`, whole tiles of `tile` rows, the
- * padding rows codes 0), a scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1, one, or two
- * where one loses more than ROUNDING_BOUND (quantize_row_levels). */
+/* x's m rows rounded for the int8 kernels: u8 codes q, a scale each in xs; token r's rows are first_row[r] ..
+ * first_row[r + 1] - 1, one, or two where one loses more than ROUNDING_BOUND (quantize_row_levels). q holds rows
+ * (stride `padded`), or with `tiled`, AMX tiles of 16 rows x 64 codes (place); whole tiles either way, the padding
+ * rows codes 128 (zero). */
 struct codes {
     uint8_t *q;
     float *xs;
@@ -166,26 +169,44 @@ static void free_codes(struct codes *codes) {
     free(codes->first_row);
 }
 
+/* Row `row` of codes, `padded` bytes at src, into AMX tiles q: its 64 codes of each chunk of K in the tile of its 16
+ * rows for that chunk, the tiles of a 16 rows' chunks one after another. */
+static void place(uint8_t *q, int64_t row, int64_t padded, const uint8_t *src) {
+    uint8_t *at = q + row / 16 * 16 * padded + row % 16 * 64;
+    for (int64_t chunk = 0; chunk < padded / 64; chunk++) memcpy(at + chunk * 1024, src + chunk * 64, 64);
+}
+
 /* Fills `codes` (0), or returns -1 when memory ran out (nothing left to free). */
-static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, int64_t tile,
+static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, int tiled,
                              struct codes *codes) {
-    const int64_t most = 2 * m, size = bf16 ? 2 : 4;
+    const int64_t most = 2 * m, size = bf16 ? 2 : 4, tile = tiled ? 16 : 1;
     codes->q = malloc((size_t)(((most + tile - 1) / tile * tile + 1) * padded));  /* + a row for an unused level */
     codes->xs = malloc((size_t)most * sizeof *codes->xs);
     codes->first_row = malloc((size_t)(m + 1) * sizeof *codes->first_row);
-    if (!codes->q || !codes->xs || !codes->first_row) {
+    uint8_t *pair = tiled ? malloc((size_t)(2 * padded)) : NULL;  /* a token's rows, before they go to their tiles */
+    if (!codes->q || !codes->xs || !codes->first_row || (tiled && !pair)) {
+        free(pair);
         free_codes(codes);
         return -1;
     }
     int64_t rows = 0;
     for (int64_t r = 0; r < m; r++) {
         const char *row = (const char *)x + r * ldx * size;
-        uint8_t *at = codes->q + rows * padded;
+        uint8_t *at = tiled ? pair : codes->q + rows * padded;
         codes->first_row[r] = rows;
-        rows += quantize_row_levels(row, bf16, k, padded, at, at + padded, codes->xs + rows);
+        const int levels = quantize_row_levels(row, bf16, k, padded, at, at + padded, codes->xs + rows);
+        for (int level = 0; tiled && level < levels; level++) place(codes->q, rows + level, padded, pair + level * padded);
+        rows += levels;
     }
     codes->first_row[m] = codes->rows = rows;
-    memset(codes->q + rows * padded, 128, (size_t)(((rows + tile - 1) / tile * tile - rows) * padded));
+    const int64_t whole = (rows + tile - 1) / tile * tile;
+    if (tiled) {
+        memset(pair, 128, (size_t)padded);
+        for (int64_t r = rows; r < whole; r++) place(codes->q, r, padded, pair);
+        free(pair);
+    } else {
+        memset(codes->q + rows * padded, 128, (size_t)((whole - rows) * padded));
+    }
     return 0;
 }
 
@@ -201,7 +222,12 @@ static inline TARGET void finish_token(const int32_t *hi, const int32_t *lo, con
                     columns);
 }
 
-/* Rows of the int8 kernel: u8 codes (x + 128) q with row stride ldq and scales xs; w one block (K/4, 64, 4). With
+/* Where quad (4 K values) `quad` of 16 columns starts in an int8 block: chunks of 16 quads, each 4 runs of 16 columns. */
+static inline const int8_t *int8_quad(const int8_t *block, int64_t quad) {
+    return block + quad / 16 * 16 * 4 * BLOCK + quad % 16 * 64;
+}
+
+/* Rows of the int8 kernel: u8 codes (x + 128) q with row stride ldq and scales xs; w one block (K/64, 4, 16, 16, 4). With
  * `raw`, the rows' int32 sums go there (64 a row) for the caller to finish. */
 static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int64_t ldq, const float *xs, const int8_t *w,
                                     int64_t quads, const int32_t *sums, const float *scale, void *y, int64_t ldy,
@@ -210,10 +236,10 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
     for (int r = 0; r < TILE_ROWS; r++)
         for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_si512();
     for (int64_t quad = 0; quad < quads; quad++) {
-        const int8_t *wq = w + quad * 4 * BLOCK;
-        if (fetch) fetch_ahead(wq, 4 * BLOCK);
-        const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 64);
-        const __m512i w2 = _mm512_loadu_si512(wq + 128), w3 = _mm512_loadu_si512(wq + 192);
+        const int8_t *wq = int8_quad(w, quad);
+        if (fetch) fetch_ahead(w + quad * 4 * BLOCK, 4 * BLOCK);  /* the block's bytes in order, as it streams */
+        const __m512i w0 = _mm512_loadu_si512(wq), w1 = _mm512_loadu_si512(wq + 1024);
+        const __m512i w2 = _mm512_loadu_si512(wq + 2048), w3 = _mm512_loadu_si512(wq + 3072);
 #pragma GCC unroll 6
         for (int r = 0; r < TILE_ROWS; r++) {
             if (r < rows) {
@@ -239,7 +265,7 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
     struct codes codes;
-    if (round_rows(x, m, ldx, bf16, k, padded, 1, &codes)) return -1;
+    if (round_rows(x, m, ldx, bf16, k, padded, 0, &codes)) return -1;
     const int64_t rows_of_codes = codes.rows, tiles = (rows_of_codes + TILE_ROWS - 1) / TILE_ROWS;
     int32_t *raw = NULL;  /* every row's sums over a block, when some token has two rows */
     if (rows_of_codes > m && !(raw = malloc((size_t)(rows_of_codes * BLOCK) * sizeof *raw))) {
@@ -279,9 +305,9 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     return 0;
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/4, 64, 4) int8 with k64 = k
- * rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n) in x's
- * dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
+/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/64, 4, 16, 16, 4) int8 with
+ * k64 = k rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n)
+ * in x's dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
 TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
     return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
@@ -302,11 +328,10 @@ struct tile_config {
     uint8_t rows[16];
 };
 
-/* 16 rows of u8 codes q (row stride ldq) times one packed block w over `chunks` of 64 K: sums (16, 64) into c.
+/* 16 rows of u8 codes q (tiled by round_rows) times one packed block w over `chunks` of 64 K: sums (16, 64) into c.
  * Tiles 0-3 hold the sums of 16 columns each, 4 the rows' codes, 5 and 6 the weights (a row of a weight tile is
- * 4 K values of 16 columns; rows lie 256 bytes apart in the block). */
-static inline AMX INLINE void amx_block(const uint8_t *q, int64_t ldq, const int8_t *w, int64_t chunks, int32_t *c,
-                                        int fetch) {
+ * 4 K values of 16 columns). */
+static inline AMX INLINE void amx_block(const uint8_t *q, const int8_t *w, int64_t chunks, int32_t *c, int fetch) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -314,13 +339,13 @@ static inline AMX INLINE void amx_block(const uint8_t *q, int64_t ldq, const int
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
         const int8_t *wk = w + chunk * 16 * 4 * BLOCK;
         if (fetch) fetch_ahead(wk, 16 * 4 * BLOCK);
-        _tile_loadd(4, q + chunk * 64, ldq);
-        _tile_loadd(5, wk, 4 * BLOCK);
-        _tile_loadd(6, wk + 64, 4 * BLOCK);
+        _tile_loadd(4, q + chunk * 1024, 64);
+        _tile_loadd(5, wk, 64);
+        _tile_loadd(6, wk + 1024, 64);
         _tile_dpbusd(0, 4, 5);
-        _tile_loadd(5, wk + 128, 4 * BLOCK);
+        _tile_loadd(5, wk + 2048, 64);
         _tile_dpbusd(1, 4, 6);
-        _tile_loadd(6, wk + 192, 4 * BLOCK);
+        _tile_loadd(6, wk + 3072, 64);
         _tile_dpbusd(2, 4, 5);
         _tile_dpbusd(3, 4, 6);
     }
@@ -341,7 +366,7 @@ static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
                                const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
     struct codes codes;
-    if (round_rows(x, m, ldx, bf16, k, padded, 16, &codes)) return -1;
+    if (round_rows(x, m, ldx, bf16, k, padded, 1, &codes)) return -1;
     const int64_t tiles = (codes.rows + 15) / 16;
     struct tile_config config;
     memset(&config, 0, sizeof config);
@@ -355,7 +380,7 @@ static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
     for (int64_t block = 0; block * BLOCK < n; block++) {
         const int8_t *wb = w + block * BLOCK * padded;
         for (int64_t t = 0, r = 0; t < tiles; t++) {  /* later row tiles find the block cached */
-            amx_block(codes.q + t * 16 * padded, padded, wb, padded / 64, sums_of(c, 16 * t), t == 0);
+            amx_block(codes.q + t * 16 * padded, wb, padded / 64, sums_of(c, 16 * t), t == 0);
             for (; r < m && codes.first_row[r + 1] <= (t + 1) * 16; r++) {  /* the tokens whose rows are all summed */
                 const int64_t at = codes.first_row[r];
                 finish_token(sums_of(c, at), codes.first_row[r + 1] - at == 2 ? sums_of(c, at + 1) : NULL, &codes, r,

@@ -44,7 +44,9 @@ MAX_IN_FEATURES = 65536
 @dataclass(frozen=True)
 class PackedWeight:
     """A quantized (N, K) weight in the kernel's layout (see vnni_linear.c):
-    int8: codes (N64/64, K64/4, 64, 4) int8, sums (N64,) int32 (Σ_k of each column's codes), scale (N64,) float32;
+    int8: codes (N64/64, K64/64, 4, 16, 16, 4) int8 (per block of 64 columns and chunk of 64 inputs, four runs of 16
+    columns, each 16 quads of inputs x 16 columns x 4: an AMX tile), sums (N64,) int32 (Σ_k of each column's codes),
+    scale (N64,) float32;
     int4: codes (N64/64, K/8, 64, 4) uint8 nibble pairs, scale and zero (N64/64, K/group, 64) bfloat16."""
 
     format: str
@@ -74,8 +76,9 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
     pad_n = -n % BLOCK
     if weight.format == INT8:
         codes = F.pad(weight.codes, (0, -k % 64, 0, pad_n))  # whole AMX tiles of 64 inputs
-        blocks, quads = codes.shape[0] // BLOCK, codes.shape[1] // 4
-        packed = codes.reshape(blocks, BLOCK, quads, 4).permute(0, 2, 1, 3).contiguous()
+        blocks, chunks = codes.shape[0] // BLOCK, codes.shape[1] // 64
+        # (block, column run, column, chunk, quad, 4) -> (block, chunk, column run, quad, column, 4)
+        packed = codes.reshape(blocks, 4, 16, chunks, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous()
         return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, pad_n)).contiguous(),
                             sums=codes.sum(dim=1, dtype=torch.int32))
     codes = F.pad(unpack_int4(weight.codes), (0, 0, 0, pad_n))  # (N64, K) codes 0..15

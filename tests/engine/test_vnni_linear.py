@@ -39,14 +39,16 @@ def assert_matches(y: torch.Tensor, exact: torch.Tensor) -> None:
                                    atol=1e-6 * float(exact.abs().max()))
 
 
-def test_int8_blocks_hold_64_output_columns_with_four_k_values_side_by_side_padded_to_whole_tiles():
+def test_int8_blocks_hold_amx_tiles_of_four_k_values_by_16_columns_padded_to_whole_tiles():
     q = quantize(randn(100, 70, seed=0), INT8)
     packed = vnni_linear.pack(q)
-    assert packed.codes.shape == (2, 32, 64, 4) and packed.sums.shape == packed.scale.shape == (128,)
+    # (block of 64 columns, chunk of 64 inputs, run of 16 columns, quad of inputs, column in the run, 4 inputs)
+    assert packed.codes.shape == (2, 2, 4, 16, 16, 4) and packed.sums.shape == packed.scale.shape == (128,)
     for block, quad, column in ((0, 0, 0), (1, 5, 35), (0, 16, 63)):
-        assert torch.equal(packed.codes[block, quad, column], q.codes[block * 64 + column, 4 * quad:4 * quad + 4])
-    assert packed.codes[:, 17, :, 2:].eq(0).all() and packed.codes[:, 18:].eq(0).all()  # K to 128 (AMX tiles)
-    assert packed.codes[1, :, 36:].eq(0).all()  # N to 128
+        tile = packed.codes[block, quad // 16, column // 16, quad % 16, column % 16]
+        assert torch.equal(tile, q.codes[block * 64 + column, 4 * quad:4 * quad + 4])
+    assert packed.codes[:, 1, :, 1, :, 2:].eq(0).all() and packed.codes[:, 1, :, 2:].eq(0).all()  # K to 128
+    assert packed.codes[1, :, 2, :, 4:].eq(0).all() and packed.codes[1, :, 3].eq(0).all()  # N to 128
     assert torch.equal(packed.sums[:100], q.codes.sum(dim=1, dtype=torch.int32)) and not packed.scale[100:].any()
 
 
