@@ -82,9 +82,10 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x as int8 codes and its float32 scale (n, 1): x ≈ codes · scale, symmetric."""
+    """Each row of x as int8 codes and its float32 scale (n, 1): x ≈ codes · scale, symmetric; x times the scale's
+    reciprocal, rounded to nearest even (as the engine's own kernels round)."""
     scale = x.abs().amax(dim=1, keepdim=True).float().div_(127).clamp_min_(torch.finfo(torch.float32).tiny)
-    return torch.round(x.float() / scale).to(torch.int8), scale
+    return torch.round(x.float() * scale.reciprocal()).to(torch.int8), scale
 
 
 class QuantLinear:
