@@ -71,6 +71,11 @@ class Home:
         folders = config.inbox.folders
         return [Path(f).expanduser().resolve() for f in folders] if folders else [self.inbox]
 
+    def outputs(self, config: Config) -> Path:
+        """Where finished documents' outputs go: `[outbox] folder` (storage several machines share) where set, else
+        the home's own outbox."""
+        return Path(config.outbox.folder).expanduser().resolve() if config.outbox.folder else self.outbox
+
     def ensure(self) -> Home:
         """Create the home's folders, readable by the user only (documents can be private)."""
         old = os.umask(0o077)

@@ -56,7 +56,7 @@ def rebuild_queue(home: Home, config: Config, *, stamp: str | None = None) -> Re
         current = None
     queue = Queue(home.database)
     try:
-        for meta_path in sorted(home.outbox.glob("*/meta.json")):
+        for meta_path in sorted(home.outputs(config).glob("*/meta.json")):
             folder = meta_path.parent
             if folder.name.startswith(TMP_PREFIX):
                 continue  # a writer's leftover, never a finished output

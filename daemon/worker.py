@@ -109,8 +109,7 @@ class Worker:
         self.obey_schedule = obey_schedule
         self.pid = os.getpid()
         self.inboxes = [Path(p).resolve() for p in inboxes] if inboxes else home.inboxes(config)
-        # `[outbox] folder`: outputs go to storage several machines share; else to the home's own outbox.
-        self.outbox = Path(config.outbox.folder).expanduser().resolve() if config.outbox.folder else home.outbox
+        self.outbox = home.outputs(config)
         self.folders = Folders(self.outbox, home.processed, home.failed, tuple(self.inboxes))
         self.model = model or ModelSlot(config, home, threads=worker_threads(config.cpu))
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)

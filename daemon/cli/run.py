@@ -155,7 +155,7 @@ def _run_worker(
         outcomes = ", ".join(f"{n} {state}" for state, n in sorted(summary.outcomes.items())) or "nothing to do"
         rejected = f"; {summary.rejected} file(s) could not be queued" if summary.rejected else ""
         later = f"; {summary.waiting} job(s) wait for later (retry or batch window)" if summary.waiting else ""
-        click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {app.home.outbox}")
+        click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {app.home.outputs(app.config)}")
 
 
 def _keep_caches_at_home(home: Home) -> None:

@@ -100,10 +100,14 @@ def reindex_command(app: App) -> None:
     Holds the database's write lock while it runs: best while the daemon is paused or stopped.
     """
     app.queue  # noqa: B018 -- opening the queue creates the database when there is none yet
-    done = reindex(app.home.database, app.home.outbox)
+    outbox = app.home.outputs(app.config)
+    try:
+        done = reindex(app.home.database, outbox)
+    except OSError as e:  # a configured outbox folder missing or unreadable (the shared storage not mounted)
+        raise click.ClickException(f"cannot read the outbox {outbox}: {e}") from e
     for problem in done.skipped:
         click.echo(f"npumoed: skipped {problem}", err=True)
-    click.echo(f"indexed {done.documents} document(s) from {app.home.outbox}")
+    click.echo(f"indexed {done.documents} document(s) from {outbox}")
 
 
 def _open(home: Home) -> SearchIndex:

@@ -219,9 +219,10 @@ def _rebuild_queue(app: App) -> None:
     except Timeout:
         raise click.ClickException(f"npumoed is running for {app.home.root}; stop it first "
                                    "(`npumoed uninstall`, or Ctrl-C where it runs)") from None
+    outbox = app.home.outputs(app.config)
     try:
         rebuilt = rebuild_queue(app.home, app.config)
-        indexed = reindex(app.home.database, app.home.outbox)  # the search index lived in the same database
+        indexed = reindex(app.home.database, outbox)  # the search index lived in the same database
     except (OSError, DatabaseUnusable) as e:
         raise click.ClickException(f"cannot rebuild the queue: {e}") from e
     finally:
@@ -230,7 +231,7 @@ def _rebuild_queue(app: App) -> None:
         click.echo(f"moved the unusable database aside: {path}")
     for problem in rebuilt.skipped:
         click.echo(f"skipped {problem}", err=True)
-    click.echo(f"{rebuilt.restored} finished document(s) recorded as done again from {app.home.outbox}; "
+    click.echo(f"{rebuilt.restored} finished document(s) recorded as done again from {outbox}; "
                f"{rebuilt.known} already known, {len(rebuilt.skipped)} skipped; "
                f"{indexed.documents} in the search index")
 

@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from npumoe.daemon.cli import main
-from npumoe.daemon.config import Config, ModelConfig
+from npumoe.daemon.config import Config, ModelConfig, OutboxConfig
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.models import demo_model_dir
@@ -106,8 +106,10 @@ def test_status_reads_a_home_whose_path_has_hash_and_question_mark(tmp_path: Pat
 
 # -- rebuilding from the outbox ------------------------------------------------------------------------
 
-def write_output(home: Home, source: Path, job_id: int, model: str, **settings: object) -> Path:
-    """A finished document's output folder as the pipeline writes it, with a real DocumentMeta."""
+def write_output(home: Home, source: Path, job_id: int, model: str, *, outbox: Path | None = None,
+                 **settings: object) -> Path:
+    """A finished document's output folder as the pipeline writes it (into the home's outbox, or `outbox`), with a
+    real DocumentMeta."""
     sha = hashlib.sha256(source.read_bytes()).hexdigest()
     meta = DocumentMeta(
         source=str(source), sha256=sha, job_id=job_id, model=model, model_key=f"{model}@main",
@@ -119,7 +121,7 @@ def write_output(home: Home, source: Path, job_id: int, model: str, **settings: 
         seconds=Seconds(extract=0.1, prefill=0.2, summary=0.3, reduce=0.0, engine=0.5, total=0.7),
         cpu_seconds=0.9, energy_joules=None, energy_source="unavailable", dispatch={}, npumoed_version="0",
         created_at="2026-11-30T01:02:03+00:00")
-    folder = home.outbox / output_name(source.name, sha)
+    folder = (outbox or home.outbox) / output_name(source.name, sha)
     folder.mkdir(parents=True)
     (folder / "meta.json").write_bytes(meta.to_json())
     (folder / "summary.md").write_text("# summary\n")
@@ -193,6 +195,23 @@ def test_rebuild_with_a_sound_database_keeps_it_and_adds_what_is_missing(tmp_pat
     Queue(home.database).close()
     rebuilt = rebuild_queue(home, Config())
     assert (rebuilt.moved_aside, rebuilt.restored) == ([], 1)
+
+
+def test_rebuild_reads_the_outbox_folder_the_config_names(tmp_path: Path) -> None:
+    home = Home(tmp_path / "home").ensure()
+    shared = tmp_path / "shared outbox"
+    config = Config(outbox=OutboxConfig(folder=str(shared)))
+    documents = [tmp_path / "a.txt", tmp_path / "b.txt"]
+    for document in documents:
+        document.write_text(PARAGRAPH + document.name)
+    demo = str(demo_model_dir(home.models))
+    there = write_output(home, documents[0], 3, demo, outbox=shared)
+    write_output(home, documents[1], 4, demo)  # the home's own outbox, where this config sends nothing
+    rebuilt = rebuild_queue(home, config)
+    assert rebuilt.restored == 1
+    queue = Queue(home.database)
+    assert [(job.id, job.output_dir) for job in queue.list("done")] == [(3, str(there))]
+    queue.close()
 
 
 def test_doctor_rebuild_queue_refuses_while_the_daemon_holds_the_home(home: Path) -> None:

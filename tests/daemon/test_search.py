@@ -108,6 +108,18 @@ def test_reindex_after_deleting_the_index_gives_the_same_results(home: Path) -> 
     assert ([npumoed(home, "search", q, "--json") for q in queries], npumoed(home, "similar", "1", "--json")) == before
 
 
+def test_reindex_reads_the_outbox_folder_the_config_names(home: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other home"  # a second home whose outputs go to the first one's outbox
+    other.mkdir()
+    (other / "config.toml").write_text(f'[outbox]\nfolder = "{home / "outbox"}"\n')
+    assert f"indexed 6 document(s) from {home / 'outbox'}" in npumoed(other, "reindex")
+    assert Path(npumoed(other, "similar", "1", "--json")["similar"][0]["source"]).parent == home / "inbox"
+    (other / "config.toml").write_text(f'[outbox]\nfolder = "{tmp_path / "not mounted"}"\n')
+    missing = CliRunner().invoke(main, ["reindex"], env={"NPUMOED_HOME": str(other)})
+    assert missing.exit_code == 1 and f"cannot read the outbox {tmp_path / 'not mounted'}" in missing.output
+    assert len(npumoed(other, "similar", "1", "--json")["similar"]) == 6  # the index as it was, not emptied
+
+
 def test_search_prints_documents_with_their_passages(home: Path) -> None:
     copied = identifying_text("battery-budget.html")
     shown = npumoed(home, "search", copied, "-k", "3")
