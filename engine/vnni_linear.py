@@ -3,7 +3,7 @@
 Why its own: torch's quantized kernels cannot beat the float kernels at the row counts an expert sees in prefill.
 oneDNN's dynamic int8 matmul needs x rounded by half a dozen separate torch ops first, and torch's int4 matmul
 widens the weights to float; this kernel rounds x inside the call and multiplies bytes with VNNI dot products,
-reading weights packed as one in-order stream per block of 64 output columns (as bf16_linear does).
+reading weights packed as one in-order stream per block of 64 output columns (int8's in runs that are AMX tiles).
 
 Activations are rounded per row to int8 (absmax / 127, as quant_kernels.quantize_rows), so results are the
 dequantized reference's up to that rounding; for int8, a row with outlier features that this rounds by more than
