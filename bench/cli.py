@@ -462,7 +462,7 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
                   baseline: str | None = None) -> None:
     """One table per case (the values of `case_keys`), the engine's best exact path, and why any
     implementation was skipped or refused."""
-    from npumoe.bench.paths import QUANTIZED_PATHS, best_engine_row
+    from npumoe.bench.paths import QUANTIZED_PATHS, best_engine_row, round_ratios
 
     console = _console()
     cases: dict[tuple, list[dict]] = {}
@@ -481,8 +481,10 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
             console.print(f"  engine's best exact path: {best['impl']}, {', '.join(ratios)}", highlight=False)
             for row in rows:
                 if row["impl"] in QUANTIZED_PATHS and "tokens_per_s" in row:
+                    each = round_ratios(row, best)
+                    spread = f"{min(each):.2f}-{max(each):.2f} round by round, " if len(each) > 1 else ""
                     console.print(f"  {row['impl']}: {row['tokens_per_s'] / best['tokens_per_s']:.2f}× the engine's "
-                                  f"best exact path (relative error {row['rel_error']:.1%})", highlight=False)
+                                  f"best exact path ({spread}relative error {row['rel_error']:.1%})", highlight=False)
         for row in rows:
             if "error" in row:
                 console.print(f"  {row['impl']} {row['status']}: {row['error']}", style="red", highlight=False)

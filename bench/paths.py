@@ -9,6 +9,7 @@ measured itself, so a plan never sees the timed input.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from npumoe.engine.residency import MeasuredCosts, Residency, decide_residency
 from npumoe.engine.runtime import MoeRuntime
 from npumoe.engine.vocabulary import CPU, PRUNE, QUANTIZED, SPILL, TORCH_STATIC
 
-from .timing import interleaved_median_seconds
+from .timing import interleaved_seconds
 
 PricedPlan = tuple[ExpertPlan, Residency]  # a plan and where its groups run on the backend, from costs measured here
 
@@ -104,8 +105,8 @@ def measure_impls(model: PreTrainedModel, plans: dict[str, PricedPlan], run: Cal
                   alongside: Mapping[str, Callable[[], object]] | None = None,
                   weights: Sequence[str] = ()) -> list[dict]:
     """Every implementation, and the engine with its experts quantized to each of `weights`, on `run()`: checked
-    against transformers-eager, then timed side by side in rounds that run each once (median seconds), so that
-    the machine's drift moves all of them alike.
+    against transformers-eager, then timed side by side in rounds that run each once (median seconds, and each
+    round's in `round_seconds`), so that the machine's drift moves all of them alike.
 
     An implementation that raises is reported (transformers': skipped, cannot run here; the engine's:
     refused) instead of stopping the benchmark; so is an engine path whose output misses (an exact one's
@@ -129,15 +130,17 @@ def measure_impls(model: PreTrainedModel, plans: dict[str, PricedPlan], run: Cal
         except Exception as e:  # a benchmark reports a broken implementation; it does not stop on it
             rows[impl] = _broken(impl, e)
     extra = dict(alongside or {})
-    times = interleaved_median_seconds({**timed, **extra}, warmup=warmup, repeats=repeats)
-    for name, seconds in times.items():
+    rounds = interleaved_seconds({**timed, **extra}, warmup=warmup, repeats=repeats)
+    for name, times in rounds.items():
         if name in extra:
-            rows[name] = ({"impl": name, "status": "skipped", "error": f"{type(seconds).__name__}: {seconds}"}
-                          if isinstance(seconds, Exception) else {"impl": name, "status": "ok", "seconds": seconds})
-        elif isinstance(seconds, Exception):
-            rows[name] = _broken(name, seconds)
+            rows[name] = ({"impl": name, "status": "skipped", "error": f"{type(times).__name__}: {times}"}
+                          if isinstance(times, Exception)
+                          else {"impl": name, "status": "ok", "seconds": statistics.median(times)})
+        elif isinstance(times, Exception):
+            rows[name] = _broken(name, times)
         else:
-            rows[name].update(seconds=seconds, tokens_per_s=tokens / seconds)
+            seconds = statistics.median(times)
+            rows[name].update(seconds=seconds, tokens_per_s=tokens / seconds, round_seconds=times)
     model.set_experts_implementation("eager")
     return list(rows.values())
 
@@ -219,6 +222,11 @@ def add_ratios(rows: list[dict], baseline: str | None = None) -> list[dict]:
         if base:
             r[f"vs_{baseline}"] = r["tokens_per_s"] / base
     return rows
+
+
+def round_ratios(row: dict, against: dict) -> list[float]:
+    """`row`'s speed as a multiple of `against`'s in each round they were timed in together (measure_impls)."""
+    return [theirs / ours for ours, theirs in zip(row["round_seconds"], against["round_seconds"], strict=True)]
 
 
 def best_engine_row(rows: Sequence[dict]) -> dict | None:

@@ -9,9 +9,17 @@ from collections.abc import Callable, Mapping
 
 def interleaved_median_seconds(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2,
                                repeats: int = 5) -> dict[str, float | Exception]:
-    """Median wall seconds of each fn, timed in rounds that run every fn once, in an order that rotates
-    from round to round: a slow spell on a shared machine then lands on all of them alike, so their ratios
-    hold where their times drift. A fn that raises leaves the rounds; its exception stands in for its time.
+    """Median wall seconds of each fn over interleaved_seconds' rounds (its exception where it raised)."""
+    return {name: times if isinstance(times, Exception) else statistics.median(times)
+            for name, times in interleaved_seconds(fns, warmup=warmup, repeats=repeats).items()}
+
+
+def interleaved_seconds(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2,
+                        repeats: int = 5) -> dict[str, list[float] | Exception]:
+    """Wall seconds of each fn in each timed round, in round order; a round runs every fn once, in an order that
+    rotates from round to round: a slow spell on a shared machine then lands on all of them alike, so their ratios
+    hold where their times drift (and the ratio of two fns within one round is a fair one). A fn that raises
+    leaves the rounds; its exception stands in for its times.
     """
     if warmup < 0 or repeats < 1:
         raise ValueError(f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}")
@@ -31,4 +39,4 @@ def interleaved_median_seconds(fns: Mapping[str, Callable[[], object]], *, warmu
                 continue
             if round_ >= warmup:
                 times[name].append(time.perf_counter() - start)
-    return {name: failed[name] if name in failed else statistics.median(times[name]) for name in names}
+    return {name: failed.get(name, times[name]) for name in names}

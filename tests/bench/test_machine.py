@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from functools import partial
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+from npumoe.bench import timing
 from npumoe.bench.machine import copy_bandwidth, describe_machine
-from npumoe.bench.timing import interleaved_median_seconds
+from npumoe.bench.timing import interleaved_median_seconds, interleaved_seconds
 from npumoe.engine import bf16_linear
 from npumoe.engine.timing import median_seconds
 
@@ -44,6 +48,18 @@ def test_interleaved_timing_runs_every_function_once_a_round_in_a_rotating_order
                                        warmup=1, repeats=2)
     assert calls == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
     assert set(times) == {"a", "b", "c"} and all(isinstance(t, float) and t >= 0 for t in times.values())
+
+
+def test_interleaved_seconds_gives_each_functions_time_in_every_timed_round_in_order(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    durations = {"a": iter([9.0, 1.0, 2.0]), "b": iter([9.0, 3.0, 4.0])}  # a warm-up round, then two timed ones
+
+    def run(name: str) -> None:
+        now[0] += next(durations[name])
+
+    rounds = interleaved_seconds({name: partial(run, name) for name in "ab"}, warmup=1, repeats=2)
+    assert rounds == {"a": [1.0, 2.0], "b": [3.0, 4.0]}
 
 
 def test_a_function_that_raises_leaves_the_rounds_and_its_error_is_returned_for_it():

@@ -14,6 +14,7 @@ from npumoe.bench.paths import (
     calibration_from_loads,
     gate,
     measure_impls,
+    round_ratios,
     static_plans,
 )
 from npumoe.bench.roofline import active_flops, moe_roofline
@@ -214,11 +215,19 @@ def test_implementations_are_timed_in_alternating_rounds_after_each_is_checked()
     with torch.inference_mode():
         rows = measure_impls(model, plans, run, tokens=32, warmup=0, repeats=3)
     assert all(row["status"] in ("ok", "approximate") and row["tokens_per_s"] > 0 for row in rows)
+    assert all(len(row["round_seconds"]) == 3 and row["seconds"] == sorted(row["round_seconds"])[1] for row in rows)
     timed = ran[1 + len(IMPLS):]  # after the reference and one check each
     assert len(timed) == 3 * len(IMPLS)
     rounds = [timed[i:i + len(IMPLS)] for i in range(0, len(timed), len(IMPLS))]
     assert all(sorted(r) == sorted(rounds[0]) for r in rounds)  # every implementation once a round
     assert model.config._experts_implementation == "eager"  # and the model is left as it was
+
+
+def test_round_ratios_pair_the_rounds_two_paths_shared():
+    fast, slow = {"round_seconds": [1.0, 2.0, 1.5]}, {"round_seconds": [2.0, 3.0, 4.5]}
+    assert round_ratios(fast, slow) == [2.0, 1.5, 3.0]  # a slow second round slowed both alike
+    with pytest.raises(ValueError):
+        round_ratios(fast, {"round_seconds": [1.0]})
 
 
 def test_the_gate_tolerates_bf16_rounding_but_not_a_wrong_answer():
