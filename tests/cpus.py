@@ -91,19 +91,15 @@ def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> 
 
 class CountedProjectionTimings:
     """Stands in for the projections' timing loop (`cpu_kernels.time_in_turns` as projections.py calls it): each
-    candidate runs once, so a broken one still fails, then `fastest` comes first; records the candidates of each
-    timing asked for."""
+    candidate runs once, so a broken one still fails, then `fastest` comes first; a record of every timing asked
+    (its candidates), as FakeTimings keeps."""
 
     def __init__(self, fastest: str) -> None:
         self.fastest = fastest
-        self.candidates: list[tuple[str, ...]] = []
-
-    @property
-    def calls(self) -> int:
-        return len(self.candidates)
+        self.calls: list[tuple[str, ...]] = []
 
     def __call__(self, kernels, count, run) -> dict[str, float]:
-        self.candidates.append(tuple(kernels))
+        self.calls.append(tuple(kernels))
         for kernel in kernels:
             run(kernel, 0)
         return {kernel: 1e-3 if kernel == self.fastest else 2e-3 for kernel in kernels}
