@@ -19,10 +19,10 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from npumoe.bench.foreground import foreground
+from .foreground import foreground
 
 if TYPE_CHECKING:
-    from npumoe.engine.models import LoadedModel
+    from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.vocabulary import (
     AUTO,
     BF16,
@@ -80,7 +80,7 @@ def _json_option(f):
 
 @bench.command("moe")
 @click.option("--geometry", "geometries", multiple=True, default=("qwen3-30b-a3b",), show_default=True,
-              help="MoE layer geometry (repeatable): a model named in engine/geometries.json (e.g. "
+              help="MoE layer geometry (repeatable): a model named in engine/synthetic/geometries.json (e.g. "
                    "qwen3-30b-a3b, gpt-oss-20b, olmoe-1b-7b), or HIDDENxEXPERTSxTOPKxFFN.")
 @click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
@@ -103,9 +103,9 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
     dtypes = _measured_dtypes(dtypes, parsed)
     import torch
 
-    from npumoe.bench.machine import describe_machine
-    from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
-    from npumoe.bench.roofline import MODEL
+    from .machine import describe_machine
+    from .moe import MoeBenchSettings, run_moe_bench
+    from .roofline import MODEL
 
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
@@ -153,8 +153,8 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     dtypes = _measured_dtypes(dtypes, parsed)
     import torch
 
-    from npumoe.bench.machine import describe_machine
-    from npumoe.bench.prefill import PrefillBenchSettings, run_prefill_bench
+    from .machine import describe_machine
+    from .prefill_bench import PrefillBenchSettings, run_prefill_bench
 
     try:
         settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
@@ -220,10 +220,12 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
 
     import torch
 
-    from npumoe.bench.fidelity import FidelitySettings, run_fidelity_bench
-    from npumoe.bench.machine import describe_machine
-    from npumoe.engine.models import ModelError, load_model
-    from npumoe.engine.tiny import make_tiny
+    from npumoe.engine.errors import ModelError
+    from npumoe.engine.loading.load import load_model
+    from npumoe.engine.synthetic.tiny import make_tiny
+
+    from .fidelity import FidelitySettings, run_fidelity_bench
+    from .machine import describe_machine
 
     calibration_texts, eval_text = _fidelity_texts(calibration_files, eval_file)
     settings = FidelitySettings(threads=threads, scales=tuple(sorted(set(scales))), chunk_tokens=chunk_tokens,
@@ -241,7 +243,7 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
                                              chunk_tokens, eval_tokens, Path(scratch), seed)
         except (ModelError, ValueError) as e:
             raise click.ClickException(str(e)) from e
-    from npumoe.bench.weights_fidelity import DISTRIBUTIONS, layer_errors
+    from .weights_fidelity import DISTRIBUTIONS, layer_errors
 
     layer_rows = [row for distribution in DISTRIBUTIONS
                   for row in layer_errors(geometry, QUANTIZED, distribution, tokens=layer_tokens, seed=seed,
@@ -257,7 +259,7 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
     results += [{"section": "weights", **row} for row in weights_rows]
     results += [{"section": "layer", **row} for row in layer_rows]
     if plot_path is not None and capacity:
-        from npumoe.bench.plot import fidelity_figure
+        from .plot import fidelity_figure
 
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         fidelity_figure([row for row in results if "section" not in row]).savefig(plot_path, dpi=120)
@@ -269,7 +271,7 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
 
 @bench.command("memory")
 @click.option("--geometry", "geometry_name", default="qwen3-30b-a3b", show_default=True,
-              help="A model named in engine/geometries.json, at its real sizes.")
+              help="A model named in engine/synthetic/geometries.json, at its real sizes.")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Decoder layers of the checkpoint written for the run.")
 @click.option("--weights", "weights", multiple=True, type=click.Choice(WEIGHTS_DTYPE), default=(BF16, INT8, INT4),
@@ -281,8 +283,8 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
 def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_tokens: int, threads: int,
            json_path: Path | None) -> None:
     """Peak memory of loading a real-geometry checkpoint and processing one document, beside its weights' bytes."""
-    from npumoe.bench.machine import describe_machine
-    from npumoe.bench.memory import TARGET_RATIO, MemorySettings, run_memory_bench
+    from .machine import describe_machine
+    from .memory import TARGET_RATIO, MemorySettings, run_memory_bench
 
     settings = MemorySettings(layers=layers, document_tokens=document_tokens, threads=threads)
     try:
@@ -309,9 +311,10 @@ def _weights_fidelity(model: LoadedModel | None, families: Sequence[str], calibr
                       eval_text: str, chunk_tokens: int, eval_tokens: int, scratch: Path, seed: int) -> list[dict]:
     """bf16, int8 and int4 against fp32: on the model given (loaded in fp32), else on each tiny family, with its
     random output layer and with a readout fitted to the calibration texts (so that its top-1 means something)."""
-    from npumoe.bench.weights_fidelity import WeightsFidelitySettings, fit_readout, run_weights_fidelity
-    from npumoe.engine.models import load_model
-    from npumoe.engine.tiny import make_tiny
+    from npumoe.engine.loading.load import load_model
+    from npumoe.engine.synthetic.tiny import make_tiny
+
+    from .weights_fidelity import WeightsFidelitySettings, fit_readout, run_weights_fidelity
 
     settings = WeightsFidelitySettings(chunk_tokens=chunk_tokens, eval_tokens=eval_tokens)
     if model is not None:
@@ -333,7 +336,7 @@ def _weights_fidelity(model: LoadedModel | None, families: Sequence[str], calibr
 
 
 def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], caption: str) -> None:
-    from npumoe.bench.weights_fidelity import TARGETS
+    from .weights_fidelity import TARGETS
 
     table = Table("model", "output layer", "weights", "top-1 vs fp32", "mean KL vs fp32", "top-1 vs its float",
                   "mean KL vs its float", title="Weights format against the float model", caption=caption,
@@ -355,7 +358,7 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
 
 @bench.command("sections")
 @click.option("--geometry", "geometry_name", default="qwen3-30b-a3b", show_default=True,
-              help="A model named in engine/geometries.json, at its real sizes.")
+              help="A model named in engine/synthetic/geometries.json, at its real sizes.")
 @click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
               help="Decoder layers of the checkpoint written for the run.")
 @click.option("--document-tokens", type=click.IntRange(min=1), default=8192, show_default=True,
@@ -373,8 +376,8 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
 def sections(geometry_name: str, layers: int, document_tokens: int, sections: tuple[int, ...], chunk_tokens: int,
              summary_tokens: int, weights: str, threads: int, json_path: Path | None) -> None:
     """Section length against throughput and how far the vectors move: the trade [model] section_tokens makes."""
-    from npumoe.bench.machine import describe_machine
-    from npumoe.bench.sections import DOCUMENT_COSINE, SectionBenchSettings, run_sections_bench
+    from .machine import describe_machine
+    from .sections import DOCUMENT_COSINE, SectionBenchSettings, run_sections_bench
 
     try:
         settings = SectionBenchSettings(geometry=geometry_name, layers=layers, document_tokens=document_tokens,
@@ -407,7 +410,7 @@ def sections(geometry_name: str, layers: int, document_tokens: int, sections: tu
 
 
 def _geometries(names: Sequence[str]) -> list:
-    from npumoe.engine.geometry import parse_geometry
+    from npumoe.engine.synthetic.geometry import parse_geometry
 
     try:
         return [parse_geometry(name) for name in names]
@@ -420,7 +423,7 @@ def _measured_dtypes(dtypes: Sequence[str], geometries: Sequence) -> tuple[str, 
     once per machine, as at load), each dtype once."""
     if AUTO not in dtypes:
         return tuple(dtypes)
-    from npumoe.engine.auto_weights import float_seconds
+    from npumoe.engine.loading.auto_weights import float_seconds
 
     fastest = []
     for geometry in geometries:
@@ -462,7 +465,7 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
                   baseline: str | None = None) -> None:
     """One table per case (the values of `case_keys`), the engine's best exact path, and why any
     implementation was skipped or refused."""
-    from npumoe.bench.paths import QUANTIZED_PATHS, best_engine_row, round_ratios
+    from .paths import QUANTIZED_PATHS, best_engine_row, round_ratios
 
     console = _console()
     cases: dict[tuple, list[dict]] = {}
@@ -601,7 +604,7 @@ def queue_bench(processes: int, n_jobs: int, rounds: int, url: str | None) -> No
     """
     import statistics
 
-    from npumoe.bench.queue import fresh_queue, run_claim_benchmark
+    from .queue import fresh_queue, run_claim_benchmark
 
     queues = {"sqlite": None, **({"postgresql": url} if url else {})}
     runs: dict[str, list] = {name: [] for name in queues}
@@ -637,8 +640,8 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
     import dataclasses
     import tempfile
 
-    from npumoe.bench.machine import describe_machine
-    from npumoe.bench.search import run_search_benchmark
+    from .machine import describe_machine
+    from .search import run_search_benchmark
 
     results = []
     with tempfile.TemporaryDirectory() as folder:

@@ -15,15 +15,16 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from npumoe.engine.backends import get_backend
-from npumoe.engine.calibrate import Calibration, calibrate
-from npumoe.engine.cost_cache import machine
-from npumoe.engine.models import LoadedModel, moe_experts
-from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
-from npumoe.engine.prefill import new_cache, prefill, windows
-from npumoe.engine.residency import MeasuredCosts, decide_residency
-from npumoe.engine.runtime import MoeRuntime
-from npumoe.engine.timing import median_seconds
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.calibration.calibrate import Calibration, calibrate
+from npumoe.engine.calibration.planner import DEFAULT_GROUP_SIZE, make_plan
+from npumoe.engine.generate.prefill import new_cache, prefill, windows
+from npumoe.engine.kernels.timing import median_seconds
+from npumoe.engine.loading.load import LoadedModel
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.plan.cost_cache import machine
+from npumoe.engine.plan.residency import MeasuredCosts, decide_residency
 from npumoe.engine.vocabulary import PRUNE, SPILL, TORCH_STATIC
 
 from .paths import dispatch_fractions

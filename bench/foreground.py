@@ -36,7 +36,7 @@ from npumoe.daemon.config import ConfigError, load_config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.samples import write_samples
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 COPYABLE = (".md", ".txt", ".html")  # formats a trailing line can make distinct without breaking them
 
@@ -276,7 +276,7 @@ def foreground(rounds: int, work: int, processes: int | None, copies: int, warmu
         summary = summarise(runs, solo, psutil.cpu_count() or 1)
         show(runs, summary, processes, work)
         if json_path is not None:
-            from npumoe.bench.machine import describe_machine  # torch: only when a JSON record is asked for
+            from .machine import describe_machine
 
             settings = {"rounds": rounds, "work": work, "processes": processes, "documents": documents,
                         "daemon_config": daemon.config.as_dict()}

@@ -45,8 +45,8 @@ def write_checkpoint(geometry_name: str, layers: int, folder: Path, seed: int = 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from npumoe.engine.geometry import GEOMETRIES, family_config
-    from npumoe.engine.tokenizer import build_byte_tokenizer
+    from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
+    from npumoe.engine.synthetic.geometry import GEOMETRIES, family_config
 
     if geometry_name not in GEOMETRIES:
         raise ValueError(f"unknown geometry {geometry_name!r}; choose one of {', '.join(sorted(GEOMETRIES))}")
@@ -64,7 +64,7 @@ def write_checkpoint(geometry_name: str, layers: int, folder: Path, seed: int = 
 def measure(folder: Path, weights: str, settings: MemorySettings) -> dict:
     """Load `folder` through the engine in `weights` in a child process, process one document, and return what
     the child measured with the weights' bytes in that format beside it."""
-    from npumoe.engine.model_size import checkpoint_tensors, model_size
+    from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
     from npumoe.engine.vocabulary import WEIGHTS_DTYPE
 
     if weights not in WEIGHTS_DTYPE:

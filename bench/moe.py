@@ -21,16 +21,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, routing_prior
-from npumoe.engine.models import TORCH_DTYPES, moe_experts
+from npumoe.engine.loading.load import TORCH_DTYPES
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, routing_prior
 from npumoe.engine.vocabulary import QUANTIZED
 
-from .paths import (
-    add_ratios,
-    calibration_from_loads,
-    measure_impls,
-    static_plans,
-)
+from .paths import add_ratios, calibration_from_loads, measure_impls, static_plans
 from .roofline import dense_matmuls, moe_roofline
 
 DENSE = "roofline-dense-"  # the names the roofline's matmuls are timed under

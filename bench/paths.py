@@ -18,14 +18,14 @@ from functools import partial
 import torch
 from transformers import PreTrainedModel
 
-from npumoe.engine.backends import get_backend
-from npumoe.engine.calibrate import Calibration, load_statistics
-from npumoe.engine.cost_cache import machine
-from npumoe.engine.dispatch import DispatchStats
-from npumoe.engine.plan import ExpertPlan
-from npumoe.engine.planner import DEFAULT_GROUP_SIZE, make_plan
-from npumoe.engine.residency import MeasuredCosts, Residency, decide_residency
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.calibration.calibrate import Calibration, load_statistics
+from npumoe.engine.calibration.planner import DEFAULT_GROUP_SIZE, make_plan
+from npumoe.engine.moe.dispatch import DispatchStats
+from npumoe.engine.plan.cost_cache import machine
+from npumoe.engine.plan.expert_plan import ExpertPlan
+from npumoe.engine.plan.residency import MeasuredCosts, Residency, decide_residency
 from npumoe.engine.vocabulary import CPU, PRUNE, QUANTIZED, SPILL, TORCH_STATIC
 
 from .timing import interleaved_seconds

@@ -30,10 +30,10 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from npumoe.engine.model_size import Tensor, tensor_bytes
-from npumoe.engine.models import moe_experts
-from npumoe.engine.prefill import new_cache
-from npumoe.engine.projections import ProjectionLinear
+from npumoe.engine.attach.projections import ProjectionLinear
+from npumoe.engine.generate.prefill import new_cache
+from npumoe.engine.loading.model_size import Tensor, tensor_bytes
+from npumoe.engine.moe.model_experts import moe_experts
 
 from .timing import interleaved_median_seconds
 

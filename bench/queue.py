@@ -20,7 +20,7 @@ from pathlib import Path
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 
 @contextmanager

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from npumoe.engine.cpu_experts import run_tasks
-from npumoe.engine.cpu_kernels import KERNELS, PackedLinear, unavailable_kernels
+from npumoe.engine.kernels.float_kernels import KERNELS, PackedLinear, unavailable_kernels
+from npumoe.engine.kernels.workers import run_tasks
 
 from .timing import interleaved_median_seconds
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from npumoe.jobs import sqlite
-from npumoe.jobs.index import IndexEntry, SearchIndex, write_entry
+from npumoe.jobs.queue import sqlite
+from npumoe.jobs.search.index import IndexEntry, SearchIndex, write_entry
 
 MODEL_KEY = "bench@random"
 

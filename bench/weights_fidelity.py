@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from npumoe.engine.backends import get_backend
-from npumoe.engine.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
-from npumoe.engine.models import LoadedModel
-from npumoe.engine.prefill import new_cache, prefill, windows
-from npumoe.engine.quantize import quantize
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.formats.quantize import quantize
+from npumoe.engine.generate.prefill import new_cache, prefill, windows
+from npumoe.engine.loading.load import LoadedModel
+from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 from npumoe.engine.vocabulary import BF16, CPU, FP32, INT4, INT8, QUANTIZED
 
 from .fidelity import agreement

@@ -1,3 +1,3 @@
-from npumoe.daemon.cli import main
+from .cli import main
 
 main()

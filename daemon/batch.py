@@ -8,11 +8,12 @@ from datetime import datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
-from npumoe.daemon.config import WINDOW
-from npumoe.daemon.home import Home
 from npumoe.jobs.outputs import write_file
-from npumoe.jobs.queue import Job, Queue
-from npumoe.jobs.schema import STATES
+from npumoe.jobs.queue.schema import STATES
+from npumoe.jobs.queue.store import Job, Queue
+
+from .config import WINDOW
+from .home import Home
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Any
 
 import tomlkit
 
-from npumoe.daemon.config import ConfigError, load_config
+from .config import ConfigError, load_config
 
 
 def with_section(path: Path, section: str, values: dict[str, Any]) -> tuple[str, str]:

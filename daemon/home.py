@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from npumoe.daemon.config import Config, home_dir
+from .config import Config, home_dir
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,12 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from npumoe.daemon.config import Config
-from npumoe.daemon.models import DEMO
 from npumoe.jobs.errors import FileRefused
 from npumoe.jobs.files import identify
-from npumoe.jobs.queue import INTERACTIVE, Job, Queue
+from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
+
+from .config import Config
+from .model_choice import DEMO
 
 # Files that editors, browsers and the Finder leave behind while they work, and never documents.
 IGNORED = (".*", "~$*", "*~", "*.part", "*.crdownload", "*.download", "*.tmp", "*.temp", "*.swp",

@@ -33,7 +33,7 @@ class LayerChecked:
         engine = self.model.load()
         if not getattr(engine, _HOOKED, False):
             from npumoe.engine import Engine
-            from npumoe.engine.models import moe_experts
+            from npumoe.engine.moe.model_experts import moe_experts
 
             if isinstance(engine, Engine):  # a stand-in engine in a test has no layers to check
                 for _, experts in moe_experts(engine.loaded.model):

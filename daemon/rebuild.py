@@ -17,15 +17,16 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from npumoe.daemon.config import Config
-from npumoe.daemon.home import Home
-from npumoe.daemon.intake import job_keys
-from npumoe.daemon.models import DEMO, demo_model_dir
 from npumoe.engine.vocabulary import AUTO, DTYPE_WEIGHTS
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.meta import SCHEMA_VERSION
 from npumoe.jobs.outputs import TMP_PREFIX
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
+
+from .config import Config
+from .home import Home
+from .intake import job_keys
+from .model_choice import DEMO, demo_model_dir
 
 SHA256 = re.compile(r"^[0-9a-f]{64}$")
 # The fields a done job is rebuilt from, and their types in meta.json.

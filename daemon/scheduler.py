@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from npumoe.daemon.batch import BatchWindow
-from npumoe.daemon.config import SchedulerConfig
-from npumoe.daemon.measure import ForegroundLoad
-from npumoe.daemon.power import PowerSource, PowerState, system_power_source
 from npumoe.jobs.faults import MachineFault
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
+
+from .batch import BatchWindow
+from .config import SchedulerConfig
+from .energy.measure import ForegroundLoad
+from .energy.power import PowerSource, PowerState, system_power_source
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,10 @@ from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 from watchdog.observers.polling import PollingObserver
 
-from npumoe.daemon.config import InboxConfig
-from npumoe.daemon.intake import is_ignored, iter_documents
 from npumoe.jobs.files import Identity, containing_inbox
+
+from .config import InboxConfig
+from .intake import is_ignored, iter_documents
 
 log = logging.getLogger(__name__)
 

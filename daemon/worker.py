@@ -35,25 +35,26 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from npumoe.daemon.awake import PowerAssertion, windows_to_stay_awake_for
-from npumoe.daemon.batch import write_batch_report
-from npumoe.daemon.config import Config
-from npumoe.daemon.home import Home
-from npumoe.daemon.intake import enqueue
-from npumoe.daemon.layer_checks import LayerChecked
-from npumoe.daemon.measure import Meter
-from npumoe.daemon.models import ModelSlot, backend_description
-from npumoe.daemon.priority import apply_background_priority, worker_threads
-from npumoe.daemon.scheduler import Decision, Scheduler
-from npumoe.daemon.stall import StallWatch
-from npumoe.daemon.watcher import InboxWatcher
 from npumoe.jobs.errors import Failure, FileRefused, Lost, ModelUnavailable, Stop
-from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault, machine_fault
 from npumoe.jobs.files import Folders, set_aside
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
-from npumoe.jobs.queue import Job, Queue
+from npumoe.jobs.queue.store import Job, Queue
+
+from .batch import write_batch_report
+from .config import Config
+from .energy.awake import PowerAssertion, windows_to_stay_awake_for
+from .energy.measure import Meter
+from .energy.priority import apply_background_priority, worker_threads
+from .home import Home
+from .intake import enqueue
+from .layer_checks import LayerChecked
+from .model_choice import ModelSlot, backend_description
+from .scheduler import Decision, Scheduler
+from .stall import StallWatch
+from .watcher import InboxWatcher
 
 log = logging.getLogger(__name__)
 

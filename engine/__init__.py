@@ -10,15 +10,16 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import DocumentResult, Engine, EngineSettings, Progress, RunStats
-    from .models import LoadedModel, ModelError, load_model
-    from .plan import ExpertPlan, PlanError
+    from .api import DocumentResult, Engine, EngineSettings, Progress, RunStats
+    from .errors import ModelError
+    from .loading.load import LoadedModel, load_model
+    from .plan.expert_plan import ExpertPlan, PlanError
 
 # Each exported name and the module of the engine that defines it.
 _HOMES = {
-    "DocumentResult": "engine", "Engine": "engine", "EngineSettings": "engine", "Progress": "engine",
-    "RunStats": "engine", "LoadedModel": "models", "ModelError": "models",
-    "load_model": "models", "ExpertPlan": "plan", "PlanError": "plan",
+    "DocumentResult": "api", "Engine": "api", "EngineSettings": "api", "Progress": "api", "RunStats": "api",
+    "LoadedModel": "loading.load", "ModelError": "errors", "load_model": "loading.load",
+    "ExpertPlan": "plan.expert_plan", "PlanError": "plan.expert_plan",
 }
 
 __all__ = [

@@ -13,6 +13,7 @@ CPU = "cpu"  # exact dynamic-shape experts, no static graphs
 TORCH_STATIC = "torch-static"  # the static group graphs run by torch: the accelerators' reference
 COREML = "coreml"  # the static group graphs run by Core ML on the Neural Engine
 BACKENDS = (CPU, TORCH_STATIC, COREML)
+STATIC_BACKENDS = (TORCH_STATIC, COREML)  # the backends that run group graphs, and so plans
 
 # What happens to token-expert assignments over a tier's capacity.
 SPILL = "spill"  # they run on the exact CPU path: nothing is lost

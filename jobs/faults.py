@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from npumoe.jobs.errors import MissingDependency
-from npumoe.jobs.outputs import NAME_MAX_BYTES, temporary_path, write_file
+from .errors import MissingDependency
+from .outputs import NAME_MAX_BYTES, temporary_path, write_file
 
 # errno -> words for people; the first group is met writing, the second reading (on a network share too).
 WRITE_FAULTS = {

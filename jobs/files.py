@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from npumoe.jobs.errors import FileRefused
-from npumoe.jobs.faults import MACHINE_ERRNOS
-from npumoe.jobs.outputs import move_file, write_file
+from .errors import FileRefused
+from .faults import MACHINE_ERRNOS
+from .outputs import move_file, write_file
 
 log = logging.getLogger(__name__)
 

@@ -30,22 +30,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from npumoe.engine.vocabulary import PREFILL
-from npumoe.jobs.errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
-from npumoe.jobs.extract import ExtractedText, ExtractLimits, extract_text
-from npumoe.jobs.faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
-from npumoe.jobs.files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
-from npumoe.jobs.index import IndexEntry, write_entry, write_local
-from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
-from npumoe.jobs.outputs import (
-    OFFSETS_FILE,
-    TEXT_FILE,
-    compressed_text,
-    npy_bytes,
-    output_name,
-    temporary_path,
-    write_folder,
-)
-from npumoe.jobs.queue import Job, Queue
+
+from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
+from .extract.isolated import ExtractedText, ExtractLimits, extract_text
+from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
+from .files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
+from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
+from .outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, output_name, temporary_path, write_folder
+from .queue.store import Job, Queue
+from .search.index import IndexEntry, write_entry, write_local
 
 if TYPE_CHECKING:
     from npumoe.engine import DocumentResult, Engine, EngineSettings, Progress

@@ -143,7 +143,7 @@ def queue_location(request: pytest.FixtureRequest, tmp_path: Path) -> Path | str
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     """tiny(arch, seed=0): the folder of a tiny checkpoint, written once per session."""
-    from npumoe.engine.tiny import make_tiny
+    from npumoe.engine.synthetic.tiny import make_tiny
 
     made: dict[tuple[str, int], Path] = {}
 

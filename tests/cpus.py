@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from npumoe.engine import cpu_kernels, native
+from npumoe.engine.kernels import float_kernels, native
 
 
 @dataclass(frozen=True)
@@ -61,13 +61,13 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch, cache: Path | None = None) ->
     """This process as a new one would start, for the test's span: no kernel built or tried, no kernel
     chosen, and (when given) `cache` as the user cache; the process's own state comes back afterwards."""
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setattr(float_kernels, "_choices", {})
     if cache is not None:
         monkeypatch.setenv("NPUMOE_CACHE", str(cache))
 
 
 class FakeTimings:
-    """Stands in for `cpu_kernels.time_kernels`: the figures given, and a record of every timing asked."""
+    """Stands in for `float_kernels.time_kernels`: the figures given, and a record of every timing asked."""
 
     def __init__(self, seconds: dict[str, float]) -> None:
         self.seconds = seconds
@@ -81,16 +81,16 @@ class FakeTimings:
 def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> FakeTimings:
     """Timing that finds `fastest` the fastest kernel, with no kernel chosen yet and `cache` as the user cache,
     so fake figures reach no other test (the kernel this process built, if any, stays loaded)."""
-    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setattr(float_kernels, "_choices", {})
     monkeypatch.setenv("NPUMOE_CACHE", str(cache))
     timings = FakeTimings({kernel: 1e-3 * (1 + i) for i, kernel in
-                           enumerate([fastest, *(k for k in cpu_kernels.KERNELS if k != fastest)])})
-    monkeypatch.setattr(cpu_kernels, "time_kernels", timings)
+                           enumerate([fastest, *(k for k in float_kernels.KERNELS if k != fastest)])})
+    monkeypatch.setattr(float_kernels, "time_kernels", timings)
     return timings
 
 
 class CountedProjectionTimings:
-    """Stands in for the projections' timing loop (`cpu_kernels.time_in_turns` as projections.py calls it): each
+    """Stands in for the projections' timing loop (`float_kernels.time_in_turns` as projections.py calls it): each
     candidate runs once, so a broken one still fails, then `fastest` comes first; a record of every timing asked
     (its candidates), as FakeTimings keeps."""
 
@@ -108,9 +108,9 @@ class CountedProjectionTimings:
 def fake_projection_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> CountedProjectionTimings:
     """Projection timing that finds `fastest` the fastest kernel, with no kernel chosen yet and `cache` as the user
     cache, so fake figures reach no other test."""
-    from npumoe.engine import projections
+    from npumoe.engine.attach import projections
 
-    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setattr(float_kernels, "_choices", {})
     monkeypatch.setenv("NPUMOE_CACHE", str(cache))
     timings = CountedProjectionTimings(fastest)
     monkeypatch.setattr(projections, "time_in_turns", timings)

@@ -14,10 +14,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from npumoe.daemon.cli.app import App, emit_json, pass_app
-from npumoe.daemon.intake import Enqueued, enqueue_paths
-from npumoe.jobs.queue import Job
-from npumoe.jobs.schema import STATES
+from npumoe.jobs.queue.schema import STATES
+from npumoe.jobs.queue.store import Job
+
+from ..intake import Enqueued, enqueue_paths
+from .app import App, emit_json, pass_app
 
 # Commands of the other areas, imported only when named: `npumoed status` must answer fast, and most
 # areas pull in torch, coremltools or the engine.

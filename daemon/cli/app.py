@@ -13,11 +13,12 @@ import click
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
-from npumoe.daemon.config import Config, ConfigError, load_config
-from npumoe.daemon.home import Home
-from npumoe.daemon.service import EXIT_DO_NOT_RESTART
 from npumoe.jobs.errors import DatabaseUnusable
-from npumoe.jobs.queue import Backoff, Queue
+from npumoe.jobs.queue.store import Backoff, Queue
+
+from ..config import Config, ConfigError, load_config
+from ..home import Home
+from ..service import EXIT_DO_NOT_RESTART
 
 
 class BadConfig(click.ClickException):

@@ -21,15 +21,16 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from npumoe.daemon.cli.app import App, emit_json, pass_app
-from npumoe.daemon.models import ModelNotFound, resolve_model
-from npumoe.engine.coreml.compress import FP16, PACKAGE_FORMATS, package_format
+from npumoe.engine.backends.coreml.compress import FP16, PACKAGE_FORMATS, package_format
 from npumoe.engine.vocabulary import COREML
 
+from ..model_choice import ModelNotFound, resolve_model
+from .app import App, emit_json, pass_app
+
 if TYPE_CHECKING:
-    from npumoe.engine.coreml.cache import Manifest
-    from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
-    from npumoe.engine.plan import ExpertPlan
+    from npumoe.engine.backends.coreml.cache import Manifest
+    from npumoe.engine.moe.experts_layout import ExpertsLayout, ExpertWeights
+    from npumoe.engine.plan.expert_plan import ExpertPlan
 
 MAX_PACKAGE_MB = 1024
 
@@ -81,11 +82,11 @@ def build(root: Path, plan: ExpertPlan, model_key: str, load: Callable[[], Sourc
     """(build folder, manifest, whether it was built already) for the Core ML graphs of `plan`, their weights
     stored in `weights_format`: every group calibration saw load for (residency on a Mac picks among them), or
     with `every_group` all of them. `load` gives the weights, called only when there is something to convert."""
-    from npumoe.engine.backends import backend_class
-    from npumoe.engine.coreml.cache import build_folder, build_once
-    from npumoe.engine.coreml.convert import ConversionError, build_packages, plan_digest, plan_group_graphs
-    from npumoe.engine.coreml.env import coremltools_version
-    from npumoe.engine.residency import decide_residency
+    from npumoe.engine.backends.coreml.cache import build_folder, build_once
+    from npumoe.engine.backends.coreml.convert import ConversionError, build_packages, plan_digest, plan_group_graphs
+    from npumoe.engine.backends.coreml.env import coremltools_version
+    from npumoe.engine.backends.registry import backend_class
+    from npumoe.engine.plan.residency import decide_residency
 
     groups = plan_group_graphs(plan, decide_residency(plan, backend_class(COREML)), every_group=every_group)
     if not groups:
@@ -131,9 +132,11 @@ def report(folder: Path, manifest: Manifest, reused: bool, seconds: float, as_js
 
 def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:
     """A real checkpoint and its plan."""
-    from npumoe.engine.experts_layout import expert_weights
-    from npumoe.engine.models import ModelError, load_model, moe_layouts
-    from npumoe.engine.plan import ExpertPlan, PlanError
+    from npumoe.engine.errors import ModelError
+    from npumoe.engine.loading.load import load_model
+    from npumoe.engine.moe.experts_layout import expert_weights
+    from npumoe.engine.moe.model_experts import moe_layouts
+    from npumoe.engine.plan.expert_plan import ExpertPlan, PlanError
 
     try:
         plan = ExpertPlan.load(plan_path)
@@ -153,8 +156,8 @@ def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:
 
 def _sizing(geometry: str, layers: int, group_size: int) -> Source:
     """Random-weight layers at a real geometry, and a plan for them."""
-    from npumoe.engine.coreml.sizing import sizing_model
-    from npumoe.engine.geometry import parse_geometry
+    from npumoe.engine.synthetic.coreml_sizing import sizing_model
+    from npumoe.engine.synthetic.geometry import parse_geometry
 
     try:
         sizing = sizing_model(parse_geometry(geometry), layers=layers, group_size=group_size)

@@ -19,12 +19,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from npumoe.daemon.cli.weights import quantize_command, size_command
 from npumoe.engine.vocabulary import AUTO, BACKENDS, OVERFLOW_POLICIES, PRUNE, WEIGHTS, WEIGHTS_DTYPE
 
+from .weights import quantize_command, size_command
+
 if TYPE_CHECKING:
-    from npumoe.engine.plan import ExpertPlan
-    from npumoe.engine.residency import MeasuredCosts, Residency
+    from npumoe.engine.plan.expert_plan import ExpertPlan
+    from npumoe.engine.plan.residency import MeasuredCosts, Residency
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
 ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "deepseek_v2", "deepseek_v3",
@@ -54,7 +55,7 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
     quiet_transformers()
     from transformers import AutoConfig
 
-    from npumoe.engine.tiny import make_tiny
+    from npumoe.engine.synthetic.tiny import make_tiny
 
     make_tiny(arch, directory, seed=seed)
     config = AutoConfig.from_pretrained(directory)
@@ -102,7 +103,7 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
     `calibrate_plan` (given `options`, the model in the float dtype of `weights`) write the plan to `out`, with a
     progress bar and a closing line on stderr."""
     quiet_transformers()
-    from npumoe.engine.planner import calibrate_plan
+    from npumoe.engine.calibration.planner import calibrate_plan
 
     texts = document_texts(documents)
     stderr = Console(stderr=True)
@@ -125,7 +126,7 @@ def float_dtype(ref: str, weights: str, *, trust_remote_code: bool = False,
     load, on this machine."""
     if weights != AUTO:
         return WEIGHTS_DTYPE[weights], f"weights {weights}"
-    from npumoe.engine.auto_weights import choose_model_weights
+    from npumoe.engine.loading.auto_weights import choose_model_weights
 
     _, choice = choose_model_weights(ref, trust_remote_code=trust_remote_code, allow_download=allow_download)
     return WEIGHTS_DTYPE[choice.weights], f"weights auto -> {choice.reason}"
@@ -134,7 +135,7 @@ def float_dtype(ref: str, weights: str, *, trust_remote_code: bool = False,
 def document_texts(documents: Sequence[Path]) -> list[tuple[str, str]]:
     """(file name, extracted text) of each calibration document; a document that cannot be read is an error."""
     from npumoe.jobs.errors import ExtractionError, MissingDependency
-    from npumoe.jobs.extract import extract_text
+    from npumoe.jobs.extract.isolated import extract_text
 
     texts = []
     for path in documents:
@@ -167,7 +168,7 @@ def plan_group() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON (with --backend, its residency too).")
 def plan_show_command(plan_path: Path, backend: str | None, as_json: bool) -> None:
     """Show an ExpertPlan: tiers and groups per layer; with --backend, residency, padding and fp16 scaling."""
-    from npumoe.engine.plan import ExpertPlan, PlanError
+    from npumoe.engine.plan.expert_plan import ExpertPlan, PlanError
 
     try:
         plan = ExpertPlan.load(plan_path)
@@ -189,10 +190,11 @@ def _residency(plan: ExpertPlan, backend: str) -> tuple[Residency, MeasuredCosts
     backend's capacity multiple), from the home's cost cache; nothing is measured or loaded."""
     import dataclasses
 
-    from npumoe.daemon.home import Home
-    from npumoe.engine.backends import backend_class
-    from npumoe.engine.cost_cache import CostCache
-    from npumoe.engine.residency import decide_residency
+    from npumoe.engine.backends.registry import backend_class
+    from npumoe.engine.plan.cost_cache import CostCache
+    from npumoe.engine.plan.residency import decide_residency
+
+    from ..home import Home
 
     traits = backend_class(backend)
     costs = CostCache(Home.current().costs).get(backend, plan) if traits.static else None
@@ -239,7 +241,7 @@ def _show(plan: ExpertPlan, console: Console) -> None:
 
 def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | None, multiple: int,
                     console: Console) -> None:
-    from npumoe.engine.residency import padding_cost
+    from npumoe.engine.plan.residency import padding_cost
 
     console.print(f"[bold]on {placed.backend}[/]: {placed.accelerator_groups} groups on the accelerator, "
                   f"{placed.cpu_groups} on the CPU")
@@ -272,8 +274,8 @@ def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | 
 
 def _model_ref(name: str) -> str:
     """A folder or Hugging Face id for the engine; "demo" is the home's built-in tiny model."""
-    from npumoe.daemon.home import Home
-    from npumoe.daemon.models import ModelNotFound, resolve_model
+    from ..home import Home
+    from ..model_choice import ModelNotFound, resolve_model
 
     try:
         return resolve_model(name, Home.current().models)

@@ -33,16 +33,18 @@ from rich.markup import escape
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from npumoe.daemon.cli.app import App, BadConfig, pass_app
-from npumoe.daemon.config import ConfigError, default_config_path
-from npumoe.daemon.models import DEMO, ModelNotFound, resolve_model
 from npumoe.engine.vocabulary import BACKENDS, COREML, CPU, TORCH_STATIC, WEIGHTS
 
+from ..config import ConfigError, default_config_path
+from ..model_choice import DEMO, ModelNotFound, resolve_model
+from .app import App, BadConfig, pass_app
+
 if TYPE_CHECKING:
-    from npumoe.daemon.home import Home
-    from npumoe.engine.models import LoadedModel
-    from npumoe.engine.plan import ExpertPlan
-    from npumoe.engine.residency import MeasuredCosts
+    from npumoe.engine.loading.load import LoadedModel
+    from npumoe.engine.plan.expert_plan import ExpertPlan
+    from npumoe.engine.plan.residency import MeasuredCosts
+
+    from ..home import Home
 
 AUTO = "auto"
 MODEL_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja")  # what a checkpoint's behaviour rests on
@@ -84,8 +86,9 @@ class Model:
 
     def get(self) -> LoadedModel:
         if self._loaded is None:
-            from npumoe.daemon.cli.engine import quiet_transformers
-            from npumoe.engine.models import load_model
+            from npumoe.engine.loading.load import load_model
+
+            from .engine import quiet_transformers
 
             quiet_transformers()
             self._loaded = load_model(self.ref, trust_remote_code=self.trust_remote_code,
@@ -99,7 +102,7 @@ class Model:
         if folder.is_dir():
             files = sorted(f for pattern in MODEL_FILES for f in folder.glob(pattern))
             return "\n".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files)
-        from npumoe.engine.models import model_key
+        from npumoe.engine.loading.resolve import model_key
 
         return model_key(self.ref, trust_remote_code=self.trust_remote_code, allow_download=self.allow_download)
 
@@ -123,7 +126,7 @@ class Model:
 def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: str, print_only: bool,
                     chunk: int | None, n_tiers: int, group_size: int, weights: str | None) -> None:
     """From a checkpoint to a ready configuration: calibrate, plan, compile, measure, configure."""
-    from npumoe.daemon.cli.engine import float_dtype
+    from .engine import float_dtype
 
     home, configured = app.home, app.config.model
     try:
@@ -155,7 +158,7 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
 
 def _plan_stage(stages: Stages, plans: Path, model: Model, data: Sequence[Path],
                 options: dict[str, Any]) -> tuple[ExpertPlan, Path]:
-    from npumoe.engine.plan import ExpertPlan, PlanError
+    from npumoe.engine.plan.expert_plan import ExpertPlan, PlanError
 
     with _documents(data) as documents:
         digest = hashlib.sha256(repr((model.signature(), model.dtype, sorted(options.items()))).encode())
@@ -171,8 +174,9 @@ def _plan_stage(stages: Stages, plans: Path, model: Model, data: Sequence[Path],
             except PlanError:
                 stages.rows.pop()  # unreadable: calibrate again
         started = time.perf_counter()
-        from npumoe.daemon.cli.engine import chunk_bar, document_texts
-        from npumoe.engine.planner import plan_loaded
+        from npumoe.engine.calibration.planner import plan_loaded
+
+        from .engine import chunk_bar, document_texts
 
         texts = document_texts(documents)
         plan = plan_loaded(model.get(), texts, progress=chunk_bar(stages.console), **options)
@@ -189,7 +193,7 @@ def _documents(data: Sequence[Path]) -> Iterator[Sequence[Path]]:
     if data:
         yield data
         return
-    from npumoe.daemon.samples import write_samples
+    from ..samples import write_samples
 
     with tempfile.TemporaryDirectory(prefix="npumoed-samples-") as folder:
         yield write_samples(Path(folder))
@@ -198,9 +202,9 @@ def _documents(data: Sequence[Path]) -> Iterator[Sequence[Path]]:
 def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> str:
     if backend != AUTO:
         return backend
-    from npumoe.engine.backends import backend_class
-    from npumoe.engine.coreml.env import coreml_availability
-    from npumoe.engine.residency import decide_residency, expected_seconds
+    from npumoe.engine.backends.coreml.env import coreml_availability
+    from npumoe.engine.backends.registry import backend_class
+    from npumoe.engine.plan.residency import decide_residency, expected_seconds
 
     with stages.stage("backend", "measuring torch-static and the CPU path here", spinner=True) as outcome:
         available, why = coreml_availability()
@@ -217,11 +221,12 @@ def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model
 
 
 def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model, weights: str | None) -> None:
-    from npumoe.daemon.cli.coreml import Source, build
-    from npumoe.engine.coreml.compress import package_format
+    from npumoe.engine.backends.coreml.compress import package_format
+
+    from .coreml import Source, build
 
     def source() -> Source:
-        from npumoe.engine.placement import plan_experts
+        from npumoe.engine.backends.placement import plan_experts
 
         experts = plan_experts(plan, model.get().model)
         return Source(plan, [weights for weights, _ in experts].__getitem__, experts[0][1], plan.model_key)
@@ -241,8 +246,8 @@ def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, h
             outcome.update(outcome="skipped", detail="cpu runs every expert on the exact path: nothing to measure")
             return
         costs, reused = _costs(backend, plan, model, home, units, weights)
-        from npumoe.engine.backends import backend_class
-        from npumoe.engine.residency import decide_residency
+        from npumoe.engine.backends.registry import backend_class
+        from npumoe.engine.plan.residency import decide_residency
 
         placed = decide_residency(plan, backend_class(backend), costs)
         detail = (f"{placed.accelerator_groups} groups on the accelerator, {placed.cpu_groups} on the CPU; "
@@ -255,14 +260,15 @@ def _costs_stage(stages: Stages, backend: str, plan: ExpertPlan, model: Model, h
 def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str,
            weights: str | None = None) -> tuple[MeasuredCosts, bool]:
     """(the backend's measured costs for the plan here, whether they were cached): measured now when not."""
-    from npumoe.engine.cost_cache import CostCache
+    from npumoe.engine.plan.cost_cache import CostCache
 
     cache = CostCache(home.costs)
     costs = cache.get(backend, plan)
     if costs is not None:
         return costs, True
-    from npumoe.engine.backends import BackendOptions, get_backend
-    from npumoe.engine.placement import measure
+    from npumoe.engine.backends.base import BackendOptions
+    from npumoe.engine.backends.placement import measure
+    from npumoe.engine.backends.registry import get_backend
 
     backend_here = get_backend(backend, BackendOptions(compiled_dir=home.compiled, compute_units=units,
                                                        weights=weights))
@@ -272,7 +278,7 @@ def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str,
 
 
 def _config_stage(stages: Stages, path: Path, values: dict[str, str | None], print_only: bool) -> None:
-    from npumoe.daemon.config_file import replace_config, section_text, with_section
+    from ..config_file import replace_config, section_text, with_section
 
     with stages.stage("config", str(path)) as outcome:
         try:

@@ -19,13 +19,14 @@ from rich.live import Live
 from rich.text import Text
 from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
 
-from npumoe.daemon.cli.app import App, BadConfig, UnusableDatabase, emit_json, pass_app
-from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
-from npumoe.daemon.config import Config
-from npumoe.daemon.home import Home
 from npumoe.engine.vocabulary import TORCH_STATIC
 from npumoe.jobs.outputs import temporary_path
-from npumoe.jobs.queue import Queue, damage
+from npumoe.jobs.queue.store import Queue, damage
+
+from ..config import Config
+from ..home import Home
+from .app import App, BadConfig, UnusableDatabase, emit_json, pass_app
+from .status_view import render_rich, render_text, snapshot
 
 DEMO_BACKEND = TORCH_STATIC  # NPUMoE's static-shape executor, the reference for accelerators
 DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
@@ -99,8 +100,8 @@ def demo(app: App) -> None:
     NPUMoE's static-shape path (torch-static backend). The demo model has random weights: its summaries are
     not meaningful text.
     """
-    from npumoe.daemon.intake import job_keys, sha256_of
-    from npumoe.daemon.samples import write_samples
+    from ..intake import job_keys, sha256_of
+    from ..samples import write_samples
 
     home, queue = app.home, app.queue
     _keep_caches_at_home(home)
@@ -134,10 +135,11 @@ def demo(app: App) -> None:
 def _run_worker(
     app: App, config: Config, *, inboxes: list[Path] | None, once: bool, verbose: bool, obey_schedule: bool
 ) -> None:
-    from npumoe.daemon.logs import setup_logging
-    from npumoe.daemon.service import started_by_service
-    from npumoe.daemon.worker import AlreadyRunning, Worker
     from npumoe.jobs.errors import ModelUnavailable
+
+    from ..logs import setup_logging
+    from ..service import started_by_service
+    from ..worker import AlreadyRunning, Worker
 
     plan = Path(config.model.plan).expanduser()
     if config.model.plan and not plan.is_file():  # now: later each document would look as if it had vanished
@@ -197,7 +199,7 @@ def _draw(snap: dict[str, Any] | None, home: Home, *, rich: bool) -> RenderableT
 def _demo_config(config: Config, home: Home, calibration_data: list[Path]) -> Config:
     """The configured settings with the built-in model on the static (NPUMoE) backend, its plan calibrated on
     the samples once and reused after (a new plan would make every sample new work again)."""
-    from npumoe.daemon.cli.engine import calibrate_documents
+    from .engine import calibrate_documents
 
     plan = home.plans / "demo.json"
     if not plan.exists():

@@ -15,11 +15,12 @@ import click
 from rich.console import Console
 from rich.text import Text
 
-from npumoe.daemon.cli.app import App, emit_json, pass_app
-from npumoe.daemon.home import Home
-from npumoe.jobs.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
 from npumoe.jobs.outputs import read_text
-from npumoe.jobs.passages import Passage, passage, query_terms
+from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
+from npumoe.jobs.search.passages import Passage, passage, query_terms
+
+from ..home import Home
+from .app import App, emit_json, pass_app
 
 HIGHLIGHT = "bold yellow"
 
@@ -36,8 +37,8 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     The query is embedded by the configured model exactly as document chunks are, and each chunk is scored
     by that vector's cosine similarity and by how much of the query's words it holds. Loads the model.
     """
-    from npumoe.daemon.cli.engine import quiet_transformers
-    from npumoe.daemon.models import engine_settings, load_engine
+    from ..model_choice import engine_settings, load_engine
+    from .engine import quiet_transformers
 
     if not query.strip():
         raise click.BadParameter("the query is empty", param_hint="QUERY")
@@ -119,8 +120,9 @@ def _open(home: Home) -> SearchIndex:
 
 def _job_id(app: App, document: str) -> int:
     """A job id as given, or the newest done job of a file's content."""
-    from npumoe.daemon.intake import sha256_of
     from npumoe.jobs.errors import FileRefused
+
+    from ..intake import sha256_of
 
     path = Path(document).expanduser()
     if re.fullmatch(r"#?\d+", document) and not path.exists():

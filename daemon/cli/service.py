@@ -14,18 +14,21 @@ from pathlib import Path
 import click
 from filelock import FileLock, Timeout
 
-from npumoe.daemon.batch import BatchWindow
-from npumoe.daemon.cli import echo_job, job_dicts, report_skipped
-from npumoe.daemon.cli.app import App, emit_json, pass_app
-from npumoe.daemon.config import ModelConfig
-from npumoe.daemon.home import Home
-from npumoe.daemon.intake import enqueue_paths
-from npumoe.daemon.measure import ForegroundLoad, system_energy_counter
-from npumoe.daemon.models import DEMO, ModelNotFound, demo_model_dir, resolve_model
-from npumoe.daemon.power import system_power_source
-from npumoe.daemon.priority import available_cores, worker_threads
-from npumoe.daemon.scheduler import paused_since
-from npumoe.daemon.service import (
+from npumoe.engine.vocabulary import AUTO, COREML
+from npumoe.jobs.errors import DatabaseUnusable
+from npumoe.jobs.queue.schema import SCHEMA_VERSION
+from npumoe.jobs.queue.store import BATCH, Queue
+
+from ..batch import BatchWindow
+from ..config import ModelConfig
+from ..energy.measure import ForegroundLoad, system_energy_counter
+from ..energy.power import system_power_source
+from ..energy.priority import available_cores, worker_threads
+from ..home import Home
+from ..intake import enqueue_paths
+from ..model_choice import DEMO, ModelNotFound, demo_model_dir, resolve_model
+from ..scheduler import paused_since
+from ..service import (
     Service,
     ServiceError,
     ServiceManager,
@@ -36,10 +39,8 @@ from npumoe.daemon.service import (
     lingering,
     service_manager,
 )
-from npumoe.engine.vocabulary import AUTO, COREML
-from npumoe.jobs.errors import DatabaseUnusable
-from npumoe.jobs.queue import BATCH, Queue
-from npumoe.jobs.schema import SCHEMA_VERSION
+from . import echo_job, job_dicts, report_skipped
+from .app import App, emit_json, pass_app
 
 # Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
 PROTECTED = ("Documents", "Desktop", "Downloads")
@@ -210,8 +211,9 @@ def _database_check(home: Home) -> dict[str, str]:
 
 
 def _rebuild_queue(app: App) -> None:
-    from npumoe.daemon.rebuild import rebuild_queue
-    from npumoe.jobs.index import reindex
+    from npumoe.jobs.search.index import reindex
+
+    from ..rebuild import rebuild_queue
 
     lock = FileLock(app.home.lock, mode=0o600)
     try:
@@ -292,10 +294,10 @@ def _kernel_check() -> dict[str, str]:
     warning where this CPU could run the engine's own kernel but it did not build."""
     import torch
 
-    from npumoe.engine import bf16_linear
-    from npumoe.engine.cpu_kernels import cached_choices, choose_for_shape, shape_class
-    from npumoe.engine.geometry import GEOMETRIES
-    from npumoe.engine.host import cpu_model
+    from npumoe.engine.kernels import bf16_linear
+    from npumoe.engine.kernels.float_kernels import cached_choices, choose_for_shape, shape_class
+    from npumoe.engine.kernels.host import cpu_model
+    from npumoe.engine.synthetic.geometry import GEOMETRIES
 
     reference = GEOMETRIES["qwen3-30b-a3b"]
     key = shape_class(torch.bfloat16, reference.hidden, reference.ffn)
@@ -310,7 +312,8 @@ def _kernel_check() -> dict[str, str]:
 def _measured_kernels_check() -> dict[str, str]:
     """The other kernels chosen by measurement on this machine, as cached: the quantized experts', the dense
     projections' and attention's (each is timed at the first load that needs it, not by doctor)."""
-    from npumoe.engine import attention_choice, projections, quant_kernels
+    from npumoe.engine.attach import projections
+    from npumoe.engine.kernels import attention_choice, quant_kernels
 
     families = {"quantized experts": quant_kernels.cached_choices(), "projections": projections.cached_choices(),
                 "attention": attention_choice.cached_choices()}
@@ -330,8 +333,8 @@ def _weights_check(app: App) -> dict[str, str]:
     if m.name == DEMO and not (demo_model_dir(app.home.models) / "config.json").is_file():
         return _check("weights", "ok", "auto: decided when the demo model is first made and loaded "
                                        "(`npumoed demo` or the daemon make it)")
-    from npumoe.engine.auto_weights import choose_model_weights
-    from npumoe.engine.models import ModelError
+    from npumoe.engine.errors import ModelError
+    from npumoe.engine.loading.auto_weights import choose_model_weights
 
     try:
         ref = resolve_model(m.name, app.home.models)
@@ -344,7 +347,7 @@ def _weights_check(app: App) -> dict[str, str]:
 
 def _backend_checks() -> list[dict[str, str]]:
     """Each backend the config offers: built into the engine here, and able to run on this machine."""
-    from npumoe.engine.backends import REGISTRY  # torch: imported only when asked
+    from npumoe.engine.backends.registry import REGISTRY
 
     choices = next(f for f in dataclasses.fields(ModelConfig) if f.name == "backend").metadata["choices"]
     checks = []
@@ -356,7 +359,7 @@ def _backend_checks() -> list[dict[str, str]]:
 
 def _placement_check(app: App) -> dict[str, str]:
     """Where Core ML places the compiled group graphs' ops, totalled over the costs measured in this home."""
-    from npumoe.engine.cost_cache import CostCache
+    from npumoe.engine.plan.cost_cache import CostCache
 
     measured = [(name, costs) for name, costs in CostCache(app.home.costs).everything()
                 if name.startswith(f"{COREML}-") and any(m.ops for m in costs.groups.values())]
@@ -374,7 +377,7 @@ def _placement_check(app: App) -> dict[str, str]:
 
 def _backend_ready(name: str) -> tuple[bool, str]:
     if name == COREML:
-        from npumoe.engine.coreml.env import coreml_availability
+        from npumoe.engine.backends.coreml.env import coreml_availability
 
         return coreml_availability()
     return True, "available"

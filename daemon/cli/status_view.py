@@ -18,7 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from npumoe.engine.vocabulary import PREFILL, REDUCE, SUMMARY
-from npumoe.jobs.queue import Job, Queue, pid_alive
+from npumoe.jobs.queue.store import Job, Queue, pid_alive
 
 STALE_SECONDS = 30.0  # a working daemon whose heartbeat is older than this is reported as not responding
 RECENT = 5

@@ -22,13 +22,15 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
     """Quantize MODEL's routed experts, one tensor at a time, into the home (the rest stays in MODEL)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from npumoe.daemon.cli.engine import _model_ref
-    from npumoe.daemon.home import Home
-    from npumoe.engine.models import ModelError, _resolve, fingerprint
-    from npumoe.engine.quant_store import QuantizedStoreError, quantize_checkpoint, quantized_folder
+    from npumoe.engine.errors import ModelError
+    from npumoe.engine.loading.quant_store import QuantizedStoreError, quantize_checkpoint, quantized_folder
+    from npumoe.engine.loading.resolve import fingerprint, model_folder
+
+    from ..home import Home
+    from .engine import _model_ref
 
     try:
-        checkpoint, _ = _resolve(_model_ref(model_name), allow_download=False, trust_remote_code=False)
+        checkpoint, _ = model_folder(_model_ref(model_name), allow_download=False, trust_remote_code=False)
         target = out or quantized_folder(Home.current().ensure().models, checkpoint, fingerprint(checkpoint), format)
         columns = (TextColumn(f"quantizing to {format}"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
                    TimeElapsedColumn())
@@ -52,7 +54,7 @@ def size_command(model_name: str, as_json: bool) -> None:
     memory in each weight format, and which formats fit this machine; no weight is read."""
     import psutil
 
-    from npumoe.engine.model_size import (
+    from npumoe.engine.loading.model_size import (
         SIZE_FORMATS,
         checkpoint_tensors,
         config_tensors,
@@ -67,11 +69,13 @@ def size_command(model_name: str, as_json: bool) -> None:
             tensors = config_tensors(json.loads(path.read_text()))
             counted = "from its config (built on the meta device)"
         else:
-            from npumoe.daemon.cli.engine import _model_ref
-            from npumoe.engine.models import ModelError, _resolve
+            from npumoe.engine.errors import ModelError
+            from npumoe.engine.loading.resolve import model_folder
+
+            from .engine import _model_ref
 
             try:
-                checkpoint, _ = _resolve(_model_ref(model_name), allow_download=False, trust_remote_code=False)
+                checkpoint, _ = model_folder(_model_ref(model_name), allow_download=False, trust_remote_code=False)
             except ModelError as e:
                 raise click.ClickException(str(e)) from e
             tensors = checkpoint_tensors(checkpoint)

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from npumoe.bench.cli import bench
 from npumoe.bench.search import MODEL_KEY, fill
-from npumoe.jobs.index import SearchIndex
+from npumoe.jobs.search.index import SearchIndex
 
 
 def test_fill_indexes_every_document_and_a_search_returns_k_chunks(tmp_path: Path) -> None:

@@ -89,7 +89,7 @@ def test_importing_the_bench_commands_does_not_import_torch():
 
 def test_dtype_auto_is_the_float_dtype_weights_auto_measures_fastest_for_each_geometry(monkeypatch):
     from npumoe.bench.cli import _geometries, _measured_dtypes
-    from npumoe.engine import auto_weights
+    from npumoe.engine.loading import auto_weights
 
     asked = []
 

@@ -7,9 +7,9 @@ import torch
 
 from npumoe.bench.fidelity import FidelitySettings, agreement, run_fidelity_bench, scaled
 from npumoe.bench.plot import fidelity_figure
-from npumoe.engine.calibrate import Calibration
-from npumoe.engine.models import load_model
-from npumoe.engine.plan import ExpertLoad
+from npumoe.engine.calibration.calibrate import Calibration
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.plan.expert_plan import ExpertLoad
 
 
 @pytest.fixture(scope="module")

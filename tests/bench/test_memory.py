@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from npumoe.bench.memory import MemorySettings, measure
-from npumoe.engine.model_size import checkpoint_tensors, model_size
+from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
 
 
 @pytest.mark.parametrize("weights", ["bf16", "int4"])

@@ -18,8 +18,10 @@ from npumoe.bench.paths import (
     static_plans,
 )
 from npumoe.bench.roofline import active_flops, moe_roofline
-from npumoe.engine import quant_kernels
-from npumoe.engine.geometry import (
+from npumoe.engine.kernels import quant_kernels
+from npumoe.engine.kernels.quant_kernels import QuantLinear
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.geometry import (
     GEOMETRIES,
     Geometry,
     build_layer_model,
@@ -27,8 +29,6 @@ from npumoe.engine.geometry import (
     parse_geometry,
     routing_prior,
 )
-from npumoe.engine.models import moe_experts
-from npumoe.engine.quant_kernels import QuantLinear
 
 TINY = parse_geometry("64x8x2x32")
 QUICK = MoeBenchSettings(threads=1, warmup=0, repeats=1, calibration_chunks=4)

@@ -7,10 +7,10 @@ import torch
 from cpus import fake_projection_timings
 
 from npumoe.bench.paths import IMPLS, QUANTIZED_TOLERANCE, TOLERANCE
-from npumoe.bench.prefill import PrefillBenchSettings, build_model, run_prefill_bench
-from npumoe.engine import projections
-from npumoe.engine.geometry import Geometry, parse_geometry
-from npumoe.engine.models import moe_experts
+from npumoe.bench.prefill_bench import PrefillBenchSettings, build_model, run_prefill_bench
+from npumoe.engine.attach import projections
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.geometry import Geometry, parse_geometry
 
 TINY = parse_geometry("64x8x2x32")
 

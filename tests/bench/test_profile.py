@@ -9,14 +9,14 @@ import pytest
 import torch
 from cpus import fake_projection_timings
 
-from npumoe.bench.prefill import build_model
+from npumoe.bench.prefill_bench import build_model
 from npumoe.bench.profile import PARTS, depths_to_report, profile_prefill, profile_rows
-from npumoe.engine import norm_kernel
-from npumoe.engine.backends import get_backend
-from npumoe.engine.geometry import parse_geometry
-from npumoe.engine.norms import EngineRMSNorm
-from npumoe.engine.projections import ProjectionLinear
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.norms import EngineRMSNorm
+from npumoe.engine.attach.projections import ProjectionLinear
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.kernels import norm_kernel
+from npumoe.engine.synthetic.geometry import parse_geometry
 
 GEOMETRY = parse_geometry("64x8x2x32")
 

@@ -1,4 +1,4 @@
-"""`bench sections`: one document through the engine at several section lengths, vectors compared to the longest."""
+"""`bench sections`: one document through the api at several section lengths, vectors compared to the longest."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from npumoe.bench.sections import SectionBenchSettings, choose, chunk_cosines, compare_sections, sample_text
-from npumoe.engine import engine as engine_module
+from npumoe.engine import api as engine_module
 
 
 def test_each_section_length_runs_the_engine_and_is_compared_with_the_longest(tiny, monkeypatch):

@@ -8,15 +8,16 @@ import pytest
 import torch
 
 from npumoe.bench import weights_fidelity
-from npumoe.bench.weights_fidelity import (
-    WeightsFidelitySettings,
-    fit_readout,
-    layer_errors,
-    run_weights_fidelity,
+from npumoe.bench.weights_fidelity import WeightsFidelitySettings, fit_readout, layer_errors, run_weights_fidelity
+from npumoe.engine.formats.quantize import quantize
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.synthetic.geometry import (
+    build_layer_model,
+    draw_routing,
+    layer_experts,
+    parse_geometry,
+    routing_prior,
 )
-from npumoe.engine.geometry import build_layer_model, draw_routing, layer_experts, parse_geometry, routing_prior
-from npumoe.engine.models import load_model
-from npumoe.engine.quantize import quantize
 
 SMALL = parse_geometry("64x8x2x32")
 

@@ -5,10 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.engine.calibrate import Calibration
-from npumoe.engine.models import load_model, moe_experts
-from npumoe.engine.plan import ExpertLoad, ExpertPlan
-from npumoe.engine.planner import make_plan
+from npumoe.engine.calibration.calibrate import Calibration
+from npumoe.engine.calibration.planner import make_plan
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.plan.expert_plan import ExpertLoad, ExpertPlan
 
 
 @pytest.fixture

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from npumoe.engine.backends import TorchStaticBackend
-from npumoe.engine.coreml.backend import CoreMLBackend
-from npumoe.engine.models import LoadedModel
-from npumoe.engine.plan import ExpertPlan
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.base import TorchStaticBackend
+from npumoe.engine.backends.coreml.backend import CoreMLBackend
+from npumoe.engine.loading.load import LoadedModel
+from npumoe.engine.plan.expert_plan import ExpertPlan
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from npumoe.daemon.cli import main
-from npumoe.engine.coreml.cache import read_manifest
+from npumoe.engine.backends.coreml.cache import read_manifest
 
 
 def npumoed(*args: str) -> Result:

@@ -11,16 +11,16 @@ import torch
 from coreml_compare import logits_by_backend
 
 from npumoe.engine import Engine, EngineSettings
-from npumoe.engine.coreml.backend import CoreMLBackend
-from npumoe.engine.coreml.cache import build_folder, compiled_groups, weights_fingerprint
-from npumoe.engine.coreml.convert import GroupGraph, build_packages
-from npumoe.engine.coreml.env import coreml_availability, import_coremltools
-from npumoe.engine.cost import CostModel
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
-from npumoe.engine.grouped import GroupedExperts
-from npumoe.engine.models import load_model
-from npumoe.engine.residency import MeasuredCosts
+from npumoe.engine.backends.coreml.backend import CoreMLBackend
+from npumoe.engine.backends.coreml.cache import build_folder, compiled_groups, weights_fingerprint
+from npumoe.engine.backends.coreml.convert import GroupGraph, build_packages
+from npumoe.engine.backends.coreml.env import coreml_availability, import_coremltools
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.moe.experts_layout import DEFAULT_LAYOUT, ExpertWeights
+from npumoe.engine.moe.grouped import GroupedExperts
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.residency import MeasuredCosts
 from npumoe.engine.vocabulary import COMPUTE_UNITS
 
 not_macos = pytest.mark.skipif(sys.platform == "darwin", reason="describes a machine without Core ML prediction")

@@ -13,16 +13,17 @@ import torch
 from click.testing import CliRunner
 
 from npumoe.daemon.cli import main
-from npumoe.engine.backends import BackendOptions, GroupSpec, TorchStaticBackend, get_backend
-from npumoe.engine.coreml import compress as compress_module
-from npumoe.engine.coreml.ane import ane_problems
-from npumoe.engine.coreml.backend import CoreMLBackend, CoreMLGroupGraph
-from npumoe.engine.coreml.cache import Manifest, build_folder, compiled_groups, read_manifest
-from npumoe.engine.coreml.compress import FP16, INT4_BLOCK, package_format
-from npumoe.engine.coreml.convert import ConversionError, GroupGraph, build_packages, convert_group
-from npumoe.engine.coreml.env import coreml_availability, coremltools_version, import_coremltools
-from npumoe.engine.engine import EngineSettings
-from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
+from npumoe.engine.api import EngineSettings
+from npumoe.engine.backends.base import BackendOptions, GroupSpec, TorchStaticBackend
+from npumoe.engine.backends.coreml import compress as compress_module
+from npumoe.engine.backends.coreml.ane import ane_problems
+from npumoe.engine.backends.coreml.backend import CoreMLBackend, CoreMLGroupGraph
+from npumoe.engine.backends.coreml.cache import Manifest, build_folder, compiled_groups, read_manifest
+from npumoe.engine.backends.coreml.compress import FP16, INT4_BLOCK, package_format
+from npumoe.engine.backends.coreml.convert import ConversionError, GroupGraph, build_packages, convert_group
+from npumoe.engine.backends.coreml.env import coreml_availability, coremltools_version, import_coremltools
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.moe.experts_layout import DEFAULT_LAYOUT, ExpertWeights
 from npumoe.engine.vocabulary import BF16, COREML, FP32, INT4, INT8
 
 ct = import_coremltools()
@@ -158,7 +159,7 @@ def test_the_engine_weights_setting_picks_the_coreml_package_format(tmp_path: Pa
 def test_int4_refuses_weights_it_cannot_block(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = compress_module.compress
-    monkeypatch.setattr("npumoe.engine.coreml.convert.compress", lambda *a: calls.append(a[1]) or real(*a))
+    monkeypatch.setattr("npumoe.engine.backends.coreml.convert.compress", lambda *a: calls.append(a[1]) or real(*a))
     generator = torch.Generator().manual_seed(0)
     odd = ExpertWeights(torch.randn(2, 2 * 48, 80, generator=generator), torch.randn(2, 80, 48, generator=generator))
     with pytest.raises(ConversionError, match="int4 could not store the weights"):

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from npumoe.engine.coreml.ane import ANE_REJECTED_OPS, ane_problems
-from npumoe.engine.coreml.cache import INPUT_NAME, OUTPUT_NAME, Manifest, build_folder, read_manifest
-from npumoe.engine.coreml.convert import ConversionError, GroupGraph, build_packages, convert_group
-from npumoe.engine.coreml.env import import_coremltools
-from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights, expert_weights
-from npumoe.engine.models import load_model, moe_layouts
+from npumoe.engine.backends.coreml.ane import ANE_REJECTED_OPS, ane_problems
+from npumoe.engine.backends.coreml.cache import INPUT_NAME, OUTPUT_NAME, Manifest, build_folder, read_manifest
+from npumoe.engine.backends.coreml.convert import ConversionError, GroupGraph, build_packages, convert_group
+from npumoe.engine.backends.coreml.env import import_coremltools
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.moe.experts_layout import DEFAULT_LAYOUT, ExpertWeights, expert_weights
+from npumoe.engine.moe.model_experts import moe_layouts
 
 ct = import_coremltools()
 

@@ -12,16 +12,18 @@ import pytest
 import torch
 from coreml_compare import logits_by_backend
 
-from npumoe.engine.backends import GroupSpec, TorchStaticBackend, backend_class
-from npumoe.engine.coreml.backend import CoreMLBackend, CoreMLGroupGraph
-from npumoe.engine.coreml.cache import build_folder
-from npumoe.engine.coreml.convert import build_packages, plan_digest, plan_group_graphs
-from npumoe.engine.coreml.env import coreml_availability, coremltools_version
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.experts_layout import expert_weights
-from npumoe.engine.models import load_model, moe_layouts
-from npumoe.engine.placement import place
-from npumoe.engine.residency import decide_residency, group_key
+from npumoe.engine.backends.base import GroupSpec, TorchStaticBackend
+from npumoe.engine.backends.coreml.backend import CoreMLBackend, CoreMLGroupGraph
+from npumoe.engine.backends.coreml.cache import build_folder
+from npumoe.engine.backends.coreml.convert import build_packages, plan_digest, plan_group_graphs
+from npumoe.engine.backends.coreml.env import coreml_availability, coremltools_version
+from npumoe.engine.backends.placement import place
+from npumoe.engine.backends.registry import backend_class
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.moe.experts_layout import expert_weights
+from npumoe.engine.moe.model_experts import moe_layouts
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.residency import decide_residency, group_key
 
 pytestmark = [pytest.mark.macos, pytest.mark.skipif(sys.platform != "darwin", reason="Core ML predicts only on macOS")]
 

@@ -4,16 +4,17 @@ import numpy as np
 import pytest
 import torch
 
-from npumoe.engine.backends import backend_class
-from npumoe.engine.calibrate import calibrate
-from npumoe.engine.coreml.backend import CoreMLGroupGraph
-from npumoe.engine.coreml.cache import INPUT_NAME, OUTPUT_NAME
-from npumoe.engine.coreml.convert import plan_group_graphs, scaled_weights
-from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
-from npumoe.engine.grouped import GroupedExperts
-from npumoe.engine.models import load_model, moe_experts
-from npumoe.engine.planner import make_plan
-from npumoe.engine.residency import FP16_MAX, FP16_RANGE, decide_residency
+from npumoe.engine.backends.coreml.backend import CoreMLGroupGraph
+from npumoe.engine.backends.coreml.cache import INPUT_NAME, OUTPUT_NAME
+from npumoe.engine.backends.coreml.convert import plan_group_graphs, scaled_weights
+from npumoe.engine.backends.registry import backend_class
+from npumoe.engine.calibration.calibrate import calibrate
+from npumoe.engine.calibration.planner import make_plan
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.moe.experts_layout import DEFAULT_LAYOUT, ExpertWeights
+from npumoe.engine.moe.grouped import GroupedExperts
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.plan.residency import FP16_MAX, FP16_RANGE, decide_residency
 
 
 @pytest.fixture(scope="module")

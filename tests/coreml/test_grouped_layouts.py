@@ -4,17 +4,17 @@ experts layout the engine implements; and those layouts convert to Core ML (whic
 import pytest
 import torch
 
-from npumoe.engine.coreml.ane import ane_problems
-from npumoe.engine.coreml.convert import ConversionError, convert_group
-from npumoe.engine.cpu_experts import CpuExperts
-from npumoe.engine.experts_layout import (
+from npumoe.engine.backends.coreml.ane import ane_problems
+from npumoe.engine.backends.coreml.convert import ConversionError, convert_group
+from npumoe.engine.moe.cpu_experts import CpuExperts
+from npumoe.engine.moe.experts_layout import (
     CLAMPED_GLU,
     CLAMPED_SWIGLU,
     COREML_ACTIVATIONS,
     ExpertsLayout,
     ExpertWeights,
 )
-from npumoe.engine.grouped import GroupedExperts, from_ane_layout, to_ane_layout
+from npumoe.engine.moe.grouped import GroupedExperts, from_ane_layout, to_ane_layout
 
 # One of each kind the engine implements: transformers' default, another activation, gpt-oss's clamped SwiGLU
 # with biases, DeepSeek-V4's clamped GLU, and Nemotron-H's experts without a gate.

@@ -11,10 +11,10 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from npumoe.daemon.cli import main
-from npumoe.engine.coreml.compute_plan import count_ops
-from npumoe.engine.cost import CostModel
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.residency import GroupMeasure, MeasuredCosts
+from npumoe.engine.backends.coreml.compute_plan import count_ops
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.residency import GroupMeasure, MeasuredCosts
 
 
 @dataclass

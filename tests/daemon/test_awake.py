@@ -19,14 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from npumoe.daemon.awake import PowerAssertion, assertion_command, windows_to_stay_awake_for
 from npumoe.daemon.cli.status_view import render_text, snapshot
 from npumoe.daemon.config import Config, CpuConfig, SchedulerConfig
+from npumoe.daemon.energy.awake import PowerAssertion, assertion_command, windows_to_stay_awake_for
+from npumoe.daemon.energy.power import PowerState
 from npumoe.daemon.home import Home
-from npumoe.daemon.power import PowerState
 from npumoe.daemon.scheduler import Decision, Scheduler
 from npumoe.daemon.worker import Worker
-from npumoe.jobs.queue import BATCH, Queue
+from npumoe.jobs.queue.store import BATCH, Queue
 
 WINDOW = "01:00-06:00"
 AC = PowerState(on_ac=True, battery_percent=90.0, low_power_mode=False, thermal_pressure="nominal")

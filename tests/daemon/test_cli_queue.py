@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 
 def npumoed(home: Path, *args: str) -> subprocess.CompletedProcess[str]:

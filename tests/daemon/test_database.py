@@ -16,15 +16,15 @@ from npumoe.daemon.cli import main
 from npumoe.daemon.config import Config, ModelConfig, OutboxConfig
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
-from npumoe.daemon.models import demo_model_dir
+from npumoe.daemon.model_choice import demo_model_dir
 from npumoe.daemon.rebuild import keys_of, rebuild_queue
 from npumoe.daemon.service import EXIT_DO_NOT_RESTART
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
 from npumoe.jobs.outputs import output_name
-from npumoe.jobs.queue import Queue
-from npumoe.jobs.queue_dialects import check_sqlite_version
-from npumoe.jobs.schema import SCHEMA_VERSION
+from npumoe.jobs.queue.dialects import check_sqlite_version
+from npumoe.jobs.queue.schema import SCHEMA_VERSION
+from npumoe.jobs.queue.store import Queue
 
 PARAGRAPH = "The ledger was balanced at dawn, and the clerk wrote a line about every entry that did not fit.\n\n"
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from sqlalchemy.exc import OperationalError
 
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 PARAGRAPH = (
     "Every evening the archive grows by a few reports, and every night a quiet worker reads them, one chunk "

@@ -24,13 +24,13 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
 from npumoe.daemon import worker as worker_module
-from npumoe.daemon.awake import PowerAssertion
 from npumoe.daemon.config import Config, CpuConfig, SchedulerConfig
+from npumoe.daemon.energy.awake import PowerAssertion
+from npumoe.daemon.energy.power import UNKNOWN, PowerState
 from npumoe.daemon.home import Home
-from npumoe.daemon.power import UNKNOWN, PowerState
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import Worker
-from npumoe.jobs.queue import BATCH, Queue
+from npumoe.jobs.queue.store import BATCH, Queue
 
 NOON = datetime(2026, 11, 30, 12, 0)
 IDLE_SECONDS = 60  # how long the real daemon is watched

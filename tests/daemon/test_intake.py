@@ -8,7 +8,7 @@ import pytest
 
 from npumoe.daemon.config import Config, ExtractConfig, ModelConfig
 from npumoe.daemon.intake import enqueue, enqueue_paths, is_ignored, iter_documents, job_keys
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 
 @pytest.mark.parametrize("name", [".DS_Store", "._report.pdf", "~$draft.docx", "movie.part", "x.crdownload",

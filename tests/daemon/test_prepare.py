@@ -14,11 +14,11 @@ import pytest
 from click.testing import CliRunner, Result
 
 from npumoe.daemon.cli import main
-from npumoe.daemon.models import backend_description
-from npumoe.engine import planner
-from npumoe.engine.coreml.env import coreml_availability
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.plan import ExpertPlan
+from npumoe.daemon.model_choice import backend_description
+from npumoe.engine.backends.coreml.env import coreml_availability
+from npumoe.engine.calibration import planner
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.expert_plan import ExpertPlan
 
 CONFIG = """# my settings
 [scheduler]

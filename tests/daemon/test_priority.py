@@ -13,9 +13,9 @@ import time
 import psutil
 import pytest
 
-from npumoe.daemon import priority
 from npumoe.daemon.config import CpuConfig
-from npumoe.daemon.measure import ForegroundLoad, Meter, NoEnergy, system_energy_counter
+from npumoe.daemon.energy import priority
+from npumoe.daemon.energy.measure import ForegroundLoad, Meter, NoEnergy, system_energy_counter
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux scheduling classes")
 

@@ -12,7 +12,7 @@ from pdf_writer import text_pdf
 from pypdf import PdfReader
 
 from npumoe.daemon.samples import sample_documents, write_samples
-from npumoe.jobs.extract import FORMATS, detect_format, extract_text
+from npumoe.jobs.extract.isolated import FORMATS, detect_format, extract_text
 
 
 def test_every_sample_is_written_in_order_into_a_new_directory(tmp_path: Path) -> None:

@@ -17,9 +17,7 @@ import pytest
 
 from npumoe.daemon.batch import BatchWindow, write_batch_report
 from npumoe.daemon.config import SchedulerConfig, load_config
-from npumoe.daemon.home import Home
-from npumoe.daemon.intake import enqueue
-from npumoe.daemon.power import (
+from npumoe.daemon.energy.power import (
     CachedPowerSource,
     LinuxPowerSource,
     MacPowerSource,
@@ -28,9 +26,11 @@ from npumoe.daemon.power import (
     parse_pmset_batt,
     read_psutil_battery,
 )
+from npumoe.daemon.home import Home
+from npumoe.daemon.intake import enqueue
 from npumoe.daemon.samples import write_samples
 from npumoe.daemon.scheduler import Scheduler
-from npumoe.jobs.queue import BATCH, INTERACTIVE, Queue
+from npumoe.jobs.queue.store import BATCH, INTERACTIVE, Queue
 
 AC = PowerState(on_ac=True, battery_percent=80.0, low_power_mode=False, thermal_pressure="nominal")
 BATTERY = dataclasses.replace(AC, on_ac=False, battery_percent=42.0)

@@ -21,8 +21,8 @@ from click.testing import CliRunner
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.search import _print_results
 from npumoe.daemon.samples import FILENAMES, sample_documents, write_samples
-from npumoe.jobs import sqlite
-from npumoe.jobs.index import _drop_tables
+from npumoe.jobs.queue import sqlite
+from npumoe.jobs.search.index import _drop_tables
 
 CONFIG = """
 [model]

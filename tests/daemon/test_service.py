@@ -35,10 +35,11 @@ from npumoe.daemon.service import (
     carry_out,
     lingering,
 )
-from npumoe.engine import attention_choice, cpu_kernels, projections, quant_kernels
-from npumoe.engine.cpu_kernels import KernelChoice
-from npumoe.engine.host import cpu_model
-from npumoe.jobs.queue import BATCH, Queue
+from npumoe.engine.attach import projections
+from npumoe.engine.kernels import attention_choice, float_kernels, quant_kernels
+from npumoe.engine.kernels.float_kernels import KernelChoice
+from npumoe.engine.kernels.host import cpu_model
+from npumoe.jobs.queue.store import BATCH, Queue
 
 ODD_HOME = "my docs & <notes> 100% $HOME"  # every character the two formats must escape
 
@@ -321,7 +322,7 @@ def test_doctor_does_not_warn_where_the_cpu_cannot_run_the_bf16_kernel(home: Pat
 def test_doctor_names_the_chosen_cpu_kernel_and_the_figures_that_chose_it(home: Path, tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     timings = fake_timings(monkeypatch, tmp_path / "cache", fastest="npumoe-bf16")
-    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})
     detail = {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}["cpu kernel"]["detail"]
     assert detail.startswith("bfloat16 hidden 2048 ffn 768 (qwen3-30b-a3b): npumoe-bf16, the fastest measured per "
                              "expert of 32 rows: npumoe-bf16 1 ms, onednn 2 ms, torch 3 ms")
@@ -359,7 +360,7 @@ def _weights_check(*args: str) -> dict:
 
 def test_doctor_says_what_weights_auto_chooses_here_and_why(home: Path, tmp_path: Path, tiny,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from npumoe.engine import auto_weights
+    from npumoe.engine.loading import auto_weights
 
     timed = []
 

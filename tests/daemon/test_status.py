@@ -15,7 +15,7 @@ import pytest
 from rich.console import Console
 
 from npumoe.daemon.cli.status_view import render_rich, render_text, snapshot
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 NOW = 1_800_000_000.0
 

@@ -13,14 +13,14 @@ import pytest
 from filelock import FileLock
 
 from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
+from npumoe.daemon.energy.power import UnknownPowerSource
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import sha256_of
-from npumoe.daemon.models import ModelSlot, engine_settings
-from npumoe.daemon.power import UnknownPowerSource
+from npumoe.daemon.model_choice import ModelSlot, engine_settings
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
 from npumoe.jobs.errors import ModelUnavailable
-from npumoe.jobs.queue import BATCH, Queue
+from npumoe.jobs.queue.store import BATCH, Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
 
@@ -230,7 +230,7 @@ def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
 
 
 def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
-    from npumoe.daemon.models import ModelNotFound, resolve_model
+    from npumoe.daemon.model_choice import ModelNotFound, resolve_model
 
     with pytest.raises(ModelNotFound, match="does not exist"):
         resolve_model(str(tmp_path / "missing"), tmp_path)

@@ -15,16 +15,16 @@ import pytest
 from npumoe.daemon import intake
 from npumoe.daemon.cli.status_view import render_text, snapshot
 from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
+from npumoe.daemon.energy.power import UnknownPowerSource
 from npumoe.daemon.home import Home
-from npumoe.daemon.models import ModelSlot, load_engine
-from npumoe.daemon.power import UnknownPowerSource
+from npumoe.daemon.model_choice import ModelSlot, load_engine
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.stall import StallWatch
 from npumoe.daemon.worker import Worker
-from npumoe.engine.models import moe_experts
+from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.jobs import outputs
 from npumoe.jobs.pipeline import LOADING
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
 

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from npumoe.engine.cpu_experts import CpuExperts
+from npumoe.engine.moe.cpu_experts import CpuExperts
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from npumoe.engine import attention
-from npumoe.engine.attention import IMPLEMENTATIONS, use_engine_attention
-from npumoe.engine.prefill import new_cache, prefill
+from npumoe.engine.attach import attention
+from npumoe.engine.attach.attention import IMPLEMENTATIONS, use_engine_attention
+from npumoe.engine.generate.prefill import new_cache, prefill
 
 SMALL = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 97, "max_position_embeddings": 256}

@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from npumoe.engine import attention, attention_choice, attention_kernel
-from npumoe.engine.attention import key_ranges, use_engine_attention
-from npumoe.engine.cpu_kernels import KernelChoice
-from npumoe.engine.prefill import new_cache, prefill
+from npumoe.engine.attach import attention
+from npumoe.engine.attach.attention import key_ranges, use_engine_attention
+from npumoe.engine.generate.prefill import new_cache, prefill
+from npumoe.engine.kernels import attention_choice, attention_kernel
+from npumoe.engine.kernels.float_kernels import KernelChoice
 
 _WHY = attention_kernel.unavailable(torch.float32)
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"the attention kernel cannot run here: {_WHY}")

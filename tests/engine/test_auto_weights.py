@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.engine import Engine, EngineSettings, auto_weights
-from npumoe.engine.auto_weights import choose_weights
-from npumoe.engine.model_size import MIN_RESERVE_BYTES, checkpoint_tensors, model_size, needed_bytes
+from npumoe.engine import Engine, EngineSettings
+from npumoe.engine.loading import auto_weights
+from npumoe.engine.loading.auto_weights import choose_weights
+from npumoe.engine.loading.model_size import MIN_RESERVE_BYTES, checkpoint_tensors, model_size, needed_bytes
 
 PLENTY = 2**40
 
@@ -80,7 +81,7 @@ def test_when_the_fastest_does_not_fit_auto_takes_the_first_smaller_format_that_
 
 
 def test_the_engine_decides_auto_at_load_measuring_here_and_says_so(folder, caplog):
-    with caplog.at_level(logging.INFO, logger="npumoe.engine.engine"):
+    with caplog.at_level(logging.INFO, logger="npumoe.engine.api"):
         engine = Engine.load(EngineSettings(model=str(folder), weights="auto", chunk_tokens=128))
     assert engine.settings.weights in ("fp32", "bf16")  # the tiny model fits any machine that runs the tests
     assert engine.settings.dtype == {"fp32": "float32", "bf16": "bfloat16"}[engine.settings.weights]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
 
-from npumoe.engine import bf16_linear
+from npumoe.engine.kernels import bf16_linear
 
 needs_kernel = pytest.mark.skipif(bf16_linear.unavailable() is not None,
                                   reason=f"no bf16 kernel here: {bf16_linear.unavailable()}")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from npumoe.engine.calibrate import calibrate
-from npumoe.engine.models import load_model
+from npumoe.engine.calibration.calibrate import calibrate
+from npumoe.engine.loading.load import load_model
 
 
 @pytest.fixture(scope="module")

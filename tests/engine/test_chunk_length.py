@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from npumoe.engine import Engine, EngineSettings, chunk_length, load_model
-from npumoe.engine.chunk_length import ChunkTiming, measured_chunk_tokens, time_chunk_lengths
+from npumoe.engine import Engine, EngineSettings, load_model
+from npumoe.engine.generate import chunk_length
+from npumoe.engine.generate.chunk_length import ChunkTiming, measured_chunk_tokens, time_chunk_lengths
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,14 @@ from click.testing import CliRunner
 
 from npumoe.daemon.cli import engine as cli_engine
 from npumoe.daemon.cli.engine import calibrate_command, model_group, plan_group, plan_show_command
-from npumoe.engine.backends import REGISTRY, backend_class
-from npumoe.engine.cost import CostModel
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.models import load_model
-from npumoe.engine.plan import ExpertPlan
-from npumoe.engine.planner import DEFAULT_GROUP_SIZE, DEFAULT_TIERS
-from npumoe.engine.residency import MeasuredCosts, decide_residency
-from npumoe.engine.tiny import ARCHITECTURES
+from npumoe.engine.backends.registry import REGISTRY, backend_class
+from npumoe.engine.calibration.planner import DEFAULT_GROUP_SIZE, DEFAULT_TIERS
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.expert_plan import ExpertPlan
+from npumoe.engine.plan.residency import MeasuredCosts, decide_residency
+from npumoe.engine.synthetic.tiny import ARCHITECTURES
 
 README = Path(__file__).parents[2] / "README.md"
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npumoe.engine import combine_kernel, dispatch
+from npumoe.engine.kernels import combine_kernel
+from npumoe.engine.moe import dispatch
 
 _WHY = combine_kernel.unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"the combine kernel cannot be built here: {_WHY}")

@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from cpus import APPLE_SILICON, CPUS, INTEL_MAC, fake_build, fake_timings, fresh_process, simulate
 
-from npumoe.engine import cpu_kernels
-from npumoe.engine.cpu_experts import CpuExperts, run_tasks
-from npumoe.engine.cpu_kernels import KERNELS, choose_kernel, unavailable_kernels
-from npumoe.engine.experts_layout import ExpertsLayout, ExpertWeights
-from npumoe.engine.host import cpu_model
+from npumoe.engine.kernels import float_kernels
+from npumoe.engine.kernels.float_kernels import KERNELS, choose_kernel, unavailable_kernels
+from npumoe.engine.kernels.host import cpu_model
+from npumoe.engine.kernels.workers import run_tasks
+from npumoe.engine.moe.cpu_experts import CpuExperts
+from npumoe.engine.moe.experts_layout import ExpertsLayout, ExpertWeights
 
 E, H, FFN = 4, 64, 32
 TOLERANCE = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {"rtol": 2e-2, "atol": 2e-2}}
@@ -100,7 +101,7 @@ def test_where_only_torch_can_run_nothing_is_timed(tmp_path, monkeypatch, cpu):
 @pytest.mark.parametrize("fastest", KERNELS)
 def test_the_kernel_measured_fastest_is_chosen(tmp_path, monkeypatch, fastest):
     timings = fake_timings(monkeypatch, tmp_path, fastest)
-    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})  # all three can run
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})  # all three can run
     choice = choose_kernel(*random_experts(torch.bfloat16))
     assert timings.calls == [KERNELS]
     assert choice.kernel == fastest == min(choice.seconds, key=choice.seconds.__getitem__)
@@ -110,7 +111,7 @@ def test_the_kernel_measured_fastest_is_chosen(tmp_path, monkeypatch, fastest):
 
 def test_a_choice_is_cached_with_the_machine_and_reused_by_the_next_process(tmp_path, monkeypatch):
     timings = fake_timings(monkeypatch, tmp_path, "onednn")
-    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})
     first = choose_kernel(*random_experts(torch.bfloat16))
     assert choose_kernel(*random_experts(torch.bfloat16)) == first  # this process remembers
     fresh_process(monkeypatch)
@@ -130,15 +131,15 @@ def test_a_choice_is_cached_with_the_machine_and_reused_by_the_next_process(tmp_
 @pytest.mark.parametrize("change", ["another CPU", "another torch", "a kernel that can run now"])
 def test_a_cached_choice_is_timed_again_when_the_machine_or_what_can_run_changed(tmp_path, monkeypatch, change):
     timings = fake_timings(monkeypatch, tmp_path, "torch")
-    monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {"npumoe-bf16": "no compiler"})
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {"npumoe-bf16": "no compiler"})
     choose_kernel(*random_experts(torch.bfloat16))
     fresh_process(monkeypatch)
     if change == "another CPU":
-        monkeypatch.setattr(cpu_kernels, "cpu_model", lambda: "Another CPU")
+        monkeypatch.setattr(float_kernels, "cpu_model", lambda: "Another CPU")
     elif change == "another torch":
         monkeypatch.setattr(torch, "__version__", "0.0.1")
     else:
-        monkeypatch.setattr(cpu_kernels, "unavailable_kernels", lambda *weights: {})  # a compiler came
+        monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})  # a compiler came
     choice = choose_kernel(*random_experts(torch.bfloat16))
     assert len(timings.calls) == 2 and choice.seconds.keys() == set(timings.calls[-1])
 
@@ -147,15 +148,15 @@ def test_kernels_are_timed_single_threaded_as_the_workers_run_them_and_the_calle
         tmp_path, monkeypatch, threads):
     fresh_process(monkeypatch, tmp_path)
     seen: list[int] = []
-    real = cpu_kernels.time_kernels
+    real = float_kernels.time_kernels
 
     def timed(*args):
         seen.append(torch.get_num_threads())
         return real(*args)
 
-    monkeypatch.setattr(cpu_kernels, "time_kernels", timed)
+    monkeypatch.setattr(float_kernels, "time_kernels", timed)
     weights = random_experts(torch.float32)
-    if len(cpu_kernels.KERNELS) - len(unavailable_kernels(*weights)) < 2:
+    if len(float_kernels.KERNELS) - len(unavailable_kernels(*weights)) < 2:
         pytest.skip("only torch's matmul runs here: nothing to time")
     choice = choose_kernel(*weights)
     assert seen == [1] and torch.get_num_threads() == threads

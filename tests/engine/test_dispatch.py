@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npumoe.engine.backends import get_backend
-from npumoe.engine.cpu_experts import CpuExperts
-from npumoe.engine.dispatch import DispatchStats, GraphCalls, MoeLayer, StaticGroup, run_now
-from npumoe.engine.experts_layout import DEFAULT_LAYOUT, ExpertWeights
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.moe.cpu_experts import CpuExperts
+from npumoe.engine.moe.dispatch import DispatchStats, GraphCalls, MoeLayer, StaticGroup, run_now
+from npumoe.engine.moe.experts_layout import DEFAULT_LAYOUT, ExpertWeights
 
 E, H, FFN = 4, 8, 4
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from npumoe.engine import Engine, EngineSettings, Progress, load_model
-from npumoe.engine import engine as engine_module
-from npumoe.engine.summary import SUMMARIZE, PromptFrame, stop_ids
+from npumoe.engine import api as engine_module
+from npumoe.engine.generate.summary import SUMMARIZE, PromptFrame, stop_ids
 
 CHUNK = 128
 SUMMARY_TOKENS = 16
@@ -26,7 +26,7 @@ def folder(tiny) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(folder) -> Engine:
+def api(folder) -> Engine:
     # fp32, as the reference (load_model's default) is: weights auto may choose bf16 here
     return Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS, weights="fp32"))
 
@@ -42,8 +42,8 @@ def prefix(reference) -> list[int]:
     return PromptFrame.build(reference.tokenizer, SUMMARIZE).prefix
 
 
-def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(engine, harbour, prefix):
-    result = engine.process(harbour[:600])
+def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(api, harbour, prefix):
+    result = api.process(harbour[:600])
     chunks = math.ceil((len(prefix) + 600) / CHUNK)
     assert result.embeddings.shape == (chunks + 1, 64)
     assert result.embeddings.dtype == np.float32
@@ -53,9 +53,9 @@ def test_a_document_gives_one_normalised_embedding_per_chunk_plus_the_document(e
 
 
 def test_embeddings_are_mean_pooled_final_hidden_states_as_one_uncached_forward_gives_them(
-        engine, reference, harbour, prefix):
+        api, reference, harbour, prefix):
     text = harbour[:500]
-    result = engine.process(text)
+    result = api.process(text)
     ids = prefix + list(text.encode())
     with torch.no_grad():
         hidden = reference.model.base_model(torch.tensor([ids])).last_hidden_state[0]  # (P + 500, H)
@@ -67,9 +67,9 @@ def test_embeddings_are_mean_pooled_final_hidden_states_as_one_uncached_forward_
     np.testing.assert_allclose(result.embeddings, expected.numpy(), atol=1e-4)
 
 
-def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine, reference, orchard):
+def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(api, reference, orchard):
     text = orchard[:700]
-    result = engine.process(text)
+    result = api.process(text)
     frame = PromptFrame.build(reference.tokenizer, SUMMARIZE)
     prompt = torch.tensor([frame.prefix + list(text.encode()) + frame.suffix])
     stop = stop_ids(reference.model, reference.tokenizer)
@@ -98,17 +98,17 @@ def test_models_whose_cache_is_more_than_attention_prefill_in_chunks_into_their_
     keep state the chunks must carry: the summary decoded from the chunk-prefilled cache is what greedy
     generation on the whole prompt gives."""
     folder = str(tiny(arch))
-    engine = Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS,
+    api = Engine.load(EngineSettings(model=folder, chunk_tokens=CHUNK, summary_tokens=SUMMARY_TOKENS,
                                         weights="fp32"))
     text = orchard[:700]
-    result = engine.process(text)
+    result = api.process(text)
     assert result.stats.chunks > 1
     assert result.summary == greedy_summary(load_model(folder), text)
     assert result.summary
 
 
-def test_stats_name_tokens_chunks_phases_and_dispatch_counts(engine, harbour, prefix):
-    stats = engine.process(harbour[:300]).stats
+def test_stats_name_tokens_chunks_phases_and_dispatch_counts(api, harbour, prefix):
+    stats = api.process(harbour[:300]).stats
     assert set(stats.seconds) == {"prefill", "summary", "reduce", "total"}
     assert (stats.tokens, stats.chunk_tokens) == (300, CHUNK)
     json.dumps(stats.dispatch.to_dict())
@@ -117,9 +117,9 @@ def test_stats_name_tokens_chunks_phases_and_dispatch_counts(engine, harbour, pr
     assert stats.dispatch.assignments == (len(prefix) + 300) * 8 * 3 == stats.dispatch.cpu
 
 
-def test_progress_is_reported_after_every_chunk_and_the_summary(engine, harbour, prefix):
+def test_progress_is_reported_after_every_chunk_and_the_summary(api, harbour, prefix):
     seen: list[Progress] = []
-    engine.process(harbour[:700], on_progress=seen.append)
+    api.process(harbour[:700], on_progress=seen.append)
     prefill = [p for p in seen if p.phase == "prefill"]
     chunks = math.ceil((len(prefix) + 700) / CHUNK)
     assert [p.chunks_done for p in prefill] == list(range(1, chunks + 1))
@@ -130,49 +130,49 @@ def test_progress_is_reported_after_every_chunk_and_the_summary(engine, harbour,
     assert all(a.elapsed_s <= b.elapsed_s for a, b in pairwise(seen))
 
 
-def test_raising_from_progress_aborts_the_document_and_leaves_the_engine_usable(engine, harbour):
+def test_raising_from_progress_aborts_the_document_and_leaves_the_engine_usable(api, harbour):
     def stop_after_two(progress: Progress) -> None:
         if progress.chunks_done == 2:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        engine.process(harbour[:700], on_progress=stop_after_two)
-    assert engine.process(harbour[:200]).stats.tokens == 200
+        api.process(harbour[:700], on_progress=stop_after_two)
+    assert api.process(harbour[:200]).stats.tokens == 200
 
 
-def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combined(engine, harbour, orchard):
+def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combined(api, harbour, orchard):
     text = harbour + "\n\n" + orchard
     seen: list[Progress] = []
-    result = engine.process(text, on_progress=seen.append)
+    result = api.process(text, on_progress=seen.append)
     stats = result.stats
-    assert stats.tokens == len(text.encode()) > engine.loaded.context_tokens  # nothing truncated
-    assert stats.sections == math.ceil(stats.tokens / engine._section_tokens) >= 2
+    assert stats.tokens == len(text.encode()) > api.loaded.context_tokens  # nothing truncated
+    assert stats.sections == math.ceil(stats.tokens / api._section_tokens) >= 2
     assert stats.reduce_rounds >= 1
     assert {p.phase for p in seen} == {"prefill", "summary", "reduce"}
     assert result.embeddings.shape[0] == stats.chunks + 1
     assert max(p.tokens_done for p in seen) == stats.tokens
 
 
-def test_section_tokens_caps_each_section_and_each_is_prefilled_on_its_own(folder, engine, harbour, prefix):
-    capped = Engine.load(replace(engine.settings, section_tokens=250))
+def test_section_tokens_caps_each_section_and_each_is_prefilled_on_its_own(folder, api, harbour, prefix):
+    capped = Engine.load(replace(api.settings, section_tokens=250))
     text = harbour[:600]  # one section under the context's own limit; three of 250, 250 and 100 tokens here
     result = capped.process(text)
     assert result.stats.sections == 3 and result.stats.reduce_rounds >= 1
     # the second section's chunks are those of that section processed as a document of its own
-    alone = engine.process(text[250:500]).embeddings[:-1]
+    alone = api.process(text[250:500]).embeddings[:-1]
     first = math.ceil((len(prefix) + 250) / CHUNK)
     np.testing.assert_allclose(result.embeddings[first:first + len(alone)], alone, atol=1e-5)
 
 
-def test_a_section_length_past_the_context_is_the_context(engine):
-    wide = Engine.load(replace(engine.settings, section_tokens=10**6))
-    assert wide._section_tokens == engine._section_tokens < 10**6
+def test_a_section_length_past_the_context_is_the_context(api):
+    wide = Engine.load(replace(api.settings, section_tokens=10**6))
+    assert wide._section_tokens == api._section_tokens < 10**6
 
 
 @pytest.mark.parametrize("text", ["", "  \n\t "])
-def test_an_empty_document_is_refused(engine, text):
+def test_an_empty_document_is_refused(api, text):
     with pytest.raises(ValueError, match="empty or whitespace only"):
-        engine.process(text)
+        api.process(text)
 
 
 @pytest.mark.parametrize(("change", "message"), [
@@ -200,58 +200,58 @@ def test_a_summary_budget_that_leaves_no_room_in_the_context_is_refused_naming_t
 
 
 def test_bfloat16_runs_and_gives_finite_embeddings(folder, harbour):
-    engine = Engine.load(EngineSettings(model=folder, dtype="bfloat16", chunk_tokens=CHUNK, summary_tokens=4))
-    result = engine.process(harbour[:300])
+    api = Engine.load(EngineSettings(model=folder, dtype="bfloat16", chunk_tokens=CHUNK, summary_tokens=4))
+    result = api.process(harbour[:300])
     assert np.isfinite(result.embeddings).all() and result.embeddings.dtype == np.float32
 
 
 def test_the_model_key_is_the_loaded_checkpoint_key_and_close_restores_eager(folder, reference):
-    engine = Engine.load(EngineSettings(model=folder))
-    assert engine.model_key == reference.key
-    assert engine.loaded.model.config._experts_implementation == "npumoe"
-    engine.close()
-    assert engine.loaded.model.config._experts_implementation == "eager"
+    api = Engine.load(EngineSettings(model=folder))
+    assert api.model_key == reference.key
+    assert api.loaded.model.config._experts_implementation == "npumoe"
+    api.close()
+    assert api.loaded.model.config._experts_implementation == "eager"
 
 
-def test_each_chunk_knows_the_characters_its_tokens_came_from(engine, harbour, prefix):
+def test_each_chunk_knows_the_characters_its_tokens_came_from(api, harbour, prefix):
     text = "Grüße — " + harbour[:600]  # multi-byte characters: one character, several byte tokens
-    result = engine.process(text)
+    result = api.process(text)
     spans = result.spans.tolist()
     assert len(spans) == result.stats.chunks and result.spans.dtype == np.int64
     assert spans[0][0] == 0 and spans[-1][1] == len(text)
     assert all(a[1] <= b[0] + 1 for a, b in pairwise(spans))  # consecutive (a split character is in both)
-    ascii_spans = engine.process(harbour[:600]).spans  # one byte, one token, one character
+    ascii_spans = api.process(harbour[:600]).spans  # one byte, one token, one character
     sizes = [CHUNK - len(prefix), *[CHUNK] * (len(ascii_spans) - 2)]
     assert (ascii_spans[:-1, 1] - ascii_spans[:-1, 0]).tolist() == sizes
 
 
-def test_spans_come_from_decoded_lengths_for_a_tokenizer_without_offsets(engine, harbour, monkeypatch):
-    with_offsets = engine.process(harbour[:600]).spans
+def test_spans_come_from_decoded_lengths_for_a_tokenizer_without_offsets(api, harbour, monkeypatch):
+    with_offsets = api.process(harbour[:600]).spans
     calls = []
     decoded_spans = engine_module._decoded_spans
     monkeypatch.setattr(engine_module, "_decoded_spans", lambda *args: calls.append(args) or decoded_spans(*args))
-    monkeypatch.setattr(type(engine.loaded.tokenizer), "is_fast", property(lambda self: False))
-    decoded = engine.process(harbour[:600]).spans
+    monkeypatch.setattr(type(api.loaded.tokenizer), "is_fast", property(lambda self: False))
+    decoded = api.process(harbour[:600]).spans
     assert len(calls) == 1
     np.testing.assert_array_equal(decoded, with_offsets)  # ASCII: a chunk's decoded length is its byte count
 
 
 @pytest.mark.parametrize("length", [300, 700])
-def test_a_texts_vector_is_made_the_way_a_documents_vector_is(engine, harbour, orchard, length):
+def test_a_texts_vector_is_made_the_way_a_documents_vector_is(api, harbour, orchard, length):
     text = harbour[:length]
-    vector = engine.embed(text)
+    vector = api.embed(text)
     assert vector.shape == (64,) and vector.dtype == np.float32
-    np.testing.assert_allclose(vector, engine.process(text).embeddings[-1], atol=1e-5)
-    assert float(vector @ engine.embed(orchard[:length])) < 0.9999  # another text, another vector
+    np.testing.assert_allclose(vector, api.process(text).embeddings[-1], atol=1e-5)
+    assert float(vector @ api.embed(orchard[:length])) < 0.9999  # another text, another vector
 
 
-def test_a_text_longer_than_a_section_is_embedded_section_by_section(engine, harbour, orchard):
+def test_a_text_longer_than_a_section_is_embedded_section_by_section(api, harbour, orchard):
     text = harbour + "\n\n" + orchard
-    result = engine.process(text)
+    result = api.process(text)
     assert result.stats.sections >= 2
-    np.testing.assert_allclose(engine.embed(text), result.embeddings[-1], atol=1e-5)
+    np.testing.assert_allclose(api.embed(text), result.embeddings[-1], atol=1e-5)
 
 
-def test_an_empty_text_is_not_embedded(engine):
+def test_an_empty_text_is_not_embedded(api):
     with pytest.raises(ValueError, match="empty or whitespace only"):
-        engine.embed(" \n")
+        api.embed(" \n")

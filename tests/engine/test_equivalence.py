@@ -18,15 +18,16 @@ import pytest
 import torch
 from cpus import fake_timings
 
-from npumoe.engine import Engine, EngineSettings, bf16_linear, load_model
-from npumoe.engine.calibrate import calibrate
-from npumoe.engine.cost import CostModel
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.experts_layout import expert_weights
-from npumoe.engine.models import moe_experts, moe_layouts
-from npumoe.engine.planner import make_plan
-from npumoe.engine.residency import MeasuredCosts
-from npumoe.engine.tiny import ARCHITECTURES
+from npumoe.engine import Engine, EngineSettings, load_model
+from npumoe.engine.calibration.calibrate import calibrate
+from npumoe.engine.calibration.planner import make_plan
+from npumoe.engine.kernels import bf16_linear
+from npumoe.engine.moe.experts_layout import expert_weights
+from npumoe.engine.moe.model_experts import moe_experts, moe_layouts
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.residency import MeasuredCosts
+from npumoe.engine.synthetic.tiny import ARCHITECTURES
 
 CHUNK = 64
 SHORT, LONG = 40, 5 * CHUNK + 17

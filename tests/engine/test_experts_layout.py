@@ -19,9 +19,9 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 from transformers.models.openai_privacy_filter.modeling_openai_privacy_filter import OpenAIPrivacyFilterExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from npumoe.engine.backends import get_backend
-from npumoe.engine.dispatch import DispatchStats, MoeLayer, StaticGroup
-from npumoe.engine.experts_layout import LayoutError, expert_weights, read_layout
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.moe.dispatch import DispatchStats, MoeLayer, StaticGroup
+from npumoe.engine.moe.experts_layout import LayoutError, expert_weights, read_layout
 
 HIDDEN, FFN, EXPERTS, TOKENS, TOP_K = 32, 16, 8, 40, 2
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from npumoe.engine.geometry import GEOMETRIES, build_layer_model, family_config, layer_experts
+from npumoe.engine.synthetic.geometry import GEOMETRIES, build_layer_model, family_config, layer_experts
 
-PUBLISHED = json.loads((Path(__file__).parents[2] / "engine" / "geometries.json").read_text())["geometries"]
+PUBLISHED = json.loads((Path(__file__).parents[2] / "engine" / "synthetic" / "geometries.json").read_text())["geometries"]
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

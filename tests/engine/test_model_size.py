@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from safetensors import safe_open
 
 from npumoe.daemon.cli.engine import model_group
-from npumoe.engine.model_size import needed_bytes, usable_bytes
-from npumoe.engine.models import fingerprint
-from npumoe.engine.quant_store import load_quantized
+from npumoe.engine.loading.model_size import needed_bytes, usable_bytes
+from npumoe.engine.loading.quant_store import load_quantized
+from npumoe.engine.loading.resolve import fingerprint
 
 pytestmark = pytest.mark.usefixtures("home")
 

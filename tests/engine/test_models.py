@@ -9,12 +9,14 @@ import torch
 from transformers import AutoModelForCausalLM, Llama4TextConfig, LlamaConfig, MiniMaxConfig
 from transformers.models.minimax.modeling_minimax import MiniMaxCache
 
-from npumoe.engine.backends import get_backend
-from npumoe.engine.models import ModelError, load_model, moe_experts, moe_layouts
-from npumoe.engine.prefill import new_cache, prefill
-from npumoe.engine.runtime import MoeRuntime
-from npumoe.engine.tiny import ARCHITECTURES, make_tiny
-from npumoe.engine.tokenizer import build_byte_tokenizer
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.errors import ModelError
+from npumoe.engine.generate.prefill import new_cache, prefill
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.moe.model_experts import moe_experts, moe_layouts
+from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
+from npumoe.engine.synthetic.tiny import ARCHITECTURES, make_tiny
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

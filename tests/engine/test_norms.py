@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from npumoe.engine import norm_kernel, norms
-from npumoe.engine.backends import get_backend
-from npumoe.engine.models import load_model
-from npumoe.engine.norm_kernel import CAST_FIRST, WEIGHT_FIRST
-from npumoe.engine.norms import CONVENTIONS, EngineNorms, EngineRMSNorm, model_norms
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach import norms
+from npumoe.engine.attach.norms import CONVENTIONS, EngineNorms, EngineRMSNorm, model_norms
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.kernels import norm_kernel
+from npumoe.engine.kernels.norm_kernel import CAST_FIRST, WEIGHT_FIRST
+from npumoe.engine.loading.load import load_model
 
 needs_kernel = pytest.mark.skipif(norm_kernel.unavailable() is not None,
                                   reason=f"the norm kernel cannot run here: {norm_kernel.unavailable()}")

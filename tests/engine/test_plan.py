@@ -11,14 +11,14 @@ from dataclasses import replace
 import pytest
 
 from npumoe.engine import Engine, EngineSettings, load_model
-from npumoe.engine.backends import get_backend
-from npumoe.engine.calibrate import Calibration, calibrate
-from npumoe.engine.cost import CostModel
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.plan import ExpertLoad, ExpertPlan, PlanError
-from npumoe.engine.planner import calibrate_plan, choose_tiers, make_plan
-from npumoe.engine.residency import MeasuredCosts
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.calibration.calibrate import Calibration, calibrate
+from npumoe.engine.calibration.planner import calibrate_plan, choose_tiers, make_plan
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.expert_plan import ExpertLoad, ExpertPlan, PlanError
+from npumoe.engine.plan.residency import MeasuredCosts
 
 
 def synthetic_calibration() -> Calibration:

@@ -9,15 +9,16 @@ import torch.nn.functional as F
 from cpus import fake_projection_timings
 from torch import nn
 
-from npumoe.engine import cpu_kernels, projections, quant_kernels, vnni_linear
-from npumoe.engine.backends import get_backend
-from npumoe.engine.cpu_kernels import PackedLinear
-from npumoe.engine.models import load_model
-from npumoe.engine.projections import ProjectionLinear, dense_projections, projection_for
-from npumoe.engine.quant_kernels import QuantLinear
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach import projections
+from npumoe.engine.attach.projections import ProjectionLinear, dense_projections, projection_for
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.kernels import float_kernels, quant_kernels, vnni_linear
+from npumoe.engine.kernels.float_kernels import PackedLinear
+from npumoe.engine.kernels.quant_kernels import QuantLinear
+from npumoe.engine.loading.load import load_model
 
-FLOAT_KERNELS = [kernel for kernel in cpu_kernels.KERNELS if kernel != "torch"]
+FLOAT_KERNELS = [kernel for kernel in float_kernels.KERNELS if kernel != "torch"]
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def counted_multiplies(monkeypatch) -> list[str]:
 
 
 def runnable(kernel: str, dtype: torch.dtype, n: int, k: int) -> bool:
-    return kernel not in cpu_kernels.unavailable_kernels(torch.empty(n, k, dtype=dtype))
+    return kernel not in float_kernels.unavailable_kernels(torch.empty(n, k, dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -117,7 +118,7 @@ def test_where_torch_measures_fastest_the_linear_stays(tiny, timed_fastest):
     model = load_model(tiny("qwen3_moe")).model
     before = {name: model.get_submodule(name) for name, _ in dense_projections(model)}
     MoeRuntime(model, get_backend("cpu"))
-    if cpu_kernels.unavailable_kernels(next(iter(before.values())).weight).keys() >= {"onednn", "npumoe-bf16"}:
+    if float_kernels.unavailable_kernels(next(iter(before.values())).weight).keys() >= {"onednn", "npumoe-bf16"}:
         assert len(timings.calls) == 0  # nothing to compare: torch is all that runs here
     else:
         assert len(timings.calls) >= 1
@@ -175,18 +176,18 @@ def test_a_choice_is_timed_once_per_machine_and_read_back_from_the_cache(monkeyp
         pytest.skip("oneDNN's packed matmul cannot run here")
     timings = timed_fastest("onednn")
     projection_for(nn.Linear(128, 64), None)
-    monkeypatch.setattr(cpu_kernels, "_choices", {})  # a new process: the file in the cache is all it has
+    monkeypatch.setattr(float_kernels, "_choices", {})  # a new process: the file in the cache is all it has
     projection = projection_for(nn.Linear(128, 64), None)
     assert len(timings.calls) == 1 and projection.kernel == "onednn"
 
 
 def test_timing_runs_each_candidate_on_this_machine(timed_fastest, monkeypatch):
     """The real timing loop: every candidate that can run is timed, and the one chosen is among them."""
-    monkeypatch.setattr(projections, "time_in_turns", cpu_kernels.time_in_turns)
+    monkeypatch.setattr(projections, "time_in_turns", float_kernels.time_in_turns)
     monkeypatch.setattr(projections, "ROWS", 32)
     linear = nn.Linear(128, 128, dtype=torch.bfloat16)
     choice, build = projections.choose_projection(linear.weight.detach(), "int8")
-    can_run = [k for k in (*cpu_kernels.KERNELS, *quant_kernels.KERNELS["int8"])
+    can_run = [k for k in (*float_kernels.KERNELS, *quant_kernels.KERNELS["int8"])
                if k not in choice.unavailable and k != "dequantize"]
     assert set(choice.seconds) == set(can_run) and choice.kernel in can_run
     assert isinstance(build(), QuantLinear if choice.kernel in quant_kernels.KERNELS["int8"] else PackedLinear)

@@ -14,10 +14,10 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from npumoe.engine import quant_store
-from npumoe.engine.geometry import family_config, parse_geometry
-from npumoe.engine.quant_store import QuantizedStoreError, load_quantized, quantize_checkpoint
-from npumoe.engine.quantize import INT4, INT8, relative_error
+from npumoe.engine.formats.quantize import INT4, INT8, relative_error
+from npumoe.engine.loading import quant_store
+from npumoe.engine.loading.quant_store import QuantizedStoreError, load_quantized, quantize_checkpoint
+from npumoe.engine.synthetic.geometry import family_config, parse_geometry
 
 # RLIMIT_AS and /proc are Linux's; macOS neither enforces the one nor has the other.
 linux = pytest.mark.skipif(sys.platform != "linux", reason="needs Linux's RLIMIT_AS and /proc")
@@ -101,7 +101,7 @@ def test_only_expert_weights_are_written_and_the_rest_is_left_in_the_checkpoint(
 
 
 def test_experts_of_weights_that_changed_since_are_refused(tmp_path):
-    from npumoe.engine.tiny import make_tiny
+    from npumoe.engine.synthetic.tiny import make_tiny
 
     make_tiny("qwen3_moe", tmp_path / "m", seed=0)
     quantize_checkpoint(tmp_path / "m", tmp_path / "q", INT8)

@@ -7,11 +7,8 @@ import torch
 import torch.nn.functional as F
 from cpus import APPLE_SILICON, CPUS, INTEL_MAC, SAPPHIRE_RAPIDS, simulate
 
-from npumoe.engine import cpu_kernels, quant_kernels
-from npumoe.engine import quantize as quantize_module
-from npumoe.engine.geometry import GEOMETRIES
-from npumoe.engine.quant_kernels import ACTIVATION_DTYPES, KERNELS, QuantLinear, choose_kernel, unavailable_kernels
-from npumoe.engine.quantize import (
+from npumoe.engine.formats import quantize as quantize_module
+from npumoe.engine.formats.quantize import (
     FORMATS,
     INT4,
     INT8,
@@ -22,6 +19,15 @@ from npumoe.engine.quantize import (
     relative_error,
     unpack_int4,
 )
+from npumoe.engine.kernels import float_kernels, quant_kernels
+from npumoe.engine.kernels.quant_kernels import (
+    ACTIVATION_DTYPES,
+    KERNELS,
+    QuantLinear,
+    choose_kernel,
+    unavailable_kernels,
+)
+from npumoe.engine.synthetic.geometry import GEOMETRIES
 
 
 def randn(*shape: int, seed: int) -> torch.Tensor:
@@ -209,7 +215,7 @@ def test_the_kernel_measured_fastest_is_chosen_and_cached_for_the_next_process(t
     choice = choose_kernel(*_experts(format), torch.bfloat16)
     runnable = tuple(kernel for kernel in KERNELS[format] if kernel not in choice.unavailable)  # AMX: the OS decides
     assert choice.kernel == fastest and calls == [runnable]
-    monkeypatch.setattr(cpu_kernels, "_choices", {})  # a new process
+    monkeypatch.setattr(float_kernels, "_choices", {})  # a new process
     assert choose_kernel(*_experts(format), torch.bfloat16) == choice
     assert len(calls) == 1
     cached, = (tmp_path / "quant-kernels").glob("*.json")
@@ -220,7 +226,7 @@ def test_the_kernel_measured_fastest_is_chosen_and_cached_for_the_next_process(t
 
 def test_real_timing_runs_every_kernel_here_single_threaded(tmp_path, monkeypatch):
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_kernels, "_choices", {})
+    monkeypatch.setattr(float_kernels, "_choices", {})
     gate_up, down = _experts(INT8, count=3)
     choice = choose_kernel(gate_up, down, torch.float32)
     assert choice.seconds.keys() == set(_kernels_here(INT8, torch.float32, gate_up[0]))

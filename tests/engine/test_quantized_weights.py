@@ -6,17 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npumoe.engine import Engine, EngineSettings, quant_kernels, vnni_linear
-from npumoe.engine.backends import get_backend
-from npumoe.engine.cpu_experts import CpuExperts
-from npumoe.engine.cpu_kernels import KernelChoice
-from npumoe.engine.dispatch import MoeLayer
-from npumoe.engine.experts_layout import CLAMPED_GLU, ExpertsLayout, ExpertWeights, expert_weights
-from npumoe.engine.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
-from npumoe.engine.models import moe_layouts
-from npumoe.engine.quant_kernels import OWN, QuantLinear
-from npumoe.engine.quantize import relative_error
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine import Engine, EngineSettings
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.formats.quantize import relative_error
+from npumoe.engine.kernels import quant_kernels, vnni_linear
+from npumoe.engine.kernels.float_kernels import KernelChoice
+from npumoe.engine.kernels.quant_kernels import OWN, QuantLinear
+from npumoe.engine.moe.cpu_experts import CpuExperts
+from npumoe.engine.moe.dispatch import MoeLayer
+from npumoe.engine.moe.experts_layout import CLAMPED_GLU, ExpertsLayout, ExpertWeights, expert_weights
+from npumoe.engine.moe.model_experts import moe_layouts
+from npumoe.engine.synthetic.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
 
 CHUNK = 128
 LAYER = parse_geometry("256x16x4x128")  # widths every quantized kernel takes

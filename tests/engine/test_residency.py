@@ -6,14 +6,15 @@ import pytest
 import torch
 
 from npumoe.engine import Engine, EngineSettings, load_model
-from npumoe.engine.backends import TorchStaticBackend, backend_class
-from npumoe.engine.calibrate import Calibration
-from npumoe.engine.cost import CostModel
-from npumoe.engine.cost_cache import CostCache
-from npumoe.engine.placement import place
-from npumoe.engine.plan import ExpertLoad, ExpertMagnitudes
-from npumoe.engine.planner import calibrate_plan, make_plan
-from npumoe.engine.residency import (
+from npumoe.engine.backends.base import TorchStaticBackend
+from npumoe.engine.backends.placement import place
+from npumoe.engine.backends.registry import backend_class
+from npumoe.engine.calibration.calibrate import Calibration
+from npumoe.engine.calibration.planner import calibrate_plan, make_plan
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.cost_cache import CostCache
+from npumoe.engine.plan.expert_plan import ExpertLoad, ExpertMagnitudes
+from npumoe.engine.plan.residency import (
     CHEAPER,
     FP16_LIMIT,
     FP16_RANGE,

@@ -6,15 +6,16 @@ import logging
 
 import torch
 
-from npumoe.engine.backends import TorchStaticBackend, get_backend
-from npumoe.engine.calibrate import Calibration
-from npumoe.engine.cost import CostModel
-from npumoe.engine.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
-from npumoe.engine.models import moe_experts
-from npumoe.engine.plan import ExpertLoad
-from npumoe.engine.planner import make_plan
-from npumoe.engine.residency import MeasuredCosts, decide_residency
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.base import TorchStaticBackend
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.calibration.calibrate import Calibration
+from npumoe.engine.calibration.planner import make_plan
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.plan.cost import CostModel
+from npumoe.engine.plan.expert_plan import ExpertLoad
+from npumoe.engine.plan.residency import MeasuredCosts, decide_residency
+from npumoe.engine.synthetic.geometry import build_layer_model, draw_routing, parse_geometry, routing_prior
 
 TINY = parse_geometry("64x8x2x32")
 GRAPHS_FREE = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)  # every group in a graph

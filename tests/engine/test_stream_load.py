@@ -15,14 +15,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from npumoe.engine import Engine, EngineSettings, stream_load
-from npumoe.engine.backends import get_backend
-from npumoe.engine.geometry import family_config, parse_geometry
-from npumoe.engine.model_size import checkpoint_tensors, model_size
-from npumoe.engine.models import fingerprint, load_model, moe_experts
-from npumoe.engine.quant_store import QuantizedReader, quantize_checkpoint, quantized_folder
-from npumoe.engine.runtime import MoeRuntime
-from npumoe.engine.tokenizer import build_byte_tokenizer
+from npumoe.engine import Engine, EngineSettings
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.loading import stream_load
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
+from npumoe.engine.loading.quant_store import QuantizedReader, quantize_checkpoint, quantized_folder
+from npumoe.engine.loading.resolve import fingerprint
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
+from npumoe.engine.synthetic.geometry import family_config, parse_geometry
 
 linux = pytest.mark.skipif(sys.platform != "linux", reason="reads the peak from Linux's /proc")
 
@@ -144,7 +147,7 @@ def test_without_quantized_files_for_this_format_the_experts_are_quantized_at_lo
 def test_a_checkpoint_the_loader_cannot_map_is_loaded_by_from_pretrained_and_the_log_says_why(tiny, caplog,
                                                                                              streamed_calls):
     folder = tiny("deepseek_v4")  # its saved names need transformers' reverse renaming, which the loader lacks
-    with caplog.at_level(logging.INFO, logger="npumoe.engine.models"):
+    with caplog.at_level(logging.INFO, logger="npumoe.engine.loading.load"):
         loaded = load_model(folder)
     assert not loaded.streamed and streamed_calls == []
     assert "not streamed tensor by tensor" in caplog.text and "not in the checkpoint" in caplog.text

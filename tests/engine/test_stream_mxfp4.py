@@ -14,13 +14,14 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from npumoe.engine import stream_load
-from npumoe.engine.auto_weights import expert_sizes
-from npumoe.engine.backends import get_backend
-from npumoe.engine.model_size import checkpoint_tensors, config_tensors, model_size
-from npumoe.engine.models import load_model, moe_experts
-from npumoe.engine.mxfp4 import dequantize_expert
-from npumoe.engine.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.formats.mxfp4 import dequantize_expert
+from npumoe.engine.loading import stream_load
+from npumoe.engine.loading.auto_weights import expert_sizes
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.loading.model_size import checkpoint_tensors, config_tensors, model_size
+from npumoe.engine.moe.model_experts import moe_experts
 
 IDS = torch.arange(3, 60)[None]
 # gpt-oss's own: attention, routers, embeddings and the head stay bf16
@@ -159,7 +160,7 @@ def test_another_quantization_method_falls_back_to_from_pretrained_and_says_whic
         raise _FellBack
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    with caplog.at_level(logging.INFO, logger="npumoe.engine.models"), pytest.raises(_FellBack):
+    with caplog.at_level(logging.INFO, logger="npumoe.engine.loading.load"), pytest.raises(_FellBack):
         load_model(folder)
     assert asked == [folder] and dequantized == []
     assert "not streamed tensor by tensor" in caplog.text and "stored quantized (fp8)" in caplog.text

@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from npumoe.engine import Engine, EngineSettings
-from npumoe.engine import engine as engine_module
-from npumoe.engine.summary import SUMMARIZE, PromptFrame, decode_from_cache, without_thinking
-from npumoe.engine.tokenizer import build_byte_tokenizer
+from npumoe.engine import api as engine_module
+from npumoe.engine.generate.summary import SUMMARIZE, PromptFrame, decode_from_cache, without_thinking
+from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
 
 # Qwen3's switch, written small: thinking stays on unless the caller says enable_thinking=False, which pre-fills
 # the assistant's turn with an empty thinking block.
@@ -113,7 +113,7 @@ def test_the_engine_asks_without_thinking_and_keeps_reasoning_out_of_the_summary
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = QWEN3_LIKE
     tokenizer.save_pretrained(folder)
-    engine = Engine.load(EngineSettings(model=str(folder), chunk_tokens=128, summary_tokens=16))
+    api = Engine.load(EngineSettings(model=str(folder), chunk_tokens=128, summary_tokens=16))
     prompts: list[list[int]] = []
     answers: list[list[int]] = []
     reasoning = tokenizer("<think>\nThe harbour text, in brief.\n</think>\n\n", add_special_tokens=False)["input_ids"]
@@ -125,7 +125,7 @@ def test_the_engine_asks_without_thinking_and_keeps_reasoning_out_of_the_summary
         return [*reasoning, *answer]
 
     monkeypatch.setattr(engine_module, "decode_from_cache", reasoning_first)
-    result = engine.process(harbour[:300])
+    result = api.process(harbour[:300])
     assert len(prompts) == 1
     assert text_of(tokenizer, prompts[0]).endswith(f"<|im_start|>assistant\n{EMPTY_THINKING}")
     assert answers[0], "the random model said nothing, so nothing was left after the reasoning"

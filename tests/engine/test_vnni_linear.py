@@ -7,9 +7,9 @@ import pytest
 import torch
 from cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
 
-from npumoe.engine import quant_kernels, vnni_linear
-from npumoe.engine.quant_kernels import AMX, OWN, QuantLinear, choose_kernel, quantize_rows, unavailable_kernels
-from npumoe.engine.quantize import FORMATS, INT4, INT8, QuantizedWeight, quantize, relative_error, unpack_int4
+from npumoe.engine.formats.quantize import FORMATS, INT4, INT8, QuantizedWeight, quantize, relative_error, unpack_int4
+from npumoe.engine.kernels import quant_kernels, vnni_linear
+from npumoe.engine.kernels.quant_kernels import AMX, OWN, QuantLinear, choose_kernel, quantize_rows, unavailable_kernels
 
 needs_kernel = pytest.mark.skipif(vnni_linear.unavailable() is not None,
                                   reason=f"no VNNI kernel here: {vnni_linear.unavailable()}")

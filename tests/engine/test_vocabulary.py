@@ -11,8 +11,9 @@ import pytest
 
 from npumoe.daemon.config import ModelConfig
 from npumoe.engine import vocabulary
-from npumoe.engine.backends import REGISTRY, BackendOptions, backend_class, get_backend
-from npumoe.engine.models import TORCH_DTYPES
+from npumoe.engine.backends.base import BackendOptions
+from npumoe.engine.backends.registry import REGISTRY, backend_class, get_backend
+from npumoe.engine.loading.load import TORCH_DTYPES
 
 
 def imported_after(code: str) -> set[str]:
@@ -26,15 +27,15 @@ def test_the_vocabulary_config_and_the_commands_load_without_torch():
     modules = imported_after("import npumoe.engine.vocabulary, npumoe.daemon.config, npumoe.daemon.cli.status_view, "
                              "npumoe.daemon.cli")
     assert "torch" not in modules
-    assert "npumoe.engine.engine" not in modules  # the package's own names load only when asked for
+    assert "npumoe.engine.api" not in modules  # the package's own names load only when asked for
 
 
 def test_the_packages_names_still_load_on_first_use():
     import npumoe.engine as package
     from npumoe.engine import Engine, EngineSettings
-    from npumoe.engine.engine import Engine as defined
+    from npumoe.engine.api import Engine as defined
 
-    assert Engine is defined and EngineSettings.__module__ == "npumoe.engine.engine"
+    assert Engine is defined and EngineSettings.__module__ == "npumoe.engine.api"
     with pytest.raises(AttributeError, match="has no attribute 'Engin'"):
         getattr(package, "Engin")  # noqa: B009 (the name is wrong on purpose)
 
@@ -60,8 +61,8 @@ def test_the_registry_holds_every_backend_the_vocabulary_names():
 
 
 def test_the_coreml_backend_is_imported_only_when_asked_for(tmp_path: Path):
-    setup = "from npumoe.engine.engine import EngineSettings\nEngineSettings(model='m', backend='torch-static')"
-    assert "npumoe.engine.coreml.backend" not in imported_after(setup)
+    setup = "from npumoe.engine.api import EngineSettings\nEngineSettings(model='m', backend='torch-static')"
+    assert "npumoe.engine.backends.coreml.backend" not in imported_after(setup)
     options = BackendOptions(compiled_dir=tmp_path, compute_units="all")
     backend = get_backend(vocabulary.COREML, options)
     assert (backend.name, backend.cache_root, backend.compute_units) == ("coreml", tmp_path, "all")

@@ -15,7 +15,7 @@ from pypdf import PdfReader
 
 from npumoe.daemon.samples import SampleDocument, sample_documents, write_samples
 from npumoe.jobs.errors import ExtractionError
-from npumoe.jobs.extract import ExtractLimits, child_failure, detect_format, extract_text
+from npumoe.jobs.extract.isolated import ExtractLimits, child_failure, detect_format, extract_text
 
 LIMITS = ExtractLimits(timeout_s=30, memory_mb=256, max_bytes=8 * 2**20, max_chars=1_000_000)
 FORMAT_OF_SUFFIX = {".txt": "text", ".md": "markdown", ".html": "html", ".pdf": "pdf", ".docx": "docx"}

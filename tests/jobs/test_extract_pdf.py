@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 from pypdf import PdfReader, PdfWriter
 
 from npumoe.jobs.errors import ExtractionError, MissingDependency
-from npumoe.jobs.extract import ExtractLimits, extract_text
+from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
 
 LIMITS = ExtractLimits(timeout_s=30, memory_mb=512, max_bytes=8 * 2**20, max_chars=1_000_000)
 PARAGRAPHS = [

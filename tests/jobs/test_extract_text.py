@@ -9,8 +9,8 @@ import pytest
 from blocked_imports import block_imports
 
 from npumoe.jobs.errors import MissingDependency
-from npumoe.jobs.extract import ExtractLimits, extract_text
-from npumoe.jobs.extract_decode import declared_charset
+from npumoe.jobs.extract.decode import declared_charset
+from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
 
 LIMITS = ExtractLimits(timeout_s=30, memory_mb=512, max_bytes=8 * 2**20, max_chars=1_000_000)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from npumoe.jobs import index as index_module
-from npumoe.jobs import sqlite
-from npumoe.jobs.index import IndexEntry, NotIndexed, OutputsUnreadable, SearchIndex, reindex, write_entry
 from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue import sqlite
+from npumoe.jobs.queue.store import Queue
+from npumoe.jobs.search import index as index_module
+from npumoe.jobs.search.index import IndexEntry, NotIndexed, OutputsUnreadable, SearchIndex, reindex, write_entry
 
 PID = 77
 MODEL = "tiny@0"

@@ -11,14 +11,7 @@ from pathlib import Path
 import pytest
 
 from npumoe.jobs import outputs
-from npumoe.jobs.outputs import (
-    move_file,
-    output_name,
-    remove_leftovers,
-    safe_stem,
-    write_file,
-    write_folder,
-)
+from npumoe.jobs.outputs import move_file, output_name, remove_leftovers, safe_stem, write_file, write_folder
 
 SHA = "0123456789abcdef" * 4
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from npumoe.jobs.passages import passage, query_terms, sentence_spans, whole_sentences
+from npumoe.jobs.search.passages import passage, query_terms, sentence_spans, whole_sentences
 
 TEXT = ("The tide came in at dusk. Boats rocked at their moorings!\n\nA gull watched the harbour wall. "
         "Nobody counted the ropes? The night was long and quiet.")

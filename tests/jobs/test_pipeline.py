@@ -22,18 +22,18 @@ import meta_fields
 import numpy as np
 import pytest
 
-from npumoe.daemon.measure import Meter
+from npumoe.daemon.energy.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
-from npumoe.engine.dispatch import DispatchStats
+from npumoe.engine.moe.dispatch import DispatchStats
 from npumoe.jobs import files, outputs, pipeline
 from npumoe.jobs.errors import ExtractionError, MissingDependency, Stop
-from npumoe.jobs.extract import ExtractLimits
+from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.files import Folders
-from npumoe.jobs.index import SearchIndex
 from npumoe.jobs.outputs import read_text, temporary_path
 from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
-from npumoe.jobs.queue import Backoff, Job, Queue
+from npumoe.jobs.queue.store import Backoff, Job, Queue
+from npumoe.jobs.search.index import SearchIndex
 
 PID = 4242
 TEXT = "A short document about queues.\n\nIt has two paragraphs, which is plenty for a stand-in engine.\n"

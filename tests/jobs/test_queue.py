@@ -21,8 +21,8 @@ from postgres_server import PostgresServer
 from sqlalchemy import create_engine, inspect, text, update
 
 from npumoe.bench.queue import run_claim_benchmark
-from npumoe.jobs.queue import BATCH, INTERACTIVE, Backoff, Queue
-from npumoe.jobs.schema import SCHEMA_VERSION, jobs, migrate, schema_version
+from npumoe.jobs.queue.schema import SCHEMA_VERSION, jobs, migrate, schema_version
+from npumoe.jobs.queue.store import BATCH, INTERACTIVE, Backoff, Queue
 
 
 class Clock:

@@ -87,7 +87,7 @@ def test_a_document_added_on_one_machine_is_processed_by_another_into_the_shared
 
 def test_status_shows_every_worker_judging_other_hosts_by_their_heartbeat(postgres: PostgresServer) -> None:
     from npumoe.daemon.cli.status_view import STALE_SECONDS, render_text, snapshot
-    from npumoe.jobs.queue import Queue
+    from npumoe.jobs.queue.store import Queue
 
     url, now = postgres.new_database(), 1_800_000_000.0
     here, there = Queue(url, home="/home/me/npumoed"), Queue(url, host="attic-mac", home="/Users/a/npumoed")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from npumoe.engine import Engine
-from npumoe.engine.models import moe_experts
+from npumoe.engine.moe.model_experts import moe_experts
 
 
 def hang_once(marker: Path) -> None:

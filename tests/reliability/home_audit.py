@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, TMP_PREFIX, output_name
-from npumoe.jobs.queue import Job, Queue
+from npumoe.jobs.queue.store import Job, Queue
 
 OUTPUT_FILES = {"summary.md", "embeddings.npy", "meta.json", OFFSETS_FILE, TEXT_FILE}
 

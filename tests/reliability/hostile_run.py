@@ -25,7 +25,7 @@ from audited_npumoed import run_audited
 from daemon_toml import daemon_toml
 from home_audit import read_jobs
 
-from npumoe.jobs.queue import Job
+from npumoe.jobs.queue.store import Job
 
 SECRET = "the secret that lives outside every inbox"
 ESCAPING_NAMES = ("up..\\..\\escape.md", "-rf --no-preserve-root.txt")

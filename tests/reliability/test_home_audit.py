@@ -12,7 +12,7 @@ import pytest
 from home_audit import audit
 
 from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, output_name, temporary_path, write_folder
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 PID = 4242
 

@@ -18,7 +18,7 @@ import pytest
 from home_audit import incomplete
 from hostile_run import ESCAPING_NAMES, FORGED_LOG_LINE, FORGING_NAME, SECRET, HostileRun
 
-from npumoe.engine.host import cache_root
+from npumoe.engine.kernels.host import cache_root
 from npumoe.jobs.outputs import TMP_PREFIX
 
 # Refused before they are queued: set aside in failed/ with a `.error.txt` that says why.

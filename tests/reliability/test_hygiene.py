@@ -18,7 +18,7 @@ from audited_npumoed import run_audited
 from daemon_toml import daemon_toml
 from hostile_run import HostileRun
 
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 
 DOCUMENT = "A short note about harbour lamps, kept so that the daemon has one thing to read.\n"
 MARKER_CODE = """

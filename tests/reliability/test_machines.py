@@ -37,7 +37,7 @@ from home_audit import incomplete
 from postgres_server import PostgresServer
 
 from npumoe.jobs.outputs import TMP_PREFIX, output_name
-from npumoe.jobs.queue import Job, Queue
+from npumoe.jobs.queue.store import Job, Queue
 
 DOCUMENTS = 1000
 DAEMONS = 3

@@ -1,0 +1,149 @@
+"""Whole-model document prefill throughput: the engine against plain transformers, side by side.
+
+A real transformers causal LM of the geometry's family, with a few layers at the real sizes and the
+family's own random initialisation, is built in memory (no download). A document of random token ids
+is prefilled in fixed chunks with the KV cache carried across them, through the engine's chunked
+prefill, once per implementation: transformers' own experts implementations, and the engine attached
+with each backend, and (`weights`) the engine's CPU path with its experts, and its dense projections where that
+measures faster, quantized. The engine's plan is calibrated on other random documents.
+
+Before timing, each implementation's final hidden states for the whole document are checked against
+transformers-eager; an exact path that misses is refused, and pruning and quantized paths are marked approximate.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.calibration.calibrate import Calibration
+from npumoe.engine.generate.prefill import new_cache, prefill
+from npumoe.engine.loading.load import TORCH_DTYPES
+from npumoe.engine.synthetic.geometry import Geometry, family_config
+from npumoe.engine.vocabulary import CPU, QUANTIZED, SPILL
+
+from .paths import EnginePath, add_ratios, calibration_from_loads, measure_impls, static_plans
+from .profile import run_profile
+
+
+@dataclass(frozen=True)
+class PrefillBenchSettings:
+    threads: int
+    layers: int = 2
+    document_tokens: int = 2048
+    chunk_tokens: int = 512
+    calibration_documents: int = 2
+    warmup: int = 1
+    repeats: int = 3
+    seed: int = 0
+    profile: bool = False  # also split the engine's CPU paths' time per part at each depth
+    weights: tuple[str, ...] = ()  # quantized formats the engine's CPU path also runs in (vocabulary.QUANTIZED)
+
+    def __post_init__(self) -> None:
+        if not set(self.weights) <= set(QUANTIZED):
+            raise ValueError(f"quantized weights must be among {', '.join(QUANTIZED)}, got {list(self.weights)}")
+        if min(self.threads, self.layers, self.document_tokens, self.chunk_tokens, self.calibration_documents,
+               self.repeats) < 1 or self.warmup < 0:
+            raise ValueError(f"every size and count must be positive (warmup >= 0), got {self}")
+        if self.chunk_tokens > self.document_tokens:
+            raise ValueError(f"chunk length {self.chunk_tokens} is longer than the document "
+                             f"({self.document_tokens} tokens)")
+
+
+def build_model(geometry: Geometry, layers: int, dtype: torch.dtype, *, context: int, seed: int) -> PreTrainedModel:
+    """The family's causal LM with `layers` layers at this geometry, randomly initialised the family's way."""
+    config = family_config(geometry, layers=layers, experts_implementation="eager",
+                           max_position_embeddings=context)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], settings: PrefillBenchSettings, *,
+                      bandwidth: float | None = None,
+                      on_result: Callable[[dict], None] | None = None) -> list[dict]:
+    """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best;
+    with `settings.profile`, also one row per (depth, part) of the engine's CPU path (`impl` "profile"),
+    its rooflines priced at `bandwidth` (bytes/s)."""
+    if settings.profile and bandwidth is None:
+        raise ValueError("a profile needs the machine's measured bandwidth")
+    unknown = [d for d in dtypes if d not in TORCH_DTYPES]
+    if unknown:
+        raise ValueError(f"dtypes must be among {', '.join(TORCH_DTYPES)}, got {unknown}")
+    results: list[dict] = []
+    with torch.inference_mode():
+        for geometry in geometries:
+            for dtype_name in dtypes:
+                model = build_model(geometry, settings.layers, TORCH_DTYPES[dtype_name],
+                                    context=settings.document_tokens, seed=settings.seed)
+                case = {"geometry": geometry.name, "layers": settings.layers, "dtype": dtype_name,
+                        "document_tokens": settings.document_tokens, "chunk_tokens": settings.chunk_tokens,
+                        "threads": settings.threads}
+                rows = _bench_model(model, geometry, settings)
+                if settings.profile:
+                    rows += [{"impl": "profile", **row} for row in _profile(model, settings, bandwidth)]
+                for row in rows:
+                    results.append({**case, **row})
+                    if on_result is not None:
+                        on_result(results[-1])
+                del model
+                gc.collect()
+    return results
+
+
+def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBenchSettings) -> list[dict]:
+    generator = torch.Generator().manual_seed(settings.seed)
+    vocab = model.config.vocab_size
+
+    def document() -> list[int]:
+        return torch.randint(vocab, (settings.document_tokens,), generator=generator).tolist()
+
+    plans = static_plans(_calibrate(model, [document() for _ in range(settings.calibration_documents)],
+                                    settings.chunk_tokens),
+                         model=geometry.name, hidden=geometry.hidden, ffn=geometry.ffn, dtype=model.dtype)
+    ids = document()
+
+    def run() -> torch.Tensor:  # (T, H) final hidden states of the whole document
+        return torch.cat(list(prefill(model, ids, settings.chunk_tokens, new_cache(model))))
+
+    rows = measure_impls(model, plans, run, tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats,
+                         weights=settings.weights)
+    return add_ratios(rows)
+
+
+def _profile(model: PreTrainedModel, settings: PrefillBenchSettings, bandwidth: float) -> list[dict]:
+    """The engine's exact CPU path (the daemon's default), then its quantized paths, on a fresh document, part by
+    part; each row names the path it profiled."""
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    ids = torch.randint(model.config.vocab_size, (settings.document_tokens,), generator=generator).tolist()
+    rows = []
+    for path in (EnginePath(CPU, SPILL), *(EnginePath(CPU, SPILL, format) for format in settings.weights)):
+        runtime = MoeRuntime(model, get_backend(CPU), quantized=path.weights)
+        try:
+            rows += [{"profiled": path.impl, **row}
+                     for row in run_profile(model, ids, settings.chunk_tokens, bandwidth=bandwidth,
+                                            experts_format=path.weights)]
+        finally:
+            runtime.detach()
+    return rows
+
+
+def _calibrate(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:
+    """Expert loads of every full chunk of `documents`, recorded on the engine's exact path."""
+    runtime = MoeRuntime(model, get_backend(CPU))
+    try:
+        with runtime.recording_loads() as loads:
+            full = []
+            for ids in documents:
+                for chunk in prefill(model, ids, chunk_tokens, new_cache(model)):
+                    full.append(chunk.shape[0] == chunk_tokens)
+    finally:
+        runtime.detach()
+    return calibration_from_loads([(name, torch.stack(calls)[torch.tensor(full)])
+                                   for name, calls in zip(runtime.names, loads, strict=True)],
+                                  chunk_tokens=chunk_tokens, source=f"{len(documents)} random-token documents")

@@ -1,0 +1,1 @@
+"""What the machine can spare: power and thermal state, keeping awake, process priority, CPU measurement."""

@@ -1,0 +1,175 @@
+"""Which model the daemon runs, and holding it: loaded on first use, unloaded after an idle spell.
+
+`[model] name` is "demo" (the built-in tiny Qwen3-MoE checkpoint, made once under the home's
+models/ folder), a local checkpoint folder, or a Hugging Face id that the engine looks up in the
+local HF cache (downloading only when `allow_download` is set).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from npumoe.engine.vocabulary import COREML
+from npumoe.jobs.errors import ModelUnavailable
+from npumoe.jobs.outputs import temporary_path
+
+from .config import Config
+from .home import Home
+
+if TYPE_CHECKING:
+    from npumoe.engine import Engine, EngineSettings
+
+log = logging.getLogger(__name__)
+
+DEMO = "demo"
+DEMO_ARCH = "qwen3_moe"
+
+
+class ModelNotFound(ValueError):
+    """A model name that is neither "demo", an existing folder, nor shaped like a Hugging Face id."""
+
+
+def resolve_model(name: str, models_dir: Path) -> str:
+    """The path or Hugging Face id the engine should load for the configured `name`."""
+    if name == DEMO:
+        return str(demo_model(models_dir))
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path.resolve())
+    if name.startswith(("/", ".", "~")) or path.exists():
+        raise ModelNotFound(f"model folder {name} does not exist (or is not a folder)")
+    return name
+
+
+def demo_model_dir(models_dir: Path) -> Path:
+    return models_dir / f"{DEMO}-{DEMO_ARCH}"
+
+
+def demo_model(models_dir: Path) -> Path:
+    """The built-in tiny random-weight MoE checkpoint, made on first use; its summaries are not meaningful."""
+    target = demo_model_dir(models_dir)
+    if (target / "config.json").is_file():
+        return target
+    from npumoe.engine.synthetic.tiny import make_tiny
+
+    log.info("making the built-in demo model (tiny %s, random weights) in %s", DEMO_ARCH, target)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    tmp = temporary_path(models_dir, DEMO)
+    try:
+        make_tiny(DEMO_ARCH, tmp, seed=0)
+        os.rename(tmp, target)  # all at once: a half-written checkpoint never sits under the real name
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def backend_description(backend: str) -> str:
+    """The configured backend as `status` shows it: and where its graphs run, when that is not its device."""
+    if backend == COREML:
+        from npumoe.engine.backends.coreml.env import coreml_availability
+
+        available, reason = coreml_availability()
+        if not available:
+            return f"{backend} (graphs through torch: {reason})"
+    return backend
+
+
+def engine_settings(config: Config, home: Home, *, threads: int | None) -> EngineSettings:
+    """The engine's settings from the config's [model] section, the model name resolved."""
+    from npumoe.engine import EngineSettings
+
+    m = config.model
+    return EngineSettings(
+        model=resolve_model(m.name, home.models),
+        backend=m.backend,
+        plan=Path(m.plan).expanduser() if m.plan else None,
+        chunk_tokens=m.chunk_tokens,
+        overflow=m.overflow,
+        weights=m.weights,
+        threads=threads,
+        trust_remote_code=m.trust_remote_code,
+        allow_download=m.allow_download,
+        summary_tokens=m.summary_tokens,
+        section_tokens=m.section_tokens,
+        compiled_dir=home.compiled,
+        coreml_compute_units=m.coreml_compute_units,
+        costs_dir=home.costs,
+        models_dir=home.models,
+    )
+
+
+def load_engine(settings: EngineSettings) -> Engine:
+    from npumoe.engine import Engine
+
+    return Engine.load(settings)
+
+
+@dataclass
+class ModelSlot:
+    """The daemon's one model. `load` (the pipeline's way in) loads it once; `unload_if_idle` lets it go."""
+
+    config: Config
+    home: Home
+    threads: int | None = None
+    loader: Callable[[EngineSettings], Engine] = load_engine
+    clock: Callable[[], float] = time.monotonic
+    loads: int = 0
+
+    def __post_init__(self) -> None:
+        self._engine: Engine | None = None
+        self._settings: EngineSettings | None = None
+        self._last_used = self.clock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._engine is not None
+
+    @property
+    def settings(self) -> EngineSettings:
+        if self._settings is None:
+            self._settings = engine_settings(self.config, self.home, threads=self.threads)
+        return self._settings
+
+    def load(self) -> Engine:
+        self._last_used = self.clock()
+        if self._engine is None:
+            started = time.perf_counter()
+            try:
+                self._engine = self.loader(self.settings)
+            except Exception as e:
+                self._settings = None  # resolve again next time: the folder may appear, the demo be made
+                raise ModelUnavailable(f"{self.config.model.name}: {e}") from e
+            self.loads += 1
+            log.info(
+                "loaded model %s (%s backend) in %.1f s",
+                self.settings.model,
+                self.settings.backend,
+                time.perf_counter() - started,
+            )
+        return self._engine
+
+    def touch(self) -> None:
+        """The model was just used: the idle clock starts again."""
+        self._last_used = self.clock()
+
+    def unload_if_idle(self) -> bool:
+        idle = self.clock() - self._last_used
+        if self._engine is None or idle < self.config.model.idle_unload_seconds:
+            return False
+        log.info("unloading the model after %.0f s idle", idle)
+        self.unload()
+        return True
+
+    def unload(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = None
+        gc.collect()  # the weights are only freed once the last reference cycle is broken

@@ -1,0 +1,64 @@
+"""Placing a plan on a backend here: measure the backend's costs for the plan, cache them, decide residency.
+
+Costs are measured once per backend, machine and plan and kept in a `CostCache` (the daemon's is its
+home's `costs/`), so a daemon start reads them instead of timing again. A backend with a device of
+its own also times each compiled group graph there and reads where its ops run; those figures go into
+the same file. A backend whose graphs run through torch here (Core ML off macOS) is measured as torch
+runs them, and says so: its residency is decided again where its device exists.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..moe.experts_layout import ExpertsLayout, ExpertWeights, expert_weights
+from ..moe.model_experts import moe_layouts
+from ..plan.cost_cache import CostCache, machine
+from ..plan.expert_plan import ExpertPlan
+from ..plan.residency import MeasuredCosts, Residency, decide_residency, group_key
+from ..vocabulary import TORCH_STATIC
+from .base import Backend, GroupSpec
+
+
+def plan_experts(plan: ExpertPlan, model: nn.Module) -> list[tuple[ExpertWeights, ExpertsLayout]]:
+    """The model's experts weights (in the engine's form) and layout for each plan layer, in plan order."""
+    modules = {name: (module, layout) for name, module, layout in moe_layouts(model)}
+    missing = [layer.name for layer in plan.layers if layer.name not in modules]
+    if missing:
+        raise ValueError(f"the model has no MoE layer {missing[0]}, which the plan names")
+    return [(expert_weights(*modules[layer.name]), modules[layer.name][1]) for layer in plan.layers]
+
+
+@torch.inference_mode()
+def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCosts:
+    """Time `backend`'s graphs and the exact CPU path at the model's expert geometry, and each group graph the
+    backend can time on its device (every group calibration saw load for)."""
+    experts = plan_experts(plan, model)
+    first = experts[0][0]
+    hidden, ffn = first.hidden, first.ffn
+    cost = backend.measure_costs(hidden, ffn, first.down.dtype, plan.group_size)
+    candidates = decide_residency(plan, backend)
+    specs = {}
+    for i, (layer, placements) in enumerate(zip(plan.layers, candidates.layers, strict=True)):
+        for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
+            if placement.accelerator:
+                weights, layout = experts[i]
+                specs[group_key(i, g)] = GroupSpec(weights.select(group.experts), layout, placement.capacity,
+                                                   placement.scale)
+    fallback = backend.fallback_reason()
+    measured_on = f"{TORCH_STATIC if fallback else backend.name} on {machine()}"
+    return MeasuredCosts(cost=cost, hidden=hidden, ffn=ffn, measured_on=measured_on, groups=backend.time_groups(specs),
+                         fallback=fallback)
+
+
+def place(plan: ExpertPlan, backend: Backend, model: nn.Module, cache: CostCache | None) -> Residency:
+    """`plan`'s residency on `backend` here: from the cached costs when there are, else measured now (and cached)."""
+    if not backend.static:
+        return decide_residency(plan, backend)
+    costs = cache.get(backend.name, plan) if cache is not None else None
+    if costs is None:
+        costs = measure(plan, backend, model)
+        if cache is not None:
+            cache.put(backend.name, plan, costs)
+    return decide_residency(plan, backend, costs)

@@ -1,0 +1,1 @@
+"""Chunked prefill, summaries decoded from the prefilled cache, and the measured chunk length."""

@@ -1,0 +1,210 @@
+"""The matmul kernels that run quantized expert weights (quantize.py) on the CPU, chosen by timing on this machine.
+
+int8 weights run through one of
+- "npumoe-int8-dynamic": the engine's own kernel (vnni_linear: x86-64 with AVX512-VNNI), which rounds each row
+  of x to int8 inside the call and multiplies bytes with VNNI dot products over weights packed for it;
+- "npumoe-int8-amx-dynamic": the same on AMX-INT8 tiles, 16 rows at a time (Intel Xeons from Sapphire Rapids);
+- "onednn-dynamic": each row of x rounded to int8 with its own scale, times the int8 weights in oneDNN's
+  prepacked layout (VNNI or AMX-INT8 dot products where the CPU has them; x86 with oneDNN only);
+- "int-mm-dynamic": the same rounding of x, through torch's `_int_mm` (int8 x int8 -> int32);
+- "int8pack": torch's weight-only `_weight_int8pack_mm` (x stays float; the weights widen inside the kernel);
+- "dequantize": the float weight rebuilt each call and a float matmul (runs anywhere, the slowest).
+int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x rounded to int8 as above, the
+4-bit codes widened to bytes in registers), torch's `_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked
+for it; output widths a multiple of 16) or "dequantize".
+
+The dynamic kernels round the activations too, so they sit further from the dequantized reference than the
+weight-only ones (on a real-geometry layer with random weights: 2.7 % against 1.4 % relative error).
+
+The engine's own kernels also run a whole silu-gated expert (gate-up, silu(gate)·up, down) in one native call
+(`silu_glu_ffn`), the intermediate values in float32 inside it; the others run the two matmuls with the gate
+between them in torch.
+
+As for the float kernels (cpu_kernels), the features say only what can run (`unavailable_kernels`); the first
+layer of each format, activation dtype and expert shape times those that can, on a whole silu-gated expert, and
+keeps the fastest, cached per CPU model, torch version and this module's source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.quantize import INT4, INT8, QuantizedWeight, check_format, quantize, unpack_int4
+from . import vnni_linear
+from .float_kernels import _X86, ROWS, ChoiceCache, KernelChoice, _rotated, choose_measured, time_in_turns
+
+OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
+AMX = "npumoe-int8-amx-dynamic"
+FUSED = (*OWN.values(), AMX)  # the kernels that run a whole silu-gated expert in one call
+SILU = ("silu", "swish")  # transformers' names (ACT2FN) for silu
+KERNELS = {INT8: (OWN[INT8], AMX, "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
+           INT4: (OWN[INT4], "int4pack", "dequantize")}
+ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
+_INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
+_INT4PACK_GROUPS = (32, 64, 128, 256)
+_CACHE = ChoiceCache("quant-kernels", (Path(__file__), vnni_linear.KERNEL.source))
+
+
+def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeight) -> dict[str, str]:
+    """The kernels of `format` that cannot run these weights with `dtype` activations here, each with why."""
+    check_format(format)
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
+    reasons = {}
+    cannot_take = {why for w in weights if (why := vnni_linear.unsupported(w)) is not None}
+    if cannot_take:
+        reasons[OWN[format]] = "; ".join(sorted(cannot_take))
+    elif (why := vnni_linear.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
+        reasons[OWN[format]] = why
+    if format == INT8:
+        if OWN[INT8] in reasons:
+            reasons[AMX] = reasons[OWN[INT8]]
+        elif (why := vnni_linear.amx_unavailable()) is not None:
+            reasons[AMX] = why
+        if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in _X86:
+            reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
+    elif any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
+        reasons["int4pack"] = (f"it needs output widths that are a multiple of {_INT4PACK_WIDTH} and groups of "
+                               f"{', '.join(map(str, _INT4PACK_GROUPS))}")
+    return reasons
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x as int8 codes and its float32 scale (n, 1): x ≈ codes · scale, symmetric; x times the scale's
+    reciprocal, rounded to nearest even (as the engine's own kernels round)."""
+    scale = x.abs().amax(dim=1, keepdim=True).float().div_(127).clamp_min_(torch.finfo(torch.float32).tiny)
+    return torch.round(x.float() * scale.reciprocal()).to(torch.int8), scale
+
+
+class QuantLinear:
+    """y = x · ŵᵀ for one quantized (N, K) weight ŵ, held in the layout `kernel` reads, for `dtype` activations:
+    the call contract of cpu_kernels.PackedLinear, (n, K) -> (n, N)."""
+
+    def __init__(self, weight: QuantizedWeight, kernel: str, dtype: torch.dtype) -> None:
+        if kernel not in KERNELS[weight.format]:
+            raise ValueError(f"{weight.format} kernel must be one of {', '.join(KERNELS[weight.format])}, "
+                             f"got {kernel!r}")
+        if dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
+        self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
+        self.nbytes = weight.nbytes
+        if kernel in (OWN[weight.format], AMX):
+            self._packed = vnni_linear.pack(weight)
+        elif kernel == "dequantize":
+            self._weight = weight
+        elif kernel == "onednn-dynamic":
+            self._codes = torch.ops.onednn.qlinear_prepack(weight.codes, None)
+            self._scale = weight.scale.float()
+            self._zeros = torch.zeros(self.shape[0], dtype=torch.int64)
+        elif kernel == "int-mm-dynamic":
+            self._codes_t = weight.codes.T  # (K, N), the second operand's shape
+            self._scale = weight.scale.float()
+        elif kernel == "int8pack":
+            self._codes = weight.codes
+            self._scale = weight.scale.to(dtype)
+        else:  # int4pack
+            self._codes = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(weight.codes).int(), 1)
+            self._group = weight.group
+            self._scales_zeros = torch.stack((weight.scale.T, weight.zero.T), dim=-1).to(dtype).contiguous()
+
+    @classmethod
+    def from_float(cls, w: torch.Tensor, format: str, kernel: str, dtype: torch.dtype | None = None) -> QuantLinear:
+        """A float (N, K) weight quantized to `format`, for activations of `dtype` (w's dtype by default)."""
+        return cls(quantize(w, format), kernel, dtype or w.dtype)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """(n, K) -> (n, N) in x's dtype, written into `out` when given."""
+        self._check(x)
+        if self.kernel in FUSED:
+            return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
+        y = self._product(x)
+        return y if out is None else out.copy_(y)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.dtype != self.dtype or x.ndim != 2 or x.shape[1] != self.shape[1]:
+            raise ValueError(f"quantized linear for {self.dtype} rows of width {self.shape[1]}, got {x.dtype} "
+                             f"{tuple(x.shape)}")
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "dequantize":
+            return F.linear(x, self._weight.dequantize(self.dtype))
+        if self.kernel == "int8pack":
+            return torch.ops.aten._weight_int8pack_mm(x.contiguous(), self._codes, self._scale)
+        if self.kernel == "int4pack":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self._codes, self._group,
+                                                              self._scales_zeros)
+        codes, row_scale = quantize_rows(x)
+        if self.kernel == "onednn-dynamic":
+            y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, self._codes, self._scale, self._zeros, None, 1.0, 0,
+                                                   torch.float32, "none", [], "")
+        else:
+            y = torch._int_mm(codes, self._codes_t).float().mul_(self._scale)
+        return y.mul_(row_scale).to(self.dtype)
+
+
+def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """(n, K) rows through a silu-gated expert: silu(gate)·up from `gate_up` (gate rows first), through `down`, into
+    `out` when given; one native call on the engine's own kernels."""
+    if gate_up.kernel != down.kernel or gate_up.dtype != down.dtype:
+        raise ValueError(f"an expert's projections need one kernel and dtype, got {gate_up.kernel} {gate_up.dtype} "
+                         f"and {down.kernel} {down.dtype}")
+    if gate_up.kernel not in FUSED:
+        gate, up = gate_up(x).chunk(2, dim=-1)
+        return down(F.silu(gate) * up, out)
+    gate_up._check(x)
+    return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)
+
+
+def shape_class(format: str, dtype: torch.dtype, hidden: int, ffn: int) -> str:
+    """The key a choice is kept under: the format, the activations' dtype and an expert's sizes."""
+    return f"{format} {str(dtype).removeprefix('torch.')} activations hidden {hidden} ffn {ffn}"
+
+
+def choose_kernel(gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight],
+                  dtype: torch.dtype) -> KernelChoice:
+    """The fastest kernel here for experts of these quantized weights (gate-up (2I, H) and down (H, I) per
+    expert) with `dtype` activations: timed on them at first use on this machine, then read from the cache."""
+    format = gate_up[0].format
+    unavailable = unavailable_kernels(format, dtype, *gate_up, *down)
+    candidates = [kernel for kernel in KERNELS[format] if kernel not in unavailable]
+    if len(candidates) == 1:
+        return KernelChoice(candidates[0], {}, unavailable)
+    key = shape_class(format, dtype, *down[0].shape)
+    return choose_measured(key, candidates, unavailable, lambda: time_kernels(candidates, gate_up, down, dtype),
+                           _CACHE)
+
+
+def choose_for_shape(hidden: int, ffn: int, format: str, dtype: torch.dtype) -> KernelChoice:
+    """The choice for experts of these sizes, timed on random weights if this machine has none yet."""
+    check_format(format)
+    experts = _rotated(3 * hidden * ffn * (1 if format == INT8 else 2))
+    generator = torch.Generator().manual_seed(0)
+    gate_up = [quantize(torch.randn(2 * ffn, hidden, generator=generator), format) for _ in range(experts)]
+    down = [quantize(torch.randn(hidden, ffn, generator=generator), format) for _ in range(experts)]
+    return choose_kernel(gate_up, down, dtype)
+
+
+def time_kernels(kernels: Sequence[str], gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight],
+                 dtype: torch.dtype) -> dict[str, float]:
+    """Median seconds of one silu-gated expert (`silu_glu_ffn`) on ROWS rows, for each kernel, timed in turns over a
+    few experts' real weights packed for each."""
+    count = min(len(gate_up), _rotated(gate_up[0].nbytes + down[0].nbytes))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, gate_up[0].shape[1], generator=generator).to(dtype)
+    packed = {kernel: [(QuantLinear(gate_up[e], kernel, dtype), QuantLinear(down[e], kernel, dtype))
+                       for e in range(count)] for kernel in kernels}
+
+    def run(kernel: str, expert: int) -> None:
+        silu_glu_ffn(*packed[kernel][expert], x)
+
+    return time_in_turns(kernels, count, run)
+
+
+def cached_choices() -> dict[str, KernelChoice]:
+    """Every quantized-kernel choice this machine has cached, by shape class."""
+    return _CACHE.choices()

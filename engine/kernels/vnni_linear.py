@@ -1,0 +1,230 @@
+"""The engine's own int8 and int4 matmuls for x86-64 CPUs with AVX512-VNNI, built from vnni_linear.c at first use.
+
+Why its own: torch's quantized kernels cannot beat the float kernels at the row counts an expert sees in prefill.
+oneDNN's dynamic int8 matmul needs x rounded by half a dozen separate torch ops first, and torch's int4 matmul
+widens the weights to float; this kernel rounds x inside the call and multiplies bytes with VNNI dot products,
+reading weights packed as one in-order stream per block of 64 output columns (int8's in runs that are AMX tiles).
+
+Activations are rounded per row to int8 (absmax / 127, as quant_kernels.quantize_rows), so results are the
+dequantized reference's up to that rounding; for int8, a row with outlier features that this rounds by more than
+3 % (relative L2) takes a second row of codes for what the first missed (below). Weights of any output width are
+padded to whole blocks (and int8's inputs to whole 64s); int4 needs groups of a multiple of 16 along K. int8 also
+runs on AMX-INT8 tiles where the CPU has them (`linear(..., amx=True)`, after `amx_unavailable()` says None), over
+the same packed weights.
+`silu_glu_expert` runs a whole gated expert (gate-up, silu(gate)·up, down) in one call, its intermediate values in
+float32 and never leaving the kernel. The second level of codes keeps rows with outlier features: the outliers of
+trained models (a few channels tens of times the rest) then cost an int8 expert about what plain rows do (measured
+on a qwen3-30b-a3b-size expert with 10 channels 20x: 2.3 % relative error where one level gives 7.9 %; the
+weights' own rounding is 1.4 %). Only such rows pay for the second level's arithmetic.
+
+It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
+quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with
+its own packing and the same `pack`/`linear` contract.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import platform
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
+from .native import NativeKernel
+
+BLOCK = 64  # output columns per packed weight block, as in vnni_linear.c
+INT4_GROUP_MULTIPLE = 16  # the kernel sums x codes per group 16 at a time
+# int32 sums of (x + 128) · w: 255 · 127 a product, so K up to 2^31 / 32385 inputs cannot overflow
+MAX_IN_FEATURES = 65536
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A quantized (N, K) weight in the kernel's layout (see vnni_linear.c):
+    int8: codes (N64/64, K64/64, 4, 16, 16, 4) int8 (per block of 64 columns and chunk of 64 inputs, four runs of 16
+    columns, each 16 quads of inputs x 16 columns x 4: an AMX tile), sums (N64,) int32 (Σ_k of each column's codes),
+    scale (N64,) float32;
+    int4: codes (N64/64, K/8, 64, 4) uint8 nibble pairs, scale and zero (N64/64, K/group, 64) bfloat16."""
+
+    format: str
+    shape: tuple[int, int]
+    codes: torch.Tensor
+    scale: torch.Tensor
+    sums: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+    group: int = 0
+
+
+def unsupported(weight: QuantizedWeight) -> str | None:
+    """Why the kernel cannot take this weight, or None."""
+    k = weight.shape[1]
+    if k > MAX_IN_FEATURES:
+        return f"its int32 sums need inputs of at most {MAX_IN_FEATURES}, not {k}"
+    if weight.format == INT4 and weight.group % INT4_GROUP_MULTIPLE:
+        return f"it needs int4 groups that are a multiple of {INT4_GROUP_MULTIPLE}, not {weight.group}"
+    return None
+
+
+def pack(weight: QuantizedWeight) -> PackedWeight:
+    """The weight in the kernel's layout, padded to whole blocks of 64 outputs (the padding's scale is 0)."""
+    if (why := unsupported(weight)) is not None:
+        raise ValueError(f"the VNNI kernel cannot take this {weight.format} weight {weight.shape}: {why}")
+    n, k = weight.shape
+    pad_n = -n % BLOCK
+    if weight.format == INT8:
+        codes = F.pad(weight.codes, (0, -k % 64, 0, pad_n))  # whole AMX tiles of 64 inputs
+        blocks, chunks = codes.shape[0] // BLOCK, codes.shape[1] // 64
+        # (block, column run, column, chunk, quad, 4) -> (block, chunk, column run, quad, column, 4)
+        packed = codes.reshape(blocks, 4, 16, chunks, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous()
+        return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, pad_n)).contiguous(),
+                            sums=codes.sum(dim=1, dtype=torch.int32))
+    codes = F.pad(unpack_int4(weight.codes), (0, 0, 0, pad_n))  # (N64, K) codes 0..15
+    blocks = codes.shape[0] // BLOCK
+    octets = codes.reshape(blocks, BLOCK, k // 8, 2, 4)  # [..., 0, :] low nibbles, [..., 1, :] high
+    nibbles = (octets[..., 0, :] | (octets[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N64/64, G, 64)
+        return F.pad(t.to(torch.bfloat16), (0, 0, 0, pad_n)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+
+    return PackedWeight(INT4, (n, k), nibbles, per_block(weight.scale), zero=per_block(weight.zero),
+                        group=weight.group)
+
+
+def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None, *,
+           amx: bool = False) -> torch.Tensor:
+    """(m, K) float32 or bf16 rows times a packed (N, K) weight -> (m, N) in x's dtype, into `out` when given (rows
+    may be strided); int8 on AMX tiles with `amx`."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if out is None:
+        out = x.new_empty(m, n)
+    _check_rows(f"{packed.format} linear", x, out, packed.shape)
+    if not m:
+        return out
+    bf16 = int(x.dtype == torch.bfloat16)
+    library = KERNEL.library()
+    if _kind(packed.format, amx) == _INT8_AMX:
+        failed = library.npumoe_linear_int8_amx(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
+                                                packed.sums.data_ptr(), packed.scale.data_ptr(), n, k,
+                                                out.data_ptr(), out.stride(0))
+    elif packed.format == INT8:
+        failed = library.npumoe_linear_int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
+                                            packed.sums.data_ptr(), packed.scale.data_ptr(), n, k, out.data_ptr(),
+                                            out.stride(0))
+    else:
+        failed = library.npumoe_linear_int4(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
+                                            packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, n, k,
+                                            out.data_ptr(), out.stride(0))
+    if failed:
+        raise MemoryError(f"the VNNI {packed.format} kernel could not allocate {m} rows of scratch")
+    return out
+
+
+def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: torch.Tensor | None = None, *,
+                    amx: bool = False) -> torch.Tensor:
+    """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
+    packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given; int8 on AMX tiles with `amx`."""
+    m, k = x.shape
+    n, inter = down.shape
+    if up.format != down.format or up.shape != (2 * inter, k):
+        raise ValueError(f"a gated expert needs gate-up (2I, K) and down (N, I) weights of one format, got "
+                         f"{up.format} {up.shape} and {down.format} {down.shape}")
+    if out is None:
+        out = x.new_empty(m, n)
+    _check_rows(f"{up.format} expert", x, out, (n, k))
+    if not m:
+        return out
+    library = KERNEL.library()
+    kind = _kind(up.format, amx)
+    failed = library.npumoe_silu_glu_expert(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), kind,
+                                            ctypes.byref(_native(up)), ctypes.byref(_native(down)), out.data_ptr(),
+                                            out.stride(0))
+    if failed:
+        raise MemoryError(f"the VNNI {up.format} expert could not allocate {m} rows of scratch")
+    return out
+
+
+class _Weight(ctypes.Structure):
+    """vnni_linear.c's struct npumoe_weight: one packed weight's tensors and sizes."""
+
+    _fields_ = [("codes", ctypes.c_void_p), ("sums", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+def _native(packed: PackedWeight) -> _Weight:
+    def address(t: torch.Tensor | None) -> int | None:
+        return None if t is None else t.data_ptr()
+
+    return _Weight(packed.codes.data_ptr(), address(packed.sums), packed.scale.data_ptr(), address(packed.zero),
+                   packed.group, *packed.shape)
+
+
+_INT8_VNNI, _INT8_AMX, _INT4_VNNI = range(3)  # vnni_linear.c's kinds of kernel
+
+
+def _kind(format: str, amx: bool) -> int:
+    """vnni_linear.c's number for the kernel that runs `format`, after checking that AMX can take it."""
+    if amx:
+        why = "it takes int8 weights" if format != INT8 else amx_unavailable()
+        if why is not None:
+            raise ValueError(f"the AMX kernel cannot run this: {why}")
+        return _INT8_AMX
+    return _INT8_VNNI if format == INT8 else _INT4_VNNI
+
+
+def _check_rows(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int]) -> None:
+    """Refuse x and out unless they are (m, K) and (m, N) float32 or bf16 rows of one dtype, unit-stride, for a
+    product of shape (N, K)."""
+    m, k = x.shape
+    if (x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype or k != shape[1]
+            or out.shape != (m, shape[0]) or x.stride(1) != 1 or out.stride(1) != 1):
+        raise ValueError(f"VNNI {what}: x {x.dtype} {tuple(x.shape)}, weight {shape}, out {out.dtype} "
+                         f"{tuple(out.shape)}; float32 or bf16 rows, unit-stride")
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot run the kernel, or None when it can."""
+    return KERNEL.unavailable()
+
+
+def amx_unavailable() -> str | None:
+    """Why int8 cannot run on AMX tiles here, or None when it can."""
+    if (why := unavailable()) is not None:
+        return why
+    if not torch.cpu._is_amx_tile_supported():
+        return "this CPU lacks AMX-INT8 tiles"
+    if not _amx_granted(KERNEL.library()):
+        return "the operating system did not grant this process AMX tile state"
+    return None
+
+
+@functools.cache
+def _amx_granted(library: ctypes.CDLL) -> bool:
+    """Whether the OS gave this process AMX tile state (asked once per loaded library)."""
+    return library.npumoe_amx_init() == 0
+
+
+def unsupported_cpu() -> str | None:
+    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the VNNI kernel is for x86-64 CPUs, this is {platform.machine()}"
+    if not torch.cpu._is_vnni_supported():
+        return "this CPU lacks AVX512-VNNI"
+    return None
+
+
+_POINTER, _SIZE, _FLAG = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+KERNEL = NativeKernel(
+    "vnni_linear", "the VNNI int8/int4 kernel",
+    {"npumoe_linear_int8": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _POINTER,
+                            _SIZE),
+     "npumoe_linear_int8_amx": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE,
+                                _POINTER, _SIZE),
+     "npumoe_amx_init": (),
+     "npumoe_linear_int4": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
+                            _POINTER, _SIZE),
+     "npumoe_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE)},
+    unsupported_cpu, restype=ctypes.c_int)

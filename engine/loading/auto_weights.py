@@ -1,0 +1,118 @@
+"""`weights = "auto"`: the weights format the machine decides.
+
+The fastest float dtype measured here (float_kernels: one expert's matmuls timed in each dtype's fastest kernel;
+bf16 wins where the CPU has it natively, fp32 where bf16 is emulated), unless the model would not fit this
+machine's memory in it (model_size's rule: the weights' bytes with their run overhead against what the machine
+leaves the daemon); then the first smaller format that fits, from bf16 through int8 to int4 (the least rounding
+that fits), and int4 when none does.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import torch
+
+from ..kernels import bf16_linear, float_kernels
+from ..vocabulary import BF16, FP32, INT4, INT8
+from .model_size import ModelSize, Tensor, checkpoint_tensors, model_size, needed_bytes, usable_bytes
+
+_FLOATS = {FP32: torch.float32, BF16: torch.bfloat16}
+# This machine's float timings, by expert size, beside the kernel choices they were made with (whose sources they
+# depend on: an edited kernel is timed again).
+_CACHE = float_kernels.ChoiceCache("auto-weights", (bf16_linear.SOURCE,))
+_GIB = 2**30
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    weights: str
+    reason: str  # one line: what was measured and compared
+    fits: bool = True  # False: not even the smallest format fits this machine's memory
+
+
+def choose_model_weights(model: str, *, allow_download: bool = False,
+                         trust_remote_code: bool = False) -> tuple[str, WeightsChoice]:
+    """(the model's name, the format `auto` stands for) for a local folder or a Hugging Face id (ModelError when
+    it cannot be found)."""
+    from .resolve import model_folder
+
+    checkpoint, name = model_folder(model, allow_download=allow_download, trust_remote_code=trust_remote_code)
+    return name, choose_weights(checkpoint)
+
+
+def choose_weights(checkpoint: Path, total_memory: int | None = None) -> WeightsChoice:
+    """The format `auto` stands for when loading `checkpoint` on this machine (with `total_memory` bytes of RAM,
+    this machine's by default)."""
+    tensors = checkpoint_tensors(checkpoint)
+    hidden, ffn = expert_sizes(checkpoint, tensors)
+    seconds = float_seconds(hidden, ffn)
+    fastest = min(seconds, key=seconds.__getitem__)
+    timing = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in seconds.items())
+    size = model_size(tensors)
+    usable = usable_bytes(total_memory if total_memory is not None else psutil.virtual_memory().total)
+    if _fits(size, fastest, usable):
+        return WeightsChoice(fastest, f"{fastest}, the fastest float dtype measured here per expert ({timing}); "
+                                      f"needs {_gib(size, fastest)} of {usable / _GIB:.1f} GiB usable")
+    smaller = sorted((f for f in (BF16, INT8, INT4) if _bytes(size, f) < _bytes(size, fastest)),
+                     key=lambda f: -_bytes(size, f))
+    chosen = next((f for f in smaller if _fits(size, f, usable)), INT4)
+    fits = _fits(size, chosen, usable)
+    return WeightsChoice(chosen, f"{chosen}: {fastest}, the fastest float dtype here ({timing}), needs "
+                                 f"{_gib(size, fastest)}, more than the {usable / _GIB:.1f} GiB usable; {chosen} "
+                                 f"needs {_gib(size, chosen)} and "
+                                 f"{'fits' if fits else 'does not fit either, the smallest format there is'}", fits)
+
+
+def expert_sizes(checkpoint: Path, tensors: Sequence[Tensor]) -> tuple[int, int]:
+    """(hidden, ffn) of one routed expert: the model's hidden size, and the smaller side of its expert weights that
+    is not it (whatever the family names them: down_proj, w2, ...; stored either way round)."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    hidden = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
+    # fused (E, out, in) expert tensors too (gpt-oss saves them so), which model_size does not count as experts
+    sides = [side for t in tensors if t.expert or (".experts." in t.name and len(t.shape) == 3
+                                                   and not t.name.endswith("bias")) for side in t.shape[-2:]]
+    if not hidden or not sides:
+        raise ValueError(f"{checkpoint}: no hidden size or routed expert weights to time the float kernels on")
+    return hidden, min((side for side in sides if side != hidden), default=hidden)
+
+
+def float_seconds(hidden: int, ffn: int) -> dict[str, float]:
+    """Seconds of one expert of these sizes in each float format's fastest kernel here: measured the first time on
+    this machine, then read from the user cache (so that auto costs a load nothing after the first, and decides
+    the same way every time)."""
+    key = f"hidden {hidden} ffn {ffn}"
+    cached = _CACHE.get(key, {})
+    if cached is not None and cached.seconds.keys() == _FLOATS.keys():
+        return cached.seconds
+    seconds = {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()}
+    _CACHE.remember(key, float_kernels.KernelChoice(min(seconds, key=seconds.__getitem__), seconds, {}))
+    return seconds
+
+
+def expert_seconds(hidden: int, ffn: int, dtype: torch.dtype) -> float:
+    """Seconds of one expert's matmuls in `dtype`'s fastest kernel here (measured once per machine, cached)."""
+    choice = float_kernels.choose_for_shape(hidden, ffn, dtype)
+    if choice.seconds:
+        return choice.seconds[choice.kernel]
+    # only one kernel runs here: nothing was compared, so time it on its own
+    generator = torch.Generator().manual_seed(0)
+    gate_up = torch.randn(1, 2 * ffn, hidden, generator=generator).to(dtype)
+    down = torch.randn(1, hidden, ffn, generator=generator).to(dtype)
+    return float_kernels.time_kernels([choice.kernel], gate_up, down)[choice.kernel]
+
+
+def _bytes(size: ModelSize, format: str) -> int:
+    return size.formats[format].total_bytes
+
+
+def _fits(size: ModelSize, format: str, usable: int) -> bool:
+    return needed_bytes(_bytes(size, format)) <= usable
+
+
+def _gib(size: ModelSize, format: str) -> str:
+    return f"{needed_bytes(_bytes(size, format)) / _GIB:.1f} GiB"

@@ -1,0 +1,292 @@
+"""Quantized experts on disk: written from a checkpoint one tensor at a time, read back memory-mapped.
+
+`quantize_checkpoint` reads each safetensors file of a checkpoint with safetensors' `safe_open` (memory-mapped)
+and writes, per file, a safetensors file of its routed experts' weights quantized (quantize.py), streaming: the
+output header is known from the input's before any weight is read, so each quantized tensor goes to disk as
+soon as it is made. Nothing is held but the tensor at hand and its codes.
+
+Only the experts are written. The other tensors (embeddings, attention, norms, routers, shared experts) are
+referenced in the original checkpoint, not copied: the quantized experts are of no use without it (its config
+and tokenizer too), and copying them would double the disk the non-expert part takes. The manifest records the
+checkpoint's folder and fingerprint, and `load_quantized` refuses experts made from other weights.
+
+Expert weights are recognised by name, as checkpoints store them one expert at a time: a 2-D `…weight` under
+`experts.<index>.`, the (out, in) layout of a linear layer (Qwen2/3-MoE, Mixtral, OLMoE, PhiMoE, DeepSeek,
+GLM-4 MoE). Fused 3-D expert tensors (GraniteMoE, gpt-oss) stay in the original, unquantized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+from ..formats.quantize import INT4, INT4_GROUP, INT8, QuantizedWeight, check_format, int4_fits, quantize
+from . import tensor_reader
+from .resolve import fingerprint
+from .tensor_reader import TensorFile, TensorFileError
+
+MANIFEST = "quantization.json"
+VERSION = 1
+_EXPERT_WEIGHT = re.compile(r"(^|\.)experts\.\d+\.[^.]+\.weight$")
+_FLOATS = {"F32", "F16", "BF16"}
+_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+class QuantizedStoreError(ValueError):
+    """Quantized experts that cannot be made or used (a bad checkpoint, a stale or damaged store)."""
+
+
+def is_expert_weight(name: str, shape: list[int], dtype: str, *, format: str = INT8,
+                     group: int = INT4_GROUP) -> bool:
+    """Whether a checkpoint tensor is a routed expert's linear weight that `format` can hold."""
+    if not (_EXPERT_WEIGHT.search(name) and len(shape) == 2 and dtype in _FLOATS):
+        return False
+    return format != INT4 or int4_fits(shape[1], group)
+
+
+def read_header(path: Path) -> dict[str, dict]:
+    """A safetensors file's header: {name: {"dtype", "shape", "data_offsets"}} (and "__metadata__"), read
+    without touching its tensors."""
+    try:
+        return tensor_reader.read_header(path)
+    except TensorFileError as e:
+        raise QuantizedStoreError(str(e)) from e
+
+
+def quantized_folder(models: Path, checkpoint: Path, fingerprint: str, format: str) -> Path:
+    """Where the home keeps a checkpoint's experts quantized to `format`: under models/quantized/, by the
+    checkpoint's folder name and its weights' fingerprint (other weights, another folder)."""
+    return models / "quantized" / f"{checkpoint.name}-{fingerprint}" / format
+
+
+def _quantized_shapes(shape: list[int], format: str, group: int) -> dict[str, tuple[torch.dtype, list[int]]]:
+    n, k = shape
+    if format == INT8:
+        return {"codes": (torch.int8, [n, k]), "scale": (torch.float32, [n])}
+    groups = [n, k // group]
+    return {"codes": (torch.uint8, [n, k // 2]), "scale": (torch.bfloat16, groups), "zero": (torch.bfloat16, groups)}
+
+
+@dataclass(frozen=True)
+class QuantizeReport:
+    target: Path
+    experts: int  # weights quantized
+    kept: int  # tensors left in the original
+    source_bytes: int  # the experts' bytes in the checkpoint
+    quantized_bytes: int
+
+
+def quantize_checkpoint(source: Path, target: Path, format: str, *, group: int = INT4_GROUP,
+                        progress: Callable[[int, int], None] | None = None) -> QuantizeReport:
+    """Write `source`'s expert weights quantized to `format` into the folder `target` (replaced whole once
+    complete), one tensor at a time; `progress(done, total)` after each."""
+    check_format(format)
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise QuantizedStoreError(f"{source}: no safetensors files to quantize")
+    headers = {path.name: read_header(path) for path in files}
+    plans = {name: {tensor: entry for tensor, entry in header.items() if tensor != "__metadata__"
+                    and is_expert_weight(tensor, entry["shape"], entry["dtype"], format=format, group=group)}
+             for name, header in headers.items()}
+    total = sum(map(len, plans.values()))
+    if not total:
+        raise QuantizedStoreError(f"{source}: no routed expert weights found (expected 2-D tensors named "
+                                  "…experts.<index>.<name>.weight)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    done = source_bytes = quantized_bytes = 0
+    try:
+        for path in files:
+            plan = plans[path.name]
+            if not plan:
+                continue
+            with safe_open(str(path), framework="pt") as reader:
+                layout = {f"{tensor}.{part}": spec for tensor, entry in plan.items()
+                          for part, spec in _quantized_shapes(entry["shape"], format, group).items()}
+                with _SafetensorsWriter(partial / path.name, layout, {"format": format}) as writer:
+                    for tensor in plan:
+                        weight = reader.get_tensor(tensor)
+                        source_bytes += weight.numel() * weight.element_size()
+                        quantized = quantize(weight, format, group=group)
+                        del weight
+                        for part, value in quantized.tensors().items():
+                            writer.write(f"{tensor}.{part}", value)
+                        quantized_bytes += quantized.nbytes
+                        done += 1
+                        if progress:
+                            progress(done, total)
+        kept = sum(len(h) - ("__metadata__" in h) for h in headers.values()) - total
+        manifest = {"version": VERSION, "format": format, "group": group if format == INT4 else None,
+                    "source": str(source.resolve()), "fingerprint": fingerprint(source),
+                    "files": {name: sorted(plan) for name, plan in plans.items() if plan}}
+        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(partial, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return QuantizeReport(target, total, kept, source_bytes, quantized_bytes)
+
+
+class _SafetensorsWriter:
+    """A safetensors file written tensor by tensor: the header, from the layout given, goes first; each tensor
+    must then come in the layout's order, with the shape and dtype it announced."""
+
+    def __init__(self, path: Path, layout: dict[str, tuple[torch.dtype, list[int]]], metadata: dict[str, str]):
+        self.path, self.layout = path, layout
+        header: dict[str, object] = {"__metadata__": metadata}
+        offset = 0
+        for name, (dtype, shape) in layout.items():
+            size = int(np.prod(shape)) * dtype.itemsize
+            header[name] = {"dtype": _NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+            offset += size
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # tensors start 8-byte aligned
+        self._order: Iterator[str] = iter(layout)
+        self._file = path.open("wb")
+        self._file.write(struct.pack("<Q", len(encoded)) + encoded)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        expected = next(self._order, None)
+        dtype, shape = self.layout[name]
+        if name != expected or tensor.dtype != dtype or list(tensor.shape) != shape:
+            raise QuantizedStoreError(f"{self.path}: {name} {tensor.dtype} {list(tensor.shape)} is not the next "
+                                      f"tensor announced ({expected})")
+        self._file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+
+    def __enter__(self) -> _SafetensorsWriter:
+        return self
+
+    def __exit__(self, *failure: object) -> None:
+        self._file.close()
+        if failure[0] is None and next(self._order, None) is not None:
+            raise QuantizedStoreError(f"{self.path}: written before every announced tensor came")
+
+
+@dataclass(frozen=True)
+class QuantizedExperts:
+    """A checkpoint's quantized expert weights, by their name in the checkpoint, memory-mapped from disk."""
+
+    format: str
+    source: Path
+    weights: dict[str, QuantizedWeight]
+
+
+def load_quantized(target: Path, source: Path | None = None) -> QuantizedExperts:
+    """The quantized experts in `target`, their tensors memory-mapped (read from disk as they are used); refused
+    if `source` (by default the checkpoint they were made from) no longer holds the weights they were made from."""
+    format, files, source = _checked_manifest(target, source)
+    weights = {}
+    for name, tensors in files.items():
+        held = _mapped(target / name)
+        for tensor in tensors:
+            weights[tensor] = _weight(format, tensor, held)
+    return QuantizedExperts(format, source, weights)
+
+
+class QuantizedReader:
+    """Quantized experts read one weight at a time into memory of their own (tensor_reader), for loading a model:
+    the experts are packed from them, and a map of the files would count in the process beside the packed copy."""
+
+    def __init__(self, target: Path, source: Path | None = None) -> None:
+        self.target = target
+        self.format, files, self.source = _checked_manifest(target, source)
+        self._file_of = {tensor: name for name, tensors in files.items() for tensor in tensors}
+        self._open: dict[str, TensorFile] = {}
+
+    def __contains__(self, tensor: str) -> bool:
+        return tensor in self._file_of
+
+    def weight(self, tensor: str) -> QuantizedWeight:
+        """The quantized weight of checkpoint tensor `tensor`."""
+        name = self._file_of[tensor]
+        if name not in self._open:
+            self._open[name] = TensorFile(self.target / name)
+        held = self._open[name]
+        try:
+            return _weight(self.format, tensor, _Parts(held))
+        except TensorFileError as e:
+            raise QuantizedStoreError(f"{self.target}: {e}") from e
+
+    def close(self) -> None:
+        for file in self._open.values():
+            file.close()
+        self._open.clear()
+
+
+class _Parts:
+    """The stored parts of one quantized tensor in an open file, read when asked for."""
+
+    def __init__(self, file: TensorFile) -> None:
+        self.file = file
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.file.header
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.file.read(key)
+
+
+def find_quantized(models: Path, checkpoint: Path, format: str) -> QuantizedReader | None:
+    """The experts `npumoed model quantize` wrote for this checkpoint in `format` under the home's `models`
+    folder, or None when there are none for its current weights."""
+    target = quantized_folder(models, checkpoint, fingerprint(checkpoint), format)
+    if not (target / MANIFEST).is_file():
+        return None
+    reader = QuantizedReader(target, checkpoint)
+    if reader.format != format:
+        raise QuantizedStoreError(f"{target}: holds {reader.format} experts, not {format}; quantize again")
+    return reader
+
+
+def _checked_manifest(target: Path, source: Path | None) -> tuple[str, dict[str, list[str]], Path]:
+    """(format, {file: tensors}, checkpoint) of the quantized experts in `target`, refused if the checkpoint
+    (`source`, by default the one named in the manifest) no longer holds the weights they were made from."""
+    try:
+        manifest = json.loads((target / MANIFEST).read_text())
+        format, files = manifest["format"], manifest["files"]
+        source = Path(source or manifest["source"])
+        if manifest["version"] != VERSION:
+            raise QuantizedStoreError(f"{target}: quantized with format version {manifest['version']}, this "
+                                      f"engine reads {VERSION}; quantize again")
+        check_format(format)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        if isinstance(e, QuantizedStoreError):
+            raise
+        raise QuantizedStoreError(f"{target}: no readable quantized experts ({e})") from e
+    if not (source / "config.json").is_file() or fingerprint(source) != manifest["fingerprint"]:
+        raise QuantizedStoreError(f"{target}: made from other weights than those now in {source}; quantize again")
+    return format, files, source
+
+
+def _weight(format: str, tensor: str, held: dict[str, torch.Tensor] | _Parts) -> QuantizedWeight:
+    """One quantized weight from its stored parts ("<tensor>.codes", ".scale", ".zero") in `held`."""
+    parts = {part: held[f"{tensor}.{part}"] for part in ("codes", "scale", "zero") if f"{tensor}.{part}" in held}
+    return QuantizedWeight.from_tensors(format, parts)
+
+
+def _mapped(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, as views of one copy-on-write memory map of it."""
+    header = read_header(path)
+    with path.open("rb") as file:
+        (size,) = struct.unpack("<Q", file.read(8))
+    data = torch.from_numpy(np.memmap(path, dtype=np.uint8, mode="c", offset=8 + size))
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        tensors[name] = data[begin:end].view(_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+    return tensors

@@ -1,0 +1,3 @@
+"""Synthetic models for the demo, benchmarks and tests: tiny random checkpoints, a byte tokenizer, real geometries.
+The engine's core never imports this package.
+"""

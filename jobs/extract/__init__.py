@@ -1,0 +1,1 @@
+"""Text extraction, isolated in a child process with limits, and the document formats it reads."""

@@ -1,0 +1,1 @@
+"""The search index: passages, their vectors and words, in the home's database."""

@@ -1,0 +1,361 @@
+"""The search index: every done document's chunk and document vectors, and its chunks' words.
+
+It lives in the home's SQLite database beside the queue, and a document enters it in the transaction
+that marks its job done (`Queue.complete(on_done=...)`), so the two never disagree. Its tables:
+
+    search_models         one row per model whose vectors are indexed: vectors of two models never mix
+    search_documents      one row per done job: output folder, source, the summary's first line
+    search_chunks         one row per chunk: its document and its [start, end) characters in the text
+    search_words          FTS5 over each chunk's whole sentences; contentless, as the text stays in the outbox
+    search_chunk_vectors_<m>, search_document_vectors_<m>   sqlite-vec vec0 tables of model m, cosine
+
+Everything here is built from an output folder (`IndexEntry.read`), so `reindex` rebuilds exactly
+what the daemon wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..outputs import OFFSETS_FILE, TMP_PREFIX, read_text
+from ..queue import sqlite
+from .passages import query_terms, sentence_spans, whole_sentences
+
+# A chunk's score, in [0, 1]: half how close its vector is to the query's (cosine similarity), a quarter how much
+# of the query's words its sentences hold (their IDF-weighted share), a quarter whether they hold the query word
+# for word. The words decide where the vectors cannot (see README, Search).
+COSINE_WEIGHT, WORDS_WEIGHT, PHRASE_WEIGHT = 0.5, 0.25, 0.25
+CANDIDATES = 100  # chunks taken from each of the two searches before scoring, at least
+MAX_KNN = 4096  # sqlite-vec's limit on k
+
+TABLES = [
+    """CREATE TABLE IF NOT EXISTS search_models (
+        id INTEGER PRIMARY KEY, model_key TEXT NOT NULL UNIQUE, dim INTEGER NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS search_documents (
+        job_id INTEGER PRIMARY KEY, model_id INTEGER NOT NULL REFERENCES search_models (id),
+        output_dir TEXT NOT NULL UNIQUE, source TEXT NOT NULL, summary TEXT NOT NULL)""",
+    """CREATE TABLE IF NOT EXISTS search_chunks (
+        id INTEGER PRIMARY KEY, job_id INTEGER NOT NULL REFERENCES search_documents (job_id),
+        ordinal INTEGER NOT NULL, start INTEGER, "end" INTEGER)""",
+    "CREATE INDEX IF NOT EXISTS search_chunks_job ON search_chunks (job_id)",
+    """CREATE VIRTUAL TABLE IF NOT EXISTS search_words USING fts5(
+        text, content='', contentless_delete=1, tokenize='unicode61 remove_diacritics 2')""",
+]
+
+
+class OutputsUnreadable(ValueError):
+    """An output folder whose files cannot be indexed (missing, or not what the daemon writes)."""
+
+
+@dataclass(frozen=True)
+class IndexEntry:
+    """What the index holds of one document, read from its output folder."""
+
+    job_id: int
+    model_key: str
+    output_dir: str
+    source: str
+    summary: str  # the summary's first line
+    chunks: np.ndarray  # float32 (n, dim)
+    document: np.ndarray  # float32 (dim,)
+    spans: np.ndarray | None  # int64 (n, 2) character offsets; None for outputs from before they were kept
+    text: str | None  # the extracted text; None likewise
+
+    @classmethod
+    def read(cls, folder: Path) -> IndexEntry:
+        try:
+            meta = json.loads((folder / "meta.json").read_bytes())
+            rows = np.load(folder / "embeddings.npy").astype(np.float32)
+            spans = np.load(folder / OFFSETS_FILE) if (folder / OFFSETS_FILE).exists() else None
+            summary = (folder / "summary.md").read_text()
+            text = read_text(folder)
+            job_id, model_key, source = int(meta["job_id"]), str(meta["model_key"]), str(meta["source"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise OutputsUnreadable(f"{folder}: {e}") from e
+        if rows.ndim != 2 or len(rows) < 2:
+            raise OutputsUnreadable(f"{folder}: embeddings.npy holds {rows.shape}, not chunk rows and a document row")
+        if spans is not None and spans.shape != (len(rows) - 1, 2):
+            raise OutputsUnreadable(f"{folder}: {OFFSETS_FILE} holds {spans.shape}, not one span per chunk")
+        return cls(job_id, model_key, str(folder), source, _first_summary_line(summary), rows[:-1], rows[-1],
+                   spans, text)
+
+
+def _first_summary_line(markdown: str) -> str:
+    """summary.md is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
+    body = markdown.split("\n\n", 2)[2:]
+    lines = body[0].strip().splitlines() if body else []
+    return lines[0] if lines else ""
+
+
+def create_tables(conn: sqlite.Connection) -> None:
+    for statement in TABLES:
+        conn.execute(statement)
+
+
+def write_entry(conn: sqlite.Connection, entry: IndexEntry) -> None:
+    """Index one document, replacing what its job, or an earlier job whose folder it took over, had there."""
+    create_tables(conn)
+    model_id = _model_id(conn, entry.model_key, entry.chunks.shape[1])
+    replaced = conn.execute("SELECT job_id FROM search_documents WHERE job_id = ? OR output_dir = ?",
+                            (entry.job_id, entry.output_dir)).fetchall()
+    for (job_id,) in replaced:
+        _remove(conn, job_id)
+    conn.execute("INSERT INTO search_documents (job_id, model_id, output_dir, source, summary) VALUES (?, ?, ?, ?, ?)",
+                 (entry.job_id, model_id, entry.output_dir, entry.source, entry.summary))
+    chunk_ids = []
+    for ordinal in range(len(entry.chunks)):
+        span = entry.spans[ordinal].tolist() if entry.spans is not None else [None, None]
+        chunk_ids.append(conn.execute('INSERT INTO search_chunks (job_id, ordinal, start, "end") VALUES (?, ?, ?, ?)',
+                                      (entry.job_id, ordinal, *span)).lastrowid)
+    conn.executemany(f"INSERT INTO search_chunk_vectors_{model_id} (rowid, embedding) VALUES (?, ?)",
+                     [(i, row.tobytes()) for i, row in zip(chunk_ids, entry.chunks, strict=True)])
+    conn.execute(f"INSERT INTO search_document_vectors_{model_id} (rowid, embedding) VALUES (?, ?)",
+                 (entry.job_id, entry.document.tobytes()))
+    if entry.text is not None and entry.spans is not None:
+        sentences = sentence_spans(entry.text)
+        words = [entry.text[slice(*whole_sentences(sentences, a, b))] for a, b in entry.spans.tolist()]
+        conn.executemany("INSERT INTO search_words (rowid, text) VALUES (?, ?)", zip(chunk_ids, words, strict=True))
+
+
+def _model_id(conn: sqlite.Connection, model_key: str, dim: int) -> int:
+    found = conn.execute("SELECT id, dim FROM search_models WHERE model_key = ?", (model_key,)).fetchone()
+    if found is not None:
+        if found[1] != dim:
+            raise OutputsUnreadable(f"{model_key} is indexed at {found[1]} dimensions, this document has {dim}")
+        return found[0]
+    model_id = conn.execute("INSERT INTO search_models (model_key, dim) VALUES (?, ?)", (model_key, dim)).lastrowid
+    for kind in ("chunk", "document"):
+        conn.execute(f"CREATE VIRTUAL TABLE search_{kind}_vectors_{model_id} "
+                     f"USING vec0(embedding float[{dim}] distance_metric=cosine)")
+    return model_id
+
+
+def _remove(conn: sqlite.Connection, job_id: int) -> None:
+    (model_id,) = conn.execute("SELECT model_id FROM search_documents WHERE job_id = ?", (job_id,)).fetchone()
+    chunk_ids = [(i,) for (i,) in conn.execute("SELECT id FROM search_chunks WHERE job_id = ?", (job_id,))]
+    conn.executemany(f"DELETE FROM search_chunk_vectors_{model_id} WHERE rowid = ?", chunk_ids)
+    conn.executemany("DELETE FROM search_words WHERE rowid = ?", chunk_ids)
+    conn.execute("DELETE FROM search_chunks WHERE job_id = ?", (job_id,))
+    conn.execute(f"DELETE FROM search_document_vectors_{model_id} WHERE rowid = ?", (job_id,))
+    conn.execute("DELETE FROM search_documents WHERE job_id = ?", (job_id,))
+
+
+@dataclass(frozen=True)
+class Reindexed:
+    documents: int
+    skipped: list[str]  # output folders that could not be read, with the reason
+
+
+@contextmanager
+def _writing(database: Path) -> Iterator[sqlite.Connection]:
+    """A connection to `database` inside one write transaction: committed when the block ends, rolled back when
+    it raises."""
+    conn = sqlite.connect(database)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        yield conn
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    finally:
+        conn.close()
+
+
+def write_local(database: Path, entry: IndexEntry) -> None:
+    """Index one document in this machine's own database, in a transaction of its own: what a worker does when
+    the queue lives elsewhere (a shared PostgreSQL queue), so each machine's index holds the documents it made."""
+    with _writing(database) as conn:
+        write_entry(conn, entry)
+
+
+def reindex(database: Path, outbox: Path) -> Reindexed:
+    """Drop the index and build it again from every output folder, in one transaction: a search meanwhile sees
+    the old index whole, then the new one."""
+    documents, skipped = 0, []
+    with _writing(database) as conn:
+        _drop_tables(conn)
+        create_tables(conn)
+        for folder in sorted(outbox.iterdir()):
+            if not folder.is_dir() or folder.name.startswith(TMP_PREFIX):
+                continue
+            try:
+                write_entry(conn, IndexEntry.read(folder))
+                documents += 1
+            except OutputsUnreadable as e:
+                skipped.append(str(e))
+    return Reindexed(documents, skipped)
+
+
+def _drop_tables(conn: sqlite.Connection) -> None:
+    """Drop every search_ table: the virtual ones first, which take their shadow tables with them."""
+    names = [name for (name,) in conn.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name LIKE 'search\\_%' ESCAPE '\\' "
+        "ORDER BY sql NOT LIKE 'CREATE VIRTUAL%'")]
+    for name in names:
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (name,)).fetchone():
+            conn.execute(f'DROP TABLE "{name}"')
+
+
+# -- reading -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Document:
+    job_id: int
+    source: str
+    output_dir: str
+    summary: str
+
+
+@dataclass(frozen=True)
+class ChunkHit:
+    chunk_id: int
+    ordinal: int
+    start: int | None
+    end: int | None
+    score: float
+    cosine: float
+    words: float  # the IDF-weighted share of the query's words that the chunk's sentences hold
+    phrase: bool  # whether they hold the query word for word
+
+
+@dataclass(frozen=True)
+class DocumentHits:
+    document: Document
+    chunks: list[ChunkHit]  # best first
+
+    @property
+    def score(self) -> float:
+        return self.chunks[0].score
+
+
+@dataclass(frozen=True)
+class Neighbour:
+    document: Document
+    score: float  # cosine similarity of the document vectors
+
+
+class NotIndexed(LookupError):
+    """Nothing to search: no document of this model, or the document asked about, is in the index."""
+
+
+class SearchIndex:
+    """Reads the index (read-only): the best chunks for a query, and a document's nearest documents."""
+
+    def __init__(self, database: Path) -> None:
+        self.conn = sqlite.connect(database, read_only=True)
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def models(self) -> dict[str, int]:
+        """model_key -> number of documents indexed with it."""
+        if not self._exists("search_models"):
+            return {}
+        return dict(self.conn.execute(
+            "SELECT m.model_key, count(d.job_id) FROM search_models m "
+            "LEFT JOIN search_documents d ON d.model_id = m.id GROUP BY m.id"))
+
+    def search(self, model_key: str, vector: np.ndarray, query: str, k: int) -> list[DocumentHits]:
+        """The k best chunks for the query among the documents of `model_key`, grouped by document in order of
+        their best chunk. `vector` is the query embedded by that model (`Engine.embed`)."""
+        model_id = self._model(model_key)
+        vector = np.asarray(vector, dtype=np.float32)
+        candidates = max(CANDIDATES, 4 * k)
+        cosines = dict(self.conn.execute(
+            f"SELECT rowid, 1 - distance FROM search_chunk_vectors_{model_id} WHERE embedding MATCH ? AND k = ?",
+            (vector.tobytes(), min(candidates, MAX_KNN))))
+        words, phrase = self._lexical(model_id, query, candidates)
+        for chunk_id in (words.keys() | phrase) - cosines.keys():
+            (blob,) = self.conn.execute(f"SELECT embedding FROM search_chunk_vectors_{model_id} WHERE rowid = ?",
+                                        (chunk_id,)).fetchone()
+            cosines[chunk_id] = _cosine(np.frombuffer(blob, dtype=np.float32), vector)
+        scores = {i: COSINE_WEIGHT * cos + WORDS_WEIGHT * words.get(i, 0.0) + PHRASE_WEIGHT * (i in phrase)
+                  for i, cos in cosines.items()}
+        grouped: dict[int, list[ChunkHit]] = {}
+        for chunk_id in sorted(scores, key=lambda i: (-scores[i], i))[:k]:
+            job_id, ordinal, start, end = self.conn.execute(
+                'SELECT job_id, ordinal, start, "end" FROM search_chunks WHERE id = ?', (chunk_id,)).fetchone()
+            grouped.setdefault(job_id, []).append(ChunkHit(
+                chunk_id, ordinal, start, end, scores[chunk_id], cosines[chunk_id], words.get(chunk_id, 0.0),
+                chunk_id in phrase))
+        return [DocumentHits(self.document(job_id), hits) for job_id, hits in grouped.items()]
+
+    def _lexical(self, model_id: int, query: str, candidates: int) -> tuple[dict[int, float], set[int]]:
+        """For the chunks of this model that match the query's words best: chunk id -> the IDF-weighted share of
+        the query's words it holds; and the chunks that hold the query word for word.
+
+        IDF as BM25 has it, ln(1 + (N - n + 0.5) / (n + 0.5)) over all N indexed chunks: a word in every chunk
+        weighs almost nothing, a rare one a lot."""
+        terms = query_terms(query)
+        if not terms or not self._exists("search_words"):
+            return {}, set()
+        of_model = ("SELECT w.rowid FROM search_words w JOIN search_chunks c ON c.id = w.rowid "
+                    "JOIN search_documents d ON d.job_id = c.job_id WHERE search_words MATCH ? AND d.model_id = ? "
+                    "ORDER BY bm25(search_words) LIMIT ?")
+        phrase = {i for (i,) in self.conn.execute(of_model, (_quoted(query), model_id, candidates))}
+        terms = [_quoted(term) for term in terms]
+        found = [i for (i,) in self.conn.execute(of_model, (" OR ".join(terms), model_id, candidates))]
+        if not found:
+            return {}, phrase
+        total = self.conn.execute("SELECT count(*) FROM search_chunks").fetchone()[0]
+        weights = [math.log(1 + (total - n + 0.5) / (n + 0.5)) for n in (
+            self.conn.execute("SELECT count(*) FROM search_words WHERE search_words MATCH ?", (t,)).fetchone()[0]
+            for t in terms)]
+        marks = ",".join("?" * len(found))
+        shares = dict.fromkeys(found, 0.0)
+        holding = f"SELECT rowid FROM search_words WHERE search_words MATCH ? AND rowid IN ({marks})"
+        for term, weight in zip(terms, weights, strict=True):
+            for (chunk_id,) in self.conn.execute(holding, (term, *found)):
+                shares[chunk_id] += weight / sum(weights)
+        return shares, phrase
+
+    def similar(self, job_id: int, k: int) -> list[Neighbour]:
+        """The k documents of the same model nearest to document `job_id`'s vector: itself first."""
+        row = self._exists("search_documents") and self.conn.execute(
+            "SELECT model_id FROM search_documents WHERE job_id = ?", (job_id,)).fetchone()
+        if not row:
+            raise NotIndexed(f"job {job_id} is not in the search index (not done, or run `npumoed reindex`)")
+        (model_id,) = row
+        (blob,) = self.conn.execute(f"SELECT embedding FROM search_document_vectors_{model_id} WHERE rowid = ?",
+                                    (job_id,)).fetchone()
+        found = self.conn.execute(
+            f"SELECT rowid, 1 - distance FROM search_document_vectors_{model_id} WHERE embedding MATCH ? AND k = ?",
+            (blob, min(k, MAX_KNN))).fetchall()
+        return [Neighbour(self.document(other), score) for other, score in found]
+
+    def document(self, job_id: int) -> Document:
+        row = self.conn.execute("SELECT job_id, source, output_dir, summary FROM search_documents WHERE job_id = ?",
+                                (job_id,)).fetchone()
+        if row is None:
+            raise NotIndexed(f"job {job_id} is not in the search index")
+        return Document(*row)
+
+    def _model(self, model_key: str) -> int:
+        row = self._exists("search_models") and self.conn.execute(
+            "SELECT id FROM search_models WHERE model_key = ?", (model_key,)).fetchone()
+        if not row:
+            indexed = ", ".join(self.models()) or "none"
+            raise NotIndexed(f"no documents are indexed for model {model_key} (indexed models: {indexed})")
+        return row[0]
+
+    def _exists(self, table: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM sqlite_master WHERE name = ?", (table,)).fetchone() is not None
+
+
+def _quoted(text: str) -> str:
+    """`text` as one FTS5 phrase: its own tokenizer splits it into words, which must follow one another."""
+    return '"' + text.replace('"', '""') + '"'
+
+
+def _cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
