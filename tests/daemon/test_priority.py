@@ -78,7 +78,7 @@ def test_background_priority_reaches_every_thread_old_and_new() -> None:
     script = textwrap.dedent("""
         import json, os, threading, psutil
         from npumoe.daemon.config import CpuConfig
-        from npumoe.daemon.priority import apply_background_priority
+        from npumoe.daemon.energy.priority import apply_background_priority
 
         def state():
             tid = threading.get_native_id()

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from npumoe.engine.synthetic.geometry import GEOMETRIES, build_layer_model, family_config, layer_experts
 
-PUBLISHED = json.loads((Path(__file__).parents[2] / "engine" / "synthetic" / "geometries.json").read_text())["geometries"]
+GEOMETRIES_FILE = Path(__file__).parents[2] / "engine" / "synthetic" / "geometries.json"
+PUBLISHED = json.loads(GEOMETRIES_FILE.read_text())["geometries"]
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -42,7 +42,7 @@ _CHILD = textwrap.dedent("""
     import json, resource, sys
     from pathlib import Path
     import torch
-    from npumoe.engine.quant_store import quantize_checkpoint
+    from npumoe.engine.loading.quant_store import quantize_checkpoint
     torch.set_num_threads(1)
     source, target, format, headroom, checkpoint_bytes = sys.argv[1:]
     mapped = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize:"))) * 1024

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from npumoe.engine import Engine, EngineSettings
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
-from npumoe.engine.loading import stream_load
+from npumoe.engine.loading import load, stream_load
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
 from npumoe.engine.loading.quant_store import QuantizedReader, quantize_checkpoint, quantized_folder
@@ -47,7 +47,7 @@ def streamed_calls(monkeypatch) -> list[str]:
         calls.append(path.name)
         return model
 
-    monkeypatch.setattr(stream_load, "stream_model", counting)
+    monkeypatch.setattr(load, "stream_model", counting)  # where load_model calls it
     return calls
 
 
@@ -161,7 +161,7 @@ def test_a_checkpoint_the_loader_cannot_map_is_loaded_by_from_pretrained_and_the
 _CHILD = textwrap.dedent("""
     import json, sys
     import psutil, torch
-    from npumoe.engine.models import load_model
+    from npumoe.engine.loading.load import load_model
     torch.set_num_threads(1)
     before = psutil.Process().memory_info().rss
     loaded = load_model(sys.argv[1], dtype="bfloat16", pack=True)
