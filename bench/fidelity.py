@@ -20,7 +20,7 @@ from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.calibration.calibrate import Calibration, calibrate
 from npumoe.engine.calibration.planner import DEFAULT_GROUP_SIZE, make_plan
 from npumoe.engine.generate.prefill import new_cache, prefill, windows
-from npumoe.engine.kernels.timing import median_seconds
+from npumoe.engine.kernels.choice import median_seconds
 from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.plan.cost_cache import machine

@@ -12,8 +12,8 @@ import psutil
 import torch
 
 from npumoe.engine.kernels import bf16_linear
+from npumoe.engine.kernels.choice import median_seconds
 from npumoe.engine.kernels.host import cpu_flags, cpu_model
-from npumoe.engine.kernels.timing import median_seconds
 
 # CPU features that decide how fast bf16 matmuls can run on x86 (AVX512-BF16 dot products, AMX tiles).
 BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")

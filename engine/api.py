@@ -200,7 +200,7 @@ class Engine:
             self.chunk_tokens = settings.chunk_tokens
         else:
             self.chunk_choice = measured_chunk_tokens(loaded.model, loaded.key, section_tokens=self._section_tokens,
-                                                      threads=torch.get_num_threads(), folder=settings.costs_dir)
+                                                      threads=torch.get_num_threads())
             self.chunk_tokens = self.chunk_choice.chunk_tokens
 
     @classmethod

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.kernels import float_kernels, native
 
 
@@ -61,7 +62,7 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch, cache: Path | None = None) ->
     """This process as a new one would start, for the test's span: no kernel built or tried, no kernel
     chosen, and (when given) `cache` as the user cache; the process's own state comes back afterwards."""
     monkeypatch.setattr(native, "_loaded", {})
-    monkeypatch.setattr(float_kernels, "_choices", {})
+    monkeypatch.setattr(mechanism, "_chosen", {})
     if cache is not None:
         monkeypatch.setenv("NPUMOE_CACHE", str(cache))
 
@@ -81,7 +82,7 @@ class FakeTimings:
 def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> FakeTimings:
     """Timing that finds `fastest` the fastest kernel, with no kernel chosen yet and `cache` as the user cache,
     so fake figures reach no other test (the kernel this process built, if any, stays loaded)."""
-    monkeypatch.setattr(float_kernels, "_choices", {})
+    monkeypatch.setattr(mechanism, "_chosen", {})
     monkeypatch.setenv("NPUMOE_CACHE", str(cache))
     timings = FakeTimings({kernel: 1e-3 * (1 + i) for i, kernel in
                            enumerate([fastest, *(k for k in float_kernels.KERNELS if k != fastest)])})
@@ -90,7 +91,7 @@ def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> 
 
 
 class CountedProjectionTimings:
-    """Stands in for the projections' timing loop (`float_kernels.time_in_turns` as projections.py calls it): each
+    """Stands in for the projections' timing loop (`choice.time_in_turns` as projections.py calls it): each
     candidate runs once, so a broken one still fails, then `fastest` comes first; a record of every timing asked
     (its candidates), as FakeTimings keeps."""
 
@@ -110,7 +111,7 @@ def fake_projection_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastes
     cache, so fake figures reach no other test."""
     from npumoe.engine.attach import projections
 
-    monkeypatch.setattr(float_kernels, "_choices", {})
+    monkeypatch.setattr(mechanism, "_chosen", {})
     monkeypatch.setenv("NPUMOE_CACHE", str(cache))
     timings = CountedProjectionTimings(fastest)
     monkeypatch.setattr(projections, "time_in_turns", timings)

@@ -164,7 +164,7 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
     checks = [*_service_checks(), _database_check(app.home),
               *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
               _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(),
-              _measured_kernels_check(), _weights_check(app), *_backend_checks(), _placement_check(app)]
+              _measured_choices_check(), _weights_check(app), *_backend_checks(), _placement_check(app)]
     if as_json:
         emit_json({"checks": checks})
     else:
@@ -289,39 +289,38 @@ def _energy_check() -> dict[str, str]:
 
 
 def _kernel_check() -> dict[str, str]:
-    """The matmul kernel the CPU experts run and the figures that chose it: for bf16 experts of
-    qwen3-30b-a3b's size (timed now if this machine has not yet), then every other choice cached here; a
-    warning where this CPU could run the engine's own kernel but it did not build."""
+    """The matmul kernel the CPU experts run and the figures that chose it, for bf16 experts of qwen3-30b-a3b's
+    size (timed now if this machine has not yet); a warning where this CPU could run the engine's own kernel but
+    it did not build."""
     import torch
 
     from npumoe.engine.kernels import bf16_linear
-    from npumoe.engine.kernels.float_kernels import cached_choices, choose_for_shape, shape_class
+    from npumoe.engine.kernels.float_kernels import CHOICES, choose_for_shape, expert_shape
     from npumoe.engine.kernels.host import cpu_model
     from npumoe.engine.synthetic.geometry import GEOMETRIES
 
     reference = GEOMETRIES["qwen3-30b-a3b"]
-    key = shape_class(torch.bfloat16, reference.hidden, reference.ffn)
+    key = CHOICES.key(torch.bfloat16, expert_shape(reference.hidden, reference.ffn), threads=1)
     measured = choose_for_shape(reference.hidden, reference.ffn, torch.bfloat16)
-    choices = [f"{key} ({reference.name}): {measured.describe()}"]
-    choices += [f"{other}: {choice.describe()}" for other, choice in cached_choices().items() if other != key]
     not_built = bf16_linear.unsupported_cpu() is None and bf16_linear.unavailable() is not None
     return _check("cpu kernel", "warn" if not_built else "ok",
-                  f"{'; '.join(choices)} (on {cpu_model()}, torch {torch.__version__})")
+                  f"{key} ({reference.name}): {measured.describe()} (on {cpu_model()}, torch {torch.__version__})")
 
 
-def _measured_kernels_check() -> dict[str, str]:
-    """The other kernels chosen by measurement on this machine, as cached: the quantized experts', the dense
-    projections' and attention's (each is timed at the first load that needs it, not by doctor)."""
-    from npumoe.engine.attach import projections
-    from npumoe.engine.kernels import attention_choice, quant_kernels
+def _measured_choices_check() -> dict[str, str]:
+    """Every choice this machine has measured and cached, of every kind (each is made at the first load that
+    needs it, not by doctor, but for the reference kernel above), with the figures that made it."""
+    # every kind of measured choice, imported so that each is known to the mechanism
+    from npumoe.engine.attach import projections  # noqa: F401
+    from npumoe.engine.generate import chunk_length  # noqa: F401
+    from npumoe.engine.kernels import attention_choice, float_kernels, quant_kernels  # noqa: F401
+    from npumoe.engine.kernels.choice import cached_choices
+    from npumoe.engine.loading import auto_weights  # noqa: F401
 
-    families = {"quantized experts": quant_kernels.cached_choices(), "projections": projections.cached_choices(),
-                "attention": attention_choice.cached_choices()}
-    measured = [f"{family}: " + "; ".join(f"{key}: {choice.kernel} ({choice.figures()})"
-                                         for key, choice in choices.items())
-                for family, choices in families.items() if choices]
-    return _check("measured kernels", "ok", " | ".join(measured) if measured else
-                  "none yet: each is timed at the first model load that needs it")
+    measured = [f"{kind}: " + "; ".join(f"{key}: {choice.describe()}" for key, choice in choices.items())
+                for kind, choices in sorted(cached_choices().items()) if choices]
+    return _check("measured choices", "ok", " | ".join(measured) if measured else
+                  "none yet: each is measured at the first model load that needs it")
 
 
 def _weights_check(app: App) -> dict[str, str]:

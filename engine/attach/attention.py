@@ -46,7 +46,7 @@ def engine_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     causal = rows > 1 and attention_mask is None and (is_causal if is_causal is not None
                                                       else getattr(module, "is_causal", True))
     p = dropout if module.training else 0.0
-    if p == 0.0 and attention_choice.choose(query, key, value).kernel == "npumoe":
+    if p == 0.0 and attention_choice.choose(query, key, value).winner == "npumoe":
         ranges = key_ranges(attention_mask, rows, key.shape[2], causal)
         if ranges is not None:
             scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -32,15 +32,9 @@ from torch import nn
 
 from ..formats.quantize import INT8, quantize
 from ..kernels import bf16_linear, quant_kernels, vnni_linear
+from ..kernels.choice import Choice, Measured, time_in_turns
 from ..kernels.float_kernels import KERNELS as FLOAT_KERNELS
-from ..kernels.float_kernels import (
-    ChoiceCache,
-    KernelChoice,
-    PackedLinear,
-    choose_measured,
-    time_in_turns,
-    unavailable_kernels,
-)
+from ..kernels.float_kernels import PackedLinear, unavailable_kernels
 from ..kernels.quant_kernels import ACTIVATION_DTYPES, QuantLinear
 from ..kernels.workers import run_tasks
 from ..moe.model_experts import moe_experts
@@ -52,8 +46,8 @@ OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
 # Rebuilds the float weight at every call: never faster than the float kernels it ends in.
 _NEVER_FASTER = "dequantize"
 _SPLIT_ROWS = 16  # rows split over workers in multiples of an AMX tile's height
-_CACHE = ChoiceCache("projection-kernels", (Path(__file__), bf16_linear.SOURCE, Path(quant_kernels.__file__),
-                                            vnni_linear.KERNEL.source))
+CHOICES = Measured("projections", (Path(__file__), bf16_linear.SOURCE, Path(quant_kernels.__file__),
+                                   vnni_linear.KERNEL.source))
 
 Kernel = PackedLinear | QuantLinear
 
@@ -135,7 +129,7 @@ def projection_format(experts_format: str | None) -> str | None:
     return None if experts_format is None else INT8
 
 
-def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelChoice, Callable[[], Kernel]]:
+def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice, Callable[[], Kernel]]:
     """The kernel measured fastest here for a Linear of this (N, K) weight (its dtype, `format` allowing), and
     how to build it; timed on this weight at first use on this machine, then read from the cache."""
     builders: dict[str, Callable[[], Kernel]] = {}
@@ -151,7 +145,7 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelC
             if kernel not in cannot and kernel != _NEVER_FASTER:
                 builders[kernel] = partial(QuantLinear, quantized, kernel, weight.dtype)
     if list(builders) == ["torch"]:
-        return KernelChoice("torch", {}, unavailable), builders["torch"]
+        return Choice("torch", {}, unavailable), builders["torch"]
     packed: dict[str, Kernel] = {}  # what timing built, kept for the winner
 
     def timer() -> dict[str, float]:
@@ -160,20 +154,10 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[KernelC
         return time_in_turns(list(builders), 1, lambda kernel, _: multiply(kernel, packed[kernel], x,
                                                                           weight.shape[0]))
 
-    choice = choose_measured(shape_class(weight, format), list(builders), unavailable, timer, _CACHE,
-                             one_thread=False)
-    return choice, lambda: packed.get(choice.kernel) or builders[choice.kernel]()
-
-
-def cached_choices() -> dict[str, KernelChoice]:
-    """Every projection-kernel choice this machine has cached, by shape class."""
-    return _CACHE.choices()
-
-
-def shape_class(weight: torch.Tensor, format: str | None) -> str:
-    """The key a projection's choice is kept under: dtype, format, shape, the rows timed and the threads."""
-    return (f"projection {str(weight.dtype).removeprefix('torch.')} {format or 'float'} out {weight.shape[0]} "
-            f"in {weight.shape[1]} rows {ROWS} threads {torch.get_num_threads()}")
+    shape = {"format": format or "float", "out": weight.shape[0], "in": weight.shape[1], "rows": ROWS}
+    choice = CHOICES.choose(weight.dtype, shape, list(builders), timer, threads=torch.get_num_threads(),
+                            unavailable=unavailable)
+    return choice, lambda: packed.get(choice.winner) or builders[choice.winner]()
 
 
 def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionLinear | None:
@@ -194,10 +178,10 @@ def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionL
     if weight.device.type != "cpu":  # the CPU's kernels only
         return None
     choice, build = choose_projection(weight, format)
-    if choice.kernel == "torch":
+    if choice.winner == "torch":
         return None
-    projection = ProjectionLinear(linear, build(), choice.kernel,
-                                  format if choice.kernel in quant_kernels.KERNELS.get(format, ()) else None)
+    projection = ProjectionLinear(linear, build(), choice.winner,
+                                  format if choice.winner in quant_kernels.KERNELS.get(format, ()) else None)
     linear._npumoe_projections = {**getattr(linear, "_npumoe_projections", {}), format: ref(projection)}
     return projection
 

@@ -2,52 +2,36 @@
 
 The engine's kernel is faster where it shares grouped KV heads and the CPU's tiles pay off, but that is measured,
 not assumed from the feature list: the first chunk of each dtype and head layout on a machine times both on a
-512-token chunk against 1,024 cached tokens, with all of torch's threads, and keeps the faster. The choice
-and its figures are cached per machine like the experts' kernels (cpu_kernels).
+512-token chunk against 1,024 cached tokens, with all of torch's threads, and keeps the faster, through the
+measured-choice mechanism (choice.py) like the experts' kernels.
 """
 
 from __future__ import annotations
-
-import threading
 
 import torch
 import torch.nn.functional as F
 
 from . import attention_kernel
-from .float_kernels import ChoiceCache, KernelChoice, time_in_turns
+from .choice import Choice, Measured, time_in_turns
 
 KERNELS = ("npumoe", "torch")
 CHUNK, DEPTH = 512, 1024  # what a timing run attends: a prefill chunk against a cache of this depth
 
-_CACHE = ChoiceCache("attention-kernels", (attention_kernel.SOURCE,))
-_choices: dict[str, KernelChoice] = {}
-_lock = threading.Lock()
+CHOICES = Measured("attention", (attention_kernel.SOURCE,))
 
 
-def shape_class(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
-    return f"{str(dtype).removeprefix('torch.')} heads {heads} kv heads {kv_heads} head_dim {head_dim}"
-
-
-def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> KernelChoice:
+def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Choice:
     """The faster kernel here for attention of these (B, H, n, d) tensors' dtype and head layout."""
     why = attention_kernel.unavailable(query.dtype) if query.device.type == "cpu" else "the tensors are not on the CPU"
     if why is None and not attention_kernel.supports(query, key, value):
         why = "it needs one dtype, a head size that is a multiple of 64 up to 256 and unit-stride rows"
     if why is not None:
-        return KernelChoice("torch", {}, {"npumoe": why})
+        return Choice("torch", {}, {"npumoe": why})
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
-    name = shape_class(query.dtype, heads, kv_heads, dim)
-    with _lock:
-        choice = _choices.get(name) or _CACHE.get(name, {})
-        if choice is None or choice.seconds.keys() != set(KERNELS):
-            seconds = time_kernels(query.dtype, heads, kv_heads, dim)
-            choice = KernelChoice(min(seconds, key=seconds.__getitem__), seconds, {})
-            _CACHE.remember(name, choice)
-        _choices[name] = choice
-    return choice
+    return CHOICES.choose(query.dtype, {"heads": heads, "kv_heads": kv_heads, "head_dim": dim}, KERNELS,
+                          lambda: time_kernels(query.dtype, heads, kv_heads, dim), threads=torch.get_num_threads())
 
 
-@torch.inference_mode()
 def time_kernels(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
     """Median seconds of one causal CHUNK-query chunk at DEPTH for each kernel, timed in turns."""
     generator = torch.Generator().manual_seed(0)
@@ -66,8 +50,3 @@ def time_kernels(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -
             F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=kv_heads != heads)
 
     return time_in_turns(KERNELS, 1, run)
-
-
-def cached_choices() -> dict[str, KernelChoice]:
-    """Every attention-kernel choice this machine has cached, by shape class."""
-    return _CACHE.choices()

@@ -22,7 +22,7 @@ between them in torch.
 
 As for the float kernels (cpu_kernels), the features say only what can run (`unavailable_kernels`); the first
 layer of each format, activation dtype and expert shape times those that can, on a whole silu-gated expert, and
-keeps the fastest, cached per CPU model, torch version and this module's source.
+keeps the fastest, through the measured-choice mechanism (choice.py) like them.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from ..formats.quantize import INT4, INT8, QuantizedWeight, check_format, quantize, unpack_int4
 from . import vnni_linear
-from .float_kernels import _X86, ROWS, ChoiceCache, KernelChoice, _rotated, choose_measured, time_in_turns
+from .choice import Choice, Measured, time_in_turns
+from .float_kernels import ROWS, X86, expert_shape, rotated
 
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
 AMX = "npumoe-int8-amx-dynamic"
@@ -46,7 +47,7 @@ KERNELS = {INT8: (OWN[INT8], AMX, "onednn-dynamic", "int-mm-dynamic", "int8pack"
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
-_CACHE = ChoiceCache("quant-kernels", (Path(__file__), vnni_linear.KERNEL.source))
+CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source))
 
 
 def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeight) -> dict[str, str]:
@@ -65,7 +66,7 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
             reasons[AMX] = reasons[OWN[INT8]]
         elif (why := vnni_linear.amx_unavailable()) is not None:
             reasons[AMX] = why
-        if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in _X86:
+        if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
     elif any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
         reasons["int4pack"] = (f"it needs output widths that are a multiple of {_INT4PACK_WIDTH} and groups of "
@@ -160,29 +161,23 @@ def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
     return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)
 
 
-def shape_class(format: str, dtype: torch.dtype, hidden: int, ffn: int) -> str:
-    """The key a choice is kept under: the format, the activations' dtype and an expert's sizes."""
-    return f"{format} {str(dtype).removeprefix('torch.')} activations hidden {hidden} ffn {ffn}"
-
-
 def choose_kernel(gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight],
-                  dtype: torch.dtype) -> KernelChoice:
+                  dtype: torch.dtype) -> Choice:
     """The fastest kernel here for experts of these quantized weights (gate-up (2I, H) and down (H, I) per
     expert) with `dtype` activations: timed on them at first use on this machine, then read from the cache."""
     format = gate_up[0].format
     unavailable = unavailable_kernels(format, dtype, *gate_up, *down)
     candidates = [kernel for kernel in KERNELS[format] if kernel not in unavailable]
     if len(candidates) == 1:
-        return KernelChoice(candidates[0], {}, unavailable)
-    key = shape_class(format, dtype, *down[0].shape)
-    return choose_measured(key, candidates, unavailable, lambda: time_kernels(candidates, gate_up, down, dtype),
-                           _CACHE)
+        return Choice(candidates[0], {}, unavailable)
+    return CHOICES.choose(dtype, {"format": format, **expert_shape(*down[0].shape)}, candidates,
+                          lambda: time_kernels(candidates, gate_up, down, dtype), threads=1, unavailable=unavailable)
 
 
-def choose_for_shape(hidden: int, ffn: int, format: str, dtype: torch.dtype) -> KernelChoice:
+def choose_for_shape(hidden: int, ffn: int, format: str, dtype: torch.dtype) -> Choice:
     """The choice for experts of these sizes, timed on random weights if this machine has none yet."""
     check_format(format)
-    experts = _rotated(3 * hidden * ffn * (1 if format == INT8 else 2))
+    experts = rotated(3 * hidden * ffn * (1 if format == INT8 else 2))
     generator = torch.Generator().manual_seed(0)
     gate_up = [quantize(torch.randn(2 * ffn, hidden, generator=generator), format) for _ in range(experts)]
     down = [quantize(torch.randn(hidden, ffn, generator=generator), format) for _ in range(experts)]
@@ -193,7 +188,7 @@ def time_kernels(kernels: Sequence[str], gate_up: Sequence[QuantizedWeight], dow
                  dtype: torch.dtype) -> dict[str, float]:
     """Median seconds of one silu-gated expert (`silu_glu_ffn`) on ROWS rows, for each kernel, timed in turns over a
     few experts' real weights packed for each."""
-    count = min(len(gate_up), _rotated(gate_up[0].nbytes + down[0].nbytes))
+    count = min(len(gate_up), rotated(gate_up[0].nbytes + down[0].nbytes))
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, gate_up[0].shape[1], generator=generator).to(dtype)
     packed = {kernel: [(QuantLinear(gate_up[e], kernel, dtype), QuantLinear(down[e], kernel, dtype))
@@ -203,8 +198,3 @@ def time_kernels(kernels: Sequence[str], gate_up: Sequence[QuantizedWeight], dow
         silu_glu_ffn(*packed[kernel][expert], x)
 
     return time_in_turns(kernels, count, run)
-
-
-def cached_choices() -> dict[str, KernelChoice]:
-    """Every quantized-kernel choice this machine has cached, by shape class."""
-    return _CACHE.choices()

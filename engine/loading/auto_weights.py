@@ -18,13 +18,13 @@ import psutil
 import torch
 
 from ..kernels import bf16_linear, float_kernels
+from ..kernels.choice import Measured
 from ..vocabulary import BF16, FP32, INT4, INT8
 from .model_size import ModelSize, Tensor, checkpoint_tensors, model_size, needed_bytes, usable_bytes
 
 _FLOATS = {FP32: torch.float32, BF16: torch.bfloat16}
-# This machine's float timings, by expert size, beside the kernel choices they were made with (whose sources they
-# depend on: an edited kernel is timed again).
-_CACHE = float_kernels.ChoiceCache("auto-weights", (bf16_linear.SOURCE,))
+# The float kernels' sources: an edited kernel is timed again.
+CHOICES = Measured("auto weights", (bf16_linear.SOURCE,))
 _GIB = 2**30
 
 
@@ -85,25 +85,21 @@ def float_seconds(hidden: int, ffn: int) -> dict[str, float]:
     """Seconds of one expert of these sizes in each float format's fastest kernel here: measured the first time on
     this machine, then read from the user cache (so that auto costs a load nothing after the first, and decides
     the same way every time)."""
-    key = f"hidden {hidden} ffn {ffn}"
-    cached = _CACHE.get(key, {})
-    if cached is not None and cached.seconds.keys() == _FLOATS.keys():
-        return cached.seconds
-    seconds = {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()}
-    _CACHE.remember(key, float_kernels.KernelChoice(min(seconds, key=seconds.__getitem__), seconds, {}))
-    return seconds
+    return CHOICES.choose(None, float_kernels.expert_shape(hidden, ffn), list(_FLOATS),
+                          lambda: {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()},
+                          threads=1).seconds
 
 
 def expert_seconds(hidden: int, ffn: int, dtype: torch.dtype) -> float:
     """Seconds of one expert's matmuls in `dtype`'s fastest kernel here (measured once per machine, cached)."""
     choice = float_kernels.choose_for_shape(hidden, ffn, dtype)
     if choice.seconds:
-        return choice.seconds[choice.kernel]
+        return choice.seconds[choice.winner]
     # only one kernel runs here: nothing was compared, so time it on its own
     generator = torch.Generator().manual_seed(0)
     gate_up = torch.randn(1, 2 * ffn, hidden, generator=generator).to(dtype)
     down = torch.randn(1, hidden, ffn, generator=generator).to(dtype)
-    return float_kernels.time_kernels([choice.kernel], gate_up, down)[choice.kernel]
+    return float_kernels.time_kernels([choice.winner], gate_up, down)[choice.winner]
 
 
 def _bytes(size: ModelSize, format: str) -> int:

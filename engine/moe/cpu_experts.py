@@ -69,9 +69,9 @@ class CpuExperts:
         in_format = (tuple(_in_format(w, format) for w in expert) for expert in experts)
         timed = deque(islice(in_format, TIMED_EXPERTS))  # what a kernel choice times, at most
         if format is None:
-            self.kernel = choose_kernel(torch.stack([up for up, _ in timed]), torch.stack([d for _, d in timed])).kernel
+            self.kernel = choose_kernel(torch.stack([up for up, _ in timed]), torch.stack([d for _, d in timed])).winner
         else:
-            self.kernel = quant_kernels.choose_kernel([up for up, _ in timed], [d for _, d in timed], dtype).kernel
+            self.kernel = quant_kernels.choose_kernel([up for up, _ in timed], [d for _, d in timed], dtype).winner
 
         def each() -> Iterator[tuple[torch.Tensor | QuantizedWeight, ...]]:
             while timed:

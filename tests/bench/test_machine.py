@@ -12,7 +12,7 @@ from npumoe.bench import timing
 from npumoe.bench.machine import copy_bandwidth, describe_machine
 from npumoe.bench.timing import interleaved_median_seconds, interleaved_seconds
 from npumoe.engine.kernels import bf16_linear
-from npumoe.engine.kernels.timing import median_seconds
+from npumoe.engine.kernels.choice import median_seconds
 
 
 def test_the_machine_description_names_cpu_memory_torch_build_and_measured_bandwidth():

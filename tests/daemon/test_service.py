@@ -35,9 +35,7 @@ from npumoe.daemon.service import (
     carry_out,
     lingering,
 )
-from npumoe.engine.attach import projections
 from npumoe.engine.kernels import attention_choice, float_kernels, quant_kernels
-from npumoe.engine.kernels.float_kernels import KernelChoice
 from npumoe.engine.kernels.host import cpu_model
 from npumoe.jobs.queue.store import BATCH, Queue
 
@@ -324,34 +322,35 @@ def test_doctor_names_the_chosen_cpu_kernel_and_the_figures_that_chose_it(home: 
     timings = fake_timings(monkeypatch, tmp_path / "cache", fastest="npumoe-bf16")
     monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})
     detail = {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}["cpu kernel"]["detail"]
-    assert detail.startswith("bfloat16 hidden 2048 ffn 768 (qwen3-30b-a3b): npumoe-bf16, the fastest measured per "
-                             "expert of 32 rows: npumoe-bf16 1 ms, onednn 2 ms, torch 3 ms")
+    assert detail.startswith("bfloat16 hidden 2048 ffn 768 threads 1 (qwen3-30b-a3b): npumoe-bf16 (npumoe-bf16 1 ms, "
+                             "onednn 2 ms, torch 3 ms)")
     assert f"on {cpu_model()}, torch {torch.__version__}" in detail
     npumoed("doctor", "--json")
     assert len(timings.calls) == 1  # the second doctor reads the choice the first one made
 
 
-def test_doctor_lists_the_quantized_projection_and_attention_kernels_this_machine_measured(
+def test_doctor_lists_every_measured_choice_attention_included_with_its_figures(
         home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    fake_timings(monkeypatch, tmp_path / "cache", fastest="npumoe-bf16")
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})
 
     def measured() -> dict:
-        return {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}["measured kernels"]
+        return {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}["measured choices"]
 
-    assert measured() == {"check": "measured kernels", "status": "ok",
-                          "detail": "none yet: each is timed at the first model load that needs it"}
-    quant_kernels._CACHE.remember("int8 bfloat16 activations hidden 2048 ffn 768",
-                                  KernelChoice("npumoe-int8-amx-dynamic", {"npumoe-int8-amx-dynamic": 0.001,
-                                                                           "int8pack": 0.004}, {}))
-    projections._CACHE.remember("projection bfloat16 int8 out 512 in 2048 rows 512 threads 2",
-                                KernelChoice("torch", {"torch": 0.002, "onednn": 0.003}, {}))
-    attention_choice._CACHE.remember("bfloat16 heads 32 kv heads 4 head_dim 128",
-                                     KernelChoice("npumoe", {"npumoe": 0.01, "torch": 0.02}, {}))
+    assert measured()["detail"] == ("float kernels: bfloat16 hidden 2048 ffn 768 threads 1: npumoe-bf16 (npumoe-bf16 "
+                                    "1 ms, onednn 2 ms, torch 3 ms)")  # the reference doctor measures, alone
+    threads = torch.get_num_threads()
+    attention_choice.CHOICES.choose(torch.bfloat16, {"heads": 32, "kv_heads": 4, "head_dim": 128}, ["npumoe", "torch"],
+                                    lambda: {"npumoe": 0.01, "torch": 0.02}, threads=threads)
+    quant_kernels.CHOICES.choose(torch.bfloat16, {"format": "int8", "hidden": 2048, "ffn": 768},
+                                 ["npumoe-int8-amx-dynamic", "int8pack"],
+                                 lambda: {"npumoe-int8-amx-dynamic": 0.001, "int8pack": 0.004}, threads=1,
+                                 unavailable={"onednn-dynamic": "no oneDNN here"})
     assert measured()["detail"] == (
-        "quantized experts: int8 bfloat16 activations hidden 2048 ffn 768: npumoe-int8-amx-dynamic "
-        "(npumoe-int8-amx-dynamic 1 ms, int8pack 4 ms) | projections: projection bfloat16 int8 out 512 in 2048 rows "
-        "512 threads 2: torch (torch 2 ms, onednn 3 ms) | attention: bfloat16 heads 32 kv heads 4 head_dim 128: "
-        "npumoe (npumoe 10 ms, torch 20 ms)")
+        f"attention: bfloat16 heads 32 kv_heads 4 head_dim 128 threads {threads}: npumoe (npumoe 10 ms, torch 20 ms) "
+        "| float kernels: bfloat16 hidden 2048 ffn 768 threads 1: npumoe-bf16 (npumoe-bf16 1 ms, onednn 2 ms, "
+        "torch 3 ms) | quantized kernels: bfloat16 format int8 hidden 2048 ffn 768 threads 1: npumoe-int8-amx-dynamic "
+        "(npumoe-int8-amx-dynamic 1 ms, int8pack 4 ms; onednn-dynamic cannot: no oneDNN here)")
 
 
 def _weights_check(*args: str) -> dict:

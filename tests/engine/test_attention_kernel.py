@@ -13,7 +13,8 @@ from npumoe.engine.attach import attention
 from npumoe.engine.attach.attention import key_ranges, use_engine_attention
 from npumoe.engine.generate.prefill import new_cache, prefill
 from npumoe.engine.kernels import attention_choice, attention_kernel
-from npumoe.engine.kernels.float_kernels import KernelChoice
+from npumoe.engine.kernels import choice as mechanism
+from npumoe.engine.kernels.choice import Choice
 
 _WHY = attention_kernel.unavailable(torch.float32)
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=f"the attention kernel cannot run here: {_WHY}")
@@ -126,7 +127,7 @@ def test_chunked_prefill_through_the_kernel_equals_eager_on_the_whole_document(f
     ids = torch.randint(SMALL["vocab_size"], (40,), generator=torch.Generator().manual_seed(1)).tolist()
     model.set_attn_implementation("eager")
     reference = model.base_model(input_ids=torch.tensor([ids])).last_hidden_state[0]
-    monkeypatch.setattr(attention_choice, "choose", lambda *a: KernelChoice("npumoe", {}, {}))
+    monkeypatch.setattr(attention_choice, "choose", lambda *a: Choice("npumoe", {}, {}))
     calls = []
     attend = attention_kernel.attend
     monkeypatch.setattr(attention_kernel, "attend", lambda *a, **k: calls.append(1) or attend(*a, **k))
@@ -138,23 +139,43 @@ def test_chunked_prefill_through_the_kernel_equals_eager_on_the_whole_document(f
 
 def test_the_choice_is_timed_once_per_machine_and_kept(monkeypatch, tmp_path):
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
-    monkeypatch.setattr(attention_choice, "_choices", {})
+    monkeypatch.setattr(mechanism, "_chosen", {})
     timed = []
     time_kernels = attention_choice.time_kernels
     monkeypatch.setattr(attention_choice, "time_kernels", lambda *a: timed.append(a) or time_kernels(*a))
     query, key, value, *_ = _case("causal chunk at depth, grouped heads", torch.float32)
     first = attention_choice.choose(query, key, value)
     assert timed == [(torch.float32, 8, 2, 64)] and first.seconds.keys() == {"npumoe", "torch"}
-    assert first.kernel == min(first.seconds, key=first.seconds.__getitem__)
-    monkeypatch.setattr(attention_choice, "_choices", {})  # a new process: read from the machine's cache
+    assert first.winner == min(first.seconds, key=first.seconds.__getitem__)
+    monkeypatch.setattr(mechanism, "_chosen", {})  # a new process: read from the machine's cache
     assert attention_choice.choose(query, key, value) == first and len(timed) == 1
-    assert attention_choice.cached_choices()[attention_choice.shape_class(torch.float32, 8, 2, 64)] == first
+    shape = {"heads": 8, "kv_heads": 2, "head_dim": 64}
+    key = mechanism.Measured.key(torch.float32, shape, torch.get_num_threads())
+    assert attention_choice.CHOICES.cached()[key] == first
+
+
+def test_a_choice_timed_on_one_thread_count_is_not_reused_at_another(monkeypatch, tmp_path):
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mechanism, "_chosen", {})
+    timed = []
+    monkeypatch.setattr(attention_choice, "time_kernels",
+                        lambda *a: timed.append(torch.get_num_threads()) or {"npumoe": 1e-3, "torch": 2e-3})
+    query, key, value, *_ = _case("causal chunk at depth, grouped heads", torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 1, 2):
+            torch.set_num_threads(count)
+            attention_choice.choose(query, key, value)
+    finally:
+        torch.set_num_threads(threads)
+    assert timed == [1, 2]  # each count timed once, on that many threads, then read back
+    assert {key.rpartition(" threads ")[2] for key in attention_choice.CHOICES.cached()} == {"1", "2"}
 
 
 def test_shapes_the_kernel_cannot_take_stay_with_torch_and_say_why():
     query = torch.randn(1, 4, 5, 16)
     choice = attention_choice.choose(query, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16))
-    assert choice.kernel == "torch" and "multiple of 64" in choice.unavailable["npumoe"]
+    assert choice.winner == "torch" and "multiple of 64" in choice.unavailable["npumoe"]
     with pytest.raises(ValueError, match="cannot take"):
         attention_kernel.attend(query, torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), torch.zeros(5),
                                 torch.full((5,), 9), scale=0.25)

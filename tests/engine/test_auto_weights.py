@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from npumoe.engine import Engine, EngineSettings
+from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.loading import auto_weights
 from npumoe.engine.loading.auto_weights import choose_weights
 from npumoe.engine.loading.model_size import MIN_RESERVE_BYTES, checkpoint_tensors, model_size, needed_bytes
@@ -22,8 +23,9 @@ def folder(tiny) -> Path:
 
 @pytest.fixture
 def own_cache(tmp_path, monkeypatch) -> Path:
-    """A user cache of the test's own: the float timings auto caches per machine start out unmeasured."""
+    """A user cache of the test's own and a fresh process: the float timings auto caches start out unmeasured."""
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(mechanism, "_chosen", {})
     return tmp_path / "cache"
 
 
@@ -60,9 +62,11 @@ def test_the_float_timings_are_measured_once_per_machine_then_read_from_the_cach
 
     monkeypatch.setattr(auto_weights, "expert_seconds", seconds)
     first = choose_weights(folder, PLENTY)
-    assert first.weights == "bf16" and len(timed) == 2 and list(own_cache.glob("auto-weights/*.json"))
+    assert first.weights == "bf16" and len(timed) == 2 and list(own_cache.glob("choices/*.json"))
+    monkeypatch.setattr(mechanism, "_chosen", {})  # a new process
     assert choose_weights(folder, PLENTY) == first and len(timed) == 2  # the same choice, nothing timed again
     monkeypatch.setenv("NPUMOE_CACHE", str(own_cache.parent / "another"))  # another machine's cache: timed anew
+    monkeypatch.setattr(mechanism, "_chosen", {})
     assert choose_weights(folder, PLENTY) == first and len(timed) == 4
 
 

@@ -6,7 +6,8 @@ import pytest
 
 from npumoe.engine import Engine, EngineSettings, load_model
 from npumoe.engine.generate import chunk_length
-from npumoe.engine.generate.chunk_length import ChunkTiming, measured_chunk_tokens, time_chunk_lengths
+from npumoe.engine.generate.chunk_length import measured_chunk_tokens, time_chunk_lengths
+from npumoe.engine.kernels import choice as mechanism
 
 
 @pytest.fixture(scope="module")
@@ -25,10 +26,9 @@ def test_each_candidate_is_timed_from_an_empty_cache_and_after_the_depth(folder,
 
     monkeypatch.setattr(chunk_length, "prefill", counting)
     timings = time_chunk_lengths(model, (32, 64), depth=100)
-    assert [t.chunk_tokens for t in timings] == [32, 64]
-    assert all(t.start_s_per_token > 0 and t.depth_s_per_token > 0 for t in timings)
-    # the deep cache, a warm-up, then each length from empty and from a copy of the deep cache
-    assert runs == [(100, 0), (32, 0), (32, 0), (32, 100), (64, 0), (64, 100)]
+    assert list(timings) == ["32", "64"] and all(seconds > 0 for seconds in timings.values())
+    # the deep cache, a warm-up, then each length (the rounds' first order: last first) from empty and at depth
+    assert runs == [(100, 0), (32, 0), (32, 100), (64, 0), (64, 100), (32, 0), (32, 100)]
 
 
 def test_the_fastest_over_start_and_depth_is_chosen_and_kept_for_the_next_load(folder, tmp_path, monkeypatch):
@@ -37,26 +37,29 @@ def test_the_fastest_over_start_and_depth_is_chosen_and_kept_for_the_next_load(f
 
     def timed(model, candidates, depth):
         calls.append((tuple(candidates), depth))
-        rates = {256: (1.0, 5.0), 512: (2.0, 3.0), 1024: (0.5, 9.0)}  # 512 has the least mean seconds per token
-        return [ChunkTiming(c, *rates[c]) for c in candidates]
+        rates = {256: 3.0, 512: 2.5, 1024: 4.75}  # seconds per token, the mean of start and depth
+        return {str(c): rates[c] for c in candidates}
 
     monkeypatch.setattr(chunk_length, "time_chunk_lengths", timed)
-    choice = measured_chunk_tokens(model, "key", section_tokens=2000, threads=1, folder=tmp_path)
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
+    choice = measured_chunk_tokens(model, "key", section_tokens=2000, threads=1)
     assert choice.chunk_tokens == 512 and calls == [((256, 512, 1024), 2000 - 1024)]  # 2048 is past the section
-    again = measured_chunk_tokens(model, "key", section_tokens=2000, threads=1, folder=tmp_path)
+    monkeypatch.setattr(mechanism, "_chosen", {})  # a new process: read from the machine's cache
+    again = measured_chunk_tokens(model, "key", section_tokens=2000, threads=1)
     assert again == choice and len(calls) == 1  # read back, not measured again
-    measured_chunk_tokens(model, "key", section_tokens=2000, threads=2, folder=tmp_path)
+    measured_chunk_tokens(model, "key", section_tokens=2000, threads=2)
     assert len(calls) == 2  # other threads, another measurement
 
 
-def test_an_engine_set_to_measure_runs_at_the_length_it_measured(folder, tmp_path):
-    engine = Engine.load(EngineSettings(model=folder, chunk_tokens=0, summary_tokens=8, costs_dir=tmp_path))
+def test_an_engine_set_to_measure_runs_at_the_length_it_measured(folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
+    engine = Engine.load(EngineSettings(model=folder, chunk_tokens=0, summary_tokens=8))
     choice = engine.chunk_choice
     assert choice is not None and engine.chunk_tokens == choice.chunk_tokens
-    assert {t.chunk_tokens for t in choice.timings} == {256, 512}  # the candidates a 1,024-token context fits
+    assert choice.choice.seconds.keys() == {"256", "512"}  # the candidates a 1,024-token context fits
     result = engine.process("The harbour master logs every ship that enters. " * 30)
     assert result.stats.chunk_tokens == choice.chunk_tokens
-    assert list((tmp_path / "chunks").glob("*.json"))
+    assert list(chunk_length.CHOICES.cached().values()) == [choice.choice]  # kept in the user cache
 
 
 def test_a_set_length_is_not_measured(folder):

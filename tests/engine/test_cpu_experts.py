@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from cpus import APPLE_SILICON, CPUS, INTEL_MAC, fake_build, fake_timings, fresh_process, simulate
 
+from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.kernels import float_kernels
 from npumoe.engine.kernels.float_kernels import KERNELS, choose_kernel, unavailable_kernels
 from npumoe.engine.kernels.host import cpu_model
@@ -94,8 +95,8 @@ def test_where_only_torch_can_run_nothing_is_timed(tmp_path, monkeypatch, cpu):
     fake_build(monkeypatch, tmp_path)
     timings = fake_timings(monkeypatch, tmp_path, "torch")
     choice = choose_kernel(*random_experts(torch.bfloat16))
-    assert (choice.kernel, choice.seconds, timings.calls) == ("torch", {}, [])
-    assert "the only kernel that runs here" in choice.describe() and "npumoe-bf16 cannot" in choice.describe()
+    assert (choice.winner, choice.seconds, timings.calls) == ("torch", {}, [])
+    assert "the only candidate that runs here" in choice.describe() and "npumoe-bf16 cannot" in choice.describe()
 
 
 @pytest.mark.parametrize("fastest", KERNELS)
@@ -104,9 +105,9 @@ def test_the_kernel_measured_fastest_is_chosen(tmp_path, monkeypatch, fastest):
     monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})  # all three can run
     choice = choose_kernel(*random_experts(torch.bfloat16))
     assert timings.calls == [KERNELS]
-    assert choice.kernel == fastest == min(choice.seconds, key=choice.seconds.__getitem__)
+    assert choice.winner == fastest == min(choice.seconds, key=choice.seconds.__getitem__)
     assert choice.seconds == timings.seconds
-    assert choice.describe().startswith(f"{fastest}, the fastest measured per expert of 32 rows: {fastest} 1 ms")
+    assert choice.describe().startswith(f"{fastest} ({fastest} 1 ms, ")
 
 
 def test_a_choice_is_cached_with_the_machine_and_reused_by_the_next_process(tmp_path, monkeypatch):
@@ -117,10 +118,11 @@ def test_a_choice_is_cached_with_the_machine_and_reused_by_the_next_process(tmp_
     fresh_process(monkeypatch)
     assert choose_kernel(*random_experts(torch.bfloat16)) == first  # the next one reads the cache
     assert len(timings.calls) == 1
-    cached, = (tmp_path / "cpu-kernels").glob("*.json")
+    cached, = (tmp_path / "choices").glob("*.json")  # every kind of choice in one file per machine
     held = json.loads(cached.read_text())
     assert (held["cpu"], held["torch"]) == (cpu_model(), torch.__version__)
-    assert held["choices"] == {f"bfloat16 hidden {H} ffn {FFN}": {"kernel": "onednn", "seconds": timings.seconds}}
+    entry = held["choices"]["float kernels"][f"bfloat16 hidden {H} ffn {FFN} threads 1"]
+    assert (entry["winner"], entry["seconds"]) == ("onednn", timings.seconds)
     # Another shape class, or another dtype, is a choice of its own.
     choose_kernel(*random_experts(torch.float32))
     gate_up, down = random_experts(torch.bfloat16)
@@ -135,7 +137,7 @@ def test_a_cached_choice_is_timed_again_when_the_machine_or_what_can_run_changed
     choose_kernel(*random_experts(torch.bfloat16))
     fresh_process(monkeypatch)
     if change == "another CPU":
-        monkeypatch.setattr(float_kernels, "cpu_model", lambda: "Another CPU")
+        monkeypatch.setattr(mechanism, "cpu_model", lambda: "Another CPU")
     elif change == "another torch":
         monkeypatch.setattr(torch, "__version__", "0.0.1")
     else:
@@ -160,7 +162,7 @@ def test_kernels_are_timed_single_threaded_as_the_workers_run_them_and_the_calle
         pytest.skip("only torch's matmul runs here: nothing to time")
     choice = choose_kernel(*weights)
     assert seen == [1] and torch.get_num_threads() == threads
-    assert choice.kernel in choice.seconds and all(seconds > 0 for seconds in choice.seconds.values())
+    assert choice.winner in choice.seconds and all(seconds > 0 for seconds in choice.seconds.values())
 
 
 def test_tasks_run_once_each_on_worker_threads_of_one_torch_thread(threads):

@@ -13,6 +13,7 @@ from npumoe.engine.attach import projections
 from npumoe.engine.attach.projections import ProjectionLinear, dense_projections, projection_for
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.kernels import float_kernels, quant_kernels, vnni_linear
 from npumoe.engine.kernels.float_kernels import PackedLinear
 from npumoe.engine.kernels.quant_kernels import QuantLinear
@@ -176,21 +177,21 @@ def test_a_choice_is_timed_once_per_machine_and_read_back_from_the_cache(monkeyp
         pytest.skip("oneDNN's packed matmul cannot run here")
     timings = timed_fastest("onednn")
     projection_for(nn.Linear(128, 64), None)
-    monkeypatch.setattr(float_kernels, "_choices", {})  # a new process: the file in the cache is all it has
+    monkeypatch.setattr(mechanism, "_chosen", {})  # a new process: the file in the cache is all it has
     projection = projection_for(nn.Linear(128, 64), None)
     assert len(timings.calls) == 1 and projection.kernel == "onednn"
 
 
 def test_timing_runs_each_candidate_on_this_machine(timed_fastest, monkeypatch):
     """The real timing loop: every candidate that can run is timed, and the one chosen is among them."""
-    monkeypatch.setattr(projections, "time_in_turns", float_kernels.time_in_turns)
+    monkeypatch.setattr(projections, "time_in_turns", mechanism.time_in_turns)
     monkeypatch.setattr(projections, "ROWS", 32)
     linear = nn.Linear(128, 128, dtype=torch.bfloat16)
     choice, build = projections.choose_projection(linear.weight.detach(), "int8")
     can_run = [k for k in (*float_kernels.KERNELS, *quant_kernels.KERNELS["int8"])
                if k not in choice.unavailable and k != "dequantize"]
-    assert set(choice.seconds) == set(can_run) and choice.kernel in can_run
-    assert isinstance(build(), QuantLinear if choice.kernel in quant_kernels.KERNELS["int8"] else PackedLinear)
+    assert set(choice.seconds) == set(can_run) and choice.winner in can_run
+    assert isinstance(build(), QuantLinear if choice.winner in quant_kernels.KERNELS["int8"] else PackedLinear)
 
 
 def test_the_head_runs_on_contiguous_rows_while_attached_and_computes_the_same_logits(tiny):

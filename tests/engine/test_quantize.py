@@ -19,7 +19,8 @@ from npumoe.engine.formats.quantize import (
     relative_error,
     unpack_int4,
 )
-from npumoe.engine.kernels import float_kernels, quant_kernels
+from npumoe.engine.kernels import choice as mechanism
+from npumoe.engine.kernels import quant_kernels
 from npumoe.engine.kernels.quant_kernels import (
     ACTIVATION_DTYPES,
     KERNELS,
@@ -192,7 +193,7 @@ def test_int4pack_needs_output_widths_in_sixteens(monkeypatch):
     odd = quantize(randn(40, 64, seed=8), INT4)
     assert "multiple of 16" in unavailable_kernels(INT4, torch.float32, odd)["int4pack"]
     choice = choose_kernel([odd], [quantize(randn(64, 32, seed=9), INT4)], torch.float32)
-    assert choice.kernel == "dequantize" and choice.seconds == {}
+    assert choice.winner == "dequantize" and choice.seconds == {}
 
 
 def _experts(format: str, count: int = 2) -> tuple[list[QuantizedWeight], list[QuantizedWeight]]:
@@ -214,21 +215,20 @@ def test_the_kernel_measured_fastest_is_chosen_and_cached_for_the_next_process(t
     monkeypatch.setattr(quant_kernels, "time_kernels", fake_timing)
     choice = choose_kernel(*_experts(format), torch.bfloat16)
     runnable = tuple(kernel for kernel in KERNELS[format] if kernel not in choice.unavailable)  # AMX: the OS decides
-    assert choice.kernel == fastest and calls == [runnable]
-    monkeypatch.setattr(float_kernels, "_choices", {})  # a new process
+    assert choice.winner == fastest and calls == [runnable]
+    monkeypatch.setattr(mechanism, "_chosen", {})  # a new process
     assert choose_kernel(*_experts(format), torch.bfloat16) == choice
     assert len(calls) == 1
-    cached, = (tmp_path / "quant-kernels").glob("*.json")
-    assert f"{format} bfloat16 activations hidden 32 ffn 32" in cached.read_text()
+    assert f"bfloat16 format {format} hidden 32 ffn 32 threads 1" in quant_kernels.CHOICES.cached()
     choose_kernel(*_experts(format), torch.float32)  # another activation dtype: a choice of its own
     assert len(calls) == 2
 
 
 def test_real_timing_runs_every_kernel_here_single_threaded(tmp_path, monkeypatch):
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
-    monkeypatch.setattr(float_kernels, "_choices", {})
+    monkeypatch.setattr(mechanism, "_chosen", {})
     gate_up, down = _experts(INT8, count=3)
     choice = choose_kernel(gate_up, down, torch.float32)
     assert choice.seconds.keys() == set(_kernels_here(INT8, torch.float32, gate_up[0]))
-    assert choice.kernel == min(choice.seconds, key=choice.seconds.__getitem__)
+    assert choice.winner == min(choice.seconds, key=choice.seconds.__getitem__)
     assert all(seconds > 0 for seconds in choice.seconds.values())

@@ -11,7 +11,7 @@ from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.formats.quantize import relative_error
 from npumoe.engine.kernels import quant_kernels, vnni_linear
-from npumoe.engine.kernels.float_kernels import KernelChoice
+from npumoe.engine.kernels.choice import Choice
 from npumoe.engine.kernels.quant_kernels import OWN, QuantLinear
 from npumoe.engine.moe.cpu_experts import CpuExperts
 from npumoe.engine.moe.dispatch import MoeLayer
@@ -144,7 +144,7 @@ def test_without_release_the_module_keeps_its_weights():
 def test_silu_gated_experts_run_in_one_native_call_an_expert_on_the_engines_own_kernels(monkeypatch, format, layout):
     """Other layouts (and torch's kernels, which CpuExperts takes as measured) run the two matmuls with the
     layout's gate between them; one call computes the same up to the bf16 rounding of that intermediate."""
-    monkeypatch.setattr(quant_kernels, "choose_kernel", lambda *_: KernelChoice(OWN[format], {}, {}))
+    monkeypatch.setattr(quant_kernels, "choose_kernel", lambda *_: Choice(OWN[format], {}, {}))
     calls = []
     real = vnni_linear.silu_glu_expert
 

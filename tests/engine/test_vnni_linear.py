@@ -288,7 +288,7 @@ def test_without_vnni_the_compiler_is_never_called_and_the_choice_falls_back_to_
         weights = [quantize(randn(64, 64, seed=11), format)]
         assert unavailable_kernels(format, torch.float32, *weights)[OWN[format]] == reason
         choice = choose_kernel(weights, weights, torch.float32)
-        assert OWN[format] not in choice.seconds and choice.kernel != OWN[format]
+        assert OWN[format] not in choice.seconds and choice.winner != OWN[format]
     assert build.runs == [] and build.loaded == []
     assert all(not {OWN[INT8], OWN[INT4], AMX} & set(kernels) for kernels in timed)
 

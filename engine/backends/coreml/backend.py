@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.timing import median_seconds
+from ...kernels.choice import median_seconds
 from ...moe.dispatch import GraphCalls, GroupGraph
 from ...moe.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from ...moe.grouped import from_ane_layout, to_ane_layout
