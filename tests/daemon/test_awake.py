@@ -161,7 +161,7 @@ def test_the_lock_ends_with_the_daemon_even_when_it_is_killed(fake_bin: Path, tm
     stand_in(fake_bin, "systemd-inhibit", 'exec cat')
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
         import time
-        from npumoe.daemon.awake import PowerAssertion, assertion_command
+        from npumoe.daemon.energy.awake import PowerAssertion, assertion_command
         PowerAssertion(command=lambda why: assertion_command(why, platform="linux")).hold("batch window")
         time.sleep(600)
         """)], env={**os.environ})
