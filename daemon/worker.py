@@ -2,10 +2,11 @@
 
     start: lock the home ─► clean leftovers ─► requeue jobs a killed run left ─► watch the inboxes
     loop:  scheduler says wait (or the machine failed: disk full, …)? ─► record why, sleep
-           claim a job ─► pipeline (checkpoint between chunks: pause, stop, cancel; between layers: stop) ─► next
+           claim a job ─► pipeline (the check, also before every model layer: pause, stop, cancel) ─► next
            nothing to do ─► idle; unload the model after `idle_unload_seconds`; `--once`: finish
            every `lease_seconds`: requeue the jobs of workers that died
            an open batch window with work in it ─► hold a power assertion (daemon/awake.py) until done
+           a batch window closed ─► write its report (daemon/batch.py)
     stop (SIGTERM/SIGINT): the running job is handed back to the queue before the next model layer runs
     stall: a job without progress for `stall_seconds` is stopped and retried; a process stuck in a call that
            never returns records that and exits (EXIT_STUCK) for the service manager to restart it
@@ -50,7 +51,6 @@ from .energy.measure import Meter
 from .energy.priority import apply_background_priority, worker_threads
 from .home import Home
 from .intake import enqueue
-from .layer_checks import LayerChecked
 from .model_choice import ModelSlot, backend_description
 from .scheduler import Decision, Scheduler
 from .stall import StallWatch
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 BEAT_SECONDS = 2.0  # how often the heartbeat row (and the running job's lease) is renewed
 MODEL_RETRY_SECONDS = 60.0  # after a model failed to load, wait this long before trying again
+# The check runs before every model layer: the scheduler is asked at most this often meanwhile, so that a pause or
+# a closed batch window is seen within this long of a layer, without a query of the queue for every one.
+RULING_SECONDS = 0.25
 EXIT_STUCK = 75  # EX_TEMPFAIL: the process gave up on a call that never returned; the service restarts it
 
 
@@ -127,8 +130,8 @@ class Worker:
             config.queue.lease_seconds,
         )
         self.pipeline = Pipeline(
-            queue, self.folders, policy, LayerChecked(self.model, self._interrupt), worker_pid=self.pid,
-            meter=Meter, checkpoint=self._checkpoint, progressed=self.stall.moved,
+            queue, self.folders, policy, self.model, worker_pid=self.pid,
+            meter=Meter, checkpoint=self._check, progressed=self.stall.moved,
             local_index=home.database if queue.shared else None,
         )
         self.summary = RunSummary()
@@ -138,6 +141,8 @@ class Worker:
         self._lost_job: int | None = None
         self._stalled_job: int | None = None
         self._next_reap = 0.0
+        self._ruling: Decision | None = None  # the scheduler's last word while a job runs, and when to ask again
+        self._ruling_due = 0.0
         self._current: Job | None = None
         self._beat: threading.Thread | None = None
         self._written: dict[str, Any] = {}  # the status row as last written, to write only what changed
@@ -265,6 +270,7 @@ class Worker:
         log.info("job %d: %s", job.id, job.path)
         self._lost_job = self._stalled_job = None
         self._current = job
+        self._ruling = None  # the last job's: the scheduler is asked afresh for this one
         self._set("working", "", current_job=job.id)
         self.stall.start()
         try:
@@ -279,10 +285,10 @@ class Worker:
         log.info("job %d %s%s", job.id, outcome.state, where)
 
     def _decide(self) -> Decision:
+        """The scheduler's decision, acted on: the reports of batch windows that closed, the power assertion."""
+        decision = self._rule()
         if not self.obey_schedule:
-            fault = self.scheduler.fault_reason()  # a full disk is full whatever the schedule says
-            return Decision(run=not fault, reason=fault, open_windows=tuple(self.queue.open_windows_needed()))
-        decision = (self._current is None and self.scheduler.idle()) or self.scheduler.decide()
+            return decision
         for closed in self.scheduler.closed_windows():
             report = write_batch_report(self.queue, self.home, closed.window, closed.started, closed.ended)
             log.info("batch window %s closed; report in %s", closed.window, report)
@@ -295,14 +301,23 @@ class Worker:
         else:
             self.awake.release()
 
-    def _checkpoint(self) -> None:
-        """Between steps and chunks: stop, notice a cancel, or wait while the scheduler says so."""
+    def _rule(self) -> Decision:
+        """Whether work may run now, and why not, without acting on it."""
+        if not self.obey_schedule:
+            fault = self.scheduler.fault_reason()  # a full disk is full whatever the schedule says
+            return Decision(run=not fault, reason=fault, open_windows=tuple(self.queue.open_windows_needed()))
+        return (self._current is None and self.scheduler.idle()) or self.scheduler.decide()
+
+    def _check(self) -> None:
+        """The running job's check, between the pipeline's steps and before every model layer: hand the job back
+        (raise) on a stop, a stall, a cancel or its batch window's end; wait (block) while the scheduler says so.
+        It only stops or pauses: batch reports and the power assertion are the loop's, once the job is over."""
         waited = False
         while True:
             self._interrupt()
             if self._lost_job is not None and self._lost_job == self._state["current_job"]:
                 raise Lost
-            decision = self._decide()
+            decision = self._ruling_now(fresh=waited)
             window = self._current.batch_window if self._current else None
             if window is not None and window not in decision.open_windows:
                 raise Stop(f"its batch window {window} closed")
@@ -317,8 +332,15 @@ class Worker:
             self._set("waiting", decision.reason)
             self._stopping.wait(self.config.scheduler.poll_seconds)
 
+    def _ruling_now(self, *, fresh: bool) -> Decision:
+        """The scheduler's decision for the running job, asked again when `fresh` or after RULING_SECONDS."""
+        if fresh or self._ruling is None or time.monotonic() >= self._ruling_due:
+            self._ruling = self._rule()
+            self._ruling_due = time.monotonic() + RULING_SECONDS
+        return self._ruling
+
     def _interrupt(self) -> None:
-        """Cheap enough to run before every model layer: a stop hands the job back, a stall fails this attempt."""
+        """A stop hands the job back, a stall fails this attempt."""
         if self._stopping.is_set():
             raise Stop
         if self._stalled_job is not None and self._stalled_job == self._state["current_job"]:

@@ -28,6 +28,7 @@ from .attach.runtime import MoeRuntime
 from .backends.base import BackendOptions
 from .backends.placement import CostCache, place
 from .backends.registry import backend_class, get_backend
+from .generate.checks import Check, checked
 from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
 from .generate.prefill import new_cache, prefill, windows
 from .generate.summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids, without_thinking
@@ -241,9 +242,11 @@ class Engine:
         cache = new_cache(self.loaded.model)
         return torch.cat(list(prefill(self.loaded.model, ids, self.chunk_tokens, cache, logits=True)))
 
-    def process(self, text: str, on_progress: Callable[[Progress], None] | None = None) -> DocumentResult:
-        """Summary, embeddings and stats for one document. `on_progress` is called after every chunk and
-        summary; it may block (a pause) or raise (an abort, which propagates)."""
+    def process(self, text: str, on_progress: Callable[[Progress], None] | None = None,
+                check: Check | None = None) -> DocumentResult:
+        """Summary, embeddings and stats for one document. `on_progress` is told after every chunk and summary.
+        `check` runs before every MoE layer, so within one layer of each prefill chunk and each decode step of
+        the summaries and combines: it may block (a pause) or raise (a stop, which propagates)."""
         if not text.strip():
             raise ValueError("document text is empty or whitespace only: nothing to process")
         tokenizer = self.loaded.tokenizer
@@ -253,8 +256,9 @@ class Engine:
         self.runtime.stats = DispatchStats()
 
         sections = windows(doc, self._section_tokens)
-        chunk_means, chunk_sizes, summaries = self._map(sections, run)
-        summary, rounds = self._reduce(summaries, run)
+        with checked(self.loaded.model, check):
+            chunk_means, chunk_sizes, summaries = self._map(sections, run)
+            summary, rounds = self._reduce(summaries, run)
 
         document = _token_mean(chunk_means, chunk_sizes)
         embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)

@@ -101,8 +101,9 @@ class Pipeline:
         progressed: Callable[[str], None] = lambda phase: None,
         local_index: Path | None = None,
     ) -> None:
-        """`checkpoint` runs between steps and between chunks: it may block (a pause) or raise Stop (or a
-        Failure, for a job the worker gave up on). `progressed(phase)` is told each time the job moves on.
+        """`checkpoint` runs between steps, and the engine runs it before every model layer (so within each
+        prefill chunk and decode step): it may block (a pause) or raise Stop (or Lost, or a Failure for a job the
+        worker gave up on); it decides nothing else. `progressed(phase)` is told each time the job moves on.
         `local_index`: the home's own database, where done documents are indexed when the queue is shared (on
         SQLite the index is written in the transaction that marks the job done)."""
         self.queue = queue
@@ -204,8 +205,8 @@ class Pipeline:
     def _run_engine(self, engine: Engine, job: Job, text: str) -> DocumentResult:
         self.progressed(PREFILL)  # the model is loaded: from now on, a job that does not move has stalled
         try:
-            return engine.process(text, on_progress=lambda p: self._progress(job, p))
-        except (Stop, Lost, Failure):  # raised by the checks between chunks and layers: the worker's, not the engine's
+            return engine.process(text, on_progress=lambda p: self._progress(job, p), check=self.checkpoint)
+        except (Stop, Lost, Failure):  # raised by the checkpoint within the engine: the worker's, not the engine's
             raise
         except MemoryError as e:
             raise Failure("memory", "the model ran out of memory on this document", retryable=True) from e
@@ -215,12 +216,11 @@ class Pipeline:
             raise Failure("engine", f"the engine failed: {type(e).__name__}: {e}", retryable=True) from e
 
     def _progress(self, job: Job, p: Progress) -> None:
-        """After every chunk and every summary step: checkpoint, then record progress (renewing the lease).
+        """After every chunk and every summary step: record progress (renewing the lease).
 
         Prefill tokens measure the way through a document: the summary steps between them are counted
         by `step`/`steps`, and the reduce steps that follow the last chunk are short.
         """
-        self.checkpoint()
         rate = p.tokens_done / p.elapsed_s if p.elapsed_s > 0 else None
         eta = (p.tokens_total - p.tokens_done) / rate if rate else None
         done = min(p.tokens_done / p.tokens_total, 0.99) if p.tokens_total else 0.0

@@ -179,6 +179,8 @@ def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
     after = queue.get(job.id)
     assert (after.state, after.attempts) == ("queued", 0)
     assert list(home.outbox.iterdir()) == []
+    # the check only handed the job back; the loop wrote the window's report
+    assert [p.name for p in home.reports.iterdir()] == ["batch-20261130-0100-0600.json"]
 
 
 class FakeClock:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import threading
+from collections.abc import Iterator
 from dataclasses import replace
 from itertools import pairwise
 
@@ -138,6 +140,93 @@ def test_raising_from_progress_aborts_the_document_and_leaves_the_engine_usable(
     with pytest.raises(KeyboardInterrupt):
         api.process(harbour[:700], on_progress=stop_after_two)
     assert api.process(harbour[:200]).stats.tokens == 200
+
+
+class DecodeSteps:
+    """Counts decode steps: `generate` runs the whole model once a step, while prefill runs only its base model."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def step(self, *_: object) -> None:
+        self.count += 1
+
+
+@pytest.fixture
+def decode_steps(api) -> Iterator[DecodeSteps]:
+    steps = DecodeSteps()
+    handle = api.loaded.model.register_forward_hook(steps.step)
+    yield steps
+    handle.remove()
+
+
+class Stopped(Exception):
+    """What a caller's check raises to stop the document."""
+
+
+MOE_LAYERS = 3  # of the tiny qwen3_moe
+
+
+def test_the_check_runs_before_every_moe_layer_of_every_prefill_chunk(api, harbour, prefix):
+    checks = [0]
+    per_chunk: list[int] = []  # checks run up to each chunk's progress report
+    api.process(harbour[:700], check=lambda: checks.__setitem__(0, checks[0] + 1),
+                on_progress=lambda p: per_chunk.append(checks[0]) if p.phase == "prefill" else None)
+    chunks = math.ceil((len(prefix) + 700) / CHUNK)
+    assert per_chunk == [MOE_LAYERS * i for i in range(1, chunks + 1)]
+
+
+PAUSE_AFTER = 3  # decode steps of the summary before the check pauses
+
+
+def test_a_pause_during_the_summary_takes_effect_within_one_decode_step(api, orchard, decode_steps):
+    text = orchard[:300]
+    unpaused = api.process(text)
+    assert unpaused.stats.generated_tokens > PAUSE_AFTER + 1  # the summary goes on past the pause
+    decode_steps.count = 0
+    waiting, resume = threading.Event(), threading.Event()
+    waited_at: list[int] = []
+
+    def check() -> None:  # pauses once, PAUSE_AFTER steps into the summary, until resumed
+        if decode_steps.count >= PAUSE_AFTER and not resume.is_set():
+            waited_at.append(decode_steps.count)
+            waiting.set()
+            resume.wait()
+
+    steps_while_paused: list[int] = []
+
+    def resume_once_waiting() -> None:
+        waiting.wait()
+        steps_while_paused.append(decode_steps.count)  # the engine is held inside the check
+        resume.set()
+
+    resumer = threading.Thread(target=resume_once_waiting)
+    resumer.start()
+    paused = api.process(text, check=check)
+    resumer.join()
+    assert waited_at == [PAUSE_AFTER] and steps_while_paused == [PAUSE_AFTER]  # no further step ran
+    assert decode_steps.count > PAUSE_AFTER  # and decoding went on once resumed
+    assert paused.summary == unpaused.summary
+
+
+def test_a_stop_during_a_combine_ends_it_within_one_decode_step(api, harbour, orchard, decode_steps):
+    text = harbour + "\n\n" + orchard  # longer than the context: sections, then their summaries combined
+    map_done: list[int] = []  # decode steps when the last section's summary was reported
+    stopped_at: list[int] = []
+
+    def on_progress(p: Progress) -> None:
+        if p.phase == "summary" and p.chunks_done == p.chunks_total:
+            map_done.append(decode_steps.count)
+
+    def check() -> None:
+        if map_done and decode_steps.count >= map_done[0] + 2:  # two steps into the first combine
+            stopped_at.append(decode_steps.count)
+            raise Stopped
+
+    with pytest.raises(Stopped):
+        api.process(text, on_progress=on_progress, check=check)
+    assert stopped_at == [map_done[0] + 2] and decode_steps.count == stopped_at[0]  # no further step ran
+    assert api.process(harbour[:200]).stats.tokens == 200  # the check went with the call
 
 
 def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combined(api, harbour, orchard):

@@ -48,10 +48,12 @@ class StandInEngine:
     settings: EngineSettings = field(default_factory=lambda: EngineSettings(model="stand-in", weights="bf16"))
     texts: list[str] = field(default_factory=list)
 
-    def process(self, text: str, on_progress: Callable[[Progress], None] | None = None) -> DocumentResult:
+    def process(self, text: str, on_progress: Callable[[Progress], None] | None = None,
+                check: Callable[[], None] | None = None) -> DocumentResult:
         self.texts.append(text)
         for done in range(1, self.chunks + 1):
-            assert on_progress is not None
+            assert on_progress is not None and check is not None
+            check()  # as the engine runs it, within every chunk
             on_progress(Progress("prefill", done, self.chunks, 10 * done, 10 * self.chunks, 0.5 * done))
         if self.error is not None:
             raise self.error
@@ -259,7 +261,7 @@ def test_a_file_deleted_after_it_was_queued_ends_with_that_reason(setup: Setup) 
 
 
 def test_stopping_mid_document_hands_the_job_back_untouched(setup: Setup) -> None:
-    setup.stop_at_checkpoint = 4  # after extraction, between two chunks
+    setup.stop_at_checkpoint = 4  # after extraction, within the second chunk
     outcome, job = setup.run(setup.document())
     assert outcome.state == "queued"
     assert (job.state, job.attempts, job.progress) == ("queued", 0, 0.0)
