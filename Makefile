@@ -22,8 +22,9 @@ lint: setup
 test: lint
 	$(BIN)/pytest
 
+# Every test marked slow: the chaos and load runs, and the default suite's tests that are slow by nature.
 chaos: setup
-	$(BIN)/pytest -m slow -p no:cacheprovider tests/reliability
+	$(BIN)/pytest -m slow -p no:cacheprovider
 
 clean:
 	rm -rf $(VENV) demo-home .pytest_cache .ruff_cache
