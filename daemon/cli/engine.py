@@ -21,6 +21,7 @@ from rich.table import Table
 
 from npumoe.engine.vocabulary import AUTO, BACKENDS, OVERFLOW_POLICIES, PRUNE, WEIGHTS, WEIGHTS_DTYPE
 
+from .model_ref import model_ref
 from .weights import quantize_command, size_command
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
 
     texts = document_texts(documents)
     stderr = Console(stderr=True)
-    ref = _model_ref(model_name)
+    ref = model_ref(model_name)
     try:
         dtype, why = float_dtype(ref, weights, trust_remote_code=options.get("trust_remote_code", False),
                                  allow_download=options.get("allow_download", False))
@@ -270,17 +271,6 @@ def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | 
     console.print("groups by reason: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())))
     if scaled:
         console.print("fp16 range: scaled in the graph, back on the host: " + "; ".join(scaled))
-
-
-def _model_ref(name: str) -> str:
-    """A folder or Hugging Face id for the engine; "demo" is the home's built-in tiny model."""
-    from ..home import Home
-    from ..model_choice import ModelNotFound, resolve_model
-
-    try:
-        return resolve_model(name, Home.current().models)
-    except ModelNotFound as e:
-        raise click.ClickException(str(e)) from e
 
 
 def quiet_transformers() -> None:
