@@ -29,9 +29,9 @@ if TYPE_CHECKING:
     from npumoe.engine.plan.residency import MeasuredCosts, Residency
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                 "glm4_moe", "gpt_oss", "qwen3_next", "ernie4_5_moe", "glm4_moe_lite", "deepseek_v4", "lfm2_moe",
-                 "nemotron_h")
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "granitemoeshared",
+                 "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "ernie4_5_moe", "glm4_moe_lite",
+                 "deepseek_v4", "lfm2_moe", "nemotron_h")
 # Where each family's config.json counts its routed experts.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
