@@ -19,7 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from .foreground import foreground
+from .service.foreground import foreground
 
 if TYPE_CHECKING:
     from npumoe.engine.loading.load import LoadedModel
@@ -604,7 +604,7 @@ def queue_bench(processes: int, n_jobs: int, rounds: int, url: str | None) -> No
     """
     import statistics
 
-    from .queue import fresh_queue, run_claim_benchmark
+    from .service.queue import fresh_queue, run_claim_benchmark
 
     queues = {"sqlite": None, **({"postgresql": url} if url else {})}
     runs: dict[str, list] = {name: [] for name in queues}
@@ -641,7 +641,7 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
     import tempfile
 
     from .machine import describe_machine
-    from .search import run_search_benchmark
+    from .service.search import run_search_benchmark
 
     results = []
     with tempfile.TemporaryDirectory() as folder:

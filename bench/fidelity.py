@@ -86,8 +86,7 @@ def run_fidelity_bench(loaded: LoadedModel, calibration_texts: Sequence[tuple[st
                               hidden, ffn, measured_on=f"{backend.name} on {machine()}")
         for scale in settings.scales:
             for overflow in OVERFLOWS:
-                plan = make_plan(scaled(calibration, scale), model=loaded.name, model_key=loaded.key,
-                                 overflow=overflow)
+                plan = make_plan(scaled(calibration, scale), model=loaded.name, model_key=loaded.key)
                 runtime = MoeRuntime(model, backend, plan, overflow=overflow,
                                      residency=decide_residency(plan, backend, costs))
                 try:

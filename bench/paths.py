@@ -175,7 +175,7 @@ def static_plans(calibration: Calibration, *, model: str, hidden: int, ffn: int,
     backend = get_backend(TORCH_STATIC)
     costs = MeasuredCosts(backend.measure_costs(hidden, ffn, dtype, group_size=DEFAULT_GROUP_SIZE), hidden, ffn,
                           measured_on=f"{backend.name} on {machine()}")
-    plans = {path.overflow: make_plan(calibration, model=model, model_key=model, overflow=path.overflow)
+    plans = {path.overflow: make_plan(calibration, model=model, model_key=model)
              for path in ENGINE_PATHS.values() if path.backend == backend.name}
     return {overflow: (plan, decide_residency(plan, backend, costs)) for overflow, plan in plans.items()}
 

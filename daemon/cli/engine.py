@@ -19,8 +19,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from npumoe.engine.vocabulary import AUTO, BACKENDS, OVERFLOW_POLICIES, PRUNE, WEIGHTS, WEIGHTS_DTYPE
+from npumoe.engine.vocabulary import AUTO, BACKENDS, WEIGHTS, WEIGHTS_DTYPE
 
+from .model_ref import model_ref
 from .weights import quantize_command, size_command
 
 if TYPE_CHECKING:
@@ -28,9 +29,9 @@ if TYPE_CHECKING:
     from npumoe.engine.plan.residency import MeasuredCosts, Residency
 
 # Listed here rather than imported, so that `npumoed --help` does not import torch.
-ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                 "glm4_moe", "gpt_oss", "qwen3_next", "ernie4_5_moe", "glm4_moe_lite", "deepseek_v4", "lfm2_moe",
-                 "nemotron_h")
+ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "phimoe", "granitemoe", "granitemoeshared",
+                 "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_next", "ernie4_5_moe", "glm4_moe_lite",
+                 "deepseek_v4", "lfm2_moe", "nemotron_h")
 # Where each family's config.json counts its routed experts.
 _EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 
@@ -74,8 +75,6 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.argument("more_data", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Plan JSON to write.")
 @click.option("--chunk", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk length.")
-@click.option("--overflow", type=click.Choice(OVERFLOW_POLICIES), default=PRUNE, show_default=True,
-              help="Overflow policy to record in the plan (the engine's own setting decides at run time).")
 @click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,
@@ -87,12 +86,12 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow the checkpoint's own Python code.")
 @click.option("--allow-download", is_flag=True, help="Download the model from the Hugging Face Hub if needed.")
 def calibrate_command(model_name: str, data: tuple[Path, ...], more_data: tuple[Path, ...], out: Path, chunk: int,
-                      overflow: str, n_tiers: int, group_size: int, weights: str, threads: int | None,
+                      n_tiers: int, group_size: int, weights: str, threads: int | None,
                       trust_remote_code: bool, allow_download: bool) -> None:
     """Measure expert loads on calibration documents (--data PATH [PATH...]) and write an ExpertPlan.
 
     The plan serves every backend: where its groups run is decided where it runs (`npumoed plan show --backend`)."""
-    calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk, overflow=overflow,
+    calibrate_documents(model_name, (*data, *more_data), out, chunk_tokens=chunk,
                         n_tiers=n_tiers, group_size=group_size, weights=weights, threads=threads,
                         trust_remote_code=trust_remote_code, allow_download=allow_download)
 
@@ -107,7 +106,7 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
 
     texts = document_texts(documents)
     stderr = Console(stderr=True)
-    ref = _model_ref(model_name)
+    ref = model_ref(model_name)
     try:
         dtype, why = float_dtype(ref, weights, trust_remote_code=options.get("trust_remote_code", False),
                                  allow_download=options.get("allow_download", False))
@@ -212,7 +211,7 @@ def _residency_dict(placed: Residency, costs: MeasuredCosts | None, multiple: in
 
 def _show(plan: ExpertPlan, console: Console) -> None:
     console.print(f"[bold]{escape(plan.model)}[/] ({escape(plan.model_key)}) · chunk {plan.chunk_tokens} tokens · "
-                  f"overflow {plan.overflow} · up to {plan.group_size} experts per group")
+                  f"up to {plan.group_size} experts per group")
     console.print(f"calibrated on {plan.calibration_tokens} tokens, {plan.calibration_chunks} chunks: "
                   f"{escape(', '.join(plan.sources))}")
 
@@ -270,17 +269,6 @@ def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | 
     console.print("groups by reason: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())))
     if scaled:
         console.print("fp16 range: scaled in the graph, back on the host: " + "; ".join(scaled))
-
-
-def _model_ref(name: str) -> str:
-    """A folder or Hugging Face id for the engine; "demo" is the home's built-in tiny model."""
-    from ..home import Home
-    from ..model_choice import ModelNotFound, resolve_model
-
-    try:
-        return resolve_model(name, Home.current().models)
-    except ModelNotFound as e:
-        raise click.ClickException(str(e)) from e
 
 
 def quiet_transformers() -> None:

@@ -10,6 +10,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from .model_ref import model_ref
+
 FORMATS = ("int8", "int4")  # listed here rather than imported, so that `npumoed --help` does not import torch
 
 
@@ -27,10 +29,8 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
     from npumoe.engine.loading.resolve import fingerprint, model_folder
 
     from ..home import Home
-    from .engine import _model_ref
-
     try:
-        checkpoint, _ = model_folder(_model_ref(model_name), allow_download=False, trust_remote_code=False)
+        checkpoint, _ = model_folder(model_ref(model_name), allow_download=False, trust_remote_code=False)
         target = out or quantized_folder(Home.current().ensure().models, checkpoint, fingerprint(checkpoint), format)
         columns = (TextColumn(f"quantizing to {format}"), BarColumn(), MofNCompleteColumn(), TextColumn("tensors"),
                    TimeElapsedColumn())
@@ -72,10 +72,8 @@ def size_command(model_name: str, as_json: bool) -> None:
             from npumoe.engine.errors import ModelError
             from npumoe.engine.loading.resolve import model_folder
 
-            from .engine import _model_ref
-
             try:
-                checkpoint, _ = model_folder(_model_ref(model_name), allow_download=False, trust_remote_code=False)
+                checkpoint, _ = model_folder(model_ref(model_name), allow_download=False, trust_remote_code=False)
             except ModelError as e:
                 raise click.ClickException(str(e)) from e
             tensors = checkpoint_tensors(checkpoint)

@@ -2,7 +2,7 @@
 
 `cpu` has no static graphs: every expert runs on the exact dynamic-shape path. `torch-static`
 runs each group as a `GroupedExperts` module with fixed (G, C, H) shapes: the reference semantics
-for accelerators, available everywhere. The others (`coreml`; CUDA graphs later) build their graphs
+for accelerators, available everywhere. The others (`coreml`) build their graphs
 from the same `GroupedExperts` module, and run a layer's graphs on their device (`submit`) while the
 CPU runs the cold experts.
 """

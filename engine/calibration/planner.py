@@ -24,7 +24,7 @@ import torch
 
 from ..loading.load import LoadedModel, load_model
 from ..plan.expert_plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
-from ..vocabulary import FLOAT32, OVERFLOW_POLICIES, PRUNE
+from ..vocabulary import FLOAT32
 from .calibrate import Calibration, calibrate
 
 DEFAULT_TIERS = 4
@@ -33,7 +33,7 @@ DEFAULT_ALIGN = 8
 
 
 def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, chunk_tokens: int = 512,
-                   overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
+                   n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
                    dtype: str = FLOAT32, threads: int | None = None, trust_remote_code: bool = False,
                    allow_download: bool = False,
                    progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
@@ -47,28 +47,26 @@ def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Pat
     if threads is not None:
         torch.set_num_threads(threads)
     loaded = load_model(model, trust_remote_code=trust_remote_code, allow_download=allow_download, dtype=dtype)
-    plan = plan_loaded(loaded, texts, chunk_tokens=chunk_tokens, overflow=overflow, n_tiers=n_tiers,
+    plan = plan_loaded(loaded, texts, chunk_tokens=chunk_tokens, n_tiers=n_tiers,
                        group_size=group_size, progress=progress)
     plan.save(out)
     return plan
 
 
 def plan_loaded(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = 512,
-                overflow: str = PRUNE, n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
+                n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
                 progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
     """The plan for a model already loaded, calibrated on `texts` (`progress` as for `calibrate_plan`)."""
     with progress or nullcontext() as on_chunk:
         calibration = calibrate(loaded, texts, chunk_tokens=chunk_tokens, on_chunk=on_chunk)
-    return make_plan(calibration, model=loaded.name, model_key=loaded.key, overflow=overflow,
+    return make_plan(calibration, model=loaded.name, model_key=loaded.key,
                      group_size=group_size, n_tiers=n_tiers)
 
 
-def make_plan(calibration: Calibration, *, model: str, model_key: str, overflow: str = PRUNE,
+def make_plan(calibration: Calibration, *, model: str, model_key: str,
               group_size: int = DEFAULT_GROUP_SIZE, n_tiers: int = DEFAULT_TIERS,
               align: int = DEFAULT_ALIGN) -> ExpertPlan:
     """The plan for `calibration`: tiers, each expert's tier, groups."""
-    if overflow not in OVERFLOW_POLICIES:
-        raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
     if group_size < 1 or n_tiers < 1 or align < 1:
         raise ValueError("group size, tier count and alignment must be positive")
     needs = {name: [_need(p95, align, calibration.chunk_tokens) for p95 in load.p95]
@@ -83,7 +81,7 @@ def make_plan(calibration: Calibration, *, model: str, model_key: str, overflow:
                                 magnitudes=magnitudes.get(name)))
     return ExpertPlan(
         model=model, model_key=model_key, chunk_tokens=calibration.chunk_tokens,
-        overflow=overflow, group_size=group_size, tiers=tiers,
+        group_size=group_size, tiers=tiers,
         calibration_tokens=calibration.tokens, calibration_chunks=calibration.chunks,
         sources=calibration.sources, layers=tuple(layers),
     )

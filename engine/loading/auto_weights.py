@@ -9,18 +9,19 @@ that fits), and int4 when none does.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..kernels import bf16_linear, float_kernels
 from ..kernels.choice import Measured
+from ..moe.experts_layout import expert_weights
+from ..moe.model_experts import moe_layouts
 from ..vocabulary import BF16, FP32, INT4, INT8
-from .model_size import ModelSize, Tensor, checkpoint_tensors, model_size, needed_bytes, usable_bytes
+from .model_size import ModelSize, checkpoint_tensors, model_size, needed_bytes, usable_bytes
 
 _FLOATS = {FP32: torch.float32, BF16: torch.bfloat16}
 # The float kernels' sources: an edited kernel is timed again.
@@ -42,18 +43,17 @@ def choose_model_weights(model: str, *, allow_download: bool = False,
     from .resolve import model_folder
 
     checkpoint, name = model_folder(model, allow_download=allow_download, trust_remote_code=trust_remote_code)
-    return name, choose_weights(checkpoint)
+    return name, choose_weights(checkpoint, trust_remote_code=trust_remote_code)
 
 
-def choose_weights(checkpoint: Path, total_memory: int | None = None) -> WeightsChoice:
+def choose_weights(checkpoint: Path, total_memory: int | None = None, *,
+                   trust_remote_code: bool = False) -> WeightsChoice:
     """The format `auto` stands for when loading `checkpoint` on this machine (with `total_memory` bytes of RAM,
     this machine's by default)."""
-    tensors = checkpoint_tensors(checkpoint)
-    hidden, ffn = expert_sizes(checkpoint, tensors)
-    seconds = float_seconds(hidden, ffn)
+    seconds = float_seconds(*expert_sizes(checkpoint, trust_remote_code=trust_remote_code))
     fastest = min(seconds, key=seconds.__getitem__)
     timing = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in seconds.items())
-    size = model_size(tensors)
+    size = model_size(checkpoint_tensors(checkpoint))
     usable = usable_bytes(total_memory if total_memory is not None else psutil.virtual_memory().total)
     if _fits(size, fastest, usable):
         return WeightsChoice(fastest, f"{fastest}, the fastest float dtype measured here per expert ({timing}); "
@@ -68,17 +68,17 @@ def choose_weights(checkpoint: Path, total_memory: int | None = None) -> Weights
                                  f"{'fits' if fits else 'does not fit either, the smallest format there is'}", fits)
 
 
-def expert_sizes(checkpoint: Path, tensors: Sequence[Tensor]) -> tuple[int, int]:
-    """(hidden, ffn) of one routed expert: the model's hidden size, and the smaller side of its expert weights that
-    is not it (whatever the family names them: down_proj, w2, ...; stored either way round)."""
-    config = json.loads((checkpoint / "config.json").read_text())
-    hidden = config.get("hidden_size") or config.get("text_config", {}).get("hidden_size")
-    # fused (E, out, in) expert tensors too (gpt-oss saves them so), which model_size does not count as experts
-    sides = [side for t in tensors if t.expert or (".experts." in t.name and len(t.shape) == 3
-                                                   and not t.name.endswith("bias")) for side in t.shape[-2:]]
-    if not hidden or not sides:
-        raise ValueError(f"{checkpoint}: no hidden size or routed expert weights to time the float kernels on")
-    return hidden, min((side for side in sides if side != hidden), default=hidden)
+def expert_sizes(checkpoint: Path, *, trust_remote_code: bool = False) -> tuple[int, int]:
+    """(hidden, ffn) of one routed expert, read from the experts modules of the model built from the checkpoint's
+    config on the meta device (nothing read or allocated): the modules the engine runs, whatever names the
+    checkpoint stores their tensors under (GraniteMoE's block_sparse_moe.input_linear, gpt-oss's fused or MXFP4
+    experts). ModelError when the model has no routed experts."""
+    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    _, experts, layout = moe_layouts(model)[0]
+    weights = expert_weights(experts, layout)
+    return weights.hidden, weights.ffn
 
 
 def float_seconds(hidden: int, ffn: int) -> dict[str, float]:

@@ -1,14 +1,13 @@
 """The grouped-expert graph: G expert FFNs of one tier run as one static graph.
 
-This module is the single source of every static expert graph: the `torch-static`
-executor runs it, the CUDA executor captures it, and coremltools converts it. Its
-shapes are fixed at construction, and it holds no routing, gather or scatter: the
-host packs each expert's tokens into a contiguous (C, H) slice before the call.
+This module is the single source of every static expert graph: the `torch-static` executor runs it and
+coremltools converts it. Its shapes are fixed at construction, and it holds no routing, gather or scatter:
+the host packs each expert's tokens into a contiguous (C, H) slice before the call.
 
 Each expert's FFN is the one its module's `ExpertsLayout` describes (experts_layout.py): input projection,
 bias, gate or activation, down projection, bias. Two tensor layouts compute the same function from the
 same weights:
-- "bmm": x (G, C, H) -> (G, C, H), two batched matmuls (torch and CUDA graphs);
+- "bmm": x (G, C, H) -> (G, C, H), two batched matmuls (torch);
 - "ane": x (1, G*H, 1, C) -> (1, G*H, 1, C), the (B, C, 1, S) layout of Apple's
   ml-ane-transformers, where each projection is one grouped 1x1 convolution (groups=G),
   which is how the Neural Engine runs a linear layer fast.

@@ -3,10 +3,11 @@
 It records what a graph compiler and the dispatcher need: a few tiers (static capacities, tokens
 per expert per chunk), and per MoE layer each expert's calibrated load, largest magnitudes and
 tier, and the groups of up to G experts of one tier that run as one (G, C, H) graph. Also the chunk
-length, overflow policy and what it was calibrated on. Where each group runs (residency) is not
-in the plan: it is decided for the backend and machine at hand (`residency.py`). Version 1 files,
-which held one backend's residency and costs, still load: those parts are dropped. Loading
-validates every field.
+length and what it was calibrated on. Where each group runs (residency) is not in the plan: it is
+decided for the backend and machine at hand (`residency.py`); nor is the overflow policy, which the
+run's settings choose (exact or fast) over the same tiers. Version 1 files, which held one backend's
+residency and costs, and version 2 files, which held an overflow policy that decided nothing, still
+load: those parts are dropped. Loading validates every field.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from ..vocabulary import OVERFLOW_POLICIES
-
 PLAN_FORMAT = "npumoe.expert-plan"
-PLAN_VERSION = 2
-READABLE_VERSIONS = (1, PLAN_VERSION)  # version 1 also held a backend, its costs and each group's residency
+# version 3: no overflow policy (an older engine refuses the plan by its version, not by a missing field)
+PLAN_VERSION = 3
+READABLE_VERSIONS = (1, 2, PLAN_VERSION)
 LOAD_STATISTICS = ("mean", "p50", "p95", "max")
 MAGNITUDES = ("activation", "gate", "output")
 
@@ -80,7 +80,6 @@ class ExpertPlan:
     model: str
     model_key: str
     chunk_tokens: int
-    overflow: str  # chosen at calibration and shown with the plan; EngineSettings.overflow decides at run time
     group_size: int
     tiers: tuple[int, ...]  # capacity of each tier, ascending
     calibration_tokens: int
@@ -123,9 +122,6 @@ class ExpertPlan:
         if data.get("version") not in READABLE_VERSIONS:
             raise PlanError(f"plan version {data.get('version')!r} is not supported (this engine reads "
                             f"versions {', '.join(map(str, READABLE_VERSIONS))})")
-        overflow = _get(data, "overflow", str)
-        if overflow not in OVERFLOW_POLICIES:
-            raise PlanError(f"overflow: must be one of {', '.join(OVERFLOW_POLICIES)}, got {overflow!r}")
         tiers = tuple(_ints(data, "tiers"))
         if not tiers or tiers[0] < 1 or any(a >= b for a, b in pairwise(tiers)):
             raise PlanError(f"tiers: must be strictly increasing positive capacities, got {list(tiers)}")
@@ -138,7 +134,7 @@ class ExpertPlan:
             raise PlanError("layers: two layers have the same name")
         return cls(
             model=_get(data, "model", str), model_key=_get(data, "model_key", str),
-            chunk_tokens=_positive(data, "chunk_tokens"), overflow=overflow, group_size=group_size, tiers=tiers,
+            chunk_tokens=_positive(data, "chunk_tokens"), group_size=group_size, tiers=tiers,
             calibration_tokens=_get(data, "calibration_tokens", int),
             calibration_chunks=_get(data, "calibration_chunks", int),
             sources=tuple(_strings(data, "sources")), layers=layers,

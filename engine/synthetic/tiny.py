@@ -22,6 +22,7 @@ from transformers import (
     Glm4MoeLiteConfig,
     GptOssConfig,
     GraniteMoeConfig,
+    GraniteMoeSharedConfig,
     Lfm2MoeConfig,
     MixtralConfig,
     NemotronHConfig,
@@ -66,6 +67,10 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "olmoe": (OlmoeConfig, dict(num_experts=32, num_experts_per_tok=8, intermediate_size=EXPERT_FFN)),
     "phimoe": (PhimoeConfig, dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
     "granitemoe": (GraniteMoeConfig, dict(num_local_experts=16, num_experts_per_tok=2, intermediate_size=EXPERT_FFN)),
+    # a shared MLP beside the routed experts
+    "granitemoeshared": (GraniteMoeSharedConfig, dict(num_local_experts=16, num_experts_per_tok=2,
+                                                      intermediate_size=EXPERT_FFN,
+                                                      shared_intermediate_size=2 * HIDDEN)),
     "deepseek_v2": (DeepseekV2Config, dict(n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=2,
                                            first_k_dense_replace=0, **MOE_FFN, **LATENT_ATTENTION)),
     "deepseek_v3": (DeepseekV3Config, dict(n_routed_experts=16, num_experts_per_tok=4, n_shared_experts=1,

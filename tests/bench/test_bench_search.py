@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from npumoe.bench.cli import bench
-from npumoe.bench.search import MODEL_KEY, fill
+from npumoe.bench.service.search import MODEL_KEY, fill
 from npumoe.jobs.search.index import SearchIndex
 
 

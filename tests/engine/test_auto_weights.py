@@ -6,8 +6,9 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
-from npumoe.engine import Engine, EngineSettings
+from npumoe.engine import Engine, EngineSettings, load_model
 from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.loading import auto_weights
 from npumoe.engine.loading.auto_weights import choose_weights
@@ -91,3 +92,27 @@ def test_the_engine_decides_auto_at_load_measuring_here_and_says_so(folder, capl
     assert engine.settings.dtype == {"fp32": "float32", "bf16": "bfloat16"}[engine.settings.weights]
     assert engine.loaded.model.dtype.itemsize == (4 if engine.settings.weights == "fp32" else 2)
     assert f"weights auto -> {engine.settings.weights}" in caplog.text and " ms" in caplog.text
+
+
+@pytest.mark.usefixtures("own_cache")
+# GraniteMoE checkpoints store their experts as block_sparse_moe.input_linear/output_linear (3-D, no `experts.`
+# in the name); the shared variant has a shared MLP beside them
+@pytest.mark.parametrize("arch", ["granitemoe", "granitemoeshared"])
+def test_auto_reads_the_expert_sizes_from_the_model_whatever_the_checkpoint_names_them(tiny, orchard, arch,
+                                                                                       monkeypatch):
+    timed = []
+
+    def seconds(hidden, ffn, dtype):
+        timed.append((hidden, ffn))
+        return 1e-3 if dtype.itemsize == 4 else 2e-3  # fp32 faster, so the engine is held to the fp32 forward
+
+    monkeypatch.setattr(auto_weights, "expert_seconds", seconds)
+    folder = tiny(arch)
+    engine = Engine.load(EngineSettings(model=str(folder), weights="auto", overflow="spill", chunk_tokens=64))
+    assert timed == [(64, 32), (64, 32)] and engine.settings.weights == "fp32"
+    ids = list(orchard.encode())[:150]
+    with torch.no_grad():
+        want = load_model(folder).model(torch.tensor([ids])).logits[0]
+    got = engine.logits(ids)
+    assert float((got - want).abs().max() / want.abs().max()) < 1e-4
+    assert engine.stats.layer_calls == 3 * 3  # the engine's experts ran: 3 chunks through 3 MoE layers

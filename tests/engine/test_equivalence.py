@@ -42,7 +42,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def make_plan_file(folder: Path, calibration_text: str, out: Path) -> Path:
     loaded = load_model(folder)
     calibration = calibrate(loaded, [("calibration", calibration_text)], chunk_tokens=CHUNK)
-    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key, overflow="spill")
+    plan = make_plan(calibration, model=loaded.name, model_key=loaded.key)
     # A quarter of the calibrated capacities, so that hot experts overflow and spill.
     plan = replace(plan, tiers=tuple(capacity // 4 for capacity in plan.tiers))
     plan.save(out)

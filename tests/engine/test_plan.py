@@ -17,7 +17,7 @@ from npumoe.engine.calibration.calibrate import Calibration, calibrate
 from npumoe.engine.calibration.planner import calibrate_plan, choose_tiers, make_plan
 from npumoe.engine.plan.cost import CostModel
 from npumoe.engine.plan.cost_cache import CostCache
-from npumoe.engine.plan.expert_plan import ExpertLoad, ExpertPlan, PlanError
+from npumoe.engine.plan.expert_plan import PLAN_VERSION, ExpertLoad, ExpertPlan, PlanError
 from npumoe.engine.plan.residency import MeasuredCosts
 
 
@@ -94,7 +94,6 @@ def mutated(change) -> dict:
     (lambda d: d.pop("model_key"), "model_key: missing"),
     (lambda d: d.update(format="other"), "not an expert plan"),
     (lambda d: d.update(tiers=[16, 8, 64]), "tiers: must be strictly increasing"),
-    (lambda d: d.update(overflow="drop"), "overflow: must be one of spill, prune"),
     (lambda d: d.update(chunk_tokens=0), "chunk_tokens: must be positive"),
     (lambda d: d["layers"][0].update(magnitudes={"activation": [1.0], "gate": [], "output": []}),
      r"layers\[0\].magnitudes.activation: must hold 6"),
@@ -155,7 +154,7 @@ def test_a_version_1_plan_file_still_loads_without_its_backend_costs_and_residen
     """A plan file as the engine wrote it before plans were backend-free: its backend, costs and residency go."""
     folder, plan = qwen3_plan
     old = plan.to_dict()
-    old.update(version=1, backend="torch-static",
+    old.update(version=1, backend="torch-static", overflow="prune",
                cost={"launch_s": 1e-5, "static_flops": 1e10, "cpu_call_s": 1e-6, "cpu_flops": 1e10})
     for layer in old["layers"]:
         del layer["magnitudes"]
@@ -163,11 +162,20 @@ def test_a_version_1_plan_file_still_loads_without_its_backend_costs_and_residen
             group["residency"] = "accelerator" if g % 2 else "cpu"
     (tmp_path / "old.json").write_text(json.dumps(old))
     loaded = ExpertPlan.load(tmp_path / "old.json")
-    assert loaded.version == 2 and loaded.tiers == plan.tiers
+    assert loaded.version == PLAN_VERSION and loaded.tiers == plan.tiers
     assert [layer.groups for layer in loaded.layers] == [layer.groups for layer in plan.layers]
     assert all(layer.magnitudes is None for layer in loaded.layers)
     engine = Engine.load(EngineSettings(model=folder, backend="cpu", plan=tmp_path / "old.json"))
     assert engine.residency.accelerator_groups == 0 and engine.residency.cpu_groups > 0
+
+
+def test_a_version_2_plan_still_loads_its_overflow_policy_dropped_for_the_runs_own(tmp_path):
+    """Version 2 recorded an overflow policy that decided nothing: the run's settings always chose."""
+    plan = plan_for()
+    (tmp_path / "v2.json").write_text(json.dumps({**plan.to_dict(), "version": 2, "overflow": "prune"}))
+    loaded = ExpertPlan.load(tmp_path / "v2.json")
+    assert loaded.version == PLAN_VERSION and loaded.layers == plan.layers
+    assert "overflow" not in loaded.to_dict()
 
 
 def test_a_static_backend_without_a_plan_is_refused(qwen3_plan):

@@ -20,7 +20,7 @@ import pytest
 from postgres_server import PostgresServer
 from sqlalchemy import create_engine, inspect, text, update
 
-from npumoe.bench.queue import run_claim_benchmark
+from npumoe.bench.service.queue import run_claim_benchmark
 from npumoe.jobs.queue.schema import SCHEMA_VERSION, jobs, migrate, schema_version
 from npumoe.jobs.queue.store import BATCH, INTERACTIVE, Backoff, Queue
 

@@ -276,7 +276,7 @@ def foreground(rounds: int, work: int, processes: int | None, copies: int, warmu
         summary = summarise(runs, solo, psutil.cpu_count() or 1)
         show(runs, summary, processes, work)
         if json_path is not None:
-            from .machine import describe_machine
+            from ..machine import describe_machine
 
             settings = {"rounds": rounds, "work": work, "processes": processes, "documents": documents,
                         "daemon_config": daemon.config.as_dict()}
