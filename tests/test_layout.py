@@ -145,7 +145,7 @@ def test_no_product_folder_holds_more_than_fifteen_modules_flat(folder: Path) ->
 
 
 def test_the_rules_see_function_level_imports() -> None:
-    """The graph the rules read holds an import made inside a function (the backends registry imports Core ML lazily)."""
+    """The graph holds an import made inside a function: the backends registry imports Core ML lazily."""
     lazy = [(s, n) for s, n in imports_of("npumoe.engine.backends.registry", MODULES["npumoe.engine.backends.registry"])
             if s.endswith("coreml.backend")]
     assert lazy and "npumoe.engine.backends.coreml.backend" in edges()["npumoe.engine.backends.registry"]
