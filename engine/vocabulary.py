@@ -8,7 +8,7 @@ acts on them. Only names live here, no torch: importing this module stays cheap,
 
 from __future__ import annotations
 
-# Executor backends (`engine/backends.py` registers one for each name).
+# Executor backends (`engine/backends/registry.py` registers one for each name).
 CPU = "cpu"  # exact dynamic-shape experts, no static graphs
 TORCH_STATIC = "torch-static"  # the static group graphs run by torch: the accelerators' reference
 COREML = "coreml"  # the static group graphs run by Core ML on the Neural Engine

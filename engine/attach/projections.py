@@ -7,16 +7,16 @@ them), dense layers' FFNs and shared experts. Embeddings and norms are not linea
 How: `MoeRuntime.attach` puts a `ProjectionLinear` in each such Linear's place in its parent (`DenseProjections`;
 detach puts the original back; no model code is patched). It holds the weight packed for the kernel measured
 fastest for that weight's shape at a prefill chunk's rows with this process's torch threads: the float kernels
-the experts choose among (cpu_kernels; exact: torch's product up to summation order) and, with a quantized
+the experts choose among (float_kernels; exact: torch's product up to summation order) and, with a quantized
 format, the quantized ones too (quant_kernels; int8 rounds each row of x dynamically), which win only where they
 measure faster than float at that shape. Where plain torch wins, the Linear stays as it is. Choices are cached
 per machine like the experts'. Beside int4 experts the projections take int8 at most (`projection_format`).
 
 The engine's own kernels (bf16_linear, vnni_linear) run on one thread: a projection's rows are split over the
-experts' workers (cpu_experts.run_tasks). torch's and oneDNN's kernels use torch's threads themselves.
+experts' workers (kernels/workers.py). torch's and oneDNN's kernels use torch's threads themselves.
 
 With `release`, the Linear's own weight is freed once packed (a placeholder of its shape over one element, as
-for the experts: runtime.py), so the packed weight is the one copy; the original module then computes nothing
+for the experts: moe/release.py), so the packed weight is the one copy; the original module then computes nothing
 useful without a runtime attached.
 """
 
@@ -122,10 +122,9 @@ class HeadRows(nn.Module):
 
 def projection_format(experts_format: str | None) -> str | None:
     """The quantized format dense projections may take beside experts in `experts_format`: int8 at most. They are a
-    few percent of a MoE model's bytes (Qwen3-30B-A3B's attention: 0.9 of 30.5 billion parameters, 0.3 GB more
-    in int8 than int4) but every token passes through all of them: int4 projections took a whole 2-layer
-    qwen3-30b-a3b model's error from 3 % to 12-13 % where they measured faster (llama.cpp's Q4_K_M keeps
-    attention's value projection at 6 bits in many layers for the same reason)."""
+    few percent of a MoE model's bytes (Qwen3-30B-A3B's attention: 0.9 of 30.5 billion parameters) but every
+    token passes through all of them, so int4 there multiplies the whole model's error for little memory
+    (llama.cpp's Q4_K_M keeps attention's value projection at 6 bits in many layers for the same reason)."""
     return None if experts_format is None else INT8
 
 

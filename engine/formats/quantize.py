@@ -4,10 +4,10 @@
 - int4: w[n, k] ≈ (q[n, k] − 8) · scale[n, g] + zero[n, g] for k in group g of INT4_GROUP columns, q in [0, 15]:
   asymmetric. Each group's codes first span its own min..max; then, twice, its scale and zero are refitted by
   least squares to the codes they gave and the weights rounded again, which clips a group's extremes where that
-  lowers its error (a refit that would round the group worse is not taken). With random (Gaussian) expert
-  weights the zero point takes a real geometry layer's error from 15.9 % (symmetric) to 13.9 % at group 32 (17.7 %
-  to 15.7 % at group 64; group 32 costs half a bit more per weight than 64, 5 bits against 4.5 with bf16 scale
-  and zero), and the refits to 13.0 % (one weight matrix: 7.8 % to 7.3 %) for about twice the time to quantize.
+  lowers its error (a refit that would round the group worse is not taken). The zero point and the refits both
+  lower the error of random (Gaussian) expert weights, the refits for about twice the time to quantize; group 32
+  costs half a bit more per weight than 64 (5 bits against 4.5 with bf16 scale and zero) for less error
+  (`npumoed bench fidelity` measures each format: bench/results/fidelity-weights-*).
   Codes are stored two a byte, the even k in the low nibble: a plain layout any kernel (or Core ML) can read,
   which each kernel repacks for itself.
 

@@ -14,13 +14,13 @@ int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x 
 for it; output widths a multiple of 16) or "dequantize".
 
 The dynamic kernels round the activations too, so they sit further from the dequantized reference than the
-weight-only ones (on a real-geometry layer with random weights: 2.7 % against 1.4 % relative error).
+weight-only ones (`npumoed bench fidelity` measures both: bench/results/fidelity-weights-*).
 
 The engine's own kernels also run a whole silu-gated expert (gate-up, silu(gate)·up, down) in one native call
 (`silu_glu_ffn`), the intermediate values in float32 inside it; the others run the two matmuls with the gate
 between them in torch.
 
-As for the float kernels (cpu_kernels), the features say only what can run (`unavailable_kernels`); the first
+As for the float kernels (float_kernels), the features say only what can run (`unavailable_kernels`); the first
 layer of each format, activation dtype and expert shape times those that can, on a whole silu-gated expert, and
 keeps the fastest, through the measured-choice mechanism (choice.py) like them.
 """
@@ -83,7 +83,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class QuantLinear:
     """y = x · ŵᵀ for one quantized (N, K) weight ŵ, held in the layout `kernel` reads, for `dtype` activations:
-    the call contract of cpu_kernels.PackedLinear, (n, K) -> (n, N)."""
+    the call contract of float_kernels.PackedLinear, (n, K) -> (n, N)."""
 
     def __init__(self, weight: QuantizedWeight, kernel: str, dtype: torch.dtype) -> None:
         if kernel not in KERNELS[weight.format]:

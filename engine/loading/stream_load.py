@@ -11,7 +11,7 @@ about twice at the peak of loading. Here instead:
 - every tensor is read into memory of its own (tensor_reader: no map, so the file's pages are not the process's);
 - with `pack`, each experts module's weights go straight into the engine's CPU experts (cpu_experts.CpuExperts),
   one expert at a time, float or quantized (taking the experts `npumoed model quantize` wrote where they exist),
-  and the module keeps placeholders, as after the engine packs a loaded model's experts (runtime.py).
+  and the module keeps placeholders, as after the engine packs a loaded model's experts (moe/release.py).
 
 Experts stored in MXFP4 (gpt-oss, mxfp4.py) are dequantized one expert at a time as they are read, so they too
 are never held whole in float when packed. A checkpoint this loader cannot read as it is (stored in another
