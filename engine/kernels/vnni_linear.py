@@ -14,8 +14,8 @@ after `amx_unavailable()` says None), over the same packed weights.
 `silu_glu_expert` runs a whole gated expert (gate-up, silu(gate)·up, down) in one call, its intermediate values in
 float32 and never leaving the kernel. The second level of codes keeps rows with outlier features: the outliers of
 trained models (a few channels tens of times the rest) then cost an int8 expert about what plain rows do, where
-one level would round them several times worse (tests/engine/test_vnni_linear.py holds such rows to the plain
-rows' bound). Only such rows pay for the second level's arithmetic.
+one level would round them several times worse (tests/engine/test_vnni_linear.py checks both kernels on such
+rows). Only such rows pay for the second level's arithmetic.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
 quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with
