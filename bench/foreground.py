@@ -36,6 +36,7 @@ from npumoe.daemon.config import ConfigError, load_config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.samples import write_samples
+from npumoe.jobs.queue.schema import DONE, QUEUED, RUNNING
 from npumoe.jobs.queue.store import Queue
 
 COPYABLE = (".md", ".txt", ".html")  # formats a trailing line can make distinct without breaking them
@@ -123,10 +124,10 @@ class Daemon:
         """(tokens prefilled, documents done) so far: meta.json of done jobs, live detail of running ones."""
         tokens = documents = 0
         for job in self.queue.list():
-            if job.state == "done":
+            if job.state == DONE:
                 tokens += int(job_meta(job).get("tokens") or 0)
                 documents += 1
-            elif job.state == "running" and job.detail:
+            elif job.state == RUNNING and job.detail:
                 tokens += int(json.loads(job.detail).get("tokens_done") or 0)
         return tokens, documents
 
@@ -148,7 +149,7 @@ class Daemon:
         return total
 
     def waiting_documents(self) -> int:
-        return self.queue.counts()["queued"]
+        return self.queue.counts()[QUEUED]
 
 
 def measure(daemon: Daemon, pool: Any, processes: int, work: int, condition: str, settle_s: float) -> Run:

@@ -38,9 +38,10 @@ from filelock import FileLock, Timeout
 from npumoe.jobs.errors import Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault, machine_fault
-from npumoe.jobs.files import Folders, set_aside
+from npumoe.jobs.files import KEEP, Folders, set_aside
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
+from npumoe.jobs.queue.schema import DONE, FAILED, QUEUED
 from npumoe.jobs.queue.store import Job, Queue
 
 from .batch import write_batch_report
@@ -116,7 +117,7 @@ class Worker:
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
         # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
         # run that stopped between "done" and moving it must be seen again, to be moved.
-        memory = queue if config.inbox.originals == "keep" else None
+        memory = queue if config.inbox.originals == KEEP else None
         self.awake = awake or PowerAssertion()
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take, memory=memory)
         self.stall = StallWatch(config.queue.stall_seconds)
@@ -200,7 +201,7 @@ class Worker:
             self._beat.join(timeout=BEAT_SECONDS * 2)
         self.model.unload()
         self.awake.release()
-        self.summary.waiting = sum(self.queue.counts()[s] for s in ("queued", "failed"))
+        self.summary.waiting = sum(self.queue.counts()[s] for s in (QUEUED, FAILED))
         self._set("stopped", "", current_job=None)
         self.queue.write_daemon(stopped_at=time.time())
         self._restore_signals()
@@ -353,7 +354,7 @@ class Worker:
         if created:
             log.info("queued job %d: %s", job.id, path)
             self._wake.set()
-        elif job.state == "done":  # finished earlier, e.g. stopped between "done" and moving the original
+        elif job.state == DONE:  # finished earlier, e.g. stopped between "done" and moving the original
             self.pipeline.settle(job, path)
         return True
 

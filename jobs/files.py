@@ -37,6 +37,9 @@ FILE_KINDS = {
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
 CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
+# What becomes of an original once its document is done (the originals policy).
+KEEP, MOVE, DELETE = "keep", "move", "delete"
+ORIGINALS = (KEEP, MOVE, DELETE)
 
 
 @dataclass(frozen=True)
@@ -170,12 +173,12 @@ def settle_original(source: Path, originals: str, folders: Folders, identity: Id
     Only documents inside an inbox are touched (one queued by hand from elsewhere stays where it is), and a
     failure here is logged, never raised: the job's result is already safe.
     """
-    if originals == "keep" or not os.path.lexists(source) or not folders.holds(source):
+    if originals == KEEP or not os.path.lexists(source) or not folders.holds(source):
         return "kept"
     if Identity.at(source) != identity:  # saved again, or replaced, since it was read: not ours to settle
         return CHANGED
     try:
-        if originals == "delete":
+        if originals == DELETE:
             source.unlink()
             return "deleted"
         return f"moved to {move_file(source, folders.processed, source.name)}"

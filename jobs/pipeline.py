@@ -34,9 +34,10 @@ from npumoe.engine.vocabulary import PREFILL
 from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from .extract.isolated import ExtractedText, ExtractLimits, extract_text
 from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
-from .files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
+from .files import CHANGED, KEEP, ORIGINALS, Folders, Identity, identify, set_aside, settle_original, snapshot
 from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
 from .outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, output_name, temporary_path, write_folder
+from .queue.schema import DEAD, DONE, QUEUED
 from .queue.store import Job, Queue
 from .search.index import IndexEntry, write_entry, write_local
 
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ORIGINALS = ("keep", "move", "delete")
 # Extraction failures worth another try: the machine was busy or short of memory. The rest are
 # properties of the document and would fail the same way again.
 RETRYABLE_EXTRACTION = frozenset({"timeout", "memory"})
@@ -70,7 +70,7 @@ class Measurement(Protocol):
 
 @dataclass(frozen=True)
 class Policy:
-    originals: str = "keep"  # keep | move | delete, once a document is done
+    originals: str = KEEP  # one of ORIGINALS, once a document is done
     limits: ExtractLimits = field(default_factory=ExtractLimits)
     lease_seconds: float = 120.0
 
@@ -121,7 +121,7 @@ class Pipeline:
             return self._process(job, work)
         except Stop as stop:
             self.queue.release(job.id, self.pid)
-            return Outcome(job.id, "queued", f"handed back: {stop}")
+            return Outcome(job.id, QUEUED, f"handed back: {stop}")
         except (ModelUnavailable, MachineFault):
             self.queue.release(job.id, self.pid)
             raise
@@ -287,11 +287,11 @@ class Pipeline:
         if not done:
             raise Lost
         self.settle(job, source, identity)
-        return Outcome(job.id, "done", output_dir=out)
+        return Outcome(job.id, DONE, output_dir=out)
 
     def settle(self, job: Job, source: Path, identity: Identity | None = None) -> None:
         """Keep, move or delete the original of the done `job` by policy, if `source` still holds its content."""
-        if self.policy.originals == "keep":
+        if self.policy.originals == KEEP:
             return
         if identity is None:
             identity = self._identify_as(job, source)
@@ -323,7 +323,7 @@ class Pipeline:
         if state is None:
             return Outcome(job.id, "lost", "cancelled or taken over while it ran")
         log.warning("job %d %s (%s): %s", job.id, state, failure.kind, reason)
-        if state == "dead" and failure.set_aside:
+        if state == DEAD and failure.set_aside:
             set_aside(
                 Path(job.path),
                 f"job #{job.id} gave up after {job.attempts} attempt(s)\nkind: {failure.kind}\nreason: {reason}\n",

@@ -13,11 +13,12 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..vocabulary import CHUNK_TOKENS
 from . import attention_kernel
 from .float_kernels import ChoiceCache, KernelChoice, time_in_turns
 
 KERNELS = ("npumoe", "torch")
-CHUNK, DEPTH = 512, 1024  # what a timing run attends: a prefill chunk against a cache of this depth
+CHUNK, DEPTH = CHUNK_TOKENS, 1024  # what a timing run attends: a default prefill chunk against a cache this deep
 
 _CACHE = ChoiceCache("attention-kernels", (attention_kernel.SOURCE,))
 _choices: dict[str, KernelChoice] = {}

@@ -37,11 +37,11 @@ from sqlalchemy.exc import DatabaseError, DBAPIError
 from ..errors import DatabaseUnusable
 from ..files import Identity
 from .dialects import open_dialect
-from .schema import STATES, control, daemon, inbox_files, jobs, migrate
+from .schema import CANCELLED, DEAD, DONE, FAILED, QUEUED, RUNNING, STATES, control, daemon, inbox_files, jobs, migrate
 
 log = logging.getLogger(__name__)
 
-CLAIMABLE = ("queued", "failed")
+CLAIMABLE = (QUEUED, FAILED)
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
 DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # "database disk image is malformed", "file is not a database"
 
@@ -224,7 +224,7 @@ class Queue:
         """
         now = self.clock()
         values = dict(path=str(path), sha256=sha256, model_key=model_key, settings_key=settings_key,
-                      state="queued", priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
+                      state=QUEUED, priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
                       progress=0.0, created_at=now, updated_at=now, batch_window=batch_window,
                       pinned_host=self.host if pinned and self.shared else None)
         with self._tx() as conn:
@@ -243,7 +243,7 @@ class Queue:
         """Record a job finished elsewhere (rebuilding the queue from the outbox); False if its id or its
         content under those keys is known already."""
         values = dict(id=job_id, path=path, sha256=sha256, model_key=model_key, settings_key=settings_key,
-                      state="done", priority=INTERACTIVE, attempts=1, max_attempts=1, run_after=finished_at,
+                      state=DONE, priority=INTERACTIVE, attempts=1, max_attempts=1, run_after=finished_at,
                       progress=1.0, created_at=finished_at, updated_at=finished_at, finished_at=finished_at,
                       output_dir=output_dir)
         with self._tx() as conn:
@@ -267,7 +267,7 @@ class Queue:
             row = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == runnable)
-                .values(state="running", attempts=jobs.c.attempts + 1, worker_pid=worker_pid,
+                .values(state=RUNNING, attempts=jobs.c.attempts + 1, worker_pid=worker_pid,
                         worker_host=self.host, worker_started=process_started(worker_pid),
                         lease_until=now + lease_seconds, heartbeat_at=now, updated_at=now, progress=0.0,
                         detail=None)
@@ -298,7 +298,7 @@ class Queue:
         with self._tx() as conn:
             done = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
-                .values(state="done", progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
+                .values(state=DONE, progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
                         lease_until=None, last_error=None, error_kind=None)
             ).rowcount == 1
             if done and on_done is not None:
@@ -315,7 +315,7 @@ class Queue:
             if job is None:
                 return None
             retry = retryable and job.attempts < job.max_attempts
-            state = "failed" if retry else "dead"
+            state = FAILED if retry else DEAD
             conn.execute(
                 update(jobs).where(jobs.c.id == job_id)
                 .values(state=state, last_error=error, error_kind=kind, updated_at=now, lease_until=None,
@@ -331,7 +331,7 @@ class Queue:
         with self._tx() as conn:
             released = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
-                .values(state="queued", attempts=jobs.c.attempts - 1, worker_pid=None, lease_until=None,
+                .values(state=QUEUED, attempts=jobs.c.attempts - 1, worker_pid=None, lease_until=None,
                         progress=0.0, detail=None, updated_at=now)
             ).rowcount == 1
             if released:
@@ -349,19 +349,19 @@ class Queue:
         """
         now = self.clock()
         with self._read.connect() as conn:
-            running = conn.execute(select(jobs).where(jobs.c.state == "running")).all()
+            running = conn.execute(select(jobs).where(jobs.c.state == RUNNING)).all()
             if not any(self._lost(j, now, alive) for j in running):
                 return []
         with self._tx() as conn:
             running = conn.execute(
-                select(jobs).where(jobs.c.state == "running").with_for_update(skip_locked=True)
+                select(jobs).where(jobs.c.state == RUNNING).with_for_update(skip_locked=True)
             ).all()
             lost = [j for j in running if self._lost(j, now, alive)]
             for j in lost:
                 out_of_attempts = j.attempts >= j.max_attempts
                 conn.execute(
                     update(jobs).where(jobs.c.id == j.id)
-                    .values(state="dead" if out_of_attempts else "queued", worker_pid=None, lease_until=None,
+                    .values(state=DEAD if out_of_attempts else QUEUED, worker_pid=None, lease_until=None,
                             updated_at=now, finished_at=now if out_of_attempts else None,
                             error_kind="lost", last_error=f"worker {j.worker_pid} on {j.worker_host or self.host} "
                                                           f"stopped during attempt {j.attempts} "
@@ -381,7 +381,7 @@ class Queue:
         return not (alive(job.worker_pid) if alive else same_process(job.worker_pid, job.worker_started))
 
     def _owned(self, job_id: int, worker_pid: int) -> tuple[Any, ...]:
-        return (jobs.c.id == job_id, jobs.c.state == "running", jobs.c.worker_pid == worker_pid,
+        return (jobs.c.id == job_id, jobs.c.state == RUNNING, jobs.c.worker_pid == worker_pid,
                 jobs.c.worker_host == self.host)
 
     # -- the person's side ------------------------------------------------------------------------
@@ -389,13 +389,13 @@ class Queue:
     @_reconnecting
     def retry(self, job_id: int) -> Job:
         """Queue a failed, dead or cancelled job again now, with its attempts reset."""
-        return self._set_state(job_id, "queued", ("failed", "dead", "cancelled"),
+        return self._set_state(job_id, QUEUED, (FAILED, DEAD, CANCELLED),
                                attempts=0, run_after=self.clock(), finished_at=None)
 
     @_reconnecting
     def cancel(self, job_id: int) -> Job:
         """Cancel a waiting or running job; a running worker notices at its next heartbeat."""
-        return self._set_state(job_id, "cancelled", ("queued", "failed", "running"),
+        return self._set_state(job_id, CANCELLED, (QUEUED, FAILED, RUNNING),
                                finished_at=self.clock(), lease_until=None)
 
     def _set_state(self, job_id: int, state: str, allowed: tuple[str, ...], **values: Any) -> Job:

@@ -168,7 +168,7 @@ def test_many_processes_claim_each_job_exactly_once(queue_location: Path | str) 
 
 CLAIM_AND_HANG = """
 import os, sys, time
-from npumoe.jobs.queue import Queue
+from npumoe.jobs.queue.store import Queue
 job = Queue(sys.argv[1]).claim(os.getpid(), lease_seconds=float(sys.argv[2]))
 print(job.id, flush=True)
 time.sleep(600)
