@@ -13,7 +13,6 @@ job, so the outputs always describe exactly the content that was queued.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -35,8 +34,19 @@ from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailabl
 from .extract.isolated import ExtractedText, ExtractLimits, extract_text
 from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
 from .files import CHANGED, KEEP, ORIGINALS, Folders, Identity, identify, set_aside, settle_original, snapshot
-from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
-from .outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, output_name, temporary_path, write_folder
+from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, read_meta
+from .outputs import (
+    EMBEDDINGS_FILE,
+    META_FILE,
+    OFFSETS_FILE,
+    SUMMARY_FILE,
+    TEXT_FILE,
+    compressed_text,
+    npy_bytes,
+    output_name,
+    temporary_path,
+    write_folder,
+)
 from .queue.schema import DEAD, DONE, QUEUED
 from .queue.store import Job, Queue
 from .search.index import IndexEntry, write_entry, write_local
@@ -165,11 +175,11 @@ class Pipeline:
 
         meta = self._meta(job, source, engine, extracted, result, meter, extract_s)
         files = {
-            "summary.md": _summary_markdown(source.name, self.model.settings.model, result).encode(),
-            "embeddings.npy": npy_bytes(np.asarray(result.embeddings, dtype=np.float32)),
+            SUMMARY_FILE: _summary_markdown(source.name, self.model.settings.model, result).encode(),
+            EMBEDDINGS_FILE: npy_bytes(np.asarray(result.embeddings, dtype=np.float32)),
             OFFSETS_FILE: npy_bytes(np.asarray(result.spans, dtype=np.int64)),
             TEXT_FILE: compressed_text(extracted.text),
-            "meta.json": meta.to_json(),
+            META_FILE: meta.to_json(),
         }
         with blamed_on(self.folders.outbox):
             out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
@@ -264,10 +274,10 @@ class Pipeline:
     def _finished_output(self, job: Job) -> Path | None:
         out = self.folders.outbox / output_name(Path(job.path).name, job.sha256)
         try:
-            meta = json.loads((out / "meta.json").read_bytes())
-        except (OSError, ValueError):
+            meta = read_meta(out)
+        except ValueError:
             return None
-        return out if meta.get("job_id") == job.id and meta.get("sha256") == job.sha256 else None
+        return out if (meta["job_id"], meta["sha256"]) == (job.id, job.sha256) else None
 
     def _complete(self, job: Job, out: Path, source: Path, identity: Identity | None) -> Outcome:
         """Mark the job done and index its outputs in the same transaction, then settle the original: only the

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import psutil
 import pytest
+from sample_meta import document_meta
 
 from npumoe.daemon.batch import BatchWindow, write_batch_report
 from npumoe.daemon.config import SchedulerConfig, load_config
@@ -251,7 +252,7 @@ def test_the_batch_report_covers_the_jobs_of_that_night(tmp_path: Path) -> None:
         out = home.outbox / f"job{job.id}"
         if meta is not None:
             out.mkdir()
-            (out / "meta.json").write_text(json.dumps(meta))
+            (out / "meta.json").write_bytes(document_meta(**meta).to_json())
             world.queue.complete(job.id, 7, output_dir=str(out))
         else:
             world.queue.fail(job.id, 7, "extractor crashed", retryable=False)
