@@ -64,8 +64,9 @@ class Identity:
             return None
 
 
-def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
-    """`path` opened for reading, if it is a regular file of at most `max_bytes` (None: any size).
+def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file of at most `max_bytes` (None: any size), and not
+    empty unless `empty` allows it.
 
     Raises FileRefused saying why not. lstat comes first, so a FIFO or a device is never even opened;
     O_NOFOLLOW and an fstat of the open descriptor close the race with a rename in between. The size is
@@ -78,7 +79,7 @@ def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
     except FileNotFoundError:
         raise FileRefused("missing", "the file is gone (deleted or moved away)") from None
     except PermissionError:
-        raise FileRefused("denied", "cannot read the file: permission denied") from None
+        raise FileRefused("unreadable", "cannot read the file: permission denied", denied=True) from None
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW gives for a link on Linux / on BSD
             raise _not_regular(stat.S_IFLNK) from None
@@ -89,22 +90,25 @@ def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
     try:
         status = os.fstat(fd)
         _require_regular(status.st_mode)
-        check_size(status.st_size, max_bytes)
+        check_size(status.st_size, max_bytes, empty=empty)
     except BaseException:
         file.close()
         raise
     return file
 
 
-def check_size(size: int, max_bytes: int | None, *, while_read: bool = False) -> None:
-    """Refuse (FileRefused, too_large) a file of `size` bytes over `max_bytes`; `while_read`: it grew that far."""
+def check_size(size: int, max_bytes: int | None, *, while_read: bool = False, empty: bool = True) -> None:
+    """Refuse (FileRefused) a file of `size` bytes over `max_bytes` (`while_read`: it grew that far), or one of
+    0 bytes unless `empty` allows it. The reason names the setting that would let a large file in."""
+    if size == 0 and not empty:
+        raise FileRefused("empty", "file is empty (0 bytes)")
     if max_bytes is None or size <= max_bytes:
         return
     megabytes = round(max_bytes / 2**20, 3)  # the unit of the `extract.max_mb` setting
     limit = f"{megabytes:g} MB" if megabytes >= 0.1 else f"{max_bytes:,}-byte"
     if while_read:
-        raise FileRefused("too_large", f"the file grew past the {limit} limit while it was read")
-    raise FileRefused("too_large", f"the file is {size:,} bytes, over the {limit} limit")
+        raise FileRefused("too_large", f"the file grew past the {limit} limit while it was read (extract.max_mb)")
+    raise FileRefused("too_large", f"the file is {size:,} bytes, over the {limit} limit (extract.max_mb)")
 
 
 def _require_regular(mode: int) -> None:

@@ -194,13 +194,7 @@ class Pipeline:
                 raise
             raise fault from e
         except FileRefused as refused:
-            # A file gone is no longer anyone's to set aside; a permission may be put right, so that one retries.
-            raise Failure(
-                "unreadable" if refused.kind == "denied" else refused.kind,
-                str(refused),
-                retryable=refused.kind == "denied",
-                set_aside=refused.kind != "missing",
-            ) from refused
+            raise _failure(refused) from refused
 
     def _extract(self, copy: Path) -> ExtractedText:
         try:
@@ -209,7 +203,7 @@ class Pipeline:
             # A stop signal reaches the extractor too (Ctrl-C, or systemd signalling the whole group): then
             # its death is the stop's doing, not the document's, and the checkpoint hands the job back.
             self.checkpoint()
-            raise Failure(e.kind, str(e), retryable=e.kind in RETRYABLE_EXTRACTION) from e
+            raise _failure(e) from e
 
     def _run_engine(self, engine: Engine, job: Job, text: str) -> DocumentResult:
         self.progressed(PREFILL)  # the model is loaded: from now on, a job that does not move has stalled
@@ -382,6 +376,15 @@ class Pipeline:
             npumoed_version=version("npumoed"),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
+
+
+def _failure(error: ExtractionError) -> Failure:
+    """The job's failure for a document that yielded no text, its kind and reason as they were raised. Retried
+    when the machine was busy or short of memory, or a permission refused it (a person may put that right); a
+    file gone is no longer anyone's to set aside."""
+    denied = isinstance(error, FileRefused) and error.denied
+    return Failure(error.kind, str(error), retryable=error.kind in RETRYABLE_EXTRACTION or denied,
+                   set_aside=error.kind != "missing")
 
 
 def _readable(text: str) -> str:
