@@ -103,13 +103,13 @@ class Daemon:
             self.process.wait()
 
     def pause(self, paused: bool) -> None:
-        self.queue.set_control("paused", {"since": time.time()} if paused else None)
+        self.queue.controls.set("paused", {"since": time.time()} if paused else None)
 
     def activity(self) -> str:
         if self.process is not None and self.process.poll() is not None:
             raise click.ClickException(f"the daemon exited with status {self.process.returncode}; "
                                        f"see {self.home.logs / 'bench-daemon.log'}")
-        row = self.queue.read_daemon()
+        row = self.queue.daemons.read()
         return (row or {}).get("activity") or "starting"
 
     def wait_for(self, done: Callable[[], bool], timeout: float) -> bool:

@@ -74,7 +74,7 @@ def single_instance(home: Home, queue: Queue) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        row = queue.read_daemon() or {}
+        row = queue.daemons.read() or {}
         pid = f" (pid {row['pid']})" if row.get("pid") and not row.get("stopped_at") else ""
         raise AlreadyRunning(f"another npumoed{pid} is already running for {home.root}") from None
     try:
@@ -117,7 +117,7 @@ class Worker:
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
         # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
         # run that stopped between "done" and moving it must be seen again, to be moved.
-        memory = queue if config.inbox.originals == KEEP else None
+        memory = queue.handed if config.inbox.originals == KEEP else None
         self.awake = awake or PowerAssertion()
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take, memory=memory)
         self.stall = StallWatch(config.queue.stall_seconds)
@@ -176,7 +176,7 @@ class Worker:
         if applied := apply_background_priority(self.config.cpu):
             log.info("running at background priority: %s", ", ".join(applied))
         now = time.time()
-        self.queue.write_daemon(
+        self.queue.daemons.write(
             pid=self.pid,
             started_at=now,
             stopped_at=None,
@@ -203,7 +203,7 @@ class Worker:
         self.awake.release()
         self.summary.waiting = sum(self.queue.counts()[s] for s in (QUEUED, FAILED))
         self._set("stopped", "", current_job=None)
-        self.queue.write_daemon(stopped_at=time.time())
+        self.queue.daemons.write(stopped_at=time.time())
         self._restore_signals()
         log.info("npumoed %d stopped", self.pid)
 
@@ -369,7 +369,7 @@ class Worker:
         row = {**self._state, "power": {**self.scheduler.power_state(), "awake": self.awake.holding},
                "counters": self._counters()}
         if beat or row != self._written:
-            self.queue.write_daemon(heartbeat_at=time.time(), **row)
+            self.queue.daemons.write(heartbeat_at=time.time(), **row)
             self._written = row
 
     def _beat_loop(self) -> None:

@@ -21,8 +21,9 @@ from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
 
 from npumoe.engine.vocabulary import TORCH_STATIC
 from npumoe.jobs.outputs import temporary_path
+from npumoe.jobs.queue.database import damage
 from npumoe.jobs.queue.schema import DONE
-from npumoe.jobs.queue.store import Queue, damage
+from npumoe.jobs.queue.store import Queue
 
 from ..config import Config
 from ..home import Home

@@ -28,7 +28,7 @@ STEPS = {PREFILL: "chunks", SUMMARY: "sections", REDUCE: "parts"}  # what the en
 
 def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) -> dict[str, Any]:
     now = time.time() if now is None else now
-    daemon = _daemon(queue.read_daemon(), now)
+    daemon = _daemon(queue.daemons.read(), now)
     current = queue.get(daemon["current_job"]) if daemon.get("current_job") else None
     failures = sorted(
         queue.list(DEAD, recent, newest_first=True) + queue.list(FAILED, recent, newest_first=True),
@@ -37,7 +37,7 @@ def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) ->
     )[:recent]
     return {
         "daemon": daemon,
-        "workers": [_worker(row, queue, now) for row in queue.workers()],
+        "workers": [_worker(row, queue, now) for row in queue.daemons.all()],
         "queue": queue.counts(),
         "current": _current(current) if current is not None and current.state == RUNNING else None,
         "recent_done": [
