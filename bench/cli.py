@@ -26,12 +26,14 @@ if TYPE_CHECKING:
 from npumoe.engine.vocabulary import (
     AUTO,
     BF16,
+    CHUNK_TOKENS,
     DTYPE_ALIASES,
     DTYPES,
     FP32,
     INT4,
     INT8,
     QUANTIZED,
+    SUMMARY_TOKENS,
     WEIGHTS_DTYPE,
     dtype_name,
 )
@@ -82,7 +84,7 @@ def _json_option(f):
 @click.option("--geometry", "geometries", multiple=True, default=("qwen3-30b-a3b",), show_default=True,
               help="MoE layer geometry (repeatable): a model named in engine/synthetic/geometries.json (e.g. "
                    "qwen3-30b-a3b, gpt-oss-20b, olmoe-1b-7b), or HIDDENxEXPERTSxTOPKxFFN.")
-@click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
+@click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(CHUNK_TOKENS,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
 @_dtype_option("Weight and activation dtype (repeatable).")
 @click.option("--skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -129,7 +131,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Decoder layers at the real sizes (the rest of the model is left out).")
 @click.option("--document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Length of the prefilled document (e.g. 2048, 8192, 16384, 32768: attention grows with depth).")
-@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Prefill chunk length; the KV cache carries across chunks.")
 @_dtype_option("Model dtype (repeatable).")
 @click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
@@ -202,7 +204,7 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
                    "--model), each with its random output layer and with one fitted to the calibration text.")
 @click.option("--layer-geometry", default="qwen3-30b-a3b", show_default=True,
               help="The MoE layer whose int8 and int4 experts' relative error is measured, at these real sizes.")
-@click.option("--layer-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--layer-tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Tokens through that layer.")
 @click.option("--capacity/--no-capacity", default=True, show_default=True, help="Run the capacity sweep.")
 @_threads_option
@@ -365,9 +367,9 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
               help="Length of the document (sample texts; one token a byte).")
 @click.option("--section", "sections", multiple=True, type=click.IntRange(min=0), default=(0, 4096, 2048, 1024),
               show_default=True, help="Section length (repeatable); 0: as long as the context allows, the reference.")
-@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Prefill chunk length.")
-@click.option("--summary-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--summary-tokens", type=click.IntRange(min=1), default=SUMMARY_TOKENS, show_default=True,
               help="Most tokens each summary and combine may write ([model] summary_tokens).")
 @click.option("--weights", type=click.Choice((FP32, BF16)), default=BF16, show_default=True,
               help="Weights format of the run.")

@@ -39,9 +39,10 @@ from filelock import FileLock, Timeout
 from npumoe.jobs.errors import Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault, machine_fault
-from npumoe.jobs.files import Folders, set_aside
+from npumoe.jobs.files import KEEP, Folders, set_aside
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
+from npumoe.jobs.queue.schema import DONE, FAILED, QUEUED
 from npumoe.jobs.queue.store import Job, Queue
 
 from .batch import write_batch_report
@@ -76,7 +77,7 @@ def single_instance(home: Home, queue: Queue) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        row = queue.read_daemon() or {}
+        row = queue.daemons.read() or {}
         pid = f" (pid {row['pid']})" if row.get("pid") and not row.get("stopped_at") else ""
         raise AlreadyRunning(f"another npumoed{pid} is already running for {home.root}") from None
     try:
@@ -119,7 +120,7 @@ class Worker:
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
         # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
         # run that stopped between "done" and moving it must be seen again, to be moved.
-        memory = queue if config.inbox.originals == "keep" else None
+        memory = queue.handed if config.inbox.originals == KEEP else None
         self.awake = awake or PowerAssertion()
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take, memory=memory)
         self.stall = StallWatch(config.queue.stall_seconds)
@@ -180,7 +181,7 @@ class Worker:
         if applied := apply_background_priority(self.config.cpu):
             log.info("running at background priority: %s", ", ".join(applied))
         now = time.time()
-        self.queue.write_daemon(
+        self.queue.daemons.write(
             pid=self.pid,
             started_at=now,
             stopped_at=None,
@@ -205,9 +206,9 @@ class Worker:
             self._beat.join(timeout=BEAT_SECONDS * 2)
         self.model.unload()
         self.awake.release()
-        self.summary.waiting = sum(self.queue.counts()[s] for s in ("queued", "failed"))
+        self.summary.waiting = sum(self.queue.counts()[s] for s in (QUEUED, FAILED))
         self._set("stopped", "", current_job=None)
-        self.queue.write_daemon(stopped_at=time.time())
+        self.queue.daemons.write(stopped_at=time.time())
         self._restore_signals()
         log.info("npumoed %d stopped", self.pid)
 
@@ -375,7 +376,7 @@ class Worker:
         if created:
             log.info("queued job %d: %s", job.id, path)
             self._wake.set()
-        elif job.state == "done":  # finished earlier, e.g. stopped between "done" and moving the original
+        elif job.state == DONE:  # finished earlier, e.g. stopped between "done" and moving the original
             self.pipeline.settle(job, path)
         return True
 
@@ -390,7 +391,7 @@ class Worker:
         row = {**self._state, "power": {**self.scheduler.power_state(), "awake": self.awake.holding},
                "counters": self._counters()}
         if beat or row != self._written:
-            self.queue.write_daemon(heartbeat_at=time.time(), **row)
+            self.queue.daemons.write(heartbeat_at=time.time(), **row)
             self._written = row
 
     def _beat_loop(self) -> None:

@@ -37,10 +37,10 @@ from .moe.dispatch import DispatchStats
 from .plan.expert_plan import ExpertPlan, PlanError
 from .vocabulary import (
     AUTO,
+    CHUNK_TOKENS,
     COMPUTE_UNITS,
     CPU,
     DEFAULT_COMPUTE_UNITS,
-    DTYPE_WEIGHTS,
     DTYPES,
     OVERFLOW_POLICIES,
     PHASES,
@@ -49,8 +49,10 @@ from .vocabulary import (
     REDUCE,
     SPILL,
     SUMMARY,
+    SUMMARY_TOKENS,
     WEIGHTS,
     WEIGHTS_DTYPE,
+    weights_with_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -62,7 +64,7 @@ class EngineSettings:
     backend: str = CPU  # one of vocabulary.BACKENDS
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
     # prefill chunk length; 0: the length measured fastest here (chunk_length.py); a plan's own takes precedence
-    chunk_tokens: int = 512
+    chunk_tokens: int = CHUNK_TOKENS
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
     # The float part of `weights` (vocabulary.WEIGHTS_DTYPE), filled in from it; None while auto is undecided.
     # Given with weights left auto it pins the format (float32: fp32, bfloat16: bf16); beside a weights format
@@ -74,7 +76,7 @@ class EngineSettings:
     threads: int | None = None  # torch intra-op threads; None = leave as is
     trust_remote_code: bool = False
     allow_download: bool = False
-    summary_tokens: int = 128  # max new tokens for the summary
+    summary_tokens: int = SUMMARY_TOKENS  # max new tokens for the summary
     # longest section summarised on its own (its chunks attend to nothing before it); 0: as long as the context allows
     section_tokens: int = 0
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
@@ -94,12 +96,11 @@ class EngineSettings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
-        if self.weights == AUTO and self.dtype is not None:
-            object.__setattr__(self, "weights", DTYPE_WEIGHTS[self.dtype])
-        elif self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
-            if self.dtype not in (None, WEIGHTS_DTYPE[self.weights]):
-                raise ValueError(f"dtype {self.dtype!r} disagrees with weights {self.weights!r}, whose float dtype is "
-                                 f"{WEIGHTS_DTYPE[self.weights]}: give weights alone")
+        try:
+            object.__setattr__(self, "weights", weights_with_dtype(self.weights, self.dtype))
+        except ValueError as e:
+            raise ValueError(f"{e}: give weights alone") from None
+        if self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
             object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
         if self.summary_tokens < 1:
             raise ValueError(f"summary_tokens must be positive, got {self.summary_tokens}")

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.text import Text
 
 from npumoe.jobs.outputs import read_text
+from npumoe.jobs.queue.schema import DONE
 from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
@@ -131,7 +132,7 @@ def _job_id(app: App, document: str) -> int:
         sha256 = sha256_of(path)
     except FileRefused as e:
         raise click.BadParameter(f"{e} (give a processed file or a job id)", param_hint="DOCUMENT") from e
-    done = [job.id for job in app.queue.list("done") if job.sha256 == sha256]
+    done = [job.id for job in app.queue.list(DONE) if job.sha256 == sha256]
     if not done:
         raise click.ClickException(f"{path} has not been processed (no done job has its content)")
     return max(done)

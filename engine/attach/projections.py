@@ -39,9 +39,10 @@ from ..kernels.quant_kernels import ACTIVATION_DTYPES, QuantLinear
 from ..kernels.workers import run_tasks
 from ..moe.model_experts import moe_experts
 from ..moe.release import release_weights, weights_identity
+from ..vocabulary import CHUNK_TOKENS
 from .slots import Slot, SlotSwaps
 
-ROWS = 512  # rows a timing run multiplies: one prefill chunk of the engine's default length
+ROWS = CHUNK_TOKENS  # rows a timing run multiplies: one prefill chunk of the engine's default length
 OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
 # Rebuilds the float weight at every call: never faster than the float kernels it ends in.
 _NEVER_FASTER = "dequantize"

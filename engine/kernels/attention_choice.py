@@ -11,11 +11,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..vocabulary import CHUNK_TOKENS
 from . import attention_kernel
 from .choice import Choice, Measured, time_in_turns
 
 KERNELS = ("npumoe", "torch")
-CHUNK, DEPTH = 512, 1024  # what a timing run attends: a prefill chunk against a cache of this depth
+CHUNK, DEPTH = CHUNK_TOKENS, 1024  # what a timing run attends: a default prefill chunk against a cache this deep
 
 CHOICES = Measured("attention", (attention_kernel.SOURCE,))
 

@@ -47,7 +47,9 @@ class FsPath(TypeDecorator[str]):
         return os.fsdecode(value) if isinstance(value, bytes) else value
 
 
-STATES = ("queued", "running", "done", "failed", "dead", "cancelled")
+# A job's states: waiting, leased to a worker, finished, waiting to be retried, out of attempts, cancelled by hand.
+QUEUED, RUNNING, DONE, FAILED, DEAD, CANCELLED = "queued", "running", "done", "failed", "dead", "cancelled"
+STATES = (QUEUED, RUNNING, DONE, FAILED, DEAD, CANCELLED)
 
 jobs = Table(
     "jobs",

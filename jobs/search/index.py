@@ -15,7 +15,6 @@ what the daemon wrote.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..outputs import OFFSETS_FILE, TMP_PREFIX, read_text
+from ..meta import read_meta
+from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
 from .passages import query_terms, sentence_spans, whole_sentences
 
@@ -71,24 +71,24 @@ class IndexEntry:
     @classmethod
     def read(cls, folder: Path) -> IndexEntry:
         try:
-            meta = json.loads((folder / "meta.json").read_bytes())
-            rows = np.load(folder / "embeddings.npy").astype(np.float32)
+            meta = read_meta(folder)
+            rows = np.load(folder / EMBEDDINGS_FILE).astype(np.float32)
             spans = np.load(folder / OFFSETS_FILE) if (folder / OFFSETS_FILE).exists() else None
-            summary = (folder / "summary.md").read_text()
+            summary = (folder / SUMMARY_FILE).read_text()
             text = read_text(folder)
-            job_id, model_key, source = int(meta["job_id"]), str(meta["model_key"]), str(meta["source"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError) as e:
             raise OutputsUnreadable(f"{folder}: {e}") from e
         if rows.ndim != 2 or len(rows) < 2:
-            raise OutputsUnreadable(f"{folder}: embeddings.npy holds {rows.shape}, not chunk rows and a document row")
+            raise OutputsUnreadable(f"{folder}: {EMBEDDINGS_FILE} holds {rows.shape}, "
+                                    "not chunk rows and a document row")
         if spans is not None and spans.shape != (len(rows) - 1, 2):
             raise OutputsUnreadable(f"{folder}: {OFFSETS_FILE} holds {spans.shape}, not one span per chunk")
-        return cls(job_id, model_key, str(folder), source, _first_summary_line(summary), rows[:-1], rows[-1],
-                   spans, text)
+        return cls(meta["job_id"], meta["model_key"], str(folder), meta["source"], _first_summary_line(summary),
+                   rows[:-1], rows[-1], spans, text)
 
 
 def _first_summary_line(markdown: str) -> str:
-    """summary.md is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
+    """The summary file is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
     body = markdown.split("\n\n", 2)[2:]
     lines = body[0].strip().splitlines() if body else []
     return lines[0] if lines else ""

@@ -247,11 +247,11 @@ def test_install_dry_run_prints_the_unit_and_commands_and_writes_nothing(home: P
 
 def test_pause_and_resume_set_the_switch_the_scheduler_reads(home: Path) -> None:
     assert "paused" in npumoed("pause").output
-    paused = Queue(Home(home).database).get_control("paused")
+    paused = Queue(Home(home).database).controls.get("paused")
     assert paused is not None and paused["since"] > 0
     assert "already paused since" in npumoed("pause").output
     assert npumoed("resume").output.strip() == "resumed"
-    assert Queue(Home(home).database).get_control("paused") is None
+    assert Queue(Home(home).database).controls.get("paused") is None
     assert npumoed("resume").output.strip() == "was not paused"
 
 
