@@ -406,6 +406,7 @@ def _wait(condition: Callable[[], bool], what: str, daemon: subprocess.Popen[byt
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a real daemon paused in real time (make chaos); the engine's and worker's pause tests are fast
 def test_pause_stops_a_running_daemon_within_one_chunk_and_resume_lets_it_go_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = Home(tmp_path / "home").ensure()
