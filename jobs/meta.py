@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
+from npumoe.engine.vocabulary import MEAN
+
 SCHEMA_VERSION = 1
 
 
@@ -23,6 +25,7 @@ class Extraction:
 @dataclass(frozen=True)
 class Embeddings:
     dim: int  # the width of each row; there is one row per chunk, plus the document vector
+    pooling: str = MEAN  # how the rows were pooled from the prefill (vocabulary.POOLINGS)
 
 
 @dataclass(frozen=True)
