@@ -32,6 +32,7 @@ from npumoe.engine.vocabulary import (
     FP32,
     INT4,
     INT8,
+    POOLINGS,
     QUANTIZED,
     SUMMARY_TOKENS,
     WEIGHTS_DTYPE,
@@ -660,3 +661,47 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
     _write_json(json_path, describe_machine(1), {"documents": documents, "chunks": chunks, "k": k,
                                                   "queries": queries, "seed": seed},
                 [dataclasses.asdict(r) for r in results])
+
+
+@bench.command("retrieval")
+@click.option("--model", "model_name",
+              help="Model: \"demo\", a checkpoint folder or a Hugging Face id (default: the home config's).")
+@click.option("--pooling", "poolings", multiple=True, type=click.Choice(POOLINGS), default=POOLINGS,
+              show_default=True, help="How chunk vectors are made (repeatable).")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: leave as is).")
+@_json_option
+def retrieval_bench(model_name: str | None, poolings: tuple[str, ...], threads: int | None,
+                    json_path: Path | None) -> None:
+    """Retrieval on the sample documents: recall@1 and MRR of paraphrased questions, for each pooling and each
+    weighting of vectors against words."""
+    import dataclasses
+
+    import torch
+
+    from npumoe.daemon.config import load_config
+    from npumoe.daemon.home import Home
+    from npumoe.daemon.model_choice import engine_settings, load_engine
+
+    from .machine import describe_machine
+    from .service.retrieval import measure, sample_texts
+
+    config = load_config(None)
+    if model_name is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, name=model_name))
+    engine = load_engine(engine_settings(config, Home.current().ensure(), threads=threads))
+    _err.print(f"measuring {engine.model_key}", style="dim")
+    try:
+        results = measure(engine, sample_texts(), poolings)
+    finally:
+        engine.close()
+    table = Table("pooling", "cosine/words/phrase", "passage R@1", "passage MRR", "document R@1", "document MRR",
+                  title=f"retrieval: {results[0].questions} questions on the samples, {engine.model_key}")
+    for r in results:
+        w = r.weights
+        table.add_row(r.pooling, f"{w.cosine:.2f}/{w.words:.3f}/{w.phrase:.3f}", f"{r.passage_recall_at_1:.3f}",
+                      f"{r.passage_mrr:.3f}", f"{r.document_recall_at_1:.3f}", f"{r.document_mrr:.3f}")
+    Console().print(table)
+    click.echo(f"chance: passage R@1 {results[0].passage_chance:.3f}, document R@1 {results[0].document_chance:.3f}")
+    _write_json(json_path, describe_machine(torch.get_num_threads()), {
+        "model": config.model.name, "model_key": engine.model_key, "chunk_tokens": engine.chunk_tokens,
+        "poolings": list(poolings)}, [dataclasses.asdict(r) for r in results])

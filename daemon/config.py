@@ -28,7 +28,9 @@ from npumoe.engine.vocabulary import (
     DEFAULT_COMPUTE_UNITS,
     DTYPE_WEIGHTS,
     DTYPES,
+    MEAN,
     OVERFLOW_POLICIES,
+    POOLINGS,
     SPILL,
     SUMMARY_TOKENS,
     WEIGHTS,
@@ -82,6 +84,9 @@ class ModelConfig:
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
     idle_unload_seconds: float = positive(300.0)
+    # How search vectors are made from the prefill: mean (over each chunk's tokens), last (token), or prompt
+    # (PromptEOL: each chunk prefilled again in a prompt asking for one word; twice the prefill)
+    pooling: str = choice(MEAN, POOLINGS)
 
     @property
     def plan_chunk_tokens(self) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from npumoe.engine.vocabulary import MEAN
 from npumoe.jobs.files import identify
 from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
 
@@ -54,6 +55,8 @@ def job_keys(config: Config) -> tuple[str, str]:
     settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
                 "overflow": m.overflow, "weights": m.weights, "summary_tokens": m.summary_tokens,
                 "section_tokens": m.section_tokens}
+    if m.pooling != MEAN:  # only then: the jobs of every config from before there was a choice keep their keys
+        settings["pooling"] = m.pooling
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest
 

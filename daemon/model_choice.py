@@ -103,6 +103,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
         models_dir=home.models,
+        pooling=m.pooling,
     )
 
 

@@ -1,5 +1,6 @@
 """The engine's words for its choices: backends, overflow policies, dtypes, weight formats, Core ML compute
-units, progress phases, and the defaults every caller shares (chunk length, summary tokens).
+units, search-vector poolings, progress phases, and the defaults every caller shares (chunk length, summary
+tokens).
 
 Config, the command line, the status view and the benchmarks offer and check these values; the engine
 acts on them. Only names live here, no torch: importing this module stays cheap, so `npumoed --help`,
@@ -43,6 +44,12 @@ SUMMARY_TOKENS = 128  # the most new tokens a summary may take
 # Where Core ML may run a graph; each is the lower-case name of a `coremltools.ComputeUnit` member.
 COMPUTE_UNITS = ("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")
 DEFAULT_COMPUTE_UNITS = "cpu_and_ne"
+
+# How a chunk's final hidden states become its search vector (engine/generate/pooling.py).
+MEAN = "mean"  # the mean over the chunk's tokens
+LAST = "last"  # the chunk's last token, which has read the section up to there
+PROMPT = "prompt"  # PromptEOL: the last token of 'This passage : "<chunk>" means in one word:"', prefilled apart
+POOLINGS = (MEAN, LAST, PROMPT)
 
 # The phases a document's progress reports go through, in order.
 PREFILL = "prefill"  # chunks prefilled

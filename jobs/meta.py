@@ -17,6 +17,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from npumoe.engine.vocabulary import MEAN
+
 from .outputs import META_FILE
 
 SCHEMA_VERSION = 1
@@ -39,6 +41,7 @@ class Extraction:
 @dataclass(frozen=True)
 class Embeddings:
     dim: int  # the width of each row; there is one row per chunk, plus the document vector
+    pooling: str = MEAN  # how the rows were pooled from the prefill (vocabulary.POOLINGS)
 
 
 @dataclass(frozen=True)

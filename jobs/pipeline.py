@@ -366,7 +366,7 @@ class Pipeline:
             sections=stats.sections,
             reduce_rounds=stats.reduce_rounds,
             generated_tokens=stats.generated_tokens,
-            embeddings=Embeddings(dim=int(result.embeddings.shape[1])),
+            embeddings=Embeddings(dim=int(result.embeddings.shape[1]), pooling=engine.settings.pooling),
             seconds=Seconds(extract=round(extract_s, 4), prefill=engine_s["prefill"], summary=engine_s["summary"],
                             reduce=engine_s["reduce"], engine=engine_s["total"], total=round(meter.wall_seconds, 4)),
             cpu_seconds=round(meter.cpu_seconds, 4),
