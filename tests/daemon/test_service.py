@@ -341,10 +341,10 @@ def test_doctor_lists_every_measured_choice_attention_included_with_its_figures(
                                     "1 ms, onednn 2 ms, torch 3 ms)")  # the reference doctor measures, alone
     threads = torch.get_num_threads()
     attention_choice.CHOICES.choose(torch.bfloat16, {"heads": 32, "kv_heads": 4, "head_dim": 128}, ["npumoe", "torch"],
-                                    lambda: {"npumoe": 0.01, "torch": 0.02}, threads=threads)
+                                    lambda _: {"npumoe": 0.01, "torch": 0.02}, threads=threads)
     quant_kernels.CHOICES.choose(torch.bfloat16, {"format": "int8", "hidden": 2048, "ffn": 768},
                                  ["npumoe-int8-amx-dynamic", "int8pack"],
-                                 lambda: {"npumoe-int8-amx-dynamic": 0.001, "int8pack": 0.004}, threads=1,
+                                 lambda _: {"npumoe-int8-amx-dynamic": 0.001, "int8pack": 0.004}, threads=1,
                                  unavailable={"onednn-dynamic": "no oneDNN here"})
     assert measured()["detail"] == (
         f"attention: bfloat16 heads 32 kv_heads 4 head_dim 128 threads {threads}: npumoe (npumoe 10 ms, torch 20 ms) "
