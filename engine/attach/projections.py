@@ -174,9 +174,10 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice,
 
 def probe_projections(linears: dict[str, Kernel], weight: torch.Tensor,
                       quantized: QuantizedWeight | None) -> dict[str, Accuracy]:
-    """Each kernel's accuracy on PROBE_ROWS rows: its relative error against the float64 product with `weight`, or
-    with `quantized` dequantized for a quantized kernel, and the bound of its kind and the weight's dtype."""
-    x = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(1)).to(weight.dtype)
+    """Each kernel's accuracy on PROBE_ROWS rows (quant_kernels.probe_rows): its relative error against the float64
+    product with `weight`, or with `quantized` dequantized for a quantized kernel, and the bound of its kind and the
+    weight's dtype."""
+    x = quant_kernels.probe_rows(PROBE_ROWS, weight.shape[1], weight.dtype)
     exact = x.double() @ weight.double().T
     dequantized = x.double() @ quantized.dequantize().double().T if quantized is not None else None
     accuracy = {}
