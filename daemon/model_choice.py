@@ -34,7 +34,7 @@ DEMO_ARCH = "qwen3_moe"
 
 
 class ModelNotFound(ValueError):
-    """A model name that is neither "demo", an existing folder, nor shaped like a Hugging Face id."""
+    """A model name that is neither "demo", an existing folder or GGUF file, nor shaped like a Hugging Face id."""
 
 
 def resolve_model(name: str, models_dir: Path) -> str:
@@ -42,10 +42,10 @@ def resolve_model(name: str, models_dir: Path) -> str:
     if name == DEMO:
         return str(demo_model(models_dir))
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return str(path.resolve())
     if name.startswith(("/", ".", "~")) or path.exists():
-        raise ModelNotFound(f"model folder {name} does not exist (or is not a folder)")
+        raise ModelNotFound(f"model {name} does not exist (or is neither a folder nor a .gguf file)")
     return name
 
 

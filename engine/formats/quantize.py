@@ -154,6 +154,17 @@ def _least_squares(grouped: torch.Tensor, centred: torch.Tensor, scale: torch.Te
     return torch.where(fits, fitted_scale, scale), torch.where(fits, fitted_zero, zero)
 
 
+def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one format and width stacked along N (quantization is row by row: the gate's and the up's
+    stacked are the gate-up's)."""
+    if len(weights) == 1:
+        return weights[0]
+    first = weights[0]
+    zero = torch.cat([w.zero for w in weights]) if first.zero is not None else None
+    return QuantizedWeight(first.format, torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
+                           zero, first.group)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """(N, K) codes 0..15 -> (N, K/2) uint8, the even k in the low nibble."""
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
