@@ -1,4 +1,4 @@
-"""The extraction child process: `python -m npumoe.jobs.extract.child`.
+"""The extraction child process: `python -I -m npumoe.jobs.extract.child`, started in an empty folder.
 
 Reads one JSON request on stdin ({"fd": inherited open file, "suffix": name hint, "limits": ExtractLimits}),
 caps its own address space, parses the file and writes one JSON reply on stdout: the ExtractedText fields,

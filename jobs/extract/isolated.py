@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ from .formats import FORMATS, ExtractedText, ExtractLimits, sniff_format
 __all__ = ["FORMATS", "ExtractLimits", "ExtractedText", "detect_format", "extract_text"]
 
 DEFAULT_LIMITS = ExtractLimits()
-_CHILD = [sys.executable, "-m", "npumoe.jobs.extract.child"]
+# -I: the child imports only from the installed packages, never from its working directory (a `json.py` in the
+# inbox), PYTHONPATH or the user's site-packages; it is started in a private empty folder of its own as well.
+CHILD_COMMAND = [sys.executable, "-I", "-m", "npumoe.jobs.extract.child"]
 
 
 def detect_format(path: Path) -> str:
@@ -49,8 +52,8 @@ def extract_text(path: Path, limits: ExtractLimits = DEFAULT_LIMITS) -> Extracte
 def _run_child(fd: int, suffix: str, limits: ExtractLimits) -> dict[str, Any]:
     request = json.dumps({"fd": fd, "suffix": suffix, "limits": asdict(limits)}).encode()
     # Leaving the with-block waits for the child, so a killed child is always reaped: no zombies.
-    with subprocess.Popen(
-        _CHILD, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(fd,)
+    with tempfile.TemporaryDirectory(prefix="npumoed-extract-") as cwd, subprocess.Popen(
+        CHILD_COMMAND, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(fd,), cwd=cwd
     ) as child:
         try:
             out, err = child.communicate(request, timeout=limits.timeout_s)

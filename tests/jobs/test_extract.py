@@ -226,3 +226,15 @@ def test_extraction_error_names_only_known_kinds() -> None:
 def test_limits_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=f"ExtractLimits.{field} must be positive"):
         ExtractLimits(**{field: 0})
+
+
+def test_the_child_never_imports_modules_from_the_working_directory(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "inbox"
+    folder.mkdir()
+    (folder / "json.py").write_text("raise SystemExit('the json.py of the working directory ran')\n")
+    (folder / "note.txt").write_text("Plain words.\n")
+    monkeypatch.chdir(folder)  # `npumoed run --once --inbox .` in a folder that holds a json.py
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+
+    assert extract_text(folder / "note.txt", LIMITS).text == "Plain words."
