@@ -1,4 +1,4 @@
-"""Writing files so that no reader ever sees half of one, and moving documents between folders.
+"""Writing files so that no reader ever sees half of one.
 
 Everything is first written under a hidden temporary name (`.tmp-…`) in the folder it belongs to,
 flushed to disk, then renamed in one step: an output folder appears complete or not at all. A run
@@ -101,7 +101,7 @@ def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
     try:
         for filename, data in files.items():
             _write_durably(tmp / filename, data)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             # rename() cannot replace a non-empty folder; between these two renames the name is absent,
             # which a reader sees as "not written yet", never as half written.
@@ -114,7 +114,7 @@ def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
     return final
 
 
@@ -127,31 +127,8 @@ def write_file(path: Path, data: bytes, *, mode: int = 0o600) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
-
-
-def move_file(source: Path, folder: Path, name: str) -> Path:
-    """Move `source` into `folder` under `name` (or a free variant of it); returns where it went.
-
-    A rename when both sides share a file system; otherwise a copy under a temporary name, renamed into
-    place, then the source removed, so an interrupted move never leaves a partial file under a real name.
-    """
-    target = _free_name(folder, name)
-    try:
-        os.rename(source, target)
-    except OSError as e:
-        if e.errno != getattr(os, "EXDEV", 18):
-            raise
-        tmp = temporary_path(folder, name)
-        try:
-            shutil.copy2(source, tmp, follow_symlinks=False)
-            os.rename(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        source.unlink()
-    return target
 
 
 def remove_leftovers(folder: Path) -> list[Path]:
@@ -166,16 +143,6 @@ def remove_leftovers(folder: Path) -> list[Path]:
     return removed
 
 
-def _free_name(folder: Path, name: str) -> Path:
-    target = folder / name
-    stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
-    number = 1
-    while os.path.lexists(target):
-        number += 1
-        target = folder / f"{stem} ({number}){dot}{suffix}"
-    return target
-
-
 def _write_durably(path: Path, data: bytes, mode: int = 0o600) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     with os.fdopen(fd, "wb") as f:
@@ -185,7 +152,8 @@ def _write_durably(path: Path, data: bytes, mode: int = 0o600) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of `folder` (a file created, renamed or removed there) survive a power cut."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

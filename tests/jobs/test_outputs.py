@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from npumoe.jobs import outputs
-from npumoe.jobs.outputs import move_file, output_name, remove_leftovers, safe_stem, write_file, write_folder
+from npumoe.jobs.outputs import output_name, remove_leftovers, safe_stem, write_file, write_folder
 
 SHA = "0123456789abcdef" * 4
 
@@ -150,29 +150,3 @@ def test_output_names_are_one_safe_path_component(name: str, stem: str) -> None:
     folder = output_name(name, SHA)
     assert folder == f"{stem}-01234567"
     assert "/" not in folder and "\n" not in folder and not folder.startswith(".")
-
-
-def test_moving_never_overwrites_a_file_already_there(tmp_path: Path) -> None:
-    (tmp_path / "done").mkdir()
-    (tmp_path / "done" / "a.txt").write_text("earlier")
-    first = tmp_path / "a.txt"
-    first.write_text("later")
-    moved = move_file(first, tmp_path / "done", "a.txt")
-    assert moved.name == "a (2).txt" and moved.read_text() == "later"
-    assert (tmp_path / "done" / "a.txt").read_text() == "earlier"
-    assert not first.exists()
-
-
-def test_moving_across_file_systems_copies_then_removes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_cross_device_rename(src: object, dst: object) -> None:
-        if Path(str(src)).parent == tmp_path:
-            raise OSError(18, "Invalid cross-device link")
-        os.replace(src, dst)  # type: ignore[arg-type]
-
-    (tmp_path / "done").mkdir()
-    source = tmp_path / "a.txt"
-    source.write_text("content")
-    monkeypatch.setattr(outputs.os, "rename", no_cross_device_rename)
-    moved = move_file(source, tmp_path / "done", "a.txt")
-    assert moved.read_text() == "content" and not source.exists()
-    assert [p.name for p in (tmp_path / "done").iterdir()] == ["a.txt"]  # no temporary left behind
