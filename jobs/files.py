@@ -36,6 +36,8 @@ FILE_KINDS = {
 }
 # Never follow a link, never wait on a FIFO's writer, never let a terminal become ours, never leak into children.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+# The folders on a path, walked one by one: O_PATH (Linux) needs no read permission, as a lookup by path does not.
+_FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
 CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
 # What becomes of an original once its document is done (the originals policy).
@@ -80,17 +82,19 @@ class Version(Identity):
 
 
 def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True) -> BinaryIO:
-    """`path` opened for reading, if it is a regular file of at most `max_bytes` (None: any size), and not
-    empty unless `empty` allows it.
+    """`path` opened for reading, if it is a regular file of one name, of at most `max_bytes` (None: any size),
+    and not empty unless `empty` allows it.
 
-    Raises FileRefused saying why not. lstat comes first, so a FIFO or a device is never even opened;
-    O_NOFOLLOW and an fstat of the open descriptor close the race with a rename in between. The size is
-    judged before a byte is read. A fault of the machine (an I/O error, a stale network share) is raised as
-    the OSError it is: it says nothing about the file, and the same file may read fine a minute later.
+    Raises FileRefused saying why not. No link is followed anywhere on the path: a document's path is recorded
+    with its folder resolved (`real_folder`), so a link on it now is a folder swapped for one since. lstat
+    comes first, so a FIFO or a device is never even opened; O_NOFOLLOW and an fstat of the open descriptor
+    close the race with a rename in between. A file with other hard links is refused: another name of it may
+    be anywhere. The size is judged before a byte is read. A fault of the machine (an I/O error, a stale
+    network share) is raised as the OSError it is: it says nothing about the file, and the same file may read
+    fine a minute later.
     """
     try:
-        _require_regular(os.lstat(path).st_mode)
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = _open_walking(path)
     except FileNotFoundError:
         raise FileRefused("missing", "the file is gone (deleted or moved away)") from None
     except PermissionError:
@@ -105,11 +109,48 @@ def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True
     try:
         status = os.fstat(fd)
         _require_regular(status.st_mode)
+        if status.st_nlink > 1:
+            raise FileRefused("unreadable", f"the file has {status.st_nlink} hard links; only a file with a single "
+                                            "name is read")
         check_size(status.st_size, max_bytes, empty=empty)
     except BaseException:
         file.close()
         raise
     return file
+
+
+def real_folder(path: Path) -> Path:
+    """`path` with its folder resolved (every link in it followed) and the file itself not: how a document's
+    path is recorded, and what a reader of a path given by a person opens."""
+    return path.parent.resolve() / path.name
+
+
+def _open_walking(path: Path) -> int:
+    """`path` opened with _OPEN_FLAGS, each folder on the way opened relative to the one before it and never
+    followed if it is a link (O_NOFOLLOW alone covers only the last name)."""
+    *folders, name = path.parts
+    at = os.open("." if not path.anchor else folders.pop(0), _FOLDER_FLAGS)
+    try:
+        for folder in folders:
+            try:
+                inner = os.open(folder, _FOLDER_FLAGS, dir_fd=at)
+            except OSError as e:
+                if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK) and _is_link(folder, at):
+                    raise FileRefused("unreadable", "a folder on its path is a symbolic link, not a folder") from None
+                raise
+            os.close(at)
+            at = inner
+        _require_regular(os.stat(name, dir_fd=at, follow_symlinks=False).st_mode)
+        return os.open(name, _OPEN_FLAGS, dir_fd=at)
+    finally:
+        os.close(at)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def check_size(size: int, max_bytes: int | None, *, while_read: bool = False, empty: bool = True) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ExtractionError, MissingDependency
-from ..files import open_regular
+from ..files import open_regular, real_folder
 from .formats import FORMATS, ExtractedText, ExtractLimits, sniff_format
 
 __all__ = ["FORMATS", "ExtractLimits", "ExtractedText", "detect_format", "extract_text"]
@@ -32,7 +32,7 @@ CHILD_COMMAND = [sys.executable, "-I", "-m", "npumoe.jobs.extract.child"]
 
 def detect_format(path: Path) -> str:
     """One of FORMATS, judged by the file's content; its extension only breaks ties (text vs Markdown)."""
-    with open_regular(Path(path), empty=False) as file:
+    with open_regular(real_folder(Path(path)), empty=False) as file:
         return sniff_format(file, Path(path).suffix)
 
 
@@ -40,7 +40,8 @@ def extract_text(path: Path, limits: ExtractLimits = DEFAULT_LIMITS) -> Extracte
     """The document's plain text, parsed in a child process; raises ExtractionError saying why not, or
     MissingDependency when this machine lacks a package the parser needs."""
     path = Path(path)
-    with open_regular(path, limits.max_bytes, empty=False) as file:  # FileRefused says why not
+    # The folder resolved: what is parsed is the pipeline's private copy, in the daemon's own folder.
+    with open_regular(real_folder(path), limits.max_bytes, empty=False) as file:  # FileRefused says why not
         reply = _run_child(file.fileno(), path.suffix, limits)
     if "kind" in reply:
         raise ExtractionError(reply["kind"], reply["message"])

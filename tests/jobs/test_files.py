@@ -177,3 +177,26 @@ def test_moving_across_file_systems_copies_then_removes(tmp_path: Path, monkeypa
     moved = move_file(source, tmp_path / "done", "a.txt")
     assert moved.read_text() == "content" and not source.exists()
     assert [p.name for p in (tmp_path / "done").iterdir()] == ["a.txt"]  # no temporary left behind
+
+
+def test_a_folder_swapped_for_a_link_after_queueing_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "inbox" / "reports").mkdir(parents=True)
+    (tmp_path / "inbox" / "reports" / "a.txt").write_text("queued")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.txt").write_text("private")
+    queued = tmp_path / "inbox" / "reports" / "a.txt"  # as recorded: its folder resolved, so no link in it
+    (tmp_path / "inbox" / "reports").rename(tmp_path / "inbox" / "moved")
+    (tmp_path / "inbox" / "reports").symlink_to(tmp_path / "elsewhere")
+
+    refused = refusal_of(lambda: snapshot(queued, tmp_path / "copy", 100))
+    assert (refused.kind, str(refused)) == ("unreadable", "a folder on its path is a symbolic link, not a folder")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_a_file_with_another_hard_link_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "secret.txt").write_text("elsewhere")
+    os.link(tmp_path / "secret.txt", tmp_path / "a.txt")  # a name in the inbox for a file kept somewhere else
+
+    refused = refusal(tmp_path / "a.txt")
+    assert refused.kind == "unreadable"
+    assert str(refused) == "the file has 2 hard links; only a file with a single name is read"

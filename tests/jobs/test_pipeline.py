@@ -349,7 +349,8 @@ class FailingOpen:
         return getattr(os, name)
 
     def open(self, path: object, *args: object, **kwargs: object) -> int:
-        if self.failing and os.fspath(path) == self.path:  # type: ignore[arg-type]
+        # The document is opened by its name within its folder's descriptor (open_regular walks the path).
+        if self.failing and os.fspath(path) == os.path.basename(self.path) and "dir_fd" in kwargs:  # type: ignore[arg-type]
             self.calls += 1
             raise OSError(self.code, os.strerror(self.code), self.path)
         return os.open(path, *args, **kwargs)  # type: ignore[arg-type]
