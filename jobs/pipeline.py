@@ -183,7 +183,8 @@ class Pipeline:
             META_FILE: meta.to_json(),
         }
         with blamed_on(self.folders.outbox):
-            out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
+            name = output_name(source.name, job.sha256, job.model_key, job.settings_key)
+            out = write_folder(self.folders.outbox, name, files)
         return self._complete(job, out, source, identity)
 
     def _snapshot(self, source: Path, copy: Path) -> tuple[str, Identity]:
@@ -266,7 +267,7 @@ class Pipeline:
         raise Failure("changed", f"the file changed after it was queued; its new content is {which}", set_aside=False)
 
     def _finished_output(self, job: Job) -> Path | None:
-        out = self.folders.outbox / output_name(Path(job.path).name, job.sha256)
+        out = self.folders.outbox / output_name(Path(job.path).name, job.sha256, job.model_key, job.settings_key)
         try:
             meta = read_meta(out)
         except ValueError:

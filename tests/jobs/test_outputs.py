@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -147,6 +150,41 @@ def test_outputs_are_readable_by_the_user_only(tmp_path: Path) -> None:
 )
 def test_output_names_are_one_safe_path_component(name: str, stem: str) -> None:
     assert safe_stem(name) == stem
-    folder = output_name(name, SHA)
-    assert folder == f"{stem}-01234567"
+    folder = output_name(name, SHA, "model", "settings")
+    assert folder.startswith(f"{stem}-") and len(folder) == len(stem) + 17
     assert "/" not in folder and "\n" not in folder and not folder.startswith(".")
+
+
+def test_an_output_name_tells_apart_documents_models_and_settings_in_64_bits() -> None:
+    names = {output_name("report.pdf", sha, model, settings)
+             for sha in (SHA, SHA[:8] + "f" * 56) for model in ("small", "large") for settings in ("s1", "s2")}
+    assert len(names) == 8  # the same first 8 hex digits of content no longer share a folder either
+    assert all(len(name.removeprefix("report-")) == 16 for name in names)
+
+
+@pytest.mark.parametrize(("killed_at", "survivor"), [("rename", b"old"), ("rmtree", b"new")])
+def test_a_replace_killed_half_way_keeps_the_old_outputs_or_the_new_never_neither(
+    tmp_path: Path, killed_at: str, survivor: bytes
+) -> None:
+    write_folder(tmp_path, "doc", {"meta.json": b"old"})
+    # A writer killed (no clean-up of its own) at the second rename, or while removing the old folder.
+    code = textwrap.dedent(f"""
+        import os, shutil
+        from pathlib import Path
+        from npumoe.jobs.outputs import write_folder
+        real, renames = os.rename, []
+        def rename(source, target):
+            renames.append(source)
+            if {killed_at!r} == "rename" and len(renames) == 2:
+                os._exit(9)
+            real(source, target)
+        os.rename = rename
+        shutil.rmtree = lambda path, **kwargs: os._exit(9)
+        write_folder(Path({str(tmp_path)!r}), "doc", {{"meta.json": b"new"}})
+    """)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
+
+    remove_leftovers(tmp_path)  # what the next start does
+
+    assert [p.name for p in tmp_path.iterdir()] == ["doc"]
+    assert (tmp_path / "doc" / "meta.json").read_bytes() == survivor
