@@ -33,7 +33,7 @@ from npumoe.engine.vocabulary import PREFILL
 from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from .extract.isolated import ExtractedText, ExtractLimits, extract_text
 from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
-from .files import CHANGED, KEEP, ORIGINALS, Folders, Identity, identify, set_aside, settle_original, snapshot
+from .files import CHANGED, KEEP, ORIGINALS, Folders, Version, identify, set_aside, settle_original, snapshot
 from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, read_meta
 from .outputs import (
     EMBEDDINGS_FILE,
@@ -183,10 +183,11 @@ class Pipeline:
             META_FILE: meta.to_json(),
         }
         with blamed_on(self.folders.outbox):
-            out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
+            name = output_name(source.name, job.sha256, job.model_key, job.settings_key)
+            out = write_folder(self.folders.outbox, name, files)
         return self._complete(job, out, source, identity)
 
-    def _snapshot(self, source: Path, copy: Path) -> tuple[str, Identity]:
+    def _snapshot(self, source: Path, copy: Path) -> tuple[str, Version]:
         try:
             return snapshot(source, copy, self.policy.limits.max_bytes)
         except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (the outbox's)
@@ -266,14 +267,14 @@ class Pipeline:
         raise Failure("changed", f"the file changed after it was queued; its new content is {which}", set_aside=False)
 
     def _finished_output(self, job: Job) -> Path | None:
-        out = self.folders.outbox / output_name(Path(job.path).name, job.sha256)
+        out = self.folders.outbox / output_name(Path(job.path).name, job.sha256, job.model_key, job.settings_key)
         try:
             meta = read_meta(out)
         except ValueError:
             return None
         return out if (meta["job_id"], meta["sha256"]) == (job.id, job.sha256) else None
 
-    def _complete(self, job: Job, out: Path, source: Path, identity: Identity | None) -> Outcome:
+    def _complete(self, job: Job, out: Path, source: Path, identity: Version | None) -> Outcome:
         """Mark the job done and index its outputs in the same transaction, then settle the original: only the
         very file that was read (`identity`; None when this attempt did not read it), and a file saved again
         meanwhile is queued as a new document instead."""
@@ -293,7 +294,7 @@ class Pipeline:
         self.settle(job, source, identity)
         return Outcome(job.id, DONE, output_dir=out)
 
-    def settle(self, job: Job, source: Path, identity: Identity | None = None) -> None:
+    def settle(self, job: Job, source: Path, identity: Version | None = None) -> None:
         """Keep, move or delete the original of the done `job` by policy, if `source` still holds its content."""
         if self.policy.originals == KEEP:
             return
@@ -305,7 +306,7 @@ class Pipeline:
             log.info("job %d: %s changed after it was read; not %s", job.id, source, self.policy.originals)
             self._identify_as(job, source)
 
-    def _identify_as(self, job: Job, source: Path) -> Identity | None:
+    def _identify_as(self, job: Job, source: Path) -> Version | None:
         """The identity of `source` if it still holds the content of `job`; otherwise its new content is queued
         (as `_requeue_changed` would) and None returned, and so is None for a file that can no longer be read."""
         try:

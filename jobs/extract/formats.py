@@ -46,8 +46,8 @@ _HTML_START = re.compile(r"(\s|<\?xml[^>]*>|<!--.*?-->)*<(!doctype html|html|hea
 
 @dataclass(frozen=True)
 class ExtractLimits:
-    timeout_s: float = 60.0
-    memory_mb: int = 1024  # address-space cap for the child (RLIMIT_AS on Linux; best effort on macOS)
+    timeout_s: float = 60.0  # of the child's processor time (and ten times that of not running: a hang)
+    memory_mb: int = 1024  # the child's address space (RLIMIT_AS, where enforced) and its resident memory
     max_bytes: int = 100 * 2**20  # for the file, and for a DOCX unpacked; checked before any parsing
     max_chars: int = 5_000_000  # longer text fails as too_large: never silent truncation
 

@@ -114,7 +114,7 @@ def write_output(home: Home, source: Path, job_id: int, model: str, *, outbox: P
     meta = document_meta(source=str(source), sha256=sha, job_id=job_id, model=model, model_key=f"{model}@main",
                          plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")),
                          weights=str(settings.get("weights", "fp32")))
-    folder = (outbox or home.outbox) / output_name(source.name, sha)
+    folder = (outbox or home.outbox) / output_name(source.name, sha, f"{model}@main", "settings")
     folder.mkdir(parents=True)
     (folder / "meta.json").write_bytes(meta.to_json())
     (folder / "summary.md").write_text("# summary\n")

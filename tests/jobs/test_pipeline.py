@@ -30,7 +30,7 @@ from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency, 
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.files import Folders
-from npumoe.jobs.outputs import read_text, temporary_path
+from npumoe.jobs.outputs import displaced_path, output_name, read_text
 from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
 from npumoe.jobs.queue.store import Backoff, Job, Queue
 from npumoe.jobs.search.index import SearchIndex
@@ -130,7 +130,8 @@ def test_a_document_becomes_five_outputs_and_a_done_job(setup: Setup) -> None:
     outcome, job = setup.run(setup.document())
     assert outcome.state == "done" and job.state == "done"
     out = Path(job.output_dir or "")
-    assert out.parent == setup.outbox and out.name == f"notes-{job.sha256[:8]}"
+    assert out.parent == setup.outbox
+    assert out.name == output_name("notes.md", job.sha256, job.model_key, job.settings_key)
     assert sorted(p.name for p in out.iterdir()) == [
         "embeddings.npy", "meta.json", "offsets.npy", "summary.md", "text.txt.gz"]
     assert np.load(out / "embeddings.npy").shape == (4, 4)  # three chunks plus the document vector
@@ -332,8 +333,9 @@ def test_failing_to_move_the_original_never_loses_the_result(setup: Setup) -> No
 def test_a_file_name_with_a_newline_gets_a_safe_output_folder(setup: Setup) -> None:
     outcome, job = setup.run(setup.document("two\nlines.txt"))
     assert outcome.state == "done"
-    assert Path(job.output_dir or "").name == f"two_lines-{job.sha256[:8]}"
-    assert os.listdir(setup.outbox) == [f"two_lines-{job.sha256[:8]}"]
+    name = output_name("two\nlines.txt", job.sha256, job.model_key, job.settings_key)
+    assert name.startswith("two_lines-") and Path(job.output_dir or "").name == name
+    assert os.listdir(setup.outbox) == [name]
 
 
 # -- faults of the machine, and originals that changed ----------------------------------------------------
@@ -349,7 +351,8 @@ class FailingOpen:
         return getattr(os, name)
 
     def open(self, path: object, *args: object, **kwargs: object) -> int:
-        if self.failing and os.fspath(path) == self.path:  # type: ignore[arg-type]
+        # The document is opened by its name within its folder's descriptor (open_regular walks the path).
+        if self.failing and os.fspath(path) == os.path.basename(self.path) and "dir_fd" in kwargs:  # type: ignore[arg-type]
             self.calls += 1
             raise OSError(self.code, os.strerror(self.code), self.path)
         return os.open(path, *args, **kwargs)  # type: ignore[arg-type]
@@ -422,12 +425,13 @@ def test_a_full_disk_hands_the_job_back_and_says_how_much_is_free(
 
 def test_a_long_cjk_name_gives_names_that_fit_in_255_bytes(setup: Setup) -> None:
     name = "長い日本語の報告書" * 8 + "第二版の要約.md"  # 78 characters (234 bytes of UTF-8), then ".md"
-    assert len(name) == 81  # once over 255 bytes as a temporary name: ".tmp-" + 234 + "-sha8" + "-hex8"
+    assert len(name) == 81  # once over 255 bytes as a temporary name: ".tmp-" + 234 + "-key16" + "-hex8" + ".old"
     outcome, job = setup.run(setup.document(name))
     assert outcome.state == "done"
     out = Path(job.output_dir or "")
-    assert out.name.startswith("長い日本語の報告書") and out.name.endswith(job.sha256[:8])
-    longest = temporary_path(setup.outbox, f"old-{out.name}").name  # what replacing that output would be called
+    assert out.name.startswith("長い日本語の報告書")
+    assert out.name == output_name(name, job.sha256, job.model_key, job.settings_key)
+    longest = displaced_path(setup.outbox, out.name).name  # what replacing that output would be called
     assert len(out.name.encode()) <= len(longest.encode()) <= 255
 
 
