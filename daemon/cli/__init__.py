@@ -158,8 +158,8 @@ def config() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @pass_app
 def config_show(app: App, as_json: bool) -> None:
-    """Print the effective config (file values over defaults) as TOML."""
-    effective = app.config.as_dict()
+    """Print the effective config (file values over defaults) as TOML; passwords shown as ***."""
+    effective = app.config.shown()
     if as_json:
         emit_json(effective)
         return
