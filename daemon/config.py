@@ -127,6 +127,13 @@ class QueueConfig:
     # A running job whose progress has not moved this long is stopped and retried (0: never). Longer than
     # the slowest chunk or summary step: a model loading does not count.
     stall_seconds: float = positive(900.0)
+    # On a shared queue: folders every machine mounts at the same path. A document anywhere else is pinned to
+    # the machine that queued it, since no other machine can read it there (or reads another file by that name).
+    shared_folders: list[str] = field(default_factory=list)
+
+    def is_shared(self, path: Path) -> bool:
+        """Whether `path` (absolute, its folder resolved) lies in one of the shared folders."""
+        return any(path.is_relative_to(Path(folder).expanduser().resolve()) for folder in self.shared_folders)
 
 
 @dataclass(frozen=True)
