@@ -22,6 +22,7 @@ from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home
 from .app import App, emit_json, pass_app
+from .terminal import printable
 
 HIGHLIGHT = "bold yellow"
 
@@ -86,12 +87,7 @@ def similar(app: App, document: str, k: int, as_json: bool) -> None:
     if as_json:
         emit_json({"document": document, "similar": [_neighbour(n) for n in neighbours]})
         return
-    console = Console()
-    for rank, n in enumerate(neighbours, 1):
-        line = Text(f"{rank:>2}. {n.score:.3f}  ")
-        line.append(n.document.source, style="bold")
-        line.append(f"  (#{n.document.job_id})  {n.document.summary}", style="dim")
-        console.print(line)
+    _print_neighbours(neighbours)
 
 
 @click.command("reindex")
@@ -108,8 +104,8 @@ def reindex_command(app: App) -> None:
     except OSError as e:  # a configured outbox folder missing or unreadable (the shared storage not mounted)
         raise click.ClickException(f"cannot read the outbox {outbox}: {e}") from e
     for problem in done.skipped:
-        click.echo(f"npumoed: skipped {problem}", err=True)
-    click.echo(f"indexed {done.documents} document(s) from {outbox}")
+        click.echo(f"npumoed: skipped {printable(problem)}", err=True)
+    click.echo(f"indexed {done.documents} document(s) from {printable(str(outbox))}")
 
 
 def _open(home: Home) -> SearchIndex:
@@ -159,6 +155,15 @@ def _neighbour(n: Neighbour) -> dict[str, Any]:
             "summary": n.document.summary, "score": round(n.score, 4)}
 
 
+def _print_neighbours(neighbours: list[Neighbour]) -> None:
+    console = Console()
+    for rank, n in enumerate(neighbours, 1):
+        line = Text(f"{rank:>2}. {n.score:.3f}  ")
+        line.append(printable(n.document.source), style="bold")
+        line.append(f"  (#{n.document.job_id})  {printable(n.document.summary)}", style="dim")
+        console.print(line)
+
+
 def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
     console = Console()
     if not rows:
@@ -166,14 +171,15 @@ def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
     words = re.compile(r"(?<![^\W_])(" + "|".join(map(re.escape, terms)) + r")(?![^\W_])", re.IGNORECASE)
     for rank, row in enumerate(rows, 1):
         heading = Text(f"{rank:>2}. {row['score']:.3f}  ")  # Text, not markup: names and passages print as they are
-        heading.append(row["source"], style="bold")
+        heading.append(printable(row["source"]), style="bold")
         heading.append(f"  (#{row['job_id']})")
         console.print(heading)
         if row["summary"]:
-            console.print(Text(f"    {row['summary']}", style="dim"))
+            console.print(Text(f"    {printable(row['summary'], lines=True)}", style="dim"))
         for shown in row["passages"]:
             line = Text(f"    {shown['score']:.3f}  ")
-            body = Text(shown["text"] if shown["text"] is not None else f"(chunk {shown['chunk']}: no text kept)")
+            body = Text(printable(shown["text"], lines=True) if shown["text"] is not None
+                        else f"(chunk {shown['chunk']}: no text kept)")
             if terms:
                 body.highlight_regex(words, HIGHLIGHT)
             console.print(line + body)

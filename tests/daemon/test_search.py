@@ -19,10 +19,10 @@ import pytest
 from click.testing import CliRunner
 
 from npumoe.daemon.cli import main
-from npumoe.daemon.cli.search import _print_results
+from npumoe.daemon.cli.search import _print_neighbours, _print_results
 from npumoe.daemon.samples import FILENAMES, sample_documents, write_samples
 from npumoe.jobs.queue import sqlite
-from npumoe.jobs.search.index import _drop_tables
+from npumoe.jobs.search.index import Document, Neighbour, _drop_tables
 
 CONFIG = """
 [model]
@@ -134,3 +134,19 @@ def test_names_and_passages_print_as_they_are_not_as_markup(capsys: pytest.Captu
     shown = capsys.readouterr().out
     assert "/in/[bold]notes[/bold].txt" in shown and "[red]first[/red] line" in shown
     assert "A [link=x]tide[/link] came in." in shown and "(chunk 1: no text kept)" in shown
+
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\x9b31m"  # set the window title, clear the screen, a C1 CSI
+
+
+def test_names_passages_and_summaries_reach_the_terminal_without_escape_sequences(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"job_id": 3, "source": f"/in/notes{ESCAPES}.txt", "summary": f"first{ESCAPES} line", "score": 0.9,
+             "passages": [{"chunk": 0, "score": 0.9, "text": f"A tide{ESCAPES} came in."}]}]
+    _print_results(rows, ["tide"])
+    document = Document(job_id=4, source=f"/in/other{ESCAPES}.txt", output_dir="/out/other", summary=ESCAPES)
+    _print_neighbours([Neighbour(document=document, score=1.0)])
+    shown = capsys.readouterr().out
+    assert not {"\x1b", "\x07", "\x9b"} & set(shown)
+    assert "/in/notes" in shown and "came in." in shown and "/in/other" in shown
