@@ -17,7 +17,7 @@ from rich.text import Text
 
 from npumoe.jobs.outputs import read_text
 from npumoe.jobs.queue.schema import DONE
-from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
+from npumoe.jobs.search.index import DocumentHits, IndexDamaged, Neighbour, NotIndexed, SearchIndex, reindex
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home
@@ -55,10 +55,10 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
             raise click.ClickException(f"cannot load the model {app.config.model.name}: {e}") from e
         try:
             results = index.search(engine.model_key, engine.embed(query), query, k)
-        except NotIndexed as e:
-            raise click.ClickException(str(e)) from e
         finally:
             engine.close()
+    except (NotIndexed, IndexDamaged) as e:
+        raise click.ClickException(str(e)) from e
     finally:
         index.close()
     terms = query_terms(query)
@@ -80,7 +80,7 @@ def similar(app: App, document: str, k: int, as_json: bool) -> None:
     index = _open(app.home)
     try:
         neighbours = index.similar(_job_id(app, document), k)
-    except NotIndexed as e:
+    except (NotIndexed, IndexDamaged) as e:
         raise click.ClickException(str(e)) from e
     finally:
         index.close()

@@ -108,6 +108,19 @@ def test_reindex_after_deleting_the_index_gives_the_same_results(home: Path) -> 
     assert ([npumoed(home, "search", q, "--json") for q in queries], npumoed(home, "similar", "1", "--json")) == before
 
 
+def test_a_damaged_index_is_named_with_its_remedy_not_a_traceback(home: Path) -> None:
+    conn = sqlite.connect(home / "npumoed.db")
+    for table in ("search_chunk_vectors_1", "search_document_vectors_1"):  # as a crash mid-write could leave it
+        conn.execute(f"DROP TABLE {table}")
+    conn.close()
+    for command in (["search", "energy budget at night"], ["similar", "1"]):
+        damaged = CliRunner().invoke(main, command, env={"NPUMOED_HOME": str(home)})
+        assert damaged.exit_code == 1 and isinstance(damaged.exception, SystemExit)  # not an exception of ours
+        assert "the search index is damaged" in damaged.output and "npumoed reindex" in damaged.output
+        assert "Traceback" not in damaged.output
+    assert "indexed 6 document(s)" in npumoed(home, "reindex")
+
+
 def test_reindex_reads_the_outbox_folder_the_config_names(home: Path, tmp_path: Path) -> None:
     other = tmp_path / "other home"  # a second home whose outputs go to the first one's outbox
     other.mkdir()
