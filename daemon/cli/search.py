@@ -21,7 +21,7 @@ from npumoe.jobs.search.index import DocumentHits, IndexDamaged, Neighbour, NotI
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home
-from .app import App, emit_json, pass_app
+from .app import App, emit_json, holding_home, pass_app
 from .terminal import printable
 
 HIGHLIGHT = "bold yellow"
@@ -95,14 +95,15 @@ def similar(app: App, document: str, k: int, as_json: bool) -> None:
 def reindex_command(app: App) -> None:
     """Rebuild the search index from the outbox (its embeddings.npy, offsets.npy and text.txt.gz files).
 
-    Holds the database's write lock while it runs: best while the daemon is paused or stopped.
+    Only while the daemon is stopped: it holds the home, and writes the index as it finishes documents.
     """
     app.queue  # noqa: B018 -- opening the queue creates the database when there is none yet
     outbox = app.home.outputs(app.config)
-    try:
-        done = reindex(app.home.database, outbox)
-    except OSError as e:  # a configured outbox folder missing or unreadable (the shared storage not mounted)
-        raise click.ClickException(f"cannot read the outbox {outbox}: {e}") from e
+    with holding_home(app.home):
+        try:
+            done = reindex(app.home.database, outbox)
+        except OSError as e:  # a configured outbox folder missing or unreadable (the shared storage not mounted)
+            raise click.ClickException(f"cannot read the outbox {outbox}: {e}") from e
     for problem in done.skipped:
         click.echo(f"npumoed: skipped {printable(problem)}", err=True)
     click.echo(f"indexed {done.documents} document(s) from {printable(str(outbox))}")

@@ -12,7 +12,6 @@ from functools import partial
 from pathlib import Path
 
 import click
-from filelock import FileLock, Timeout
 
 from npumoe.engine.vocabulary import AUTO, COREML
 from npumoe.jobs.errors import DatabaseUnusable
@@ -40,7 +39,7 @@ from ..service import (
     service_manager,
 )
 from . import echo_job, job_dicts, report_skipped
-from .app import App, emit_json, pass_app
+from .app import App, emit_json, holding_home, pass_app
 
 # Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
 PROTECTED = ("Documents", "Desktop", "Downloads")
@@ -215,20 +214,13 @@ def _rebuild_queue(app: App) -> None:
 
     from ..rebuild import rebuild_queue
 
-    lock = FileLock(app.home.lock, mode=0o600)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise click.ClickException(f"npumoed is running for {app.home.root}; stop it first "
-                                   "(`npumoed uninstall`, or Ctrl-C where it runs)") from None
     outbox = app.home.outputs(app.config)
-    try:
-        rebuilt = rebuild_queue(app.home, app.config)
-        indexed = reindex(app.home.database, outbox)  # the search index lived in the same database
-    except (OSError, DatabaseUnusable) as e:
-        raise click.ClickException(f"cannot rebuild the queue: {e}") from e
-    finally:
-        lock.release()
+    with holding_home(app.home):
+        try:
+            rebuilt = rebuild_queue(app.home, app.config)
+            indexed = reindex(app.home.database, outbox)  # the search index lived in the same database
+        except (OSError, DatabaseUnusable) as e:
+            raise click.ClickException(f"cannot rebuild the queue: {e}") from e
     for path in rebuilt.moved_aside:
         click.echo(f"moved the unusable database aside: {path}")
     for problem in rebuilt.skipped:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from filelock import FileLock
 
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.search import _print_neighbours, _print_results
@@ -118,6 +119,13 @@ def test_a_damaged_index_is_named_with_its_remedy_not_a_traceback(home: Path) ->
         assert damaged.exit_code == 1 and isinstance(damaged.exception, SystemExit)  # not an exception of ours
         assert "the search index is damaged" in damaged.output and "npumoed reindex" in damaged.output
         assert "Traceback" not in damaged.output
+    assert "indexed 6 document(s)" in npumoed(home, "reindex")
+
+
+def test_reindex_refuses_while_a_daemon_holds_the_home(home: Path) -> None:
+    with FileLock(home / "npumoed.lock"):  # as a running daemon holds it
+        refused = CliRunner().invoke(main, ["reindex"], env={"NPUMOED_HOME": str(home)})
+    assert refused.exit_code == 1 and "npumoed is running" in refused.output and "indexed" not in refused.output
     assert "indexed 6 document(s)" in npumoed(home, "reindex")
 
 
