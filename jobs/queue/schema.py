@@ -178,6 +178,7 @@ MIGRATIONS: list[list[str]] = [
     ],
     [  # 6: the token of the claim that took a job (a claim replayed after a lost answer finds it)
         "ALTER TABLE jobs ADD COLUMN claim_token VARCHAR(32)",
+        "CREATE INDEX jobs_claim_token ON jobs (claim_token)",  # looked up by every claim
     ],
 ]
 

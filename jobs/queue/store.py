@@ -155,6 +155,7 @@ class Queue:
         return self.db.shared
 
     def now(self, conn: Connection) -> float:
+        """The time now as the queue reckons it, read on `conn` (PostgreSQL: the server's clock)."""
         return self.clock() if self.clock is not None else self.db.dialect.now(conn)
 
     def close(self) -> None:
