@@ -70,7 +70,8 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
             batch_window: str | None = None, pinned: bool = False) -> tuple[Job, bool]:
     """Queue one document; a file over `extract.max_mb` is refused before it is read (hashing costs a full read).
 
-    `pinned`: the file is this machine's own (an inbox), so on a shared queue only this machine may take it.
+    `pinned`: the file is this machine's own (an inbox), so on a shared queue only this machine may take it; so
+    is every file outside `queue.shared_folders`.
 
     Raises FileRefused for a path that is no document (a link, a FIFO, too large, gone).
     """
@@ -81,7 +82,7 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
     model_key, settings_key = job_keys(config)
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,
                      priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window,
-                     pinned=pinned)
+                     pinned=pinned or not config.queue.is_shared(where))
 
 
 @dataclass

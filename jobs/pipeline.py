@@ -262,6 +262,7 @@ class Pipeline:
             priority=job.priority,
             max_attempts=job.max_attempts,
             batch_window=job.batch_window,
+            pinned=True,  # the content was read here: on a shared queue it is this machine's file, whatever the path
         )
         which = f"queued as job #{new.id}" if created else f"already job #{new.id} ({new.state})"
         raise Failure("changed", f"the file changed after it was queued; its new content is {which}", set_aside=False)

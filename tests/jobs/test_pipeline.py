@@ -21,6 +21,7 @@ import hostile_files
 import meta_fields
 import numpy as np
 import pytest
+from postgres_server import PostgresServer
 
 from npumoe.daemon.energy.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
@@ -250,6 +251,20 @@ def test_a_file_rewritten_after_it_was_queued_becomes_a_new_job(setup: Setup) ->
     assert new.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
     assert f"job #{new.id}" in outcome.reason
     assert path.exists() and list(setup.failed.iterdir()) == []  # it belongs to the new job now
+
+
+def test_on_a_shared_queue_a_rewritten_file_is_queued_again_pinned_to_the_machine_that_read_it(
+    setup: Setup, postgres: PostgresServer
+) -> None:
+    setup.queue = Queue(postgres.new_database(), host="alpha", backoff=Backoff(base=0.0, cap=0.0))
+    path = setup.document()
+    job = setup.claim(path)
+    assert job.pinned_host is None  # added as a path every machine may read
+    path.write_text(TEXT + "\nA third paragraph, added later.\n")
+    setup.pipeline().process(job)
+    [new] = setup.queue.list("queued")
+    assert new.pinned_host == "alpha"  # what alpha read is alpha's file: no other machine may publish it
+    setup.queue.close()
 
 
 def test_a_file_deleted_after_it_was_queued_ends_with_that_reason(setup: Setup) -> None:
