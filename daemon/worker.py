@@ -369,6 +369,9 @@ class Worker:
             if isinstance(e, FileRefused) and e.kind == "missing":
                 log.info("%s disappeared before it could be queued", path)
                 return True
+            if isinstance(e, FileRefused) and e.denied:  # a person may put that right: offered again at the rescan
+                log.warning("not queued yet: %s: %s", path, e)
+                return False
             log.warning("not queued: %s: %s", path, e)
             set_aside(path, f"not queued: {e}\n", self.folders)
             self.summary.rejected += 1
