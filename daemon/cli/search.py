@@ -17,7 +17,7 @@ from rich.text import Text
 
 from npumoe.jobs.outputs import read_text
 from npumoe.jobs.queue.schema import DONE
-from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
+from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex, stale_reason
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home
@@ -47,6 +47,8 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     try:
         if not index.models():
             raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
+        if stale := stale_reason(app.home.database):
+            click.echo(f"warning: the search index misses documents ({stale}); `npumoed reindex` rebuilds it", err=True)
         quiet_transformers()
         try:
             engine = load_engine(engine_settings(app.config, app.home, threads=None))

@@ -81,6 +81,8 @@ jobs = Table(
     Column("worker_host", String(255)),
     Column("worker_started", Float),  # the worker process's start time: with host and pid, its identity
     Column("pinned_host", String(255)),
+    # v6: hand-backs for a machine fault since the last attempt was spent (see Queue.hand_back)
+    Column("handbacks", Integer, nullable=False, default=0),
 )
 
 daemon = Table(  # v3: one row, written by the running daemon, read by `npumoed status`
@@ -173,6 +175,9 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE daemon ADD COLUMN host VARCHAR(255)",
         "ALTER TABLE daemon ADD COLUMN home TEXT",
         "CREATE UNIQUE INDEX daemon_worker ON daemon (host, home)",
+    ],
+    [  # 6: a job handed back for a machine fault counts how often, so one file cannot hold the queue for ever
+        "ALTER TABLE jobs ADD COLUMN handbacks INTEGER NOT NULL DEFAULT 0",
     ],
 ]
 
