@@ -95,7 +95,7 @@ class Policy:
 @dataclass(frozen=True)
 class Outcome:
     job_id: int
-    state: str  # done | failed | dead | queued (handed back) | lost
+    state: str  # done | failed | dead | queued (handed back) | lost | unsettled (its end not recorded yet)
     reason: str = ""
     output_dir: Path | None = None
 
