@@ -24,6 +24,7 @@ from npumoe.jobs.search.index import (
     NotIndexed,
     SearchIndex,
     reindex,
+    stale_reason,
     vectors_key,
 )
 from npumoe.jobs.search.passages import Passage, passage, query_terms
@@ -55,6 +56,8 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     try:
         if not index.models():
             raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
+        if stale := stale_reason(app.home.database):
+            click.echo(f"warning: the search index misses documents ({stale}); `npumoed reindex` rebuilds it", err=True)
         key, vector = _embedded(app, query)
         results = index.search(key, vector, query, k)
     except (NotIndexed, IndexDamaged) as e:

@@ -39,6 +39,10 @@ from .handed import HandedFiles
 from .schema import CANCELLED, DEAD, DONE, FAILED, QUEUED, RUNNING, STATES, jobs
 
 CLAIMABLE = (QUEUED, FAILED)
+# A job handed back for a machine fault: the first few times it costs nothing and goes to the end of the line; the
+# next few it also waits (backoff), so the other jobs go first; after that the fault keeps coming back while the
+# machine probes well, so it is likely the file's (an unreadable sector): an attempt is spent.
+FREE_HANDBACKS, HANDBACKS = 2, 4
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
 
 
@@ -70,6 +74,7 @@ class Job:
     worker_started: float | None
     pinned_host: str | None
     claim_token: str | None
+    handbacks: int
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -253,20 +258,16 @@ class Queue:
         return updated.rowcount == 1
 
     @reconnecting
-    def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None,
-                 on_done: Callable[[Any], None] | None = None) -> bool:
-        """Mark the job done. `on_done` gets the DB-API connection inside the same transaction (the search
-        index writes there on SQLite), so the job is done and indexed together, or neither if either fails.
-        True also when this worker already completed it (the same statement run again after its answer was lost)."""
+    def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None) -> bool:
+        """Mark the job done. False: it is no longer this worker's; True also when this worker already completed
+        it (the same statement run again after its answer was lost)."""
         with self.db.tx() as conn:
             now = self.now(conn)
             done = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
                 .values(state=DONE, progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
-                        lease_until=None, last_error=None, error_kind=None)
+                        lease_until=None, last_error=None, error_kind=None, handbacks=0)
             ).rowcount == 1
-            if done and on_done is not None:
-                on_done(conn.connection.dbapi_connection)
             if not done:
                 done = conn.execute(select(jobs.c.id).where(
                     jobs.c.id == job_id, jobs.c.state == DONE, jobs.c.worker_pid == worker_pid,
@@ -304,6 +305,32 @@ class Queue:
             if released:
                 self.db.dialect.notify(conn)
             return released
+
+    @reconnecting
+    def hand_back(self, job_id: int, worker_pid: int, reason: str) -> str | None:
+        """Hand a job back for a machine fault (`reason`): queued again without spending an attempt, at the end
+        of the line, and after FREE_HANDBACKS with a backoff too; beyond HANDBACKS the attempt is spent (failed,
+        or dead once out of attempts) and the count starts again. Returns the new state; None if not owned."""
+        with self.db.tx() as conn:
+            now = self.now(conn)
+            job = conn.execute(select(jobs).where(*self._owned(job_id, worker_pid)).with_for_update()).first()
+            if job is None:
+                return None
+            count = job.handbacks + 1
+            values: dict[str, Any] = dict(last_error=reason, error_kind="machine", updated_at=now, lease_until=None,
+                                          worker_pid=None, progress=0.0, detail=None)
+            if count > HANDBACKS:
+                state = FAILED if job.attempts < job.max_attempts else DEAD
+                values |= dict(state=state, handbacks=0, finished_at=now if state == DEAD else None,
+                               run_after=now + self.backoff.delay(job.attempts) if state == FAILED else job.run_after)
+            else:
+                state = QUEUED
+                wait = self.backoff.delay(count - FREE_HANDBACKS) if count > FREE_HANDBACKS else 0.0
+                values |= dict(state=state, handbacks=count, attempts=job.attempts - 1, run_after=now + wait)
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
+            if state != DEAD:
+                self.db.dialect.notify(conn)
+            return state
 
     @reconnecting
     def reap(self, alive: Callable[[int], bool] | None = None) -> list[int]:
@@ -358,7 +385,7 @@ class Queue:
     def retry(self, job_id: int) -> Job:
         """Queue a failed, dead or cancelled job again now, with its attempts reset."""
         return self._set_state(job_id, QUEUED, (FAILED, DEAD, CANCELLED),
-                               lambda now: dict(attempts=0, run_after=now, finished_at=None))
+                               lambda now: dict(attempts=0, handbacks=0, run_after=now, finished_at=None))
 
     @reconnecting
     def cancel(self, job_id: int) -> Job:

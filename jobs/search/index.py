@@ -1,7 +1,8 @@
 """The search index: every done document's chunk and document vectors, and its chunks' words.
 
-It lives in the home's SQLite database beside the queue, and a document enters it in the transaction
-that marks its job done (`Queue.complete(on_done=...)`), so the two never disagree. Its tables:
+It lives in the home's SQLite database beside the queue, and a document enters it right after its job is
+marked done, in a transaction of its own: the index is derived, so damage to it must not fail documents. A
+write that fails flags the index (`mark_stale`) until `reindex` has rebuilt it. Its tables:
 
     search_models         one row per model (and pooling, `vectors_key`) whose vectors are indexed: vectors of
                           two models, or of one model pooled two ways, never mix
@@ -17,6 +18,7 @@ what the daemon wrote.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,6 +35,8 @@ from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, r
 from ..queue import sqlite
 from .passages import query_terms, sentence_spans, whole_sentences
 
+log = logging.getLogger(__name__)
+STALE_SUFFIX = "-reindex"
 
 @dataclass(frozen=True)
 class Weights:
@@ -200,6 +204,32 @@ def write_local(database: Path, entry: IndexEntry) -> None:
         write_entry(conn, entry)
 
 
+def stale_marker(database: Path) -> Path:
+    """The file beside `database` that says its index misses documents, and why: a file, since the database
+    itself may be what refused the write."""
+    return database.with_name(f"{database.name}{STALE_SUFFIX}")
+
+
+def mark_stale(database: Path, why: str) -> None:
+    """Flag the index of `database` for `reindex`: the first reason is kept (it says when it began)."""
+    marker = stale_marker(database)
+    try:
+        with open(marker, "x", encoding="utf-8") as f:
+            f.write(why + "\n")
+    except FileExistsError:
+        pass
+    except OSError as e:  # a disk too full for even that: the log says it
+        log.warning("could not flag the search index for `npumoed reindex`: %s", e)
+
+
+def stale_reason(database: Path) -> str | None:
+    """Why the index of `database` misses documents, when it was flagged; None when it is whole."""
+    try:
+        return stale_marker(database).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+
+
 def reindex(database: Path, outbox: Path) -> Reindexed:
     """Drop the index and build it again from every output folder, in one transaction: a search meanwhile sees
     the old index whole, then the new one."""
@@ -215,6 +245,7 @@ def reindex(database: Path, outbox: Path) -> Reindexed:
                 documents += 1
             except OutputsUnreadable as e:
                 skipped.append(str(e))
+    stale_marker(database).unlink(missing_ok=True)
     return Reindexed(documents, skipped)
 
 

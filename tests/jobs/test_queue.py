@@ -24,7 +24,7 @@ from sqlalchemy.exc import DBAPIError
 
 from npumoe.bench.service.queue import run_claim_benchmark
 from npumoe.jobs.queue.schema import SCHEMA_VERSION, jobs, migrate, schema_version
-from npumoe.jobs.queue.store import BATCH, INTERACTIVE, Backoff, Queue
+from npumoe.jobs.queue.store import BATCH, FREE_HANDBACKS, HANDBACKS, INTERACTIVE, Backoff, Queue
 
 
 class Clock:
@@ -160,6 +160,32 @@ def test_release_hands_the_job_back_without_spending_an_attempt(queue: Queue) ->
     assert queue.release(job_id, 7)
     job = queue.get(job_id)
     assert (job.state, job.attempts, job.worker_pid) == ("queued", 0, None)
+
+
+def test_a_job_handed_back_for_a_machine_fault_goes_last_then_backs_off_then_spends_an_attempt(
+    queue: Queue, clock: Clock
+) -> None:
+    faulty, other = add(queue, 2, max_attempts=2)
+    clock.now += 1
+    assert queue.claim(7, lease_seconds=60).id == faulty
+    assert queue.hand_back(faulty, 7, "I/O error in /docs") == "queued"
+    clock.now += 1
+    assert queue.claim(7, lease_seconds=60).id == other  # the job handed back no longer comes first
+    assert queue.complete(other, 7)
+    for spent in (1, 2):
+        for count in range(2 if spent == 1 else 1, HANDBACKS + 1):  # the first cycle's first hand-back was above
+            clock.now = queue.get(faulty).run_after
+            assert queue.claim(7, lease_seconds=60).id == faulty
+            assert queue.hand_back(faulty, 7, "I/O error in /docs") == "queued"
+            job = queue.get(faulty)
+            assert (job.attempts, job.handbacks, job.error_kind) == (spent - 1, count, "machine")
+            assert (job.run_after > clock.now) == (count > FREE_HANDBACKS)  # free hand-backs wait for nothing
+        clock.now = queue.get(faulty).run_after
+        assert queue.claim(7, lease_seconds=60).id == faulty
+        assert queue.hand_back(faulty, 7, "I/O error in /docs") == ("failed" if spent == 1 else "dead")
+        job = queue.get(faulty)
+        assert (job.attempts, job.handbacks, job.last_error) == (spent, 0, "I/O error in /docs")
+    assert queue.retry(faulty).handbacks == 0
 
 
 def test_many_processes_claim_each_job_exactly_once(queue_location: Path | str) -> None:
