@@ -86,7 +86,8 @@ class Locked:
         return getattr(os, name)
 
     def open(self, path: object, *args: object, **kwargs: object) -> int:
-        if self.locked and os.fspath(path) == self.target:  # type: ignore[arg-type]
+        # The document is opened by its name within its folder's descriptor (open_regular walks the path).
+        if self.locked and os.fspath(path) == os.path.basename(self.target) and "dir_fd" in kwargs:  # type: ignore[arg-type]
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.target)
         return os.open(path, *args, **kwargs)  # type: ignore[arg-type]
 
