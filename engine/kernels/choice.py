@@ -121,7 +121,7 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 
 
 
 _KINDS: dict[str, Measured] = {}  # every kind of choice, by name, as its module made it: what doctor lists
-_chosen: dict[tuple[str, str], Choice] = {}  # this process's choices, by kind and key
+_chosen: dict[tuple[Path, str, str], Choice] = {}  # this process's choices, by cache file, kind and key
 # One lock per choice, so two threads do not time the same one at once while a choice that times another (auto
 # weights times the float kernels) does not wait on itself.
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -154,12 +154,13 @@ class Measured:
         with _locks_lock:
             lock = _locks[(self.kind, key)]
         with lock:
-            choice = _chosen.get((self.kind, key)) or self.cached().get(key)
+            held = (_path(), self.kind, key)  # a process that points at another cache has chosen nothing there
+            choice = _chosen.get(held) or self.cached().get(key)
             if choice is None or choice.seconds.keys() | choice.refused.keys() != set(candidates):
                 choice = on_threads(threads, lambda: _measure(candidates, unavailable, timer, probe))  # new, or changed
                 _store(self.kind, key, self._digest(), choice)
             choice = Choice(choice.winner, choice.seconds, unavailable, choice.refused)
-            _chosen[(self.kind, key)] = choice
+            _chosen[held] = choice
         return choice
 
     def cached(self) -> dict[str, Choice]:

@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import subprocess
+from functools import cache
 from pathlib import Path
 
 import platformdirs
@@ -18,6 +19,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("NPUMOE_CACHE") or platformdirs.user_cache_dir("npumoe"))
 
 
+@cache  # the processor does not change under a running process; reading it costs a file read or a process
 def cpu_model() -> str:
     """The CPU's marketing name, or the architecture when the platform does not say."""
     match = re.search(r"^model name\s*:\s*(.+)$", _cpuinfo(), re.MULTILINE)
@@ -30,10 +32,11 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_flags() -> set[str]:
+@cache
+def cpu_flags() -> frozenset[str]:
     """The CPU feature flags Linux reports (empty elsewhere)."""
     match = re.search(r"^flags\s*:\s*(.+)$", _cpuinfo(), re.MULTILINE)
-    return set(match.group(1).split()) if match else set()
+    return frozenset(match.group(1).split()) if match else frozenset()
 
 
 def _cpuinfo() -> str:
