@@ -31,7 +31,15 @@ from .backends.registry import backend_class, get_backend
 from .generate.checks import Check, checked
 from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
 from .generate.prefill import new_cache, prefill, windows
-from .generate.summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids, without_thinking
+from .generate.summary import (
+    COMBINE,
+    SUMMARIZE,
+    PromptFrame,
+    decode_from_cache,
+    stop_ids,
+    whole_sentences,
+    without_thinking,
+)
 from .loading.load import LoadedModel, load_model
 from .moe.dispatch import DispatchStats
 from .plan.expert_plan import ExpertPlan, PlanError
@@ -270,7 +278,7 @@ class Engine:
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
-        return DocumentResult(summary=tokenizer.decode(summary, skip_special_tokens=True).strip(),
+        return DocumentResult(summary=whole_sentences(tokenizer.decode(summary, skip_special_tokens=True)),
                               embeddings=embeddings.cpu().numpy(), spans=spans, stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:

@@ -96,6 +96,14 @@ class NoRepeatInAnswer(LogitsProcessor):
         return scores
 
 
+def whole_sentences(text: str) -> str:
+    """`text` up to its last finished sentence, when the token budget cut it mid-sentence; as it is otherwise, or
+    when it holds no finished sentence."""
+    text = text.strip()
+    ends = [m.end() for m in re.finditer(r"[.!?][\"')\]]*(?=\s|$)", text)]
+    return text[:ends[-1]] if ends and ends[-1] < len(text) else text
+
+
 def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The tokens that end a turn: the model's generation eos ids and the tokenizer's eos."""
     configured = model.generation_config.eos_token_id
