@@ -26,12 +26,15 @@ if TYPE_CHECKING:
 from npumoe.engine.vocabulary import (
     AUTO,
     BF16,
+    CHUNK_TOKENS,
     DTYPE_ALIASES,
     DTYPES,
     FP32,
     INT4,
     INT8,
+    POOLINGS,
     QUANTIZED,
+    SUMMARY_TOKENS,
     WEIGHTS_DTYPE,
     dtype_name,
 )
@@ -82,7 +85,7 @@ def _json_option(f):
 @click.option("--geometry", "geometries", multiple=True, default=("qwen3-30b-a3b",), show_default=True,
               help="MoE layer geometry (repeatable): a model named in engine/synthetic/geometries.json (e.g. "
                    "qwen3-30b-a3b, gpt-oss-20b, olmoe-1b-7b), or HIDDENxEXPERTSxTOPKxFFN.")
-@click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(512,), show_default=True,
+@click.option("--tokens", multiple=True, type=click.IntRange(min=1), default=(CHUNK_TOKENS,), show_default=True,
               help="Prefill chunk length in tokens (repeatable).")
 @_dtype_option("Weight and activation dtype (repeatable).")
 @click.option("--skew", type=click.FloatRange(min=0), default=1.0, show_default=True,
@@ -129,7 +132,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Decoder layers at the real sizes (the rest of the model is left out).")
 @click.option("--document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Length of the prefilled document (e.g. 2048, 8192, 16384, 32768: attention grows with depth).")
-@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Prefill chunk length; the KV cache carries across chunks.")
 @_dtype_option("Model dtype (repeatable).")
 @click.option("--calibration-documents", type=click.IntRange(min=1), default=2, show_default=True,
@@ -202,7 +205,7 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
                    "--model), each with its random output layer and with one fitted to the calibration text.")
 @click.option("--layer-geometry", default="qwen3-30b-a3b", show_default=True,
               help="The MoE layer whose int8 and int4 experts' relative error is measured, at these real sizes.")
-@click.option("--layer-tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--layer-tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Tokens through that layer.")
 @click.option("--capacity/--no-capacity", default=True, show_default=True, help="Run the capacity sweep.")
 @_threads_option
@@ -365,9 +368,9 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
               help="Length of the document (sample texts; one token a byte).")
 @click.option("--section", "sections", multiple=True, type=click.IntRange(min=0), default=(0, 4096, 2048, 1024),
               show_default=True, help="Section length (repeatable); 0: as long as the context allows, the reference.")
-@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=512, show_default=True,
+@click.option("--chunk", "chunk_tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Prefill chunk length.")
-@click.option("--summary-tokens", type=click.IntRange(min=1), default=128, show_default=True,
+@click.option("--summary-tokens", type=click.IntRange(min=1), default=SUMMARY_TOKENS, show_default=True,
               help="Most tokens each summary and combine may write ([model] summary_tokens).")
 @click.option("--weights", type=click.Choice((FP32, BF16)), default=BF16, show_default=True,
               help="Weights format of the run.")
@@ -658,3 +661,47 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
     _write_json(json_path, describe_machine(1), {"documents": documents, "chunks": chunks, "k": k,
                                                   "queries": queries, "seed": seed},
                 [dataclasses.asdict(r) for r in results])
+
+
+@bench.command("retrieval")
+@click.option("--model", "model_name",
+              help="Model: \"demo\", a checkpoint folder or a Hugging Face id (default: the home config's).")
+@click.option("--pooling", "poolings", multiple=True, type=click.Choice(POOLINGS), default=POOLINGS,
+              show_default=True, help="How chunk vectors are made (repeatable).")
+@click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: leave as is).")
+@_json_option
+def retrieval_bench(model_name: str | None, poolings: tuple[str, ...], threads: int | None,
+                    json_path: Path | None) -> None:
+    """Retrieval on the sample documents: recall@1 and MRR of paraphrased questions, for each pooling and each
+    weighting of vectors against words."""
+    import dataclasses
+
+    import torch
+
+    from npumoe.daemon.config import load_config
+    from npumoe.daemon.home import Home
+    from npumoe.daemon.model_choice import engine_settings, load_engine
+
+    from .machine import describe_machine
+    from .service.retrieval import measure, sample_texts
+
+    config = load_config(None)
+    if model_name is not None:
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, name=model_name))
+    engine = load_engine(engine_settings(config, Home.current().ensure(), threads=threads))
+    _err.print(f"measuring {engine.model_key}", style="dim")
+    try:
+        results = measure(engine, sample_texts(), poolings)
+    finally:
+        engine.close()
+    table = Table("pooling", "cosine/words/phrase", "passage R@1", "passage MRR", "document R@1", "document MRR",
+                  title=f"retrieval: {results[0].questions} questions on the samples, {engine.model_key}")
+    for r in results:
+        w = r.weights
+        table.add_row(r.pooling, f"{w.cosine:.2f}/{w.words:.3f}/{w.phrase:.3f}", f"{r.passage_recall_at_1:.3f}",
+                      f"{r.passage_mrr:.3f}", f"{r.document_recall_at_1:.3f}", f"{r.document_mrr:.3f}")
+    Console().print(table)
+    click.echo(f"chance: passage R@1 {results[0].passage_chance:.3f}, document R@1 {results[0].document_chance:.3f}")
+    _write_json(json_path, describe_machine(torch.get_num_threads()), {
+        "model": config.model.name, "model_key": engine.model_key, "chunk_tokens": engine.chunk_tokens,
+        "poolings": list(poolings)}, [dataclasses.asdict(r) for r in results])

@@ -21,6 +21,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from npumoe.engine.vocabulary import CHUNK_TOKENS
+
 TARGET_RATIO = 1.15  # issue #15: peak RSS of load + one 2,048-token document at most 1.15 x the weights' bytes
 _SUMMARY_TOKENS = 4
 _SENTENCE = "The harbour master logs every ship that enters, the cargo it carries and the berth it takes. "
@@ -30,7 +32,7 @@ _SENTENCE = "The harbour master logs every ship that enters, the cargo it carrie
 class MemorySettings:
     layers: int = 2
     document_tokens: int = 2048
-    chunk_tokens: int = 512
+    chunk_tokens: int = CHUNK_TOKENS
     threads: int = 1
     seed: int = 0
 

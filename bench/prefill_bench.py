@@ -26,7 +26,7 @@ from npumoe.engine.calibration.calibrate import Calibration
 from npumoe.engine.generate.prefill import new_cache, prefill
 from npumoe.engine.loading.load import TORCH_DTYPES
 from npumoe.engine.synthetic.geometry import Geometry, family_config
-from npumoe.engine.vocabulary import CPU, QUANTIZED, SPILL
+from npumoe.engine.vocabulary import CHUNK_TOKENS, CPU, QUANTIZED, SPILL
 
 from .paths import EnginePath, add_ratios, calibration_from_loads, measure_impls, static_plans
 from .profile import run_profile
@@ -37,7 +37,7 @@ class PrefillBenchSettings:
     threads: int
     layers: int = 2
     document_tokens: int = 2048
-    chunk_tokens: int = 512
+    chunk_tokens: int = CHUNK_TOKENS
     calibration_documents: int = 2
     warmup: int = 1
     repeats: int = 3

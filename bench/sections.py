@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
+from npumoe.engine.vocabulary import CHUNK_TOKENS, SUMMARY_TOKENS
+
 DOCUMENT_COSINE = 0.99  # a section length is acceptable when the document vector keeps at least this cosine
 
 
@@ -31,8 +33,8 @@ class SectionBenchSettings:
     layers: int = 2
     document_tokens: int = 8192
     section_tokens: tuple[int, ...] = (0, 4096, 2048, 1024)  # 0: as long as the context allows (the reference)
-    chunk_tokens: int = 512
-    summary_tokens: int = 128
+    chunk_tokens: int = CHUNK_TOKENS
+    summary_tokens: int = SUMMARY_TOKENS
     weights: str = "bf16"
     threads: int = 1
     seed: int = 0

@@ -40,7 +40,7 @@ from npumoe.engine.formats.quantize import quantize
 from npumoe.engine.generate.prefill import new_cache, prefill, windows
 from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
-from npumoe.engine.vocabulary import BF16, CPU, FP32, INT4, INT8, QUANTIZED
+from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS, CPU, FP32, INT4, INT8, QUANTIZED
 
 from .fidelity import agreement
 from .paths import relative_error
@@ -149,7 +149,7 @@ def run_weights_fidelity(loaded: LoadedModel, eval_text: str, settings: WeightsF
     return rows
 
 
-def layer_errors(geometry: Geometry, formats: Sequence[str], distribution: str, *, tokens: int = 512,
+def layer_errors(geometry: Geometry, formats: Sequence[str], distribution: str, *, tokens: int = CHUNK_TOKENS,
                  seed: int = 0, on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """Relative L2 error of one MoE layer's output with its experts in each quantized format, against the same
     layer in fp32, on weights and activations drawn from `distribution` (one of DISTRIBUTIONS)."""

@@ -8,6 +8,7 @@ from datetime import datetime, time, timedelta
 from pathlib import Path
 from typing import Any
 
+from npumoe.jobs.meta import read_meta
 from npumoe.jobs.outputs import write_file
 from npumoe.jobs.queue.schema import STATES
 from npumoe.jobs.queue.store import Job, Queue
@@ -87,11 +88,11 @@ def _document(job: Job) -> dict[str, Any]:
 
 
 def job_meta(job: Job) -> dict[str, Any]:
-    """A finished job's meta.json (tokens, cpu_seconds, energy_joules, ...); {} when there is none."""
+    """A finished job's meta.json (tokens, cpu_seconds, energy_joules, ...); {} when there is none or it is
+    unreadable."""
     if not job.output_dir:
         return {}
     try:
-        meta = json.loads((Path(job.output_dir) / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        return read_meta(Path(job.output_dir))
+    except ValueError:
         return {}
-    return meta if isinstance(meta, dict) else {}

@@ -22,16 +22,21 @@ import platformdirs
 from npumoe.engine.vocabulary import (
     AUTO,
     BACKENDS,
+    CHUNK_TOKENS,
     COMPUTE_UNITS,
     CPU,
     DEFAULT_COMPUTE_UNITS,
     DTYPE_WEIGHTS,
     DTYPES,
+    MEAN,
     OVERFLOW_POLICIES,
+    POOLINGS,
     SPILL,
+    SUMMARY_TOKENS,
     WEIGHTS,
-    WEIGHTS_DTYPE,
+    weights_with_dtype,
 )
+from npumoe.jobs.files import KEEP, ORIGINALS
 
 WINDOW = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
 QUEUE_URL = re.compile(r"^(postgresql(\+psycopg)?://.*)?$")
@@ -56,10 +61,8 @@ class InboxConfig:
     stable_seconds: float = positive(2.0)  # size and mtime unchanged this long before a file is queued
     rescan_seconds: float = positive(60.0)  # full rescan backs up the event watcher, which can miss events
     polling: bool = False  # a polling observer, for network shares where events do not arrive
-    originals: str = choice("keep", ("keep", "move", "delete"))  # what happens to a document once processed
+    originals: str = choice(KEEP, ORIGINALS)  # what happens to a document once processed
 
-
-PLAN_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -68,7 +71,7 @@ class ModelConfig:
     backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
-    chunk_tokens: int = positive(512)  # prefill chunk length; 0: the length measured fastest here (at first load)
+    chunk_tokens: int = positive(CHUNK_TOKENS)  # prefill chunk length; 0: the length measured fastest here (at load)
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
     # What the weights run in, the one key for it: auto (the fastest float dtype measured here that fits memory, else
     # the smallest format that does), fp32, bf16, int8 or int4 (the experts quantized, the rest bf16)
@@ -76,17 +79,20 @@ class ModelConfig:
                                                        "`npumoed doctor` says what and why")
     # Deprecated, from before `weights`: float32 or bfloat16 alone reads as weights fp32 or bf16; "" is unset
     dtype: str = choice("", ("", *DTYPES), note="deprecated: weights decides the dtype")
-    summary_tokens: int = positive(128)
+    summary_tokens: int = positive(SUMMARY_TOKENS)
     section_tokens: int = positive(0)  # longest section summarised on its own; 0: as long as the context allows
     trust_remote_code: bool = False
     allow_download: bool = False  # the only setting that lets the daemon reach the network
     idle_unload_seconds: float = positive(300.0)
+    # How search vectors are made from the prefill: mean (over each chunk's tokens), last (token), or prompt
+    # (PromptEOL: each chunk prefilled again in a prompt asking for one word; twice the prefill)
+    pooling: str = choice(MEAN, POOLINGS)
 
     @property
     def plan_chunk_tokens(self) -> int:
         """The chunk length a plan is calibrated at: a plan's chunks are fixed, so a measured length (0) takes
         the engine's default."""
-        return self.chunk_tokens or PLAN_CHUNK_TOKENS
+        return self.chunk_tokens or CHUNK_TOKENS
 
 
 @dataclass(frozen=True)
@@ -217,16 +223,16 @@ def _legacy_dtype(raw: dict[str, Any], path: Path) -> dict[str, Any]:
     dtype, weights = raw.get("dtype", ""), raw.get("weights", AUTO)
     if dtype not in DTYPE_WEIGHTS or weights not in WEIGHTS:
         return raw  # nothing to fold, or a value _check names
+    try:
+        pinned = weights_with_dtype(weights, dtype)
+    except ValueError as e:
+        raise ConfigError(f"{path}: [model] {e}; dtype is deprecated: remove it, weights decides") from None
     if weights == AUTO:
         log.warning('%s: [model] dtype is deprecated: weights decides the dtype; dtype = "%s" reads as weights = '
-                    '"%s" (write that instead, or remove dtype to let the machine choose)', path, dtype,
-                    DTYPE_WEIGHTS[dtype])
-        return {**raw, "weights": DTYPE_WEIGHTS[dtype], "dtype": ""}
-    if WEIGHTS_DTYPE[weights] != dtype:
-        raise ConfigError(f'{path}: [model] dtype = "{dtype}" disagrees with weights = "{weights}", whose float dtype '
-                          f'is {WEIGHTS_DTYPE[weights]}; dtype is deprecated: remove it, weights decides')
-    log.warning("%s: [model] dtype is deprecated and says nothing weights does not: remove it", path)
-    return {**raw, "dtype": ""}
+                    '"%s" (write that instead, or remove dtype to let the machine choose)', path, dtype, pinned)
+    else:
+        log.warning("%s: [model] dtype is deprecated and says nothing weights does not: remove it", path)
+    return {**raw, "weights": pinned, "dtype": ""}
 
 
 def _check(kind: Any, value: Any, meta: Any, path: Path, name: str) -> Any:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from npumoe.jobs.errors import FileRefused
+from npumoe.engine.vocabulary import MEAN
 from npumoe.jobs.files import identify
 from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
 
@@ -55,6 +55,8 @@ def job_keys(config: Config) -> tuple[str, str]:
     settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
                 "overflow": m.overflow, "weights": m.weights, "summary_tokens": m.summary_tokens,
                 "section_tokens": m.section_tokens}
+    if m.pooling != MEAN:  # only then: the jobs of every config from before there was a choice keep their keys
+        settings["pooling"] = m.pooling
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest
 
@@ -71,13 +73,8 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
 
     Raises FileRefused for a path that is no document (a link, a FIFO, too large, gone).
     """
-    try:
-        # First: a link (a looping one too) or a FIFO is refused before anything follows it.
-        sha256 = sha256_of(path, int(config.extract.max_mb * 2**20))
-    except FileRefused as refused:
-        if refused.kind != "too_large":
-            raise
-        raise FileRefused(refused.kind, f"{refused} (extract.max_mb)") from None  # the setting that would let it in
+    # First: a link (a looping one too) or a FIFO is refused before anything follows it.
+    sha256 = sha256_of(path, int(config.extract.max_mb * 2**20))
     model_key, settings_key = job_keys(config)
     where = path.parent.resolve() / path.name  # the folder resolved, never the file itself
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,

@@ -36,7 +36,7 @@ DEMO_BUILD = "demo-smollm2-135m-moe-8x2-v1"  # a new name whenever the recipe ch
 
 
 class ModelNotFound(ValueError):
-    """A model name that is neither "demo", an existing folder, nor shaped like a Hugging Face id."""
+    """A model name that is neither "demo", an existing folder or GGUF file, nor shaped like a Hugging Face id."""
 
 
 def resolve_model(name: str) -> str:
@@ -44,10 +44,10 @@ def resolve_model(name: str) -> str:
     if name == DEMO:
         return str(demo_model())
     path = Path(name).expanduser()
-    if path.is_dir():
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return str(path.resolve())
     if name.startswith(("/", ".", "~")) or path.exists():
-        raise ModelNotFound(f"model folder {name} does not exist (or is not a folder)")
+        raise ModelNotFound(f"model {name} does not exist (or is neither a folder nor a .gguf file)")
     return name
 
 
@@ -113,6 +113,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
         models_dir=home.models,
+        pooling=m.pooling,
     )
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,21 +18,14 @@ from typing import Any
 
 from npumoe.engine.vocabulary import AUTO, DTYPE_WEIGHTS
 from npumoe.jobs.errors import DatabaseUnusable
-from npumoe.jobs.meta import SCHEMA_VERSION
-from npumoe.jobs.outputs import TMP_PREFIX
+from npumoe.jobs.meta import read_meta
+from npumoe.jobs.outputs import META_FILE, TMP_PREFIX
 from npumoe.jobs.queue.store import Queue
 
 from .config import Config
 from .home import Home
 from .intake import job_keys
 from .model_choice import DEMO, demo_model_dir
-
-SHA256 = re.compile(r"^[0-9a-f]{64}$")
-# The fields a done job is rebuilt from, and their types in meta.json.
-NEEDED: dict[str, type | tuple[type, ...]] = {
-    "source": str, "sha256": str, "job_id": int, "model": str, "plan": (str, type(None)), "backend": str,
-    "overflow": str, "dtype": str, "chunk_tokens": int, "created_at": str,
-}
 
 
 @dataclass
@@ -57,12 +49,12 @@ def rebuild_queue(home: Home, config: Config, *, stamp: str | None = None) -> Re
         current = None
     queue = Queue(home.database)
     try:
-        for meta_path in sorted(home.outputs(config).glob("*/meta.json")):
+        for meta_path in sorted(home.outputs(config).glob(f"*/{META_FILE}")):
             folder = meta_path.parent
             if folder.name.startswith(TMP_PREFIX):
                 continue  # a writer's leftover, never a finished output
             try:
-                meta = read_meta(meta_path)
+                meta = read_meta(folder)
             except ValueError as e:
                 rebuilt.skipped.append(f"{folder}: {e}")
                 continue
@@ -88,29 +80,6 @@ def move_aside(database: Path, stamp: str) -> list[Path]:
             path.rename(target)
             moved.append(target)
     return moved
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """The fields of a meta.json that rebuilding needs, checked; ValueError says what is wrong with it."""
-    try:
-        meta = json.loads(path.read_bytes())
-    except OSError as e:
-        raise ValueError(f"cannot read meta.json ({e.strerror})") from e
-    except ValueError as e:
-        raise ValueError(f"meta.json is not JSON ({e})") from e
-    if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
-        version = meta.get("schema_version") if isinstance(meta, dict) else None
-        raise ValueError(f"meta.json schema {version!r}, expected {SCHEMA_VERSION}")
-    for name, kind in NEEDED.items():
-        if not isinstance(meta.get(name), kind) or isinstance(meta.get(name), bool):
-            raise ValueError(f"meta.json lacks a valid '{name}'")
-    if not SHA256.match(meta["sha256"]):
-        raise ValueError("meta.json's 'sha256' is not a SHA-256 in hex")
-    try:
-        datetime.fromisoformat(meta["created_at"])
-    except ValueError as e:
-        raise ValueError(f"meta.json's 'created_at' is not ISO 8601 ({e})") from e
-    return meta
 
 
 def keys_of(meta: dict[str, Any], home: Home, config: Config,

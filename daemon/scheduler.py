@@ -128,7 +128,7 @@ class Scheduler:
         """Why nothing may run whatever the power and the load: a fault of the machine, or the person's pause."""
         if fault := self.fault_reason():
             return fault
-        if paused := self.queue.get_control("paused"):
+        if paused := self.queue.controls.get("paused"):
             since = paused_since(paused)
             return f"paused by you since {since:%H:%M}" if since else "paused by you"
         return ""

@@ -38,13 +38,13 @@ log = logging.getLogger(__name__)
 
 
 class HandedMemory(Protocol):
-    """Where the files handed on are remembered across restarts (the Queue is one)."""
+    """Where the files handed on are remembered across restarts (the queue's `handed` is one)."""
 
-    def handed_files(self) -> dict[str, Identity]: ...
+    def all(self) -> dict[str, Identity]: ...
 
-    def remember_handed(self, path: str, identity: Identity) -> None: ...
+    def remember(self, path: str, identity: Identity) -> None: ...
 
-    def forget_handed(self, paths: Collection[str]) -> None: ...
+    def forget(self, paths: Collection[str]) -> None: ...
 
 
 def signature(path: Path) -> Identity | None:
@@ -153,7 +153,7 @@ class InboxWatcher:
         self.memory = memory
         self.tracker = StabilityTracker(config.stable_seconds, clock)
         if memory is not None:
-            self.tracker.remember({Path(path): identity for path, identity in memory.handed_files().items()})
+            self.tracker.remember({Path(path): identity for path, identity in memory.all().items()})
         self.tick_seconds = min(0.5, max(0.05, config.stable_seconds / 4))
         self._observer: BaseObserver | None = None
         self._thread: threading.Thread | None = None
@@ -173,7 +173,7 @@ class InboxWatcher:
                 self.observe(path)
         gone = self.tracker.forget_except(present)
         if gone and self.memory is not None:
-            self.memory.forget_handed([str(path) for path in gone])
+            self.memory.forget([str(path) for path in gone])
         return len(present)
 
     def observe(self, path: Path) -> None:
@@ -188,7 +188,7 @@ class InboxWatcher:
             try:
                 taken = self.on_stable(path)
                 if taken and self.memory is not None and (identity := self.tracker.handed_as(path)):
-                    self.memory.remember_handed(str(path), identity)
+                    self.memory.remember(str(path), identity)
             except Exception:  # one file must not stop the watching
                 log.exception("could not take %s from the inbox", path)
                 taken = False

@@ -7,6 +7,8 @@
            every `lease_seconds`: requeue the jobs of workers that died
            an open batch window with work in it ─► hold a power assertion (daemon/awake.py) until done
            a batch window closed ─► write its report (daemon/batch.py)
+    searches: a query on the home's socket is embedded by this process's model, on this thread, between two
+           chunks of the running job or at once when idle (daemon/queries.py)
     stop (SIGTERM/SIGINT): the running job is handed back to the queue before the next model layer runs
     stall: a job without progress for `stall_seconds` is stopped and retried; a process stuck in a call that
            never returns records that and exits (EXIT_STUCK) for the service manager to restart it
@@ -39,10 +41,12 @@ from filelock import FileLock, Timeout
 from npumoe.jobs.errors import Failure, FileRefused, Lost, ModelUnavailable, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault, machine_fault
-from npumoe.jobs.files import Folders, set_aside
+from npumoe.jobs.files import KEEP, Folders, set_aside
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
+from npumoe.jobs.queue.schema import DONE, FAILED, QUEUED
 from npumoe.jobs.queue.store import Job, Queue
+from npumoe.jobs.search.index import vectors_key
 
 from .batch import write_batch_report
 from .config import Config
@@ -52,6 +56,7 @@ from .energy.priority import apply_background_priority, worker_threads
 from .home import Home
 from .intake import enqueue
 from .model_choice import ModelSlot, backend_description
+from .queries import QueryServer
 from .scheduler import Decision, Scheduler
 from .stall import StallWatch
 from .watcher import InboxWatcher
@@ -76,7 +81,7 @@ def single_instance(home: Home, queue: Queue) -> Iterator[None]:
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        row = queue.read_daemon() or {}
+        row = queue.daemons.read() or {}
         pid = f" (pid {row['pid']})" if row.get("pid") and not row.get("stopped_at") else ""
         raise AlreadyRunning(f"another npumoed{pid} is already running for {home.root}") from None
     try:
@@ -119,7 +124,7 @@ class Worker:
         self.scheduler = scheduler or Scheduler(config.scheduler, queue)
         # Only kept originals need remembering: moved or deleted ones leave the inbox, and one left there by a
         # run that stopped between "done" and moving it must be seen again, to be moved.
-        memory = queue if config.inbox.originals == "keep" else None
+        memory = queue.handed if config.inbox.originals == KEEP else None
         self.awake = awake or PowerAssertion()
         self.watcher = InboxWatcher(self.inboxes, config.inbox, self._take, memory=memory)
         self.stall = StallWatch(config.queue.stall_seconds)
@@ -131,12 +136,13 @@ class Worker:
         )
         self.pipeline = Pipeline(
             queue, self.folders, policy, self.model, worker_pid=self.pid,
-            meter=Meter, checkpoint=self._check, progressed=self.stall.moved,
+            meter=Meter, checkpoint=self._check, progressed=self._progressed,
             local_index=home.database if queue.shared else None,
         )
         self.summary = RunSummary()
         self._stopping = threading.Event()
         self._wake = threading.Event()
+        self.queries = QueryServer(home.socket, wake=self._wake.set)
         self._state: dict[str, Any] = {"activity": "starting", "reason": "", "current_job": None}
         self._lost_job: int | None = None
         self._stalled_job: int | None = None
@@ -180,7 +186,7 @@ class Worker:
         if applied := apply_background_priority(self.config.cpu):
             log.info("running at background priority: %s", ", ".join(applied))
         now = time.time()
-        self.queue.write_daemon(
+        self.queue.daemons.write(
             pid=self.pid,
             started_at=now,
             stopped_at=None,
@@ -190,6 +196,10 @@ class Worker:
         self._write_row()
         self._handle_signals()
         log.info("npumoed %d started; watching %s", self.pid, ", ".join(map(str, self.inboxes)))
+        try:
+            self.queries.start()
+        except OSError as e:
+            log.warning("not answering searches (each `npumoed search` loads the model itself): %s", e)
         self._beat = threading.Thread(target=self._beat_loop, name="heartbeat", daemon=True)
         self._beat.start()
         self.queue.listen(self._wake.set, self._stopping)  # a shared queue's NOTIFY ends an idle wait at once
@@ -199,15 +209,16 @@ class Worker:
             self.watcher.start()
 
     def _finish(self) -> None:
+        self.queries.stop()
         self.watcher.stop()
         self._stopping.set()
         if self._beat is not None:
             self._beat.join(timeout=BEAT_SECONDS * 2)
         self.model.unload()
         self.awake.release()
-        self.summary.waiting = sum(self.queue.counts()[s] for s in ("queued", "failed"))
+        self.summary.waiting = sum(self.queue.counts()[s] for s in (QUEUED, FAILED))
         self._set("stopped", "", current_job=None)
-        self.queue.write_daemon(stopped_at=time.time())
+        self.queue.daemons.write(stopped_at=time.time())
         self._restore_signals()
         log.info("npumoed %d stopped", self.pid)
 
@@ -230,6 +241,7 @@ class Worker:
     def _loop(self) -> None:
         poll = self.config.scheduler.poll_seconds
         while not self._stopping.is_set():
+            self.queries.answer(self._embed_query)
             decision = self._decide()
             if not decision.run and not decision.idle:
                 self._set("waiting", decision.reason)
@@ -283,6 +295,16 @@ class Worker:
         self.summary.outcomes[outcome.state] += 1
         where = f" → {outcome.output_dir}" if outcome.output_dir else f": {outcome.reason}"
         log.info("job %d %s%s", job.id, outcome.state, where)
+
+    def _progressed(self, phase: str) -> None:
+        """The running job moved on (between two chunks, or two steps of the pipeline; no forward pass is
+        running): the stall watch hears it, and waiting searches are answered."""
+        self.stall.moved(phase)
+        self.queries.answer(self._embed_query)
+
+    def _embed_query(self, text: str) -> tuple[str, Any]:
+        engine = self.model.load()  # idle and unloaded, the daemon loads it once for this and later queries
+        return vectors_key(engine.model_key, engine.settings.pooling), engine.embed(text)
 
     def _decide(self) -> Decision:
         """The scheduler's decision, acted on: the reports of batch windows that closed, the power assertion."""
@@ -375,7 +397,7 @@ class Worker:
         if created:
             log.info("queued job %d: %s", job.id, path)
             self._wake.set()
-        elif job.state == "done":  # finished earlier, e.g. stopped between "done" and moving the original
+        elif job.state == DONE:  # finished earlier, e.g. stopped between "done" and moving the original
             self.pipeline.settle(job, path)
         return True
 
@@ -390,7 +412,7 @@ class Worker:
         row = {**self._state, "power": {**self.scheduler.power_state(), "awake": self.awake.holding},
                "counters": self._counters()}
         if beat or row != self._written:
-            self.queue.write_daemon(heartbeat_at=time.time(), **row)
+            self.queue.daemons.write(heartbeat_at=time.time(), **row)
             self._written = row
 
     def _beat_loop(self) -> None:

@@ -6,9 +6,9 @@ prefilled at a shallower attention depth, at the price of more summaries to deco
 Each section is prefilled chunk by chunk (fixed chunk length, the KV cache carried across chunks)
 and summarised by greedy decoding from the prefilled cache. With more than one section the section
 summaries are combined (map, then reduce, repeated until one is left): a long document is never
-silently truncated. Embeddings are the final hidden states mean-pooled per chunk and over the whole
-document, L2-normalised; `embed` makes a search query's vector the same way, so queries and chunks
-share one space.
+silently truncated. Embeddings are one vector per chunk, pooled from its final hidden states as
+`pooling` says (generate/pooling.py), and the document's, their token-weighted mean, all L2-normalised;
+`embed` makes a search query's vector the same way, so queries and chunks share one space.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from .backends.placement import CostCache, place
 from .backends.registry import backend_class, get_backend
 from .generate.checks import Check, checked
 from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
+from .generate.pooling import OneWordFrame, check_pooling, pooled, prefill_pooling
 from .generate.prefill import new_cache, prefill, windows
 from .generate.summary import (
     COMBINE,
@@ -45,20 +46,24 @@ from .moe.dispatch import DispatchStats
 from .plan.expert_plan import ExpertPlan, PlanError
 from .vocabulary import (
     AUTO,
+    CHUNK_TOKENS,
     COMPUTE_UNITS,
     CPU,
     DEFAULT_COMPUTE_UNITS,
-    DTYPE_WEIGHTS,
     DTYPES,
+    MEAN,
     OVERFLOW_POLICIES,
     PHASES,
     PREFILL,
+    PROMPT,
     QUANTIZED,
     REDUCE,
     SPILL,
     SUMMARY,
+    SUMMARY_TOKENS,
     WEIGHTS,
     WEIGHTS_DTYPE,
+    weights_with_dtype,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +75,7 @@ class EngineSettings:
     backend: str = CPU  # one of vocabulary.BACKENDS
     plan: Path | None = None  # ExpertPlan JSON; None -> exact cpu path, no tiers
     # prefill chunk length; 0: the length measured fastest here (chunk_length.py); a plan's own takes precedence
-    chunk_tokens: int = 512
+    chunk_tokens: int = CHUNK_TOKENS
     overflow: str = SPILL  # one of vocabulary.OVERFLOW_POLICIES: what happens to assignments over a tier's capacity
     # The float part of `weights` (vocabulary.WEIGHTS_DTYPE), filled in from it; None while auto is undecided.
     # Given with weights left auto it pins the format (float32: fp32, bfloat16: bf16); beside a weights format
@@ -82,7 +87,7 @@ class EngineSettings:
     threads: int | None = None  # torch intra-op threads; None = leave as is
     trust_remote_code: bool = False
     allow_download: bool = False
-    summary_tokens: int = 128  # max new tokens for the summary
+    summary_tokens: int = SUMMARY_TOKENS  # max new tokens for the summary
     # longest section summarised on its own (its chunks attend to nothing before it); 0: as long as the context allows
     section_tokens: int = 0
     compiled_dir: Path | None = None  # where `npumoed compile` put the Core ML graphs; the coreml backend needs it
@@ -90,8 +95,10 @@ class EngineSettings:
     costs_dir: Path | None = None  # where the backend's measured costs are cached; None: measure at every load
     # the home's models folder: int8/int4 experts that `npumoed model quantize` wrote there are read, not made again
     models_dir: Path | None = None
+    pooling: str = MEAN  # one of vocabulary.POOLINGS: how chunk vectors are made (chosen by `bench retrieval`)
 
     def __post_init__(self) -> None:
+        check_pooling(self.pooling)
         backend_class(self.backend).check(self.backend_options)  # an unknown name, or options it cannot run with
         if self.coreml_compute_units not in COMPUTE_UNITS:
             raise ValueError(f"coreml_compute_units must be one of {', '.join(COMPUTE_UNITS)}, "
@@ -102,12 +109,11 @@ class EngineSettings:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
             raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got {self.weights!r}")
-        if self.weights == AUTO and self.dtype is not None:
-            object.__setattr__(self, "weights", DTYPE_WEIGHTS[self.dtype])
-        elif self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
-            if self.dtype not in (None, WEIGHTS_DTYPE[self.weights]):
-                raise ValueError(f"dtype {self.dtype!r} disagrees with weights {self.weights!r}, whose float dtype is "
-                                 f"{WEIGHTS_DTYPE[self.weights]}: give weights alone")
+        try:
+            object.__setattr__(self, "weights", weights_with_dtype(self.weights, self.dtype))
+        except ValueError as e:
+            raise ValueError(f"{e}: give weights alone") from None
+        if self.weights != AUTO:  # auto is decided at load (Engine.load), the dtype with it
             object.__setattr__(self, "dtype", WEIGHTS_DTYPE[self.weights])
         if self.summary_tokens < 1:
             raise ValueError(f"summary_tokens must be positive, got {self.summary_tokens}")
@@ -189,6 +195,7 @@ class Engine:
         tokenizer = loaded.tokenizer
         self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
         self._combine = PromptFrame.build(tokenizer, COMBINE)
+        self._one_word = OneWordFrame.build(tokenizer)
         self._separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
         self._stop = stop_ids(loaded.model, tokenizer)
         if not self._stop:
@@ -263,45 +270,46 @@ class Engine:
         run = _Run(on_progress, tokens_total=len(doc))
         self.runtime.stats = DispatchStats()
 
+        pooling = self.settings.pooling
         sections = windows(doc, self._section_tokens)
         with checked(self.loaded.model, check):
-            chunk_means, chunk_sizes, summaries = self._map(sections, run)
+            vectors, sizes, summaries = self._map(sections, run, prefill_pooling(pooling))
+            if pooling == PROMPT:
+                tick = time.perf_counter()
+                vectors = self._one_word_vectors(doc, sizes)
+                run.seconds[PREFILL] += time.perf_counter() - tick
             summary, rounds = self._reduce(summaries, run)
 
-        document = _token_mean(chunk_means, chunk_sizes)
-        embeddings = torch.nn.functional.normalize(torch.cat([chunk_means, document[None]]), dim=-1)
-        token_ends = np.cumsum(chunk_sizes.cpu().numpy().astype(np.int64))  # chunks follow each other in `doc`
-        spans = (_offset_spans(encoded["offset_mapping"], token_ends) if tokenizer.is_fast
-                 else _decoded_spans(tokenizer, doc, token_ends))
         run.seconds["total"] = time.perf_counter() - run.started
-        stats = RunStats(tokens=len(doc), chunks=len(chunk_sizes), chunk_tokens=self.chunk_tokens,
+        stats = RunStats(tokens=len(doc), chunks=len(sizes), chunk_tokens=self.chunk_tokens,
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
         return DocumentResult(summary=whole_sentences(tokenizer.decode(summary, skip_special_tokens=True)),
-                              embeddings=embeddings.cpu().numpy(), spans=spans, stats=stats)
+                              embeddings=_rows(vectors, sizes), spans=self._spans(encoded, sizes), stats=stats)
 
-    def _map(self, sections: list[Sequence[int]], run: _Run) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+    def _map(self, sections: list[Sequence[int]], run: _Run,
+             pooling: str) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Prefill each section after the prompt prefix, pooling the document tokens of every chunk, then
         decode the section's summary from the cache. The prefix shares the first chunk, so no step is
         a mostly empty launch.
 
-        Returns (n_chunks, H) mean final hidden state per chunk, (n_chunks,) document tokens per chunk,
+        Returns (n_chunks, H) pooled final hidden states per chunk, (n_chunks,) document tokens per chunk,
         and each section's summary tokens."""
         prefix = self._summarize.prefix  # only its length counts here: _pool_chunks puts it before each section
         chunks_total = sum(math.ceil((len(prefix) + len(section)) / self.chunk_tokens) for section in sections)
         chunks_done = 0
-        means: list[torch.Tensor] = []
+        vectors: list[torch.Tensor] = []
         sizes: list[int] = []
         summaries: list[list[int]] = []
         for section in sections:
             tick = time.perf_counter()
             cache = new_cache(self.loaded.model)
-            for pooled in self._pool_chunks(section, cache):
+            for chunk in self._pool_chunks(section, cache, pooling):
                 chunks_done += 1
-                if pooled is not None:
-                    mean, size = pooled
-                    means.append(mean)
+                if chunk is not None:
+                    vector, size = chunk
+                    vectors.append(vector)
                     sizes.append(size)
                     run.tokens_done += size
                 run.report(PREFILL, chunks_done, chunks_total)
@@ -310,33 +318,84 @@ class Engine:
             summaries.append(self._decode(self._summarize, section, cache, run))
             run.seconds[SUMMARY] += time.perf_counter() - tick
             run.report(SUMMARY, len(summaries), len(sections))
-        stacked = torch.stack(means)
+        stacked = torch.stack(vectors)
         return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
 
-    def _pool_chunks(self, section: Sequence[int], cache: Any) -> Iterator[tuple[torch.Tensor, int] | None]:
+    def _pool_chunks(self, section: Sequence[int], cache: Any,
+                     pooling: str) -> Iterator[tuple[torch.Tensor, int] | None]:
         """Prefill the summary prompt's prefix then `section` into `cache`, one chunk at a time; for each chunk
-        yield the mean final hidden state (H,) of its section tokens and their count, or None when the chunk
-        holds only prefix tokens."""
+        yield the vector (H,) pooled from its section tokens and their count, or None when the chunk holds only
+        prefix tokens."""
         prefix = self._summarize.prefix
         position = 0  # in the prefilled stream: prefix, then section
         for hidden in prefill(self.loaded.model, [*prefix, *section], self.chunk_tokens, cache):  # (n, H)
             tokens = hidden[max(0, len(prefix) - position):]  # this chunk's section tokens
             position += hidden.shape[0]
-            yield (tokens.float().mean(0), len(tokens)) if len(tokens) else None
+            yield (pooled(tokens, pooling), len(tokens)) if len(tokens) else None
 
-    def embed(self, text: str) -> np.ndarray:
-        """(H,) float32 vector of a text, such as a search query, made exactly as a document's vector is: each
-        section after the same prompt prefix, in the same chunks, final hidden states mean-pooled over the
-        text's tokens, L2-normalised. No summary is decoded."""
+    def _chunk_sizes(self, sections: list[Sequence[int]]) -> torch.Tensor:
+        """(n_chunks,) document tokens in each prefill chunk, cut as _pool_chunks cuts them, without prefilling."""
+        prefix, step = len(self._summarize.prefix), self.chunk_tokens
+        sizes = [min(start + step, prefix + len(s)) - max(start, prefix)
+                 for s in sections for start in range(0, prefix + len(s), step)]
+        return torch.tensor([n for n in sizes if n > 0], dtype=torch.float32)
+
+    def _one_word_vectors(self, ids: Sequence[int], sizes: torch.Tensor) -> torch.Tensor:
+        """(n_chunks, H) PromptEOL vectors: each chunk of `ids` (`sizes` tokens each, in order) alone in the
+        one-word prompt, prefilled from an empty cache, the prompt's last hidden state."""
+        ends = np.cumsum(sizes.int().tolist())
+        vectors = []
+        for start, end in zip([0, *ends[:-1]], ends, strict=True):
+            *_, hidden = prefill(self.loaded.model, self._one_word.around(ids[start:end]), self.chunk_tokens,
+                                 new_cache(self.loaded.model))
+            vectors.append(pooled(hidden, PROMPT))
+        return torch.stack(vectors)
+
+    def embed(self, text: str, pooling: str | None = None) -> np.ndarray:
+        """(H,) float32 vector of a text, such as a search query, made exactly as a document's vector is (`pooling`,
+        default the settings'): in the same chunks, the token-weighted mean of their vectors, L2-normalised. No
+        summary is decoded."""
+        ids = self._encode(text)["input_ids"]
+        vectors, sizes = self._vectors(ids, pooling or self.settings.pooling)
+        return _rows(vectors, sizes)[-1]
+
+    def embed_document(self, text: str, pooling: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(embeddings, spans) of a document as `process` makes them, with `pooling` (default the settings'), and
+        no summary: what `npumoed bench retrieval` compares the poolings on."""
+        encoded = self._encode(text)
+        vectors, sizes = self._vectors(encoded["input_ids"], pooling or self.settings.pooling)
+        return _rows(vectors, sizes), self._spans(encoded, sizes)
+
+    def _encode(self, text: str) -> Any:
         if not text.strip():
             raise ValueError("text is empty or whitespace only: nothing to embed")
-        ids = self.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
+        tokenizer = self.loaded.tokenizer
+        return tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+
+    def _vectors(self, ids: Sequence[int], pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_chunks, H) chunk vectors and (n_chunks,) their token counts, by the summary's prefill (its prompt
+        prefix, its sections and chunks) without decoding."""
+        check_pooling(pooling)
+        saved = self.runtime.stats  # a query the daemon embeds between a document's chunks leaves its counts alone
         self.runtime.stats = DispatchStats()
-        pooled = [chunk for section in windows(ids, self._section_tokens)
-                  for chunk in self._pool_chunks(section, new_cache(self.loaded.model)) if chunk is not None]
-        means = torch.stack([mean for mean, _ in pooled])
-        sizes = torch.tensor([size for _, size in pooled], dtype=torch.float32, device=means.device)
-        return torch.nn.functional.normalize(_token_mean(means, sizes), dim=-1).cpu().numpy()
+        try:
+            sections = windows(ids, self._section_tokens)
+            if pooling == PROMPT:
+                sizes = self._chunk_sizes(sections)
+                return self._one_word_vectors(ids, sizes), sizes
+            chunks = [chunk for section in sections
+                      for chunk in self._pool_chunks(section, new_cache(self.loaded.model), pooling) if chunk]
+            vectors = torch.stack([vector for vector, _ in chunks])
+            return vectors, torch.tensor([size for _, size in chunks], dtype=torch.float32, device=vectors.device)
+        finally:
+            self.runtime.stats = saved
+
+    def _spans(self, encoded: Any, sizes: torch.Tensor) -> np.ndarray:
+        """(n_chunks, 2) each chunk's [start, end) characters in the text."""
+        token_ends = np.cumsum(sizes.cpu().numpy().astype(np.int64))  # chunks follow each other in the text
+        if self.loaded.tokenizer.is_fast:
+            return _offset_spans(encoded["offset_mapping"], token_ends)
+        return _decoded_spans(self.loaded.tokenizer, encoded["input_ids"], token_ends)
 
     def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int]:
         """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds)."""
@@ -381,6 +440,12 @@ def _auto_weights(settings: EngineSettings) -> EngineSettings:
                                         trust_remote_code=settings.trust_remote_code)
     log.info("%s: weights auto -> %s", name, choice.reason)
     return replace(settings, weights=choice.weights)
+
+
+def _rows(vectors: torch.Tensor, sizes: torch.Tensor) -> np.ndarray:
+    """(n + 1, H) float32: the chunk vectors (n, H) and their token-weighted mean, each L2-normalised."""
+    rows = torch.cat([vectors, _token_mean(vectors, sizes)[None]])
+    return torch.nn.functional.normalize(rows, dim=-1).cpu().numpy()
 
 
 def _token_mean(means: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

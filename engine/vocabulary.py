@@ -1,5 +1,6 @@
 """The engine's words for its choices: backends, overflow policies, dtypes, weight formats, Core ML compute
-units, progress phases.
+units, search-vector poolings, progress phases, and the defaults every caller shares (chunk length, summary
+tokens).
 
 Config, the command line, the status view and the benchmarks offer and check these values; the engine
 acts on them. Only names live here, no torch: importing this module stays cheap, so `npumoed --help`,
@@ -8,7 +9,7 @@ acts on them. Only names live here, no torch: importing this module stays cheap,
 
 from __future__ import annotations
 
-# Executor backends (`engine/backends.py` registers one for each name).
+# Executor backends (`engine/backends/registry.py` registers one for each name).
 CPU = "cpu"  # exact dynamic-shape experts, no static graphs
 TORCH_STATIC = "torch-static"  # the static group graphs run by torch: the accelerators' reference
 COREML = "coreml"  # the static group graphs run by Core ML on the Neural Engine
@@ -36,15 +37,38 @@ QUANTIZED = (INT8, INT4)
 WEIGHTS_DTYPE = {FP32: FLOAT32, BF16: BFLOAT16, INT8: BFLOAT16, INT4: BFLOAT16}  # the float dtype of each format
 DTYPE_WEIGHTS = {FLOAT32: FP32, BFLOAT16: BF16}  # the format that runs every weight in a float dtype
 
+# Defaults the engine, config, calibration, the command line and the benchmarks all start from.
+CHUNK_TOKENS = 512  # prefill chunk length, and so the rows a timing run multiplies
+SUMMARY_TOKENS = 128  # the most new tokens a summary may take
+
 # Where Core ML may run a graph; each is the lower-case name of a `coremltools.ComputeUnit` member.
 COMPUTE_UNITS = ("cpu_and_ne", "all", "cpu_only", "cpu_and_gpu")
 DEFAULT_COMPUTE_UNITS = "cpu_and_ne"
+
+# How a chunk's final hidden states become its search vector (engine/generate/pooling.py).
+MEAN = "mean"  # the mean over the chunk's tokens
+LAST = "last"  # the chunk's last token, which has read the section up to there
+PROMPT = "prompt"  # PromptEOL: the last token of 'This passage : "<chunk>" means in one word:"', prefilled apart
+POOLINGS = (MEAN, LAST, PROMPT)
 
 # The phases a document's progress reports go through, in order.
 PREFILL = "prefill"  # chunks prefilled
 SUMMARY = "summary"  # sections summarised
 REDUCE = "reduce"  # section summaries combined
 PHASES = (PREFILL, SUMMARY, REDUCE)
+
+
+def weights_with_dtype(weights: str, dtype: str | None) -> str:
+    """The weights format that `weights` and the older `dtype` say together: a dtype beside weights auto pins its
+    float format (float32: fp32, bfloat16: bf16); beside a format whose float dtype differs, ValueError."""
+    if dtype is None:
+        return weights
+    if weights == AUTO:
+        return DTYPE_WEIGHTS[dtype]
+    if WEIGHTS_DTYPE[weights] != dtype:
+        raise ValueError(f"dtype {dtype!r} disagrees with weights {weights!r}, whose float dtype is "
+                         f"{WEIGHTS_DTYPE[weights]}")
+    return weights
 
 
 def dtype_name(spelling: str) -> str:

@@ -7,22 +7,11 @@ raises ExtractionError, so nothing here may pull in a heavy dependency.
 from __future__ import annotations
 
 # What an extraction failure can be; the pipeline records the kind with the job.
-# `no_text_layer`: a PDF of images only (a scan), which would need OCR.
-KINDS = frozenset(
-    {"encrypted", "corrupt", "unsupported", "empty", "no_text_layer", "too_large", "timeout", "memory", "unreadable"}
-)
-
-
-class FileRefused(ValueError):
-    """`open_regular` would not read this path; `kind` says which check it failed, str() says it in words.
-
-    Kinds: `missing` (gone), `denied` (no permission), `unreadable` (not a regular file, or could not be
-    opened), `too_large` (over the size limit, or grew past it while read).
-    """
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+# `no_text_layer`: a PDF of images only (a scan), which would need OCR. `missing`: the file is gone.
+KINDS = frozenset({
+    "encrypted", "corrupt", "unsupported", "empty", "no_text_layer", "too_large", "timeout", "memory", "unreadable",
+    "missing",
+})
 
 
 class ExtractionError(Exception):
@@ -39,10 +28,19 @@ class ExtractionError(Exception):
     def __str__(self) -> str:
         return self.message
 
-    @classmethod
-    def from_refusal(cls, refused: FileRefused) -> ExtractionError:
-        """A file `open_regular` refused: too large, or else (gone, forbidden, not a regular file) unreadable."""
-        return cls("too_large" if refused.kind == "too_large" else "unreadable", str(refused))
+
+class FileRefused(ExtractionError, ValueError):
+    """A file not to be read, judged by jobs/files.py alone, for every reader (intake, the pipeline's copy,
+    extraction); it travels to the job unchanged: `kind` is what the job records, str() the reason in words.
+
+    Kinds: `missing` (gone), `unreadable` (not a regular file, no permission, or could not be opened),
+    `too_large` (over the size limit, or grew past it while read), `empty` (0 bytes, where a reader needs text).
+    `denied`: no permission, which a person may put right, so such a document is tried again.
+    """
+
+    def __init__(self, kind: str, message: str, *, denied: bool = False) -> None:
+        super().__init__(kind, message)
+        self.denied = denied
 
 
 class MissingDependency(Exception):

@@ -37,6 +37,9 @@ FILE_KINDS = {
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
 CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
+# What becomes of an original once its document is done (the originals policy).
+KEEP, MOVE, DELETE = "keep", "move", "delete"
+ORIGINALS = (KEEP, MOVE, DELETE)
 
 
 @dataclass(frozen=True)
@@ -61,8 +64,9 @@ class Identity:
             return None
 
 
-def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
-    """`path` opened for reading, if it is a regular file of at most `max_bytes` (None: any size).
+def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file of at most `max_bytes` (None: any size), and not
+    empty unless `empty` allows it.
 
     Raises FileRefused saying why not. lstat comes first, so a FIFO or a device is never even opened;
     O_NOFOLLOW and an fstat of the open descriptor close the race with a rename in between. The size is
@@ -75,7 +79,7 @@ def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
     except FileNotFoundError:
         raise FileRefused("missing", "the file is gone (deleted or moved away)") from None
     except PermissionError:
-        raise FileRefused("denied", "cannot read the file: permission denied") from None
+        raise FileRefused("unreadable", "cannot read the file: permission denied", denied=True) from None
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK):  # what O_NOFOLLOW gives for a link on Linux / on BSD
             raise _not_regular(stat.S_IFLNK) from None
@@ -86,22 +90,25 @@ def open_regular(path: Path, max_bytes: int | None = None) -> BinaryIO:
     try:
         status = os.fstat(fd)
         _require_regular(status.st_mode)
-        check_size(status.st_size, max_bytes)
+        check_size(status.st_size, max_bytes, empty=empty)
     except BaseException:
         file.close()
         raise
     return file
 
 
-def check_size(size: int, max_bytes: int | None, *, while_read: bool = False) -> None:
-    """Refuse (FileRefused, too_large) a file of `size` bytes over `max_bytes`; `while_read`: it grew that far."""
+def check_size(size: int, max_bytes: int | None, *, while_read: bool = False, empty: bool = True) -> None:
+    """Refuse (FileRefused) a file of `size` bytes over `max_bytes` (`while_read`: it grew that far), or one of
+    0 bytes unless `empty` allows it. The reason names the setting that would let a large file in."""
+    if size == 0 and not empty:
+        raise FileRefused("empty", "file is empty (0 bytes)")
     if max_bytes is None or size <= max_bytes:
         return
     megabytes = round(max_bytes / 2**20, 3)  # the unit of the `extract.max_mb` setting
     limit = f"{megabytes:g} MB" if megabytes >= 0.1 else f"{max_bytes:,}-byte"
     if while_read:
-        raise FileRefused("too_large", f"the file grew past the {limit} limit while it was read")
-    raise FileRefused("too_large", f"the file is {size:,} bytes, over the {limit} limit")
+        raise FileRefused("too_large", f"the file grew past the {limit} limit while it was read (extract.max_mb)")
+    raise FileRefused("too_large", f"the file is {size:,} bytes, over the {limit} limit (extract.max_mb)")
 
 
 def _require_regular(mode: int) -> None:
@@ -170,12 +177,12 @@ def settle_original(source: Path, originals: str, folders: Folders, identity: Id
     Only documents inside an inbox are touched (one queued by hand from elsewhere stays where it is), and a
     failure here is logged, never raised: the job's result is already safe.
     """
-    if originals == "keep" or not os.path.lexists(source) or not folders.holds(source):
+    if originals == KEEP or not os.path.lexists(source) or not folders.holds(source):
         return "kept"
     if Identity.at(source) != identity:  # saved again, or replaced, since it was read: not ours to settle
         return CHANGED
     try:
-        if originals == "delete":
+        if originals == DELETE:
             source.unlink()
             return "deleted"
         return f"moved to {move_file(source, folders.processed, source.name)}"

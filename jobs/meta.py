@@ -3,14 +3,32 @@
 Written once, from `DocumentMeta`; every figure has one place in it. The README lists each field
 ("Where things go") and tests check a produced file against that list, so change both together, and
 raise SCHEMA_VERSION when a field is renamed, removed or changes type or meaning.
+
+Read back by one function, `read_meta`, for every caller (the pipeline finding a finished output, the search
+index, rebuilding the queue, the batch report), with one set of checks.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from npumoe.engine.vocabulary import MEAN
+
+from .outputs import META_FILE
 
 SCHEMA_VERSION = 1
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# The fields read back from a written meta.json, and their types. The rest are checked only when written: outputs
+# made before a field was added (within this schema version) stay readable.
+READ_BACK: dict[str, type | tuple[type, ...]] = {
+    "source": str, "sha256": str, "job_id": int, "model": str, "model_key": str, "plan": (str, type(None)),
+    "backend": str, "overflow": str, "dtype": str, "chunk_tokens": int, "created_at": str,
+}
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,7 @@ class Extraction:
 @dataclass(frozen=True)
 class Embeddings:
     dim: int  # the width of each row; there is one row per chunk, plus the document vector
+    pooling: str = MEAN  # how the rows were pooled from the prefill (vocabulary.POOLINGS)
 
 
 @dataclass(frozen=True)
@@ -80,3 +99,27 @@ class DocumentMeta:
 
     def to_json(self) -> bytes:
         return (json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n").encode()
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """The meta.json of the output folder `folder`, checked: of this schema version, with each READ_BACK field
+    of its type, a SHA-256 in hex and an ISO 8601 creation time. ValueError says what is wrong with it."""
+    try:
+        meta = json.loads((folder / META_FILE).read_bytes())
+    except OSError as e:
+        raise ValueError(f"cannot read {META_FILE} ({e.strerror})") from e
+    except ValueError as e:
+        raise ValueError(f"{META_FILE} is not JSON ({e})") from e
+    if not isinstance(meta, dict) or meta.get("schema_version") != SCHEMA_VERSION:
+        version = meta.get("schema_version") if isinstance(meta, dict) else None
+        raise ValueError(f"{META_FILE} schema {version!r}, expected {SCHEMA_VERSION}")
+    for name, kind in READ_BACK.items():
+        if not isinstance(meta.get(name), kind) or isinstance(meta.get(name), bool):
+            raise ValueError(f"{META_FILE} lacks a valid '{name}'")
+    if not SHA256.match(meta["sha256"]):
+        raise ValueError(f"{META_FILE}'s 'sha256' is not a SHA-256 in hex")
+    try:
+        datetime.fromisoformat(meta["created_at"])
+    except ValueError as e:
+        raise ValueError(f"{META_FILE}'s 'created_at' is not ISO 8601 ({e})") from e
+    return meta

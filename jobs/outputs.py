@@ -28,6 +28,10 @@ _TOKEN = 9  # "-" and 8 hex digits: the sha8 of an output name, or a temporary n
 # The longest name made from a stem: the temporary name of the old output folder a rewrite replaces,
 # `.tmp-old-<stem>-<sha8>-<hex8>`; capping the stem so that fits keeps every name derived from it legal.
 MAX_STEM_BYTES = NAME_MAX_BYTES - len(f"{TMP_PREFIX}old-") - 2 * _TOKEN
+# The files of a document's output folder (outbox/<stem>-<sha8>/).
+SUMMARY_FILE = "summary.md"  # "# name", a line of facts, then the summary
+EMBEDDINGS_FILE = "embeddings.npy"  # float32 (chunks + 1, dim): one row per chunk, then the document vector
+META_FILE = "meta.json"  # DocumentMeta (meta.py): how the outputs were made and what making them cost
 TEXT_FILE = "text.txt.gz"  # the extracted text the model read, so a search hit can show its passage
 OFFSETS_FILE = "offsets.npy"  # int64 (chunks, 2): each chunk's [start, end) character offsets in that text
 

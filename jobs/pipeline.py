@@ -13,7 +13,6 @@ job, so the outputs always describe exactly the content that was queued.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
@@ -34,9 +33,21 @@ from npumoe.engine.vocabulary import PREFILL
 from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from .extract.isolated import ExtractedText, ExtractLimits, extract_text
 from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
-from .files import CHANGED, Folders, Identity, identify, set_aside, settle_original, snapshot
-from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
-from .outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, output_name, temporary_path, write_folder
+from .files import CHANGED, KEEP, ORIGINALS, Folders, Identity, identify, set_aside, settle_original, snapshot
+from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, read_meta
+from .outputs import (
+    EMBEDDINGS_FILE,
+    META_FILE,
+    OFFSETS_FILE,
+    SUMMARY_FILE,
+    TEXT_FILE,
+    compressed_text,
+    npy_bytes,
+    output_name,
+    temporary_path,
+    write_folder,
+)
+from .queue.schema import DEAD, DONE, QUEUED
 from .queue.store import Job, Queue
 from .search.index import IndexEntry, write_entry, write_local
 
@@ -45,7 +56,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ORIGINALS = ("keep", "move", "delete")
 # Extraction failures worth another try: the machine was busy or short of memory. The rest are
 # properties of the document and would fail the same way again.
 RETRYABLE_EXTRACTION = frozenset({"timeout", "memory"})
@@ -70,7 +80,7 @@ class Measurement(Protocol):
 
 @dataclass(frozen=True)
 class Policy:
-    originals: str = "keep"  # keep | move | delete, once a document is done
+    originals: str = KEEP  # one of ORIGINALS, once a document is done
     limits: ExtractLimits = field(default_factory=ExtractLimits)
     lease_seconds: float = 120.0
 
@@ -122,7 +132,7 @@ class Pipeline:
             return self._process(job, work)
         except Stop as stop:
             self.queue.release(job.id, self.pid)
-            return Outcome(job.id, "queued", f"handed back: {stop}")
+            return Outcome(job.id, QUEUED, f"handed back: {stop}")
         except (ModelUnavailable, MachineFault):
             self.queue.release(job.id, self.pid)
             raise
@@ -166,11 +176,11 @@ class Pipeline:
 
         meta = self._meta(job, source, engine, extracted, result, meter, extract_s)
         files = {
-            "summary.md": _summary_markdown(source.name, self.model.settings.model, result).encode(),
-            "embeddings.npy": npy_bytes(np.asarray(result.embeddings, dtype=np.float32)),
+            SUMMARY_FILE: _summary_markdown(source.name, self.model.settings.model, result).encode(),
+            EMBEDDINGS_FILE: npy_bytes(np.asarray(result.embeddings, dtype=np.float32)),
             OFFSETS_FILE: npy_bytes(np.asarray(result.spans, dtype=np.int64)),
             TEXT_FILE: compressed_text(extracted.text),
-            "meta.json": meta.to_json(),
+            META_FILE: meta.to_json(),
         }
         with blamed_on(self.folders.outbox):
             out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
@@ -185,13 +195,7 @@ class Pipeline:
                 raise
             raise fault from e
         except FileRefused as refused:
-            # A file gone is no longer anyone's to set aside; a permission may be put right, so that one retries.
-            raise Failure(
-                "unreadable" if refused.kind == "denied" else refused.kind,
-                str(refused),
-                retryable=refused.kind == "denied",
-                set_aside=refused.kind != "missing",
-            ) from refused
+            raise _failure(refused) from refused
 
     def _extract(self, copy: Path) -> ExtractedText:
         try:
@@ -200,7 +204,7 @@ class Pipeline:
             # A stop signal reaches the extractor too (Ctrl-C, or systemd signalling the whole group): then
             # its death is the stop's doing, not the document's, and the checkpoint hands the job back.
             self.checkpoint()
-            raise Failure(e.kind, str(e), retryable=e.kind in RETRYABLE_EXTRACTION) from e
+            raise _failure(e) from e
 
     def _run_engine(self, engine: Engine, job: Job, text: str) -> DocumentResult:
         self.progressed(PREFILL)  # the model is loaded: from now on, a job that does not move has stalled
@@ -264,10 +268,10 @@ class Pipeline:
     def _finished_output(self, job: Job) -> Path | None:
         out = self.folders.outbox / output_name(Path(job.path).name, job.sha256)
         try:
-            meta = json.loads((out / "meta.json").read_bytes())
-        except (OSError, ValueError):
+            meta = read_meta(out)
+        except ValueError:
             return None
-        return out if meta.get("job_id") == job.id and meta.get("sha256") == job.sha256 else None
+        return out if (meta["job_id"], meta["sha256"]) == (job.id, job.sha256) else None
 
     def _complete(self, job: Job, out: Path, source: Path, identity: Identity | None) -> Outcome:
         """Mark the job done and index its outputs in the same transaction, then settle the original: only the
@@ -287,11 +291,11 @@ class Pipeline:
         if not done:
             raise Lost
         self.settle(job, source, identity)
-        return Outcome(job.id, "done", output_dir=out)
+        return Outcome(job.id, DONE, output_dir=out)
 
     def settle(self, job: Job, source: Path, identity: Identity | None = None) -> None:
         """Keep, move or delete the original of the done `job` by policy, if `source` still holds its content."""
-        if self.policy.originals == "keep":
+        if self.policy.originals == KEEP:
             return
         if identity is None:
             identity = self._identify_as(job, source)
@@ -323,7 +327,7 @@ class Pipeline:
         if state is None:
             return Outcome(job.id, "lost", "cancelled or taken over while it ran")
         log.warning("job %d %s (%s): %s", job.id, state, failure.kind, reason)
-        if state == "dead" and failure.set_aside:
+        if state == DEAD and failure.set_aside:
             set_aside(
                 Path(job.path),
                 f"job #{job.id} gave up after {job.attempts} attempt(s)\nkind: {failure.kind}\nreason: {reason}\n",
@@ -362,7 +366,7 @@ class Pipeline:
             sections=stats.sections,
             reduce_rounds=stats.reduce_rounds,
             generated_tokens=stats.generated_tokens,
-            embeddings=Embeddings(dim=int(result.embeddings.shape[1])),
+            embeddings=Embeddings(dim=int(result.embeddings.shape[1]), pooling=engine.settings.pooling),
             seconds=Seconds(extract=round(extract_s, 4), prefill=engine_s["prefill"], summary=engine_s["summary"],
                             reduce=engine_s["reduce"], engine=engine_s["total"], total=round(meter.wall_seconds, 4)),
             cpu_seconds=round(meter.cpu_seconds, 4),
@@ -372,6 +376,15 @@ class Pipeline:
             npumoed_version=version("npumoed"),
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )
+
+
+def _failure(error: ExtractionError) -> Failure:
+    """The job's failure for a document that yielded no text, its kind and reason as they were raised. Retried
+    when the machine was busy or short of memory, or a permission refused it (a person may put that right); a
+    file gone is no longer anyone's to set aside."""
+    denied = isinstance(error, FileRefused) and error.denied
+    return Failure(error.kind, str(error), retryable=error.kind in RETRYABLE_EXTRACTION or denied,
+                   set_aside=error.kind != "missing")
 
 
 def _readable(text: str) -> str:

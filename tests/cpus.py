@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from npumoe.engine.formats.quantize import error_bound
 from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.kernels import float_kernels, native
 
@@ -68,25 +69,33 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch, cache: Path | None = None) ->
 
 
 class FakeTimings:
-    """Stands in for `float_kernels.time_kernels`: the figures given, and a record of every timing asked."""
+    """Stands in for `float_kernels.time_kernels`: the figures given, and a record of every timing asked; and for
+    its probe (`probe`), which finds every kernel exact and records what it was asked."""
 
     def __init__(self, seconds: dict[str, float]) -> None:
         self.seconds = seconds
         self.calls: list[tuple[str, ...]] = []
+        self.probed: list[tuple[str, ...]] = []
 
     def __call__(self, kernels, gate_up, down) -> dict[str, float]:
         self.calls.append(tuple(kernels))
         return {kernel: self.seconds[kernel] for kernel in kernels}
 
+    def probe(self, kernels, gate_up, down) -> dict[str, mechanism.Accuracy]:
+        self.probed.append(tuple(kernels))
+        return {kernel: mechanism.Accuracy(0.0, error_bound(gate_up.dtype)) for kernel in kernels}
+
 
 def fake_timings(monkeypatch: pytest.MonkeyPatch, cache: Path, fastest: str) -> FakeTimings:
-    """Timing that finds `fastest` the fastest kernel, with no kernel chosen yet and `cache` as the user cache,
-    so fake figures reach no other test (the kernel this process built, if any, stays loaded)."""
+    """Timing that finds `fastest` the fastest kernel (and every kernel within its bound), with no kernel chosen yet
+    and `cache` as the user cache, so fake figures reach no other test (the kernel this process built, if any,
+    stays loaded)."""
     monkeypatch.setattr(mechanism, "_chosen", {})
     monkeypatch.setenv("NPUMOE_CACHE", str(cache))
     timings = FakeTimings({kernel: 1e-3 * (1 + i) for i, kernel in
                            enumerate([fastest, *(k for k in float_kernels.KERNELS if k != fastest)])})
     monkeypatch.setattr(float_kernels, "time_kernels", timings)
+    monkeypatch.setattr(float_kernels, "probe_kernels", timings.probe)  # kernels it may only pretend to run
     return timings
 
 

@@ -40,7 +40,7 @@ EXPECTED: dict[str, str | None] = {
     "symlink_outside": "unreadable",
     "symlink_loop": "unreadable",
     "fifo": "unreadable",
-    "deleted_after_seen": "unreadable",
+    "deleted_after_seen": "missing",
     "unreadable_file": "unreadable",
     "name_with_newline": None,
     "name_with_unicode": None,
@@ -186,7 +186,7 @@ def fifo(directory: Path) -> Path:
 
 
 def deleted_after_seen(directory: Path) -> Path:
-    """A file that existed and was removed, as when a user deletes it after the watcher saw it -> "unreadable"."""
+    """A file that existed and was removed, as when a user deletes it after the watcher saw it -> "missing"."""
     path = _write(directory / "gone.txt", SENTENCE.encode())
     path.unlink()
     return path

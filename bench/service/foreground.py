@@ -36,6 +36,7 @@ from npumoe.daemon.config import ConfigError, load_config
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.samples import write_samples
+from npumoe.jobs.queue.schema import DONE, QUEUED, RUNNING
 from npumoe.jobs.queue.store import Queue
 
 COPYABLE = (".md", ".txt", ".html")  # formats a trailing line can make distinct without breaking them
@@ -102,13 +103,13 @@ class Daemon:
             self.process.wait()
 
     def pause(self, paused: bool) -> None:
-        self.queue.set_control("paused", {"since": time.time()} if paused else None)
+        self.queue.controls.set("paused", {"since": time.time()} if paused else None)
 
     def activity(self) -> str:
         if self.process is not None and self.process.poll() is not None:
             raise click.ClickException(f"the daemon exited with status {self.process.returncode}; "
                                        f"see {self.home.logs / 'bench-daemon.log'}")
-        row = self.queue.read_daemon()
+        row = self.queue.daemons.read()
         return (row or {}).get("activity") or "starting"
 
     def wait_for(self, done: Callable[[], bool], timeout: float) -> bool:
@@ -123,10 +124,10 @@ class Daemon:
         """(tokens prefilled, documents done) so far: meta.json of done jobs, live detail of running ones."""
         tokens = documents = 0
         for job in self.queue.list():
-            if job.state == "done":
+            if job.state == DONE:
                 tokens += int(job_meta(job).get("tokens") or 0)
                 documents += 1
-            elif job.state == "running" and job.detail:
+            elif job.state == RUNNING and job.detail:
                 tokens += int(json.loads(job.detail).get("tokens_done") or 0)
         return tokens, documents
 
@@ -148,7 +149,7 @@ class Daemon:
         return total
 
     def waiting_documents(self) -> int:
-        return self.queue.counts()["queued"]
+        return self.queue.counts()[QUEUED]
 
 
 def measure(daemon: Daemon, pool: Any, processes: int, work: int, condition: str, settle_s: float) -> Run:

@@ -20,6 +20,7 @@ from pathlib import Path
 from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 
+from npumoe.jobs.queue.schema import DONE
 from npumoe.jobs.queue.store import Queue
 
 
@@ -83,7 +84,7 @@ def run_claim_benchmark(location: Path | str, *, processes: int = 4, jobs: int =
     results = [ids for ids, _, _ in drained]
     seconds = max(end for _, _, end in drained) - min(start for _, start, _ in drained)
     seen = Counter(job_id for ids in results for job_id in ids)
-    done = queue.counts()["done"]
+    done = queue.counts()[DONE]
     queue.close()
     return ClaimRun(processes=processes, jobs=jobs, seconds=seconds,
                     duplicates=sum(n - 1 for n in seen.values() if n > 1),

@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from npumoe.engine.vocabulary import AUTO, BACKENDS, WEIGHTS, WEIGHTS_DTYPE
+from npumoe.engine.vocabulary import AUTO, BACKENDS, CHUNK_TOKENS, WEIGHTS, WEIGHTS_DTYPE
 
 from .model_ref import model_ref
 from .weights import quantize_command, size_command
@@ -74,7 +74,8 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
               help="Calibration document (text, Markdown, HTML, PDF, DOCX); more may follow it, or repeat --data.")
 @click.argument("more_data", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path), help="Plan JSON to write.")
-@click.option("--chunk", type=click.IntRange(min=1), default=512, show_default=True, help="Prefill chunk length.")
+@click.option("--chunk", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
+              help="Prefill chunk length.")
 @click.option("--tiers", "n_tiers", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many capacity tiers.")
 @click.option("--group-size", type=click.IntRange(min=1), default=4, show_default=True,

@@ -21,7 +21,9 @@ from sqlalchemy.exc import DatabaseError, OperationalError, ProgrammingError
 
 from npumoe.engine.vocabulary import TORCH_STATIC
 from npumoe.jobs.outputs import temporary_path
-from npumoe.jobs.queue.store import Queue, damage
+from npumoe.jobs.queue.database import damage
+from npumoe.jobs.queue.schema import DONE
+from npumoe.jobs.queue.store import Queue
 
 from ..config import Config
 from ..home import Home
@@ -112,7 +114,7 @@ def demo(app: App) -> None:
         calibration_data = sorted(staged.iterdir(), key=lambda p: p.stat().st_size)[:-1]
         config = _demo_config(app.config, home, calibration_data)
         keys = job_keys(config)
-        done = {job.sha256 for job in queue.list("done") if (job.model_key, job.settings_key) == keys}
+        done = {job.sha256 for job in queue.list(DONE) if (job.model_key, job.settings_key) == keys}
         new = [name for name, sha in samples.items() if sha not in done]
         for name in new:
             (staged / name).replace(home.inbox / name)  # one rename: the watcher never sees half a file
@@ -124,7 +126,7 @@ def demo(app: App) -> None:
     jobs = {(job.sha256, job.model_key, job.settings_key): job for job in queue.list()}
     for name, sha in samples.items():
         job = jobs.get((sha, *keys))
-        where = f"{job.output_dir}/" if job and job.state == "done" else job.last_error if job else "not queued"
+        where = f"{job.output_dir}/" if job and job.state == DONE else job.last_error if job else "not queued"
         click.echo(f"  {name}: {where}")
     click.echo()
     _show(home, config.queue.url)

@@ -1,8 +1,8 @@
 """`npumoed search`, `similar` and `reindex`: finding things in what was processed.
 
-`search` loads the configured model itself to embed the query (a running daemon's copy is not
-shared): the price is one model load per search, which the README states. `similar` and
-`reindex` need no model.
+`search` asks the running daemon to embed the query with the model it holds (daemon/queries.py), so
+no second copy is loaded; with no daemon, or one that does not answer (said on stderr), it loads the
+configured model itself. `similar` and `reindex` need no model.
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from rich.console import Console
 from rich.text import Text
 
 from npumoe.jobs.outputs import read_text
-from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex
+from npumoe.jobs.queue.schema import DONE
+from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex, vectors_key
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home
+from ..queries import NoAnswer, ask_daemon
 from .app import App, emit_json, pass_app
 
 HIGHLIGHT = "bold yellow"
@@ -35,34 +37,26 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     """The passages of processed documents that best match QUERY.
 
     The query is embedded by the configured model exactly as document chunks are, and each chunk is scored
-    by that vector's cosine similarity and by how much of the query's words it holds. Loads the model.
+    by that vector's cosine similarity and by how much of the query's words it holds. The running daemon
+    embeds the query; without one, the model is loaded here.
     """
-    from ..model_choice import engine_settings, load_engine
-    from .engine import quiet_transformers
-
     if not query.strip():
         raise click.BadParameter("the query is empty", param_hint="QUERY")
     index = _open(app.home)
     try:
         if not index.models():
             raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
-        quiet_transformers()
+        key, vector = _embedded(app, query)
         try:
-            engine = load_engine(engine_settings(app.config, app.home, threads=None))
-        except Exception as e:  # any failure to load is the model's, and the person needs its words
-            raise click.ClickException(f"cannot load the model {app.config.model.name}: {e}") from e
-        try:
-            results = index.search(engine.model_key, engine.embed(query), query, k)
+            results = index.search(key, vector, query, k)
         except NotIndexed as e:
             raise click.ClickException(str(e)) from e
-        finally:
-            engine.close()
     finally:
         index.close()
     terms = query_terms(query)
     rows = [_result(hits, terms) for hits in results]
     if as_json:
-        emit_json({"query": query, "model_key": engine.model_key, "results": rows})
+        emit_json({"query": query, "model_key": key, "results": rows})
         return
     _print_results(rows, terms)
 
@@ -111,6 +105,29 @@ def reindex_command(app: App) -> None:
     click.echo(f"indexed {done.documents} document(s) from {outbox}")
 
 
+def _embedded(app: App, query: str) -> tuple[str, Any]:
+    """(the index's vectors key, the query's vector): from the running daemon, else from the model loaded here."""
+    try:
+        answered = ask_daemon(app.home.socket, query)
+    except NoAnswer as e:
+        click.echo(f"npumoed: {e}; loading the model here instead", err=True)
+        answered = None
+    if answered is not None:
+        return answered
+    from ..model_choice import engine_settings, load_engine
+    from .engine import quiet_transformers
+
+    quiet_transformers()
+    try:
+        engine = load_engine(engine_settings(app.config, app.home, threads=None))
+    except Exception as e:  # any failure to load is the model's, and the person needs its words
+        raise click.ClickException(f"cannot load the model {app.config.model.name}: {e}") from e
+    try:
+        return vectors_key(engine.model_key, engine.settings.pooling), engine.embed(query)
+    finally:
+        engine.close()
+
+
 def _open(home: Home) -> SearchIndex:
     try:
         return SearchIndex(home.database)
@@ -131,7 +148,7 @@ def _job_id(app: App, document: str) -> int:
         sha256 = sha256_of(path)
     except FileRefused as e:
         raise click.BadParameter(f"{e} (give a processed file or a job id)", param_hint="DOCUMENT") from e
-    done = [job.id for job in app.queue.list("done") if job.sha256 == sha256]
+    done = [job.id for job in app.queue.list(DONE) if job.sha256 == sha256]
     if not done:
         raise click.ClickException(f"{path} has not been processed (no done job has its content)")
     return max(done)

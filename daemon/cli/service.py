@@ -97,11 +97,11 @@ def _do(steps: list[Step], dry_run: bool, *, done: str) -> None:
 @pass_app
 def pause(app: App) -> None:
     """Hold all work after the current chunk, until `npumoed resume`."""
-    if paused := app.queue.get_control("paused"):
+    if paused := app.queue.controls.get("paused"):
         since = paused_since(paused)
         click.echo(f"already paused since {since:%Y-%m-%d %H:%M}" if since else "already paused")
         return
-    app.queue.set_control("paused", {"since": time.time()})
+    app.queue.controls.set("paused", {"since": time.time()})
     click.echo("paused: the daemon stops after its current chunk; `npumoed resume` lets it go on")
 
 
@@ -109,8 +109,8 @@ def pause(app: App) -> None:
 @pass_app
 def resume(app: App) -> None:
     """Let the daemon work again after `npumoed pause`."""
-    was_paused = bool(app.queue.get_control("paused"))
-    app.queue.set_control("paused", None)
+    was_paused = bool(app.queue.controls.get("paused"))
+    app.queue.controls.set("paused", None)
     click.echo("resumed" if was_paused else "was not paused")
 
 

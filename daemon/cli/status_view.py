@@ -18,6 +18,7 @@ from rich.table import Table
 from rich.text import Text
 
 from npumoe.engine.vocabulary import PREFILL, REDUCE, SUMMARY
+from npumoe.jobs.queue.schema import DEAD, DONE, FAILED, RUNNING
 from npumoe.jobs.queue.store import Job, Queue, pid_alive
 
 STALE_SECONDS = 30.0  # a working daemon whose heartbeat is older than this is reported as not responding
@@ -27,21 +28,21 @@ STEPS = {PREFILL: "chunks", SUMMARY: "sections", REDUCE: "parts"}  # what the en
 
 def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) -> dict[str, Any]:
     now = time.time() if now is None else now
-    daemon = _daemon(queue.read_daemon(), now)
+    daemon = _daemon(queue.daemons.read(), now)
     current = queue.get(daemon["current_job"]) if daemon.get("current_job") else None
     failures = sorted(
-        queue.list("dead", recent, newest_first=True) + queue.list("failed", recent, newest_first=True),
+        queue.list(DEAD, recent, newest_first=True) + queue.list(FAILED, recent, newest_first=True),
         key=lambda j: j.updated_at,
         reverse=True,
     )[:recent]
     return {
         "daemon": daemon,
-        "workers": [_worker(row, queue, now) for row in queue.workers()],
+        "workers": [_worker(row, queue, now) for row in queue.daemons.all()],
         "queue": queue.counts(),
-        "current": _current(current) if current is not None and current.state == "running" else None,
+        "current": _current(current) if current is not None and current.state == RUNNING else None,
         "recent_done": [
             {"id": j.id, "path": j.path, "finished_at": j.finished_at, "output_dir": j.output_dir}
-            for j in queue.list("done", recent, newest_first=True)
+            for j in queue.list(DONE, recent, newest_first=True)
         ],
         "recent_failures": [
             {
@@ -51,7 +52,7 @@ def snapshot(queue: Queue, *, now: float | None = None, recent: int = RECENT) ->
                 "kind": j.error_kind,
                 "reason": j.last_error,
                 "at": j.updated_at,
-                "retry_at": j.run_after if j.state == "failed" else None,
+                "retry_at": j.run_after if j.state == FAILED else None,
             }
             for j in failures
         ],
@@ -68,7 +69,7 @@ def _worker(row: dict[str, Any], queue: Queue, now: float) -> dict[str, Any]:
         "home": row["home"],
         **{key: summary[key] for key in ("state", "pid", "started_at", "heartbeat_age_s", "activity", "reason")},
         "done": summary["counters"].get("done", 0),
-        "job": {"id": job.id, "path": job.path, "progress": job.progress} if job and job.state == "running" else None,
+        "job": {"id": job.id, "path": job.path, "progress": job.progress} if job and job.state == RUNNING else None,
     }
 
 
@@ -150,7 +151,7 @@ def render_rich(snap: dict[str, Any]) -> RenderableType:
         )
         parts.append(bar)
     queue = Table.grid(padding=(0, 2))
-    styles = {"running": "cyan", "done": "green", "failed": "yellow", "dead": "red"}
+    styles = {RUNNING: "cyan", DONE: "green", FAILED: "yellow", DEAD: "red"}
     queue.add_row(
         *(Text(f"{n} {state}", style=styles.get(state, "") if n else "dim") for state, n in snap["queue"].items())
     )

@@ -65,7 +65,7 @@ def size_command(model_name: str, as_json: bool) -> None:
 
     path = Path(model_name).expanduser()
     try:
-        if path.is_file():
+        if path.is_file() and path.suffix != ".gguf":  # a config.json; a GGUF file is counted from its header
             tensors = config_tensors(json.loads(path.read_text()))
             counted = "from its config (built on the meta device)"
         else:
@@ -77,7 +77,7 @@ def size_command(model_name: str, as_json: bool) -> None:
             except ModelError as e:
                 raise click.ClickException(str(e)) from e
             tensors = checkpoint_tensors(checkpoint)
-            counted = "from its safetensors headers"
+            counted = "from its GGUF header" if checkpoint.is_file() else "from its safetensors headers"
     except (OSError, ValueError, KeyError) as e:
         raise click.ClickException(f"{model_name}: {e}") from e
     size = model_size(tensors)

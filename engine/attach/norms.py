@@ -15,13 +15,11 @@ module rounds before the weight: an ulp of the normalised value, scaled by the w
 When: always where the kernel runs (x86-64 with AVX-512 and a C compiler; elsewhere `EngineNorms.unavailable`
 says why and torch's modules stay), not by measurement as the projections choose: the kernel reads and writes
 each row once where the module makes five passes with an operator dispatch each, so no row count or width makes
-it slower (on 2 cores of a Xeon: a (512, 2048) bf16 norm 0.3-0.8 ms against torch's 2.4 ms and more, a single
-decode row 0.04 ms against 0.05), and timing both per shape would cost more than it could save.
+it slower, and timing both per shape would cost more than it could save.
 
-It runs on the caller's thread, rows not split: on 2 cores of a Xeon a (512, 2048) bf16 norm took 0.70 ms in one
-call and 0.95 ms split over the engine's workers (cpu_experts.run_tasks; 3.0 against 1.1 ms while another process
-kept a core busy), and 1.8-4.3 ms split over a POSIX thread of its own (torch's threads still spin on the other
-core after its operations); a norm is a few hundred microseconds, about what handing work over costs.
+It runs on the caller's thread, rows not split: a norm takes about what handing work to another thread costs, so
+splitting it over the engine's workers (kernels/workers.py) or a thread of its own measured slower, not faster
+(torch's threads still spin on the other core after its operations).
 """
 
 from __future__ import annotations

@@ -7,22 +7,24 @@ them), dense layers' FFNs and shared experts. Embeddings and norms are not linea
 How: `MoeRuntime.attach` puts a `ProjectionLinear` in each such Linear's place in its parent (`DenseProjections`;
 detach puts the original back; no model code is patched). It holds the weight packed for the kernel measured
 fastest for that weight's shape at a prefill chunk's rows with this process's torch threads: the float kernels
-the experts choose among (cpu_kernels; exact: torch's product up to summation order) and, with a quantized
+the experts choose among (float_kernels; exact: torch's product up to summation order) and, with a quantized
 format, the quantized ones too (quant_kernels; int8 rounds each row of x dynamically), which win only where they
-measure faster than float at that shape. Where plain torch wins, the Linear stays as it is. Choices are cached
-per machine like the experts'. Beside int4 experts the projections take int8 at most (`projection_format`).
+measure faster than float at that shape, each within its bound first (`probe_projections`: a few rows against
+the float64 product with the weight, or with the dequantized one for a quantized kernel). Where plain torch wins,
+the Linear stays as it is. Choices are cached per machine like the experts'. Beside int4 experts the projections
+take int8 at most (`projection_format`).
 
 The engine's own kernels (bf16_linear, vnni_linear) run on one thread: a projection's rows are split over the
-experts' workers (cpu_experts.run_tasks). torch's and oneDNN's kernels use torch's threads themselves.
+experts' workers (kernels/workers.py). torch's and oneDNN's kernels use torch's threads themselves.
 
 With `release`, the Linear's own weight is freed once packed (a placeholder of its shape over one element, as
-for the experts: runtime.py), so the packed weight is the one copy; the original module then computes nothing
+for the experts: moe/release.py), so the packed weight is the one copy; the original module then computes nothing
 useful without a runtime attached.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from weakref import ref
@@ -30,18 +32,20 @@ from weakref import ref
 import torch
 from torch import nn
 
-from ..formats.quantize import INT8, quantize
+from ..formats.quantize import INT8, QuantizedWeight, error_bound, quantize, relative_error
 from ..kernels import bf16_linear, quant_kernels, vnni_linear
-from ..kernels.choice import Choice, Measured, time_in_turns
+from ..kernels.choice import Accuracy, Choice, Measured, time_in_turns
 from ..kernels.float_kernels import KERNELS as FLOAT_KERNELS
 from ..kernels.float_kernels import PackedLinear, unavailable_kernels
 from ..kernels.quant_kernels import ACTIVATION_DTYPES, QuantLinear
 from ..kernels.workers import run_tasks
 from ..moe.model_experts import moe_experts
 from ..moe.release import release_weights, weights_identity
+from ..vocabulary import CHUNK_TOKENS
 from .slots import Slot, SlotSwaps
 
-ROWS = 512  # rows a timing run multiplies: one prefill chunk of the engine's default length
+ROWS = CHUNK_TOKENS  # rows a timing run multiplies: one prefill chunk of the engine's default length
+PROBE_ROWS = 32  # rows the accuracy probe multiplies: two AMX tiles' height, so every kernel's tiled path runs
 OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
 # Rebuilds the float weight at every call: never faster than the float kernels it ends in.
 _NEVER_FASTER = "dequantize"
@@ -122,10 +126,9 @@ class HeadRows(nn.Module):
 
 def projection_format(experts_format: str | None) -> str | None:
     """The quantized format dense projections may take beside experts in `experts_format`: int8 at most. They are a
-    few percent of a MoE model's bytes (Qwen3-30B-A3B's attention: 0.9 of 30.5 billion parameters, 0.3 GB more
-    in int8 than int4) but every token passes through all of them: int4 projections took a whole 2-layer
-    qwen3-30b-a3b model's error from 3 % to 12-13 % where they measured faster (llama.cpp's Q4_K_M keeps
-    attention's value projection at 6 bits in many layers for the same reason)."""
+    few percent of a MoE model's bytes (Qwen3-30B-A3B's attention: 0.9 of 30.5 billion parameters) but every
+    token passes through all of them, so int4 there multiplies the whole model's error for little memory
+    (llama.cpp's Q4_K_M keeps attention's value projection at 6 bits in many layers for the same reason)."""
     return None if experts_format is None else INT8
 
 
@@ -137,6 +140,7 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice,
     for kernel in FLOAT_KERNELS:
         if kernel not in unavailable:
             builders[kernel] = partial(PackedLinear, weight, kernel)
+    quantized: QuantizedWeight | None = None
     if format is not None and weight.dtype in ACTIVATION_DTYPES:
         quantized = quantize(weight, format)
         cannot = quant_kernels.unavailable_kernels(format, weight.dtype, quantized)
@@ -148,16 +152,42 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice,
         return Choice("torch", {}, unavailable), builders["torch"]
     packed: dict[str, Kernel] = {}  # what timing built, kept for the winner
 
-    def timer() -> dict[str, float]:
+    def build(kernel: str) -> Kernel:
+        if kernel not in packed:
+            packed[kernel] = builders[kernel]()
+        return packed[kernel]
+
+    def timer(accepted: Sequence[str]) -> dict[str, float]:
         x = torch.randn(ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        packed.update({kernel: build() for kernel, build in builders.items()})
-        return time_in_turns(list(builders), 1, lambda kernel, _: multiply(kernel, packed[kernel], x,
-                                                                          weight.shape[0]))
+        for kernel in set(packed) - set(accepted):  # refused: not kept
+            del packed[kernel]
+        return time_in_turns(accepted, 1, lambda kernel, _: multiply(kernel, build(kernel), x, weight.shape[0]))
+
+    def probe(kernels: Sequence[str]) -> dict[str, Accuracy]:
+        return probe_projections({kernel: build(kernel) for kernel in kernels}, weight, quantized)
 
     shape = {"format": format or "float", "out": weight.shape[0], "in": weight.shape[1], "rows": ROWS}
     choice = CHOICES.choose(weight.dtype, shape, list(builders), timer, threads=torch.get_num_threads(),
-                            unavailable=unavailable)
+                            unavailable=unavailable, probe=probe)
     return choice, lambda: packed.get(choice.winner) or builders[choice.winner]()
+
+
+def probe_projections(linears: dict[str, Kernel], weight: torch.Tensor,
+                      quantized: QuantizedWeight | None) -> dict[str, Accuracy]:
+    """Each kernel's accuracy on PROBE_ROWS rows (quant_kernels.probe_rows): its relative error against the float64
+    product with `weight`, or with `quantized` dequantized for a quantized kernel, and the bound of its kind and the
+    weight's dtype."""
+    x = quant_kernels.probe_rows(PROBE_ROWS, weight.shape[1], weight.dtype)
+    exact = x.double() @ weight.double().T
+    dequantized = x.double() @ quantized.dequantize().double().T if quantized is not None else None
+    accuracy = {}
+    for kernel, linear in linears.items():
+        y = multiply(kernel, linear, x, weight.shape[0])
+        if isinstance(linear, QuantLinear):
+            accuracy[kernel] = Accuracy(relative_error(y, dequantized), quant_kernels.bound(kernel, weight.dtype))
+        else:
+            accuracy[kernel] = Accuracy(relative_error(y, exact), error_bound(weight.dtype))
+    return accuracy
 
 
 def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionLinear | None:

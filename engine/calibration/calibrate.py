@@ -22,7 +22,7 @@ from ..generate.prefill import new_cache, prefill, windows
 from ..loading.load import LoadedModel
 from ..moe.cpu_experts import CpuExperts
 from ..plan.expert_plan import ExpertLoad, ExpertMagnitudes
-from ..vocabulary import CPU
+from ..vocabulary import CHUNK_TOKENS, CPU
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class Calibration:
     magnitudes: tuple[tuple[str, ExpertMagnitudes], ...] = ()  # (experts module name, its largest values)
 
 
-def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = 512,
+def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = CHUNK_TOKENS,
               on_chunk: Callable[[int, int], None] | None = None) -> Calibration:
     """Measure expert loads on `texts`, given as (source name, text); `on_chunk(done, total)` per chunk."""
     if chunk_tokens > loaded.context_tokens:

@@ -24,7 +24,7 @@ import torch
 
 from ..loading.load import LoadedModel, load_model
 from ..plan.expert_plan import ExpertGroup, ExpertLoad, ExpertPlan, LayerPlan
-from ..vocabulary import FLOAT32
+from ..vocabulary import CHUNK_TOKENS, FLOAT32
 from .calibrate import Calibration, calibrate
 
 DEFAULT_TIERS = 4
@@ -32,7 +32,7 @@ DEFAULT_GROUP_SIZE = 4
 DEFAULT_ALIGN = 8
 
 
-def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, chunk_tokens: int = 512,
+def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Path, *, chunk_tokens: int = CHUNK_TOKENS,
                    n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
                    dtype: str = FLOAT32, threads: int | None = None, trust_remote_code: bool = False,
                    allow_download: bool = False,
@@ -53,7 +53,7 @@ def calibrate_plan(model: str | Path, texts: Sequence[tuple[str, str]], out: Pat
     return plan
 
 
-def plan_loaded(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = 512,
+def plan_loaded(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = CHUNK_TOKENS,
                 n_tiers: int = DEFAULT_TIERS, group_size: int = DEFAULT_GROUP_SIZE,
                 progress: AbstractContextManager[Callable[[int, int], None] | None] | None = None) -> ExpertPlan:
     """The plan for a model already loaded, calibrated on `texts` (`progress` as for `calibrate_plan`)."""

@@ -4,15 +4,16 @@
 - int4: w[n, k] ≈ (q[n, k] − 8) · scale[n, g] + zero[n, g] for k in group g of INT4_GROUP columns, q in [0, 15]:
   asymmetric. Each group's codes first span its own min..max; then, twice, its scale and zero are refitted by
   least squares to the codes they gave and the weights rounded again, which clips a group's extremes where that
-  lowers its error (a refit that would round the group worse is not taken). With random (Gaussian) expert
-  weights the zero point takes a real geometry layer's error from 15.9 % (symmetric) to 13.9 % at group 32 (17.7 %
-  to 15.7 % at group 64; group 32 costs half a bit more per weight than 64, 5 bits against 4.5 with bf16 scale
-  and zero), and the refits to 13.0 % (one weight matrix: 7.8 % to 7.3 %) for about twice the time to quantize.
+  lowers its error (a refit that would round the group worse is not taken). The zero point and the refits both
+  lower the error of random (Gaussian) expert weights, the refits for about twice the time to quantize; group 32
+  costs half a bit more per weight than 64 (5 bits against 4.5 with bf16 scale and zero) for less error
+  (`npumoed bench fidelity` measures each format: bench/results/fidelity-weights-*).
   Codes are stored two a byte, the even k in the low nibble: a plain layout any kernel (or Core ML) can read,
   which each kernel repacks for itself.
 
 Weights are rounded to the nearest code of their grid; `reference_linear` is the dequantized matmul the kernels are
-checked against.
+checked against, and `error_bound` how far from it a kernel may be: the kernels' tests and the measured kernel
+choice (kernels/choice.py, which refuses a kernel above its bound on the machine at hand) read the same bounds.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ _INT4_LEVELS = 15
 _INT4_MIDDLE = 8
 _INT4_REFITS = 2
 _INT4_ROWS_AT_ONCE = 256
+# Relative error against the reference (the float product, or `reference_linear` for quantized weights) a kernel
+# may have: float and weight-only kernels that of rounding in the activations' dtype, with any summation order
+# (measured: fp32 under 1e-6 at widths up to 4,096, bf16 0.17 % to 0.24 %); kernels that round each row of x to
+# int8 too ("dynamic") that rounding's as well (measured 0.6 % to 0.8 % at width 256).
+_ROUNDING_BOUNDS = {torch.float32: 1e-5, torch.bfloat16: 0.004}
+DYNAMIC_BOUND = 0.012
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,17 @@ def _least_squares(grouped: torch.Tensor, centred: torch.Tensor, scale: torch.Te
     return torch.where(fits, fitted_scale, scale), torch.where(fits, fitted_zero, zero)
 
 
+def stack_rows(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one format and width stacked along N (quantization is row by row: the gate's and the up's
+    stacked are the gate-up's)."""
+    if len(weights) == 1:
+        return weights[0]
+    first = weights[0]
+    zero = torch.cat([w.zero for w in weights]) if first.zero is not None else None
+    return QuantizedWeight(first.format, torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
+                           zero, first.group)
+
+
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """(N, K) codes 0..15 -> (N, K/2) uint8, the even k in the low nibble."""
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
@@ -160,6 +178,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def reference_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x · ŵᵀ in float32 with ŵ the dequantized weight: what every quantized kernel approximates."""
     return (x.float() @ weight.dequantize().T).to(x.dtype)
+
+
+def error_bound(dtype: torch.dtype, *, dynamic: bool = False) -> float:
+    """The relative error a kernel with `dtype` activations may have against the reference; `dynamic`: it rounds
+    the activations to int8 as well. A dtype without a measured bound gets its unit of least precision."""
+    return DYNAMIC_BOUND if dynamic else _ROUNDING_BOUNDS.get(dtype, torch.finfo(dtype).eps)
 
 
 def relative_error(approximate: torch.Tensor, exact: torch.Tensor) -> float:

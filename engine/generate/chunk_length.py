@@ -77,8 +77,9 @@ def measured_chunk_tokens(model: PreTrainedModel, model_key: str, *, section_tok
     fitting = [length for length in candidates if length <= section_tokens] or [section_tokens]
     depth = max(1, min(section_tokens, MEASURED_DEPTH) - max(fitting))
     shape = {"model": model_key, "lengths": ",".join(map(str, fitting)), "depth": depth}
+    # no accuracy probe: a chunk's length changes only the order the same kernels sum in
     choice = CHOICES.choose(model.dtype, shape, [str(length) for length in fitting],
-                            lambda: time_chunk_lengths(model, fitting, depth), threads=threads)
+                            lambda _: time_chunk_lengths(model, fitting, depth), threads=threads)
     log.info("chunk length: %s tokens (%s)", choice.winner, ", ".join(
         f"{length}: {1 / s:,.0f} tok/s" for length, s in choice.seconds.items()))
     return ChunkChoice(int(choice.winner), depth, choice)

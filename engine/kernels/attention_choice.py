@@ -3,19 +3,25 @@
 The engine's kernel is faster where it shares grouped KV heads and the CPU's tiles pay off, but that is measured,
 not assumed from the feature list: the first chunk of each dtype and head layout on a machine times both on a
 512-token chunk against 1,024 cached tokens, with all of torch's threads, and keeps the faster, through the
-measured-choice mechanism (choice.py) like the experts' kernels.
+measured-choice mechanism (choice.py) like the experts' kernels; each first passes a probe, a shorter chunk's
+attention against the float64 one within the dtype's rounding (`probe_kernels`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
+from ..formats.quantize import error_bound, relative_error
+from ..vocabulary import CHUNK_TOKENS
 from . import attention_kernel
-from .choice import Choice, Measured, time_in_turns
+from .choice import Accuracy, Choice, Measured, time_in_turns
 
 KERNELS = ("npumoe", "torch")
-CHUNK, DEPTH = 512, 1024  # what a timing run attends: a prefill chunk against a cache of this depth
+CHUNK, DEPTH = CHUNK_TOKENS, 1024  # what a timing run attends: a default prefill chunk against a cache this deep
+PROBE_CHUNK, PROBE_DEPTH = 64, 128  # what the probe attends: the same kernels' paths, a float64 reference
 
 CHOICES = Measured("attention", (attention_kernel.SOURCE,))
 
@@ -29,24 +35,45 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Choic
         return Choice("torch", {}, {"npumoe": why})
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
     return CHOICES.choose(query.dtype, {"heads": heads, "kv_heads": kv_heads, "head_dim": dim}, KERNELS,
-                          lambda: time_kernels(query.dtype, heads, kv_heads, dim), threads=torch.get_num_threads())
+                          lambda accepted: time_kernels(accepted, query.dtype, heads, kv_heads, dim),
+                          threads=torch.get_num_threads(),
+                          probe=lambda kernels: probe_kernels(kernels, query.dtype, heads, kv_heads, dim))
 
 
-def time_kernels(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> dict[str, float]:
-    """Median seconds of one causal CHUNK-query chunk at DEPTH for each kernel, timed in turns."""
+def _causal_chunk(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, chunk: int,
+                  depth: int) -> tuple[torch.Tensor, ...]:
+    """Random (query, key, value) of a causal `chunk`-query chunk at `depth`, its key ranges (lo, hi) and mask."""
     generator = torch.Generator().manual_seed(0)
-    keys = DEPTH + CHUNK
-    query = torch.randn(1, heads, CHUNK, head_dim, generator=generator).to(dtype)
+    keys = depth + chunk
+    query = torch.randn(1, heads, chunk, head_dim, generator=generator).to(dtype)
     key = torch.randn(1, kv_heads, keys, head_dim, generator=generator).to(dtype)
     value = torch.randn(1, kv_heads, keys, head_dim, generator=generator).to(dtype)
-    hi = torch.arange(DEPTH + 1, keys + 1)
-    lo = torch.zeros_like(hi)
+    hi = torch.arange(depth + 1, keys + 1)
     mask = (torch.arange(keys)[None, :] < hi[:, None])[None, None]
+    return query, key, value, torch.zeros_like(hi), hi, mask
 
-    def run(kernel: str, _: int) -> None:
-        if kernel == "npumoe":
-            attention_kernel.attend(query, key, value, lo, hi, scale=head_dim ** -0.5)
-        else:
-            F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=kv_heads != heads)
 
-    return time_in_turns(KERNELS, 1, run)
+def _attend(kernel: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torch.Tensor,
+            hi: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The chunk's attention by `kernel`, (B, n, Hq, d) as the engine's kernel gives it."""
+    if kernel == "npumoe":
+        return attention_kernel.attend(query, key, value, lo, hi, scale=query.shape[-1] ** -0.5)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                          enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
+
+
+def probe_kernels(kernels: Sequence[str], dtype: torch.dtype, heads: int, kv_heads: int,
+                  head_dim: int) -> dict[str, Accuracy]:
+    """Each kernel's relative error on a PROBE_CHUNK-query chunk at PROBE_DEPTH against torch's attention in
+    float64, and the dtype's bound."""
+    query, key, value, lo, hi, mask = _causal_chunk(dtype, heads, kv_heads, head_dim, PROBE_CHUNK, PROBE_DEPTH)
+    exact = _attend("torch", query.double(), key.double(), value.double(), lo, hi, mask)
+    return {kernel: Accuracy(relative_error(_attend(kernel, query, key, value, lo, hi, mask), exact),
+                             error_bound(dtype)) for kernel in kernels}
+
+
+def time_kernels(kernels: Sequence[str], dtype: torch.dtype, heads: int, kv_heads: int,
+                 head_dim: int) -> dict[str, float]:
+    """Median seconds of one causal CHUNK-query chunk at DEPTH for each kernel, timed in turns."""
+    chunk = _causal_chunk(dtype, heads, kv_heads, head_dim, CHUNK, DEPTH)
+    return time_in_turns(kernels, 1, lambda kernel, _: _attend(kernel, *chunk))

@@ -1,13 +1,13 @@
 """The engine's own bf16 matmul for x86-64 CPUs with AVX512-BF16, built from bf16_linear.c at first use.
 
 Why its own: an expert in prefill sees a few to a few dozen rows, so its matmuls are bound by reading
-the expert's weights. oneDNN's small-batch kernels read them at 13-18 GB/s on one Zen 4 core, where a
-plain in-order stream over a weight packed for it reaches 21-26 GB/s; at hundreds of rows the two are
-level (measured with `npumoed bench moe`).
+the expert's weights, and a plain in-order stream over a weight packed for it reads them faster than oneDNN's
+small-batch kernels do; at hundreds of rows the two are level. Whether it wins is measured on each machine
+(float_kernels); `npumoed bench moe` compares the paths (bench/results/).
 
 It is built and loaded by native.py (the user's kernel cache, checked before loading). Where there is no
 compiler, no x86-64 CPU or no AVX512-BF16, `unavailable()` says why and the experts choose among the other
-kernels (cpu_kernels).
+kernels (float_kernels).
 """
 
 from __future__ import annotations

@@ -6,10 +6,14 @@ kernels, the attention kernel, `auto` weights and the prefill chunk length).
   fastest on one thread need not be on sixteen), built by `Measured.key` and nowhere else.
 - The statistic: `time_in_turns`, the median of each candidate's seconds over rounds that interleave the
   candidates (so the machine's drift moves all alike), after a warm-up.
+- Accuracy before speed: a choice with an accuracy notion passes a probe, each candidate's relative error on it
+  against the reference computed here (`Accuracy`); a candidate above its format's bound is refused with its
+  figures and not timed, so a fast wrong kernel is never chosen.
 - The record: `Choice`, the winner, every candidate's figure, the candidates that cannot run here with why, and
-  those refused after running with why (room for an accuracy probe).
+  those the probe refused with why.
 - The cache: one JSON file per machine (CPU model, torch version) in the user cache, every kind of choice in it;
-  each entry keeps the digest of the sources it was measured with, so an edited kernel is timed again.
+  each entry keeps the digest of the sources it was measured with (this module's among them), so an edited kernel
+  is probed and timed again.
 """
 
 from __future__ import annotations
@@ -44,6 +48,22 @@ class Rounds:
     most: int = 200
     budget_s: float = 0.005
     warmup: int = 1
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """A candidate's relative error on a probe against the reference computed on this machine, and the bound its
+    format allows (formats.quantize.error_bound)."""
+
+    error: float
+    bound: float
+
+    def refusal(self) -> str | None:
+        """Why the candidate is refused, or None when it is within its bound (an error that is not a number is
+        not)."""
+        if self.error <= self.bound:
+            return None
+        return f"relative error {self.error:.3g} against the reference, above its bound {self.bound:.3g}"
 
 
 @dataclass(frozen=True)
@@ -122,10 +142,13 @@ class Measured:
         return " ".join([*parts, *(f"{name} {size}" for name, size in shape.items()), f"threads {threads}"])
 
     def choose(self, dtype: torch.dtype | None, shape: Mapping[str, object], candidates: Sequence[str],
-               timer: Callable[[], dict[str, float]], *, threads: int,
-               unavailable: Mapping[str, str] | None = None) -> Choice:
-        """The fastest of `candidates`: this process's choice, else the cached one, else timed now by `timer` (each
-        candidate's figure, from `time_in_turns`) on `threads` torch threads in inference mode, and cached."""
+               timer: Callable[[Sequence[str]], dict[str, float]], *, threads: int,
+               unavailable: Mapping[str, str] | None = None,
+               probe: Callable[[Sequence[str]], Mapping[str, Accuracy]] | None = None) -> Choice:
+        """The fastest of `candidates` within its bound: this process's choice, else the cached one, else measured
+        now on `threads` torch threads in inference mode, and cached: `probe` (each candidate's accuracy; none for
+        a choice whose candidates compute the same thing) refuses those above their bound, then `timer` gives the
+        others' figures (from `time_in_turns`)."""
         key = self.key(dtype, shape, threads)
         unavailable = dict(unavailable or {})
         with _locks_lock:
@@ -133,8 +156,7 @@ class Measured:
         with lock:
             choice = _chosen.get((self.kind, key)) or self.cached().get(key)
             if choice is None or choice.seconds.keys() | choice.refused.keys() != set(candidates):
-                seconds = on_threads(threads, timer)  # new here, or what can run has changed
-                choice = Choice(min(seconds, key=seconds.__getitem__), seconds, unavailable)
+                choice = on_threads(threads, lambda: _measure(candidates, unavailable, timer, probe))  # new, or changed
                 _store(self.kind, key, self._digest(), choice)
             choice = Choice(choice.winner, choice.seconds, unavailable, choice.refused)
             _chosen[(self.kind, key)] = choice
@@ -146,7 +168,21 @@ class Measured:
         return {key: choice for key, (sources, choice) in _read().get(self.kind, {}).items() if sources == digest}
 
     def _digest(self) -> str:
-        return hashlib.sha256(b"".join(source.read_bytes() for source in self.sources)).hexdigest()[:16]
+        sources = (Path(__file__), *self.sources)  # this module too: how a choice is made is part of it
+        return hashlib.sha256(b"".join(source.read_bytes() for source in sources)).hexdigest()[:16]
+
+
+def _measure(candidates: Sequence[str], unavailable: dict[str, str], timer: Callable[[Sequence[str]], dict[str, float]],
+             probe: Callable[[Sequence[str]], Mapping[str, Accuracy]] | None) -> Choice:
+    """The choice among `candidates` (beside those `unavailable`): those `probe` refuses, then the fastest of the
+    rest by `timer`."""
+    accuracy = probe(candidates) if probe is not None else {}
+    refused = {name: why for name in candidates if name in accuracy and (why := accuracy[name].refusal())}
+    accepted = [name for name in candidates if name not in refused]
+    if not accepted:  # the reference is a candidate wherever there is a probe: this is a broken probe or machine
+        raise RuntimeError("every candidate is refused: " + "; ".join(f"{n}: {why}" for n, why in refused.items()))
+    seconds = timer(accepted)
+    return Choice(min(seconds, key=seconds.__getitem__), seconds, unavailable, refused)
 
 
 def cached_choices() -> dict[str, dict[str, Choice]]:

@@ -6,7 +6,8 @@ AVX512-BF16, where it builds), oneDNN's packed matmul (x86 CPUs with AVX2 or AVX
 the feature list: on a Zen 4 core the engine's kernel streams an expert's weights faster than oneDNN, on a
 CPU with AMX tiles oneDNN's tile matmuls may win, and the torch build matters too. So the features only say
 what can run (`unavailable_kernels`); the first layer of each dtype and expert shape on a machine times
-those that can on its real weights for a few milliseconds and keeps the fastest (`choose_kernel`). The
+those that can on its real weights for a few milliseconds and keeps the fastest (`choose_kernel`), once each has
+passed a probe: one expert's product against the float64 one, within its dtype's rounding (`probe_kernels`). The
 choice and its figures are kept by the engine's one measured-choice mechanism (choice.py), so later processes
 reuse them; `npumoed doctor` shows them.
 """
@@ -18,8 +19,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..formats.quantize import error_bound, relative_error
 from . import bf16_linear
-from .choice import Choice, Measured, time_in_turns
+from .choice import Accuracy, Choice, Measured, time_in_turns
 
 KERNELS = ("npumoe-bf16", "onednn", "torch")
 
@@ -102,8 +104,8 @@ def choose_kernel(gate_up: torch.Tensor, down: torch.Tensor) -> Choice:
     if candidates == ["torch"] or len(gate_up) == 0:  # nothing to compare
         return Choice("torch", {}, unavailable)
     return CHOICES.choose(gate_up.dtype, expert_shape(*down.shape[-2:]), candidates,  # down: (E, H, I)
-                          lambda: time_kernels(candidates, gate_up, down), threads=1,
-                          unavailable=unavailable)
+                          lambda accepted: time_kernels(accepted, gate_up, down), threads=1,
+                          unavailable=unavailable, probe=lambda kernels: probe_kernels(kernels, gate_up, down))
 
 
 def choose_for_shape(hidden: int, ffn: int, dtype: torch.dtype) -> Choice:
@@ -113,6 +115,19 @@ def choose_for_shape(hidden: int, ffn: int, dtype: torch.dtype) -> Choice:
     gate_up = torch.randn(experts, 2 * ffn, hidden, generator=generator, dtype=dtype)
     down = torch.randn(experts, hidden, ffn, generator=generator, dtype=dtype)
     return choose_kernel(gate_up, down)
+
+
+def probe_kernels(kernels: Sequence[str], gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, Accuracy]:
+    """Each kernel's accuracy on the first expert: the larger relative error of its gate-up and down on ROWS rows
+    against their float64 product, and the bound of the weights' dtype."""
+    generator = torch.Generator().manual_seed(1)
+    weights = (gate_up[0], down[0])
+    xs = [torch.randn(ROWS, w.shape[1], generator=generator).to(w.dtype) for w in weights]
+    exact = [x.double() @ w.double().T for x, w in zip(xs, weights, strict=True)]
+    bound = error_bound(gate_up.dtype)
+    return {kernel: Accuracy(max(relative_error(PackedLinear(w, kernel)(x), y)
+                                 for w, x, y in zip(weights, xs, exact, strict=True)), bound)
+            for kernel in kernels}
 
 
 def time_kernels(kernels: Sequence[str], gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """The engine's own RMSNorm of rows, built from norm_kernel.c at first use.
 
 Why its own: transformers' RMSNorm modules run about five torch operations (widen, square, mean, scale, weight,
-narrow), each a pass over the activations; one (512, 2048) bf16 norm took ~3 ms on 2 threads of a Xeon, over ten
-times what reading and writing it once costs. The kernel reads each row once and rounds where the module does
+narrow), each a pass over the activations with an operator dispatch of its own, many times what reading and
+writing the rows once costs. The kernel reads each row once and rounds where the module does
 (`CAST_FIRST`, `WEIGHT_FIRST`: see norm_kernel.c), so it equals the module up to the order of the sum of squares.
 
 It runs on the caller's thread. Built and loaded by native.py; where the CPU is not x86-64 with AVX-512 or no

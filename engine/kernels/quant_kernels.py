@@ -14,15 +14,19 @@ int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x 
 for it; output widths a multiple of 16) or "dequantize".
 
 The dynamic kernels round the activations too, so they sit further from the dequantized reference than the
-weight-only ones (on a real-geometry layer with random weights: 2.7 % against 1.4 % relative error).
+weight-only ones (`npumoed bench fidelity` measures both: bench/results/fidelity-weights-*).
 
 The engine's own kernels also run a whole silu-gated expert (gate-up, silu(gate)·up, down) in one native call
 (`silu_glu_ffn`), the intermediate values in float32 inside it; the others run the two matmuls with the gate
 between them in torch.
 
-As for the float kernels (cpu_kernels), the features say only what can run (`unavailable_kernels`); the first
-layer of each format, activation dtype and expert shape times those that can, on a whole silu-gated expert, and
-keeps the fastest, through the measured-choice mechanism (choice.py) like them.
+As for the float kernels (float_kernels), the features say only what can run (`unavailable_kernels`); the first
+layer of each format, activation dtype and expert shape probes those that can against the dequantized reference
+(`probe_kernels`), refusing those above their bound (`bound`), times the others on a whole silu-gated expert, and
+keeps the fastest, through the measured-choice mechanism (choice.py) like them. The probe is what keeps a kernel
+that computes wrong on a CPU out: on x86 without VNNI oneDNN's int8 matmul (and torch's `_int_mm`, which runs on
+it) adds pairs of u8×s8 products in int16, which saturates, to several times the dynamic bound (activations at 7
+bits would avoid it at about twice the rounding error, above that bound too).
 """
 
 from __future__ import annotations
@@ -33,9 +37,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..formats.quantize import INT4, INT8, QuantizedWeight, check_format, quantize, unpack_int4
+from ..formats.quantize import (
+    INT4,
+    INT8,
+    QuantizedWeight,
+    check_format,
+    error_bound,
+    quantize,
+    relative_error,
+    unpack_int4,
+)
 from . import vnni_linear
-from .choice import Choice, Measured, time_in_turns
+from .choice import Accuracy, Choice, Measured, time_in_turns
 from .float_kernels import ROWS, X86, expert_shape, rotated
 
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
@@ -48,6 +61,11 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
 CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source))
+
+
+def bound(kernel: str, dtype: torch.dtype) -> float:
+    """The relative error `kernel` may have against the dequantized reference with `dtype` activations."""
+    return error_bound(dtype, dynamic=kernel.endswith("-dynamic"))
 
 
 def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeight) -> dict[str, str]:
@@ -83,7 +101,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class QuantLinear:
     """y = x · ŵᵀ for one quantized (N, K) weight ŵ, held in the layout `kernel` reads, for `dtype` activations:
-    the call contract of cpu_kernels.PackedLinear, (n, K) -> (n, N)."""
+    the call contract of float_kernels.PackedLinear, (n, K) -> (n, N)."""
 
     def __init__(self, weight: QuantizedWeight, kernel: str, dtype: torch.dtype) -> None:
         if kernel not in KERNELS[weight.format]:
@@ -171,7 +189,8 @@ def choose_kernel(gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWe
     if len(candidates) == 1:
         return Choice(candidates[0], {}, unavailable)
     return CHOICES.choose(dtype, {"format": format, **expert_shape(*down[0].shape)}, candidates,
-                          lambda: time_kernels(candidates, gate_up, down, dtype), threads=1, unavailable=unavailable)
+                          lambda accepted: time_kernels(accepted, gate_up, down, dtype), threads=1,
+                          unavailable=unavailable, probe=lambda kernels: probe_kernels(kernels, gate_up[0], dtype))
 
 
 def choose_for_shape(hidden: int, ffn: int, format: str, dtype: torch.dtype) -> Choice:
@@ -182,6 +201,26 @@ def choose_for_shape(hidden: int, ffn: int, format: str, dtype: torch.dtype) -> 
     gate_up = [quantize(torch.randn(2 * ffn, hidden, generator=generator), format) for _ in range(experts)]
     down = [quantize(torch.randn(hidden, ffn, generator=generator), format) for _ in range(experts)]
     return choose_kernel(gate_up, down, dtype)
+
+
+def probe_rows(rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """What a probe multiplies: Gaussian rows, every other one ±1 instead, which a dynamic kernel rounds to ±127
+    exactly: the whole int8 range, where a kernel whose sums saturate (int16 on x86 without VNNI) shows it
+    (Gaussian rows alone put it at 1.2 %, the bound's edge, on an expert's real sizes)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(rows, width, generator=generator)
+    x[1::2] = torch.randint(0, 2, (rows // 2, width), generator=generator) * 2.0 - 1
+    return x.to(dtype)
+
+
+def probe_kernels(kernels: Sequence[str], weight: QuantizedWeight, dtype: torch.dtype,
+                  rows: int = ROWS) -> dict[str, Accuracy]:
+    """Each kernel's accuracy on `weight` (an expert's gate-up): its relative error on `rows` `probe_rows` against
+    the float64 product with the dequantized weight, and its bound."""
+    x = probe_rows(rows, weight.shape[1], dtype)
+    exact = x.double() @ weight.dequantize().double().T
+    return {kernel: Accuracy(relative_error(QuantLinear(weight, kernel, dtype)(x), exact), bound(kernel, dtype))
+            for kernel in kernels}
 
 
 def time_kernels(kernels: Sequence[str], gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight],

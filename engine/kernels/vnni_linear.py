@@ -7,15 +7,15 @@ reading weights packed as one in-order stream per block of 64 output columns (in
 
 Activations are rounded per row to int8 (absmax / 127, as quant_kernels.quantize_rows), so results are the
 dequantized reference's up to that rounding; for int8, a row with outlier features that this rounds by more than
-3 % (relative L2) takes a second row of codes for what the first missed (below). Weights of any output width are
-padded to whole blocks (and int8's inputs to whole 64s); int4 needs groups of a multiple of 16 along K. int8 also
-runs on AMX-INT8 tiles where the CPU has them (`linear(..., amx=True)`, after `amx_unavailable()` says None), over
-the same packed weights.
+the kernel's threshold (relative L2, in vnni_linear.c) takes a second row of codes for what the first missed
+(below). Weights of any output width are padded to whole blocks (and int8's inputs to whole 64s); int4 needs groups
+of a multiple of 16 along K. int8 also runs on AMX-INT8 tiles where the CPU has them (`linear(..., amx=True)`,
+after `amx_unavailable()` says None), over the same packed weights.
 `silu_glu_expert` runs a whole gated expert (gate-up, silu(gate)·up, down) in one call, its intermediate values in
 float32 and never leaving the kernel. The second level of codes keeps rows with outlier features: the outliers of
-trained models (a few channels tens of times the rest) then cost an int8 expert about what plain rows do (measured
-on a qwen3-30b-a3b-size expert with 10 channels 20x: 2.3 % relative error where one level gives 7.9 %; the
-weights' own rounding is 1.4 %). Only such rows pay for the second level's arithmetic.
+trained models (a few channels tens of times the rest) then cost an int8 expert about what plain rows do, where
+one level would round them several times worse (tests/engine/test_vnni_linear.py checks both kernels on such
+rows). Only such rows pay for the second level's arithmetic.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
 quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with

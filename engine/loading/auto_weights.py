@@ -85,8 +85,9 @@ def float_seconds(hidden: int, ffn: int) -> dict[str, float]:
     """Seconds of one expert of these sizes in each float format's fastest kernel here: measured the first time on
     this machine, then read from the user cache (so that auto costs a load nothing after the first, and decides
     the same way every time)."""
+    # no accuracy probe: each format's kernel passed its own in float_kernels, and the formats differ by design
     return CHOICES.choose(None, float_kernels.expert_shape(hidden, ffn), list(_FLOATS),
-                          lambda: {name: expert_seconds(hidden, ffn, dtype) for name, dtype in _FLOATS.items()},
+                          lambda names: {name: expert_seconds(hidden, ffn, _FLOATS[name]) for name in names},
                           threads=1).seconds
 
 

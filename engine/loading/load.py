@@ -10,8 +10,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from ..errors import ModelError
+from ..moe.experts_layout import LayoutError
 from ..moe.model_experts import moe_layouts
 from ..vocabulary import BFLOAT16, DTYPES, FLOAT32
+from .gguf_load import gguf_model, is_gguf
 from .quant_store import find_quantized
 from .resolve import model_folder, model_key_of
 from .stream_load import NotStreamable, stream_model
@@ -25,8 +27,8 @@ TORCH_DTYPES = {FLOAT32: torch.float32, BFLOAT16: torch.bfloat16}  # the vocabul
 class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    name: str  # what the user asked for: a folder name or a Hugging Face id
-    path: Path  # the folder the weights were read from
+    name: str  # what the user asked for: a folder name, a GGUF file's name or a Hugging Face id
+    path: Path  # the folder (or the GGUF file) the weights were read from
     key: str  # stable id of model + weights: "<name>@<fingerprint>"
     streamed: bool = False  # read tensor by tensor (stream_load.py), not by transformers' from_pretrained
 
@@ -52,8 +54,8 @@ def load_model(
 ) -> LoadedModel:
     """Load an MoE causal LM the engine can run, and its tokenizer, in eval mode.
 
-    `ref` is a local folder or a Hugging Face id resolved from the local HF cache only, unless
-    `allow_download`. `experts` is the transformers experts implementation to start with; the engine
+    `ref` is a local folder, a GGUF file (gguf_load.py) or a Hugging Face id resolved from the local HF cache only,
+    unless `allow_download`. `experts` is the transformers experts implementation to start with; the engine
     switches it to "npumoe" when it attaches.
 
     The weights are read one tensor at a time into memory of their own (stream_load.py). With `pack`, the routed
@@ -82,14 +84,25 @@ def load_model(
             moe_layouts(model)  # the capability check: every routed-experts module in a layout the engine runs
         except ModelError as e:
             raise ModelError(f"{name}: {e}") from e
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
+    # a GGUF file's tokenizer and chat template are in its metadata, which transformers' GGUF mapping reads
+    where, gguf_file = (path.parent, {"gguf_file": path.name}) if is_gguf(path) else (path, {})
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, local_files_only=True,
+                                              **gguf_file)
     return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=path, key=model_key_of(name, path),
                        streamed=streamed)
 
 
 def _streamed(path: Path, name: str, dtype: torch.dtype, trust_remote_code: bool, experts: str, pack: bool,
               format: str | None, models_dir: Path | None) -> PreTrainedModel | None:
-    """The model read by the streaming loader; None, said in the log, when it cannot read this checkpoint."""
+    """The model read by the streaming loader; None, said in the log, when it cannot read this checkpoint (a GGUF
+    file it cannot read is an error: from_pretrained would widen all of it to float32)."""
+    if is_gguf(path):
+        try:
+            model = gguf_model(path, dtype, experts_implementation=experts, pack=pack, format=format)
+        except (NotStreamable, LayoutError) as e:
+            raise ModelError(f"this GGUF file is not one the engine reads: {e}") from e
+        moe_layouts(model)  # the capability check, as stream_model makes it
+        return model
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     quantized = find_quantized(models_dir, path, format) if pack and format and models_dir is not None else None
     try:

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 
 from ..formats.mxfp4 import BLOCKS, dequantized_shape, stored_part
 from ..formats.quantize import INT4, INT4_GROUP, INT8
+from .gguf_load import EXPERTS_TENSOR, gguf_shape, is_gguf
 from .quant_store import is_expert_weight, read_header
 
 FP32, BF16 = "fp32", "bf16"
@@ -81,7 +83,10 @@ def model_size(tensors: Iterable[Tensor]) -> ModelSize:
 
 
 def checkpoint_tensors(folder: Path) -> list[Tensor]:
-    """The tensors of a checkpoint folder's safetensors files, from their headers."""
+    """The tensors of a checkpoint folder's safetensors files (or of a GGUF file), from their headers."""
+    if is_gguf(folder):
+        return [Tensor(t.name, gguf_shape(t), EXPERTS_TENSOR.fullmatch(t.name) is not None)
+                for t in gguf.GGUFReader(folder).tensors]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder}: no safetensors files")

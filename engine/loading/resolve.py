@@ -1,4 +1,5 @@
-"""Which model a name means: a local folder or a Hugging Face id in the local cache, and its stable key."""
+"""Which model a name means: a local folder, a GGUF file or a Hugging Face id in the local cache, and its stable
+key."""
 
 from __future__ import annotations
 
@@ -13,17 +14,21 @@ from ..errors import ModelError
 # Bytes read from each end of a weight file for the fingerprint: enough to tell checkpoints apart,
 # cheap enough for 60 GB models.
 _FINGERPRINT_SPAN = 1 << 20
+GGUF_SUFFIX = ".gguf"
 
 
 def model_folder(ref: str, *, allow_download: bool, trust_remote_code: bool) -> tuple[Path, str]:
-    """(folder holding config.json, display name) for a local folder or a Hugging Face id."""
+    """(folder holding config.json, or the GGUF file; display name) for a local folder, a GGUF file or a Hugging
+    Face id."""
     local = Path(ref).expanduser()
+    if local.is_file() and local.suffix == GGUF_SUFFIX:
+        return local.resolve(), local.name
     if local.is_dir():
         if not (local / "config.json").is_file():
             raise ModelError(f"{ref}: folder has no config.json, so it is not a Hugging Face model folder")
         return local.resolve(), local.resolve().name
     if local.exists():
-        raise ModelError(f"{ref}: is a file; expected a model folder or a Hugging Face id")
+        raise ModelError(f"{ref}: is a file; expected a model folder, a {GGUF_SUFFIX} file or a Hugging Face id")
     patterns = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", *(["*.py"] if trust_remote_code else [])]
     try:
         snapshot = snapshot_download(ref, local_files_only=not allow_download, allow_patterns=patterns)
@@ -45,9 +50,13 @@ def model_key_of(name: str, path: Path) -> str:
 
 
 def fingerprint(path: Path) -> str:
-    """A short digest of the config and the weight files (names, sizes and both ends of each file)."""
-    digest = hashlib.sha256((path / "config.json").read_bytes())
-    for weights in sorted(path.glob("*.safetensors")):
+    """A short digest of the config and the weight files (names, sizes and both ends of each file); of a GGUF
+    file, of the file alone (its metadata, the config, is at its start)."""
+    if path.is_file():
+        digest, files = hashlib.sha256(), [path]
+    else:
+        digest, files = hashlib.sha256((path / "config.json").read_bytes()), sorted(path.glob("*.safetensors"))
+    for weights in files:
         size = weights.stat().st_size
         digest.update(f"{weights.name}:{size}".encode())
         with weights.open("rb") as f:

@@ -11,7 +11,7 @@ about twice at the peak of loading. Here instead:
 - every tensor is read into memory of its own (tensor_reader: no map, so the file's pages are not the process's);
 - with `pack`, each experts module's weights go straight into the engine's CPU experts (cpu_experts.CpuExperts),
   one expert at a time, float or quantized (taking the experts `npumoed model quantize` wrote where they exist),
-  and the module keeps placeholders, as after the engine packs a loaded model's experts (runtime.py).
+  and the module keeps placeholders, as after the engine packs a loaded model's experts (moe/release.py).
 
 Experts stored in MXFP4 (gpt-oss, mxfp4.py) are dequantized one expert at a time as they are read, so they too
 are never held whole in float when packed. A checkpoint this loader cannot read as it is (stored in another
@@ -41,7 +41,7 @@ from transformers.core_model_loading import (
 )
 
 from ..formats.mxfp4 import BLOCKS, MXFP4, SCALES, dequantize_expert, stored_part
-from ..formats.quantize import QuantizedWeight
+from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts
 from ..moe.experts_layout import ExpertsLayout, engine_form
 from ..moe.model_experts import moe_layouts
@@ -96,19 +96,19 @@ def stream_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, *, ex
     try:
         plan = _plan(model, opened, layouts, mxfp4=method == MXFP4)
         for target, (file, key) in plan.plain.items():
-            _put(model, target, opened[file].read(key))
+            put_tensor(model, target, opened[file].read(key))
         for name, pieces in plan.experts.items():
             module = model.get_submodule(name)
             if pack:
                 _pack(module, layouts[name], pieces, opened, format, quantized)
             else:
                 for short, held in pieces.items():
-                    _put(model, f"{name}.{short}", _whole(getattr(module, short), held, opened))
+                    put_tensor(model, f"{name}.{short}", _whole(getattr(module, short), held, opened))
     finally:
         for file in opened.values():
             file.close()
     model.tie_weights()
-    _finish(model)
+    finish_loading(model)
     if (path / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(path)
     return model.eval()
@@ -256,6 +256,11 @@ def _pack(module: nn.Module, layout: ExpertsLayout, pieces: dict[str, list[_Piec
     cpu = CpuExperts.streamed(experts(), up.dtype, layout, format, biases.gate_up_bias, biases.down_bias)
     for name, bias in zip(names, stored_biases, strict=False):
         setattr(module, f"{name}_bias", nn.Parameter(bias, requires_grad=False))
+    attach_packed(module, names, cpu)
+
+
+def attach_packed(module: nn.Module, names: tuple[str, str], cpu: CpuExperts) -> None:
+    """Leave the experts module placeholders for its weights `names`, and `cpu` as their packed copy."""
     release_weights(module, names, cpu)
     module._npumoe_packed = ref(cpu)  # the runtime finds this copy packed already
 
@@ -268,19 +273,10 @@ def _quantized_expert(pieces: dict[str, list[_Piece]], names: tuple[str, str], e
     if not all(keys) or not all(key in quantized for held in keys for key in held):
         return None
     up, down = ([quantized.weight(key) for key in held] for held in keys)
-    return _stacked(up), _stacked(down)
+    return stack_rows(up), stack_rows(down)
 
 
-def _stacked(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    if len(weights) == 1:
-        return weights[0]
-    first = weights[0]
-    zero = torch.cat([w.zero for w in weights]) if first.zero is not None else None
-    return QuantizedWeight(first.format, torch.cat([w.codes for w in weights]), torch.cat([w.scale for w in weights]),
-                           zero, first.group)
-
-
-def _put(model: PreTrainedModel, target: str, value: torch.Tensor) -> None:
+def put_tensor(model: PreTrainedModel, target: str, value: torch.Tensor) -> None:
     """Put a tensor read from the checkpoint in the place of the model's empty parameter or buffer `target`."""
     module_name, _, leaf = target.rpartition(".")
     module = model.get_submodule(module_name)
@@ -295,7 +291,7 @@ def _put(model: PreTrainedModel, target: str, value: torch.Tensor) -> None:
         module._buffers[leaf] = value
 
 
-def _finish(model: PreTrainedModel) -> None:
+def finish_loading(model: PreTrainedModel) -> None:
     """Make the buffers no checkpoint holds (rotary frequencies, say) as transformers does after loading: every
     weight marked as loaded, so that only they are initialised."""
     for tensor in (*model.parameters(), *model.buffers()):

@@ -89,7 +89,7 @@ class TensorFile:
         out = torch.empty(shape, dtype=dtype)
         if (end - begin) != prod(shape) * dtype.itemsize:
             raise TensorFileError(f"{self.path}: {name} takes {end - begin} bytes, not those of {dtype} {shape}")
-        self._read_into(out, self._start + begin)
+        read_into(self._file.fileno(), out, self._start + begin, self.path)
         return out
 
     def _entry(self, name: str) -> dict:
@@ -100,11 +100,13 @@ class TensorFile:
             raise TensorFileError(f"{self.path}: {name} is stored as {entry['dtype']}, which the engine does not read")
         return entry
 
-    def _read_into(self, out: torch.Tensor, offset: int) -> None:
-        view = memoryview(out.view(-1).view(torch.uint8).numpy())
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._file.fileno(), [view[done:done + _MAX_READ]], offset + done)
-            if got == 0:
-                raise TensorFileError(f"{self.path}: ends before the tensor at byte {offset} does")
-            done += got
+
+def read_into(fd: int, out: torch.Tensor, offset: int, path: Path) -> None:
+    """Fill the contiguous tensor `out` with the file's bytes from `offset`, read with `os.preadv`, no map."""
+    view = memoryview(out.view(-1).view(torch.uint8).numpy())
+    done = 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:done + _MAX_READ]], offset + done)
+        if got == 0:
+            raise TensorFileError(f"{path}: ends before the tensor at byte {offset} does")
+        done += got

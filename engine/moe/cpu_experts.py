@@ -5,11 +5,11 @@ its bias, the layout's gate or activation, the down projection and its bias.
 
 Two choices make it fast on a CPU:
 - Weights are packed once, when the layer is built, into the layout the matmul kernel reads in order: the
-  kernel measured fastest on this machine for the experts' dtype and shapes (cpu_kernels: the engine's own
+  kernel measured fastest on this machine for the experts' dtype and shapes (float_kernels: the engine's own
   bf16 kernel, oneDNN's packed matmul, or plain torch, as this CPU allows). With a quantized `format` (int8,
   int4) each weight is quantized first (quantize.py) and packed for the quantized kernel measured fastest
   (quant_kernels), the activations staying in the weights' float dtype. Packed weights are a copy, made
-  expert by expert; the caller may then release the module's own (runtime.py).
+  expert by expert; the caller may then release the module's own (release.py).
 - Cores split the experts, not each matmul: every worker thread runs whole experts single-threaded.
   One worker takes the heaviest expert left, the next the lightest, so compute-bound heavy experts
   run beside memory-bound light ones; and a layer waits for its workers once instead of once per

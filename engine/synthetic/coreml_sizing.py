@@ -15,6 +15,7 @@ from ..calibration.calibrate import Calibration, load_statistics
 from ..calibration.planner import DEFAULT_GROUP_SIZE, make_plan
 from ..moe.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights, expert_weights, read_layout
 from ..plan.expert_plan import ExpertPlan
+from ..vocabulary import CHUNK_TOKENS
 from .geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 
 CALIBRATION_CHUNKS = 16
@@ -27,7 +28,7 @@ class SizingModel:
     layout: ExpertsLayout
 
 
-def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = 512,
+def sizing_model(geometry: Geometry, *, layers: int = 1, chunk_tokens: int = CHUNK_TOKENS,
                  group_size: int = DEFAULT_GROUP_SIZE, seed: int = 0) -> SizingModel:
     """`layers` random MoE layers at `geometry` and a plan for them."""
     if layers < 1:

@@ -15,7 +15,7 @@ import resource
 import sys
 from dataclasses import asdict
 
-from ..errors import ExtractionError, FileRefused, MissingDependency
+from ..errors import ExtractionError, MissingDependency
 from ..files import check_size
 from .formats import ExtractedText, ExtractLimits, extract_bytes
 
@@ -47,12 +47,7 @@ def _cap_resources(memory_mb: int) -> None:
 def _extract(fd: int, suffix: str, limits: ExtractLimits) -> ExtractedText:
     with os.fdopen(fd, "rb") as file:
         data = file.read()  # sized by fstat; a file growing without end meets the memory cap
-    try:
-        check_size(len(data), limits.max_bytes, while_read=True)
-    except FileRefused as refused:
-        raise ExtractionError.from_refusal(refused) from None
-    if not data:
-        raise ExtractionError("empty", "file is empty (0 bytes)")
+    check_size(len(data), limits.max_bytes, while_read=True, empty=False)  # truncated or grown since it was opened
     return extract_bytes(data, suffix, limits)
 
 

@@ -10,15 +10,14 @@ fault, not the document's).
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-from ..errors import ExtractionError, FileRefused, MissingDependency
+from ..errors import ExtractionError, MissingDependency
 from ..files import open_regular
 from .formats import FORMATS, ExtractedText, ExtractLimits, sniff_format
 
@@ -30,7 +29,7 @@ _CHILD = [sys.executable, "-m", "npumoe.jobs.extract.child"]
 
 def detect_format(path: Path) -> str:
     """One of FORMATS, judged by the file's content; its extension only breaks ties (text vs Markdown)."""
-    with _open_document(Path(path)) as file:
+    with open_regular(Path(path), empty=False) as file:
         return sniff_format(file, Path(path).suffix)
 
 
@@ -38,25 +37,13 @@ def extract_text(path: Path, limits: ExtractLimits = DEFAULT_LIMITS) -> Extracte
     """The document's plain text, parsed in a child process; raises ExtractionError saying why not, or
     MissingDependency when this machine lacks a package the parser needs."""
     path = Path(path)
-    with _open_document(path, limits.max_bytes) as file:
+    with open_regular(path, limits.max_bytes, empty=False) as file:  # FileRefused says why not
         reply = _run_child(file.fileno(), path.suffix, limits)
     if "kind" in reply:
         raise ExtractionError(reply["kind"], reply["message"])
     if "missing_dependency" in reply:
         raise MissingDependency(reply["missing_dependency"], reply["module"])
     return ExtractedText(**reply)
-
-
-def _open_document(path: Path, max_bytes: int | None = None) -> BinaryIO:
-    """The regular, non-empty file at `path` (of at most `max_bytes`), open for reading."""
-    try:
-        file = open_regular(path, max_bytes)
-    except FileRefused as refused:
-        raise ExtractionError.from_refusal(refused) from None
-    if os.fstat(file.fileno()).st_size == 0:
-        file.close()
-        raise ExtractionError("empty", "file is empty (0 bytes)")
-    return file
 
 
 def _run_child(fd: int, suffix: str, limits: ExtractLimits) -> dict[str, Any]:

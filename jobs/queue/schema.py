@@ -1,7 +1,7 @@
 """The queue's tables, and the forward migrations that bring any older database up to them.
 
 One schema for SQLite and PostgreSQL. The database records its schema version (SQLite in `PRAGMA
-user_version`, PostgreSQL in a one-row table; see queue_dialects). Each migration moves it up by one and
+user_version`, PostgreSQL in a one-row table; see dialects.py). Each migration moves it up by one and
 only adds: an existing database is never dropped or rebuilt. The migrations are SQL both dialects accept,
 save for the spelling of an auto-numbered id, which the dialect adapts.
 """
@@ -47,7 +47,9 @@ class FsPath(TypeDecorator[str]):
         return os.fsdecode(value) if isinstance(value, bytes) else value
 
 
-STATES = ("queued", "running", "done", "failed", "dead", "cancelled")
+# A job's states: waiting, leased to a worker, finished, waiting to be retried, out of attempts, cancelled by hand.
+QUEUED, RUNNING, DONE, FAILED, DEAD, CANCELLED = "queued", "running", "done", "failed", "dead", "cancelled"
+STATES = (QUEUED, RUNNING, DONE, FAILED, DEAD, CANCELLED)
 
 jobs = Table(
     "jobs",

@@ -17,33 +17,26 @@ its own host; a job of a worker on another machine comes back when its lease exp
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 import random
-import socket
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import psutil
-from sqlalchemy import Connection, Select, delete, func, insert, select, update
-from sqlalchemy.exc import DatabaseError, DBAPIError
+from sqlalchemy import Select, func, select, update
 
-from ..errors import DatabaseUnusable
-from ..files import Identity
-from .dialects import open_dialect
-from .schema import STATES, control, daemon, inbox_files, jobs, migrate
+from .controls import Controls
+from .daemons import DaemonRows
+from .database import Database, reconnecting
+from .handed import HandedFiles
+from .schema import CANCELLED, DEAD, DONE, FAILED, QUEUED, RUNNING, STATES, jobs
 
-log = logging.getLogger(__name__)
-
-CLAIMABLE = ("queued", "failed")
+CLAIMABLE = (QUEUED, FAILED)
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
-DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")  # "database disk image is malformed", "file is not a database"
 
 
 @dataclass(frozen=True)
@@ -113,13 +106,6 @@ def process_started(pid: int) -> float | None:
         return None
 
 
-def damage(error: DatabaseError) -> DatabaseUnusable | None:
-    """The error as DatabaseUnusable when SQLite found the file damaged; None for any other database error."""
-    if getattr(error.orig, "sqlite_errorname", "") in DAMAGED:
-        return DatabaseUnusable(f"the database is damaged ({error.orig})")
-    return None
-
-
 def _runnable(now: float, open_windows: Sequence[str], host: str) -> Select[tuple[int]]:
     """The jobs `claim` may take now on `host`: waiting, past their backoff, outside a batch window or inside an
     open one, and not pinned to another machine."""
@@ -137,82 +123,43 @@ def same_process(pid: int, started: float | None) -> bool:
     return started is None or now_started is None or abs(now_started - started) < 1.0
 
 
-def _reconnecting(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a queue operation once more when the server dropped the connection under it (a restart): the
-    transaction was rolled back, or, had it committed, the second run finds the work done and says so."""
-
-    @functools.wraps(method)
-    def run(self: Queue, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return method(self, *args, **kwargs)
-        except DBAPIError as e:
-            if not e.connection_invalidated:
-                raise
-            log.warning("the queue server dropped the connection during %s (%s); trying again",
-                        method.__name__, str(e.orig).strip())
-            return method(self, *args, **kwargs)
-
-    return run
-
-
 class Queue:
     """The queue API: the worker loop and the CLI never write SQL of their own.
 
     `location` is a SQLite file, or a `postgresql://…` URL for a queue that several machines share.
-    `host` and `home` say which daemon this is, for its row in the daemon table.
+    `host` and `home` say which daemon this is, for its row in the daemon table. The jobs are its methods;
+    the watcher's memory of handed files (`handed`), the daemons' rows (`daemons`) and the person's switches
+    (`controls`) are objects of their own on the same database, opened once with it.
     """
 
     def __init__(self, location: Path | str, *, read_only: bool = False, backoff: Backoff = Backoff(),
                  clock: Callable[[], float] = time.time, host: str | None = None,
                  home: Path | str | None = None) -> None:
-        self.dialect = open_dialect(location)
-        self.path = getattr(self.dialect, "path", None)  # the SQLite file; None for a server
-        self.location = str(location)
+        self.db = Database(location, read_only=read_only, host=host, home=home)
+        self.path, self.location, self.host = self.db.path, self.db.location, self.db.host
         self.backoff = backoff
         self.clock = clock
-        self.host = host or socket.gethostname()
-        self.home = str(home if home is not None else self.path.parent if self.path else "")
-        self._write, self._read = self.dialect.engines(read_only=read_only)
-        if read_only:
-            return
-        try:
-            with self._tx() as conn:
-                self.dialect.check(conn)  # SQLite: a recent enough library and a sound file
-                migrate(conn)
-        except DatabaseError as e:
-            self.close()
-            if problem := damage(e):
-                raise problem from e
-            raise
-        except DatabaseUnusable:
-            self.close()
-            raise
+        # The other concerns kept in the same database, on the same engines.
+        self.handed = HandedFiles(self.db)
+        self.daemons = DaemonRows(self.db)
+        self.controls = Controls(self.db)
 
     @property
     def shared(self) -> bool:
         """Whether workers of other homes and machines may share this queue (PostgreSQL)."""
-        return self.dialect.shared
-
-    @contextmanager
-    def _tx(self) -> Iterator[Connection]:
-        if self._write is None:
-            raise PermissionError("this queue was opened read-only")
-        with self._write.begin() as conn:
-            yield conn
+        return self.db.shared
 
     def close(self) -> None:
-        for engine in (self._write, self._read):
-            if engine is not None:
-                engine.engine.dispose()
+        self.db.close()
 
     def listen(self, wake: Callable[[], None], stop: threading.Event) -> threading.Thread | None:
         """Call `wake` whenever a job may have become claimable anywhere (PostgreSQL's NOTIFY), until `stop`.
         None on SQLite, where the only worker learns of new jobs from its own watcher or its next poll."""
-        return self.dialect.listen(wake, stop)
+        return self.db.dialect.listen(wake, stop)
 
     # -- adding ---------------------------------------------------------------------------------
 
-    @_reconnecting
+    @reconnecting
     def add(self, path: str | Path, sha256: str, *, model_key: str, settings_key: str,
             priority: int = INTERACTIVE, max_attempts: int = 3,
             batch_window: str | None = None, pinned: bool = False) -> tuple[Job, bool]:
@@ -224,13 +171,13 @@ class Queue:
         """
         now = self.clock()
         values = dict(path=str(path), sha256=sha256, model_key=model_key, settings_key=settings_key,
-                      state="queued", priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
+                      state=QUEUED, priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
                       progress=0.0, created_at=now, updated_at=now, batch_window=batch_window,
                       pinned_host=self.host if pinned and self.shared else None)
-        with self._tx() as conn:
-            row = conn.execute(self.dialect.insert_new(jobs, values).returning(*jobs.c)).first()
+        with self.db.tx() as conn:
+            row = conn.execute(self.db.dialect.insert_new(jobs, values).returning(*jobs.c)).first()
             if row is not None:
-                self.dialect.notify(conn)
+                self.db.dialect.notify(conn)
                 return Job.from_row(row), True
             existing = conn.execute(
                 select(jobs).where(jobs.c.sha256 == sha256, jobs.c.model_key == model_key,
@@ -243,15 +190,15 @@ class Queue:
         """Record a job finished elsewhere (rebuilding the queue from the outbox); False if its id or its
         content under those keys is known already."""
         values = dict(id=job_id, path=path, sha256=sha256, model_key=model_key, settings_key=settings_key,
-                      state="done", priority=INTERACTIVE, attempts=1, max_attempts=1, run_after=finished_at,
+                      state=DONE, priority=INTERACTIVE, attempts=1, max_attempts=1, run_after=finished_at,
                       progress=1.0, created_at=finished_at, updated_at=finished_at, finished_at=finished_at,
                       output_dir=output_dir)
-        with self._tx() as conn:
-            return conn.execute(self.dialect.insert_new(jobs, values)).rowcount == 1
+        with self.db.tx() as conn:
+            return conn.execute(self.db.dialect.insert_new(jobs, values)).rowcount == 1
 
     # -- the worker's side ------------------------------------------------------------------------
 
-    @_reconnecting
+    @reconnecting
     def claim(self, worker_pid: int, *, lease_seconds: float,
               open_windows: Sequence[str] = ()) -> Job | None:
         """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
@@ -263,11 +210,11 @@ class Queue:
             .with_for_update(skip_locked=True)  # PostgreSQL: pass over rows other claimers hold
             .scalar_subquery()
         )
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             row = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == runnable)
-                .values(state="running", attempts=jobs.c.attempts + 1, worker_pid=worker_pid,
+                .values(state=RUNNING, attempts=jobs.c.attempts + 1, worker_pid=worker_pid,
                         worker_host=self.host, worker_started=process_started(worker_pid),
                         lease_until=now + lease_seconds, heartbeat_at=now, updated_at=now, progress=0.0,
                         detail=None)
@@ -275,7 +222,7 @@ class Queue:
             ).first()
         return Job.from_row(row) if row else None
 
-    @_reconnecting
+    @reconnecting
     def heartbeat(self, job_id: int, worker_pid: int, *, lease_seconds: float,
                   progress: float | None = None, detail: dict[str, Any] | None = None) -> bool:
         """Renew the lease (and record progress). False: the job is no longer this worker's."""
@@ -285,37 +232,37 @@ class Queue:
             values["progress"] = progress
         if detail is not None:
             values["detail"] = json.dumps(detail)
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             updated = conn.execute(update(jobs).where(*self._owned(job_id, worker_pid)).values(**values))
         return updated.rowcount == 1
 
-    @_reconnecting
+    @reconnecting
     def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None,
                  on_done: Callable[[Any], None] | None = None) -> bool:
         """Mark the job done. `on_done` gets the DB-API connection inside the same transaction (the search
         index writes there on SQLite), so the job is done and indexed together, or neither if either fails."""
         now = self.clock()
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             done = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
-                .values(state="done", progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
+                .values(state=DONE, progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
                         lease_until=None, last_error=None, error_kind=None)
             ).rowcount == 1
             if done and on_done is not None:
                 on_done(conn.connection.dbapi_connection)
             return done
 
-    @_reconnecting
+    @reconnecting
     def fail(self, job_id: int, worker_pid: int, error: str, *, kind: str = "error",
              retryable: bool = True) -> str | None:
         """Record a failure: back off and retry while attempts remain, else dead. Returns the new state."""
         now = self.clock()
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             job = conn.execute(select(jobs).where(*self._owned(job_id, worker_pid)).with_for_update()).first()
             if job is None:
                 return None
             retry = retryable and job.attempts < job.max_attempts
-            state = "failed" if retry else "dead"
+            state = FAILED if retry else DEAD
             conn.execute(
                 update(jobs).where(jobs.c.id == job_id)
                 .values(state=state, last_error=error, error_kind=kind, updated_at=now, lease_until=None,
@@ -324,21 +271,21 @@ class Queue:
             )
             return state
 
-    @_reconnecting
+    @reconnecting
     def release(self, job_id: int, worker_pid: int) -> bool:
         """Hand a job back untouched (graceful shutdown): queued again, the attempt not counted."""
         now = self.clock()
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             released = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
-                .values(state="queued", attempts=jobs.c.attempts - 1, worker_pid=None, lease_until=None,
+                .values(state=QUEUED, attempts=jobs.c.attempts - 1, worker_pid=None, lease_until=None,
                         progress=0.0, detail=None, updated_at=now)
             ).rowcount == 1
             if released:
-                self.dialect.notify(conn)
+                self.db.dialect.notify(conn)
             return released
 
-    @_reconnecting
+    @reconnecting
     def reap(self, alive: Callable[[int], bool] | None = None) -> list[int]:
         """Requeue the jobs of lost workers; dead once out of attempts.
 
@@ -348,27 +295,27 @@ class Queue:
         there is a job to requeue.
         """
         now = self.clock()
-        with self._read.connect() as conn:
-            running = conn.execute(select(jobs).where(jobs.c.state == "running")).all()
+        with self.db.read() as conn:
+            running = conn.execute(select(jobs).where(jobs.c.state == RUNNING)).all()
             if not any(self._lost(j, now, alive) for j in running):
                 return []
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             running = conn.execute(
-                select(jobs).where(jobs.c.state == "running").with_for_update(skip_locked=True)
+                select(jobs).where(jobs.c.state == RUNNING).with_for_update(skip_locked=True)
             ).all()
             lost = [j for j in running if self._lost(j, now, alive)]
             for j in lost:
                 out_of_attempts = j.attempts >= j.max_attempts
                 conn.execute(
                     update(jobs).where(jobs.c.id == j.id)
-                    .values(state="dead" if out_of_attempts else "queued", worker_pid=None, lease_until=None,
+                    .values(state=DEAD if out_of_attempts else QUEUED, worker_pid=None, lease_until=None,
                             updated_at=now, finished_at=now if out_of_attempts else None,
                             error_kind="lost", last_error=f"worker {j.worker_pid} on {j.worker_host or self.host} "
                                                           f"stopped during attempt {j.attempts} "
                                                           "(lease expired or process gone)")
                 )
             if lost:
-                self.dialect.notify(conn)
+                self.db.dialect.notify(conn)
         return [j.id for j in lost]
 
     def _lost(self, job: Any, now: float, alive: Callable[[int], bool] | None) -> bool:
@@ -381,25 +328,25 @@ class Queue:
         return not (alive(job.worker_pid) if alive else same_process(job.worker_pid, job.worker_started))
 
     def _owned(self, job_id: int, worker_pid: int) -> tuple[Any, ...]:
-        return (jobs.c.id == job_id, jobs.c.state == "running", jobs.c.worker_pid == worker_pid,
+        return (jobs.c.id == job_id, jobs.c.state == RUNNING, jobs.c.worker_pid == worker_pid,
                 jobs.c.worker_host == self.host)
 
     # -- the person's side ------------------------------------------------------------------------
 
-    @_reconnecting
+    @reconnecting
     def retry(self, job_id: int) -> Job:
         """Queue a failed, dead or cancelled job again now, with its attempts reset."""
-        return self._set_state(job_id, "queued", ("failed", "dead", "cancelled"),
+        return self._set_state(job_id, QUEUED, (FAILED, DEAD, CANCELLED),
                                attempts=0, run_after=self.clock(), finished_at=None)
 
-    @_reconnecting
+    @reconnecting
     def cancel(self, job_id: int) -> Job:
         """Cancel a waiting or running job; a running worker notices at its next heartbeat."""
-        return self._set_state(job_id, "cancelled", ("queued", "failed", "running"),
+        return self._set_state(job_id, CANCELLED, (QUEUED, FAILED, RUNNING),
                                finished_at=self.clock(), lease_until=None)
 
     def _set_state(self, job_id: int, state: str, allowed: tuple[str, ...], **values: Any) -> Job:
-        with self._tx() as conn:
+        with self.db.tx() as conn:
             job = conn.execute(select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
             if job is None:
                 raise KeyError(f"no job {job_id}")
@@ -409,18 +356,18 @@ class Queue:
             row = conn.execute(update(jobs).where(jobs.c.id == job_id).returning(*jobs.c)
                                .values(state=state, updated_at=self.clock(), **values)).one()
             if state in CLAIMABLE:
-                self.dialect.notify(conn)
+                self.db.dialect.notify(conn)
         return Job.from_row(row)
 
     # -- reading ----------------------------------------------------------------------------------
 
-    @_reconnecting
+    @reconnecting
     def get(self, job_id: int) -> Job | None:
-        with self._read.connect() as conn:
+        with self.db.read() as conn:
             row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
         return Job.from_row(row) if row else None
 
-    @_reconnecting
+    @reconnecting
     def list(self, state: str | None = None, limit: int | None = None, *,
              newest_first: bool = False) -> list[Job]:
         if state is not None and state not in STATES:
@@ -429,96 +376,26 @@ class Queue:
         if state is not None:
             query = query.where(jobs.c.state == state)
         order = jobs.c.updated_at.desc() if newest_first else jobs.c.id
-        with self._read.connect() as conn:
+        with self.db.read() as conn:
             return [Job.from_row(r) for r in conn.execute(query.order_by(order).limit(limit))]
 
-    @_reconnecting
+    @reconnecting
     def counts(self) -> dict[str, int]:
-        with self._read.connect() as conn:
+        with self.db.read() as conn:
             found = dict(conn.execute(select(jobs.c.state, func.count()).group_by(jobs.c.state)).all())
         return {state: found.get(state, 0) for state in STATES}
 
-    @_reconnecting
+    @reconnecting
     def has_runnable(self, open_windows: Sequence[str] = ()) -> bool:
         """Whether `claim` would find a job now; a read, so an idle daemon can ask without writing."""
-        with self._read.connect() as conn:
+        with self.db.read() as conn:
             return conn.execute(_runnable(self.clock(), open_windows, self.host).limit(1)).first() is not None
 
-    @_reconnecting
+    @reconnecting
     def open_windows_needed(self) -> list[str]:
         """The batch windows that waiting jobs are held for."""
-        with self._read.connect() as conn:
+        with self.db.read() as conn:
             return list(conn.execute(
                 select(jobs.c.batch_window).distinct()
                 .where(jobs.c.state.in_(CLAIMABLE), jobs.c.batch_window.is_not(None))
             ).scalars())
-
-    # -- the inbox files already handed on (so a restart does not hash them again) ----------------
-
-    def handed_files(self) -> dict[str, Identity]:
-        with self._read.connect() as conn:
-            rows = conn.execute(select(inbox_files)).all()
-        return {r.path: Identity(r.device, r.inode, r.size, r.mtime_ns) for r in rows}
-
-    def remember_handed(self, path: str, identity: Identity) -> None:
-        values = {"device": identity.device, "inode": identity.inode, "size": identity.size,
-                  "mtime_ns": identity.mtime_ns}
-        with self._tx() as conn:
-            if conn.execute(update(inbox_files).where(inbox_files.c.path == path).values(**values)).rowcount == 0:
-                conn.execute(insert(inbox_files).values(path=path, **values))
-
-    def forget_handed(self, paths: Collection[str]) -> None:
-        if not paths:
-            return
-        with self._tx() as conn:
-            conn.execute(delete(inbox_files).where(inbox_files.c.path.in_(list(paths))))
-
-    # -- the daemon's heartbeat row and the person's switches ------------------------------------
-
-    @_reconnecting
-    def write_daemon(self, **values: Any) -> None:
-        """Write this daemon's row (this home's; on a shared queue, this home on this host's)."""
-        for key in ("power", "counters"):
-            if key in values and not isinstance(values[key], str | None):
-                values[key] = json.dumps(values[key])
-        values.update(host=self.host, home=self.home)
-        with self._tx() as conn:
-            if conn.execute(update(daemon).where(*self._daemon_key()).values(**values)).rowcount == 0:
-                conn.execute(insert(daemon).values(**({} if self.shared else {"id": 1}), **values))
-
-    @_reconnecting
-    def read_daemon(self) -> dict[str, Any] | None:
-        with self._read.connect() as conn:
-            row = conn.execute(select(daemon).where(*self._daemon_key())).first()
-        return _daemon_dict(row) if row is not None else None
-
-    @_reconnecting
-    def workers(self) -> list[dict[str, Any]]:
-        """Every daemon's row: on a shared queue, one per home on every machine."""
-        with self._read.connect() as conn:
-            rows = conn.execute(select(daemon).order_by(daemon.c.host, daemon.c.home)).all()
-        return [_daemon_dict(row) for row in rows]
-
-    def _daemon_key(self) -> tuple[Any, ...]:
-        # A home's own SQLite file has one daemon row; a shared queue has one per home on each host.
-        return (daemon.c.host == self.host, daemon.c.home == self.home) if self.shared else (daemon.c.id == 1,)
-
-    @_reconnecting
-    def set_control(self, key: str, value: Any) -> None:
-        with self._tx() as conn:
-            encoded = json.dumps(value)
-            if conn.execute(update(control).where(control.c.key == key).values(value=encoded)).rowcount == 0:
-                conn.execute(insert(control).values(key=key, value=encoded))
-
-    @_reconnecting
-    def get_control(self, key: str, default: Any = None) -> Any:
-        with self._read.connect() as conn:
-            value = conn.execute(select(control.c.value).where(control.c.key == key)).scalar()
-        return json.loads(value) if value is not None else default
-
-
-def _daemon_dict(row: Any) -> dict[str, Any]:
-    d = dict(row._mapping)
-    for key in ("power", "counters"):
-        d[key] = json.loads(d[key]) if d[key] else None
-    return d

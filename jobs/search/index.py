@@ -3,7 +3,8 @@
 It lives in the home's SQLite database beside the queue, and a document enters it in the transaction
 that marks its job done (`Queue.complete(on_done=...)`), so the two never disagree. Its tables:
 
-    search_models         one row per model whose vectors are indexed: vectors of two models never mix
+    search_models         one row per model (and pooling, `vectors_key`) whose vectors are indexed: vectors of
+                          two models, or of one model pooled two ways, never mix
     search_documents      one row per done job: output folder, source, the summary's first line
     search_chunks         one row per chunk: its document and its [start, end) characters in the text
     search_words          FTS5 over each chunk's whole sentences; contentless, as the text stays in the outbox
@@ -15,7 +16,6 @@ what the daemon wrote.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,14 +24,28 @@ from pathlib import Path
 
 import numpy as np
 
-from ..outputs import OFFSETS_FILE, TMP_PREFIX, read_text
+from npumoe.engine.vocabulary import MEAN
+
+from ..meta import read_meta
+from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
 from .passages import query_terms, sentence_spans, whole_sentences
 
-# A chunk's score, in [0, 1]: half how close its vector is to the query's (cosine similarity), a quarter how much
-# of the query's words its sentences hold (their IDF-weighted share), a quarter whether they hold the query word
-# for word. The words decide where the vectors cannot (see README, Search).
-COSINE_WEIGHT, WORDS_WEIGHT, PHRASE_WEIGHT = 0.5, 0.25, 0.25
+
+@dataclass(frozen=True)
+class Weights:
+    """What a chunk's score, in [0, 1], is made of: how close its vector is to the query's (cosine similarity), how
+    much of the query's words its sentences hold (their IDF-weighted share), whether they hold the query word for
+    word. They add up to 1."""
+
+    cosine: float
+    words: float
+    phrase: float
+
+
+# Half the vectors, a quarter each the words and the phrase: the words decide where the vectors cannot (see
+# README, Search, for the measurement that chose them).
+WEIGHTS = Weights(cosine=0.5, words=0.25, phrase=0.25)
 CANDIDATES = 100  # chunks taken from each of the two searches before scoring, at least
 MAX_KNN = 4096  # sqlite-vec's limit on k
 
@@ -71,24 +85,31 @@ class IndexEntry:
     @classmethod
     def read(cls, folder: Path) -> IndexEntry:
         try:
-            meta = json.loads((folder / "meta.json").read_bytes())
-            rows = np.load(folder / "embeddings.npy").astype(np.float32)
+            meta = read_meta(folder)
+            rows = np.load(folder / EMBEDDINGS_FILE).astype(np.float32)
             spans = np.load(folder / OFFSETS_FILE) if (folder / OFFSETS_FILE).exists() else None
-            summary = (folder / "summary.md").read_text()
+            summary = (folder / SUMMARY_FILE).read_text()
             text = read_text(folder)
-            job_id, model_key, source = int(meta["job_id"]), str(meta["model_key"]), str(meta["source"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            model_key = vectors_key(meta["model_key"], meta.get("embeddings", {}).get("pooling", MEAN))
+        except (OSError, ValueError) as e:
             raise OutputsUnreadable(f"{folder}: {e}") from e
         if rows.ndim != 2 or len(rows) < 2:
-            raise OutputsUnreadable(f"{folder}: embeddings.npy holds {rows.shape}, not chunk rows and a document row")
+            raise OutputsUnreadable(f"{folder}: {EMBEDDINGS_FILE} holds {rows.shape}, "
+                                    "not chunk rows and a document row")
         if spans is not None and spans.shape != (len(rows) - 1, 2):
             raise OutputsUnreadable(f"{folder}: {OFFSETS_FILE} holds {spans.shape}, not one span per chunk")
-        return cls(job_id, model_key, str(folder), source, _first_summary_line(summary), rows[:-1], rows[-1],
-                   spans, text)
+        return cls(meta["job_id"], model_key, str(folder), meta["source"], _first_summary_line(summary),
+                   rows[:-1], rows[-1], spans, text)
+
+
+def vectors_key(model_key: str, pooling: str) -> str:
+    """The key the index keeps one model's vectors of one pooling under: the model's own for mean pooling (as
+    before there was a choice), with the pooling after it otherwise."""
+    return model_key if pooling == MEAN else f"{model_key}#{pooling}"
 
 
 def _first_summary_line(markdown: str) -> str:
-    """summary.md is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
+    """The summary file is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
     body = markdown.split("\n\n", 2)[2:]
     lines = body[0].strip().splitlines() if body else []
     return lines[0] if lines else ""
@@ -265,9 +286,10 @@ class SearchIndex:
             "SELECT m.model_key, count(d.job_id) FROM search_models m "
             "LEFT JOIN search_documents d ON d.model_id = m.id GROUP BY m.id"))
 
-    def search(self, model_key: str, vector: np.ndarray, query: str, k: int) -> list[DocumentHits]:
-        """The k best chunks for the query among the documents of `model_key`, grouped by document in order of
-        their best chunk. `vector` is the query embedded by that model (`Engine.embed`)."""
+    def search(self, model_key: str, vector: np.ndarray, query: str, k: int,
+               weights: Weights = WEIGHTS) -> list[DocumentHits]:
+        """The k best chunks for the query among the documents of `model_key` (a `vectors_key`), grouped by
+        document in order of their best chunk. `vector` is the query embedded by that model (`Engine.embed`)."""
         model_id = self._model(model_key)
         vector = np.asarray(vector, dtype=np.float32)
         candidates = max(CANDIDATES, 4 * k)
@@ -279,7 +301,7 @@ class SearchIndex:
             (blob,) = self.conn.execute(f"SELECT embedding FROM search_chunk_vectors_{model_id} WHERE rowid = ?",
                                         (chunk_id,)).fetchone()
             cosines[chunk_id] = _cosine(np.frombuffer(blob, dtype=np.float32), vector)
-        scores = {i: COSINE_WEIGHT * cos + WORDS_WEIGHT * words.get(i, 0.0) + PHRASE_WEIGHT * (i in phrase)
+        scores = {i: weights.cosine * cos + weights.words * words.get(i, 0.0) + weights.phrase * (i in phrase)
                   for i, cos in cosines.items()}
         grouped: dict[int, list[ChunkHit]] = {}
         for chunk_id in sorted(scores, key=lambda i: (-scores[i], i))[:k]:

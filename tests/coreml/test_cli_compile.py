@@ -65,6 +65,7 @@ def test_compile_needs_a_model_and_plan_or_a_geometry(home: Path, args: tuple[st
     assert "give either --model and --plan, or --geometry" in result.output
 
 
+@pytest.mark.slow  # two real conversions racing (make chaos)
 def test_two_processes_compiling_one_package_both_succeed_and_build_it_once(home: Path, tiny_model: Path,
                                                                             coreml_plan: Callable) -> None:
     plan_path, plan = coreml_plan()

@@ -216,7 +216,7 @@ def test_the_worker_holds_it_while_batch_work_waits_in_an_open_window_and_status
     worker = Worker(config, home, queue, scheduler=scheduler, awake=awake)
     queue.add("/docs/a.txt", "a" * 64, model_key="m", settings_key="s", priority=BATCH, batch_window=WINDOW)
 
-    queue.write_daemon(pid=os.getpid(), started_at=time.time(), stopped_at=None, model="demo", backend="cpu")
+    queue.daemons.write(pid=os.getpid(), started_at=time.time(), stopped_at=None, model="demo", backend="cpu")
     worker._decide()
     assert awake.asked == [f"batch window {WINDOW}"]
     worker._write_row()

@@ -72,7 +72,7 @@ def test_a_dtype_that_agrees_with_weights_is_only_deprecated_and_one_that_disagr
     with caplog.at_level("WARNING", logger="npumoe.daemon.config"):
         model = load_config(write(tmp_path, '[model]\nweights = "int4"\ndtype = "bfloat16"\n')).model
     assert (model.weights, model.dtype) == ("int4", "") and "deprecated" in caplog.text
-    with pytest.raises(ConfigError, match=r'config.toml: \[model\] dtype = "float32" disagrees with weights = "int8", '
+    with pytest.raises(ConfigError, match=r"config.toml: \[model\] dtype 'float32' disagrees with weights 'int8', "
                                           r"whose float dtype is bfloat16; dtype is deprecated: remove it"):
         load_config(write(tmp_path, '[model]\nweights = "int8"\ndtype = "float32"\n'))
     with pytest.raises(ConfigError, match=r"'model\.weights' must be one of auto, fp32, bf16, int8, int4, got ''"):

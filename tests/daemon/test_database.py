@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from sample_meta import document_meta
 
 from npumoe.daemon.cli import main
 from npumoe.daemon.config import Config, ModelConfig, OutboxConfig
@@ -20,7 +21,6 @@ from npumoe.daemon.model_choice import demo_model_dir
 from npumoe.daemon.rebuild import keys_of, rebuild_queue
 from npumoe.daemon.service import EXIT_DO_NOT_RESTART
 from npumoe.jobs.errors import DatabaseUnusable
-from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
 from npumoe.jobs.outputs import output_name
 from npumoe.jobs.queue.dialects import check_sqlite_version
 from npumoe.jobs.queue.schema import SCHEMA_VERSION
@@ -111,16 +111,9 @@ def write_output(home: Home, source: Path, job_id: int, model: str, *, outbox: P
     """A finished document's output folder as the pipeline writes it (into the home's outbox, or `outbox`), with a
     real DocumentMeta."""
     sha = hashlib.sha256(source.read_bytes()).hexdigest()
-    meta = DocumentMeta(
-        source=str(source), sha256=sha, job_id=job_id, model=model, model_key=f"{model}@main",
-        plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")), overflow="spill",
-        weights=str(settings.get("weights", "fp32")), dtype="float32",
-        chunk_tokens=512, extraction=Extraction("text", None, 100), tokens=30, chunks=1, sections=1,
-        reduce_rounds=0, generated_tokens=4, embeddings=Embeddings(dim=8),
-        residency=Residency(accelerator_groups=0, cpu_groups=0, measured_on=None, fallback=None),
-        seconds=Seconds(extract=0.1, prefill=0.2, summary=0.3, reduce=0.0, engine=0.5, total=0.7),
-        cpu_seconds=0.9, energy_joules=None, energy_source="unavailable", dispatch={}, npumoed_version="0",
-        created_at="2026-11-30T01:02:03+00:00")
+    meta = document_meta(source=str(source), sha256=sha, job_id=job_id, model=model, model_key=f"{model}@main",
+                         plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")),
+                         weights=str(settings.get("weights", "fp32")))
     folder = (outbox or home.outbox) / output_name(source.name, sha)
     folder.mkdir(parents=True)
     (folder / "meta.json").write_bytes(meta.to_json())

@@ -134,6 +134,7 @@ def test_a_running_daemon_turns_dropped_files_into_outputs_and_bad_ones_into_rea
     assert after["daemon"]["state"] == "stopped" and after["queue"]["done"] == 2
 
 
+@pytest.mark.slow  # two lives of a real daemon (make chaos, which also kills workers hundreds of times)
 def test_sigterm_mid_document_loses_nothing_and_a_restart_finishes_it(
     daemon_home: Path,
     start_npumoed: Callable[..., Any],

@@ -50,7 +50,7 @@ class Writes:
 
     def __init__(self, queue: Queue) -> None:
         self.statements: list[str] = []
-        event.listen(queue._write, "before_cursor_execute", self._seen)
+        event.listen(queue.db.writer, "before_cursor_execute", self._seen)
 
     def _seen(self, _conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
         self.statements.append(statement.split()[0])
@@ -79,7 +79,7 @@ def test_an_idle_daemon_writes_nothing_reads_no_power_and_starts_no_process(
     runner = threading.Thread(target=worker.run)
     runner.start()
     try:
-        wait_until(lambda: (queue.read_daemon() or {}).get("activity") == "idle")
+        wait_until(lambda: (queue.daemons.read() or {}).get("activity") == "idle")
         started = (len(writes.statements), power.reads)
         time.sleep(1.5)  # ~75 polls and heartbeats
         idle = (len(writes.statements), power.reads)
@@ -87,7 +87,7 @@ def test_an_idle_daemon_writes_nothing_reads_no_power_and_starts_no_process(
         # The counter sees a write as soon as there is something to say: batch work for a closed window.
         Queue(home.database).add("/docs/night.txt", "1" * 64, model_key="m", settings_key="s", priority=BATCH,
                                  batch_window="01:00-06:00")
-        wait_until(lambda: queue.read_daemon()["reason"] == "batch work waits for 01:00-06:00")
+        wait_until(lambda: queue.daemons.read()["reason"] == "batch work waits for 01:00-06:00")
         told = len(writes.statements)
         time.sleep(0.5)
         after = (len(writes.statements), power.reads)
@@ -143,12 +143,12 @@ def test_a_real_idle_daemon_neither_forks_nor_writes_for_a_minute(
             if queue is None and (home / "npumoed.db").exists():
                 queue = Queue(home / "npumoed.db", read_only=True)
             try:
-                return queue is not None and (queue.read_daemon() or {}).get("activity") == "idle"
+                return queue is not None and (queue.daemons.read() or {}).get("activity") == "idle"
             except OperationalError:  # the daemon is still creating the tables
                 return False
 
         wait_until(idle, timeout=120)
-        pid = queue.read_daemon()["pid"]  # type: ignore[union-attr,index]
+        pid = queue.daemons.read()["pid"]  # type: ignore[union-attr,index]
         queue.close()  # type: ignore[union-attr]
         since = time.time() + 1.0  # past the write that said "idle"
         time.sleep(IDLE_SECONDS + 1.0)

@@ -149,6 +149,7 @@ def _share(process: psutil.Process, before: float, seconds: float) -> float:
     return (t.user + t.system - before) / (seconds * (psutil.cpu_count() or 1))
 
 
+@pytest.mark.slow  # CPU burners measured over real seconds, at the mercy of other load (make chaos)
 def test_foreground_load_counts_other_processes_but_not_our_own_children() -> None:
     load = ForegroundLoad(window=0.1)
     load()

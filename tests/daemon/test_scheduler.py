@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import psutil
 import pytest
+from sample_meta import document_meta
 
 from npumoe.daemon.batch import BatchWindow, write_batch_report
 from npumoe.daemon.config import SchedulerConfig, load_config
@@ -78,16 +79,16 @@ def test_runs_when_nothing_holds_it_back(world: World) -> None:
 
 
 def test_pause_holds_everything_until_resume(world: World) -> None:
-    world.queue.set_control("paused", {"since": NOON.timestamp()})
+    world.queue.controls.set("paused", {"since": NOON.timestamp()})
     paused = world.scheduler.decide()
     assert not paused.run and paused.reason == "paused by you since 12:00"
-    world.queue.set_control("paused", None)
+    world.queue.controls.set("paused", None)
     assert world.scheduler.decide().run
 
 
 def test_paused_it_reads_neither_the_power_source_nor_the_load(world: World) -> None:
     world.add()
-    world.queue.set_control("paused", {"since": NOON.timestamp()})
+    world.queue.controls.set("paused", {"since": NOON.timestamp()})
     world.load = 0.9  # would be a reason of its own, if it were sampled
     assert world.scheduler.decide().reason == "paused by you since 12:00"
     assert world.power.reads == 0
@@ -95,7 +96,7 @@ def test_paused_it_reads_neither_the_power_source_nor_the_load(world: World) -> 
 
 def test_pause_outranks_every_other_reason(world: World) -> None:
     world.power.state = dataclasses.replace(BATTERY, low_power_mode=True)
-    world.queue.set_control("paused", {"since": NOON.timestamp()})
+    world.queue.controls.set("paused", {"since": NOON.timestamp()})
     assert world.scheduler.decide().reason.startswith("paused by you")
 
 
@@ -251,7 +252,7 @@ def test_the_batch_report_covers_the_jobs_of_that_night(tmp_path: Path) -> None:
         out = home.outbox / f"job{job.id}"
         if meta is not None:
             out.mkdir()
-            (out / "meta.json").write_text(json.dumps(meta))
+            (out / "meta.json").write_bytes(document_meta(**meta).to_json())
             world.queue.complete(job.id, 7, output_dir=str(out))
         else:
             world.queue.fail(job.id, 7, "extractor crashed", retryable=False)
@@ -405,6 +406,7 @@ def _wait(condition: Callable[[], bool], what: str, daemon: subprocess.Popen[byt
         time.sleep(0.1)
 
 
+@pytest.mark.slow  # a real daemon paused in real time (make chaos); the engine's and worker's pause tests are fast
 def test_pause_stops_a_running_daemon_within_one_chunk_and_resume_lets_it_go_on(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     home = Home(tmp_path / "home").ensure()
@@ -424,7 +426,7 @@ def test_pause_stops_a_running_daemon_within_one_chunk_and_resume_lets_it_go_on(
 
         assert npumoed("pause").returncode == 0
         at_pause = int(_detail(queue, job.id).get("tokens_done") or 0)
-        _wait(lambda: ((queue.read_daemon() or {}).get("reason") or "").startswith("paused by you"),
+        _wait(lambda: ((queue.daemons.read() or {}).get("reason") or "").startswith("paused by you"),
               "pause", daemon)
         settled = _detail(queue, job.id)
         time.sleep(2.0)  # four of the daemon's polls

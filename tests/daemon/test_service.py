@@ -36,6 +36,7 @@ from npumoe.daemon.service import (
     lingering,
 )
 from npumoe.engine.kernels import attention_choice, float_kernels, quant_kernels
+from npumoe.engine.kernels.choice import Accuracy
 from npumoe.engine.kernels.host import cpu_model
 from npumoe.jobs.queue.store import BATCH, Queue
 
@@ -247,11 +248,11 @@ def test_install_dry_run_prints_the_unit_and_commands_and_writes_nothing(home: P
 
 def test_pause_and_resume_set_the_switch_the_scheduler_reads(home: Path) -> None:
     assert "paused" in npumoed("pause").output
-    paused = Queue(Home(home).database).get_control("paused")
+    paused = Queue(Home(home).database).controls.get("paused")
     assert paused is not None and paused["since"] > 0
     assert "already paused since" in npumoed("pause").output
     assert npumoed("resume").output.strip() == "resumed"
-    assert Queue(Home(home).database).get_control("paused") is None
+    assert Queue(Home(home).database).controls.get("paused") is None
     assert npumoed("resume").output.strip() == "was not paused"
 
 
@@ -341,16 +342,30 @@ def test_doctor_lists_every_measured_choice_attention_included_with_its_figures(
                                     "1 ms, onednn 2 ms, torch 3 ms)")  # the reference doctor measures, alone
     threads = torch.get_num_threads()
     attention_choice.CHOICES.choose(torch.bfloat16, {"heads": 32, "kv_heads": 4, "head_dim": 128}, ["npumoe", "torch"],
-                                    lambda: {"npumoe": 0.01, "torch": 0.02}, threads=threads)
+                                    lambda _: {"npumoe": 0.01, "torch": 0.02}, threads=threads)
     quant_kernels.CHOICES.choose(torch.bfloat16, {"format": "int8", "hidden": 2048, "ffn": 768},
                                  ["npumoe-int8-amx-dynamic", "int8pack"],
-                                 lambda: {"npumoe-int8-amx-dynamic": 0.001, "int8pack": 0.004}, threads=1,
+                                 lambda _: {"npumoe-int8-amx-dynamic": 0.001, "int8pack": 0.004}, threads=1,
                                  unavailable={"onednn-dynamic": "no oneDNN here"})
     assert measured()["detail"] == (
         f"attention: bfloat16 heads 32 kv_heads 4 head_dim 128 threads {threads}: npumoe (npumoe 10 ms, torch 20 ms) "
         "| float kernels: bfloat16 hidden 2048 ffn 768 threads 1: npumoe-bf16 (npumoe-bf16 1 ms, onednn 2 ms, "
         "torch 3 ms) | quantized kernels: bfloat16 format int8 hidden 2048 ffn 768 threads 1: npumoe-int8-amx-dynamic "
         "(npumoe-int8-amx-dynamic 1 ms, int8pack 4 ms; onednn-dynamic cannot: no oneDNN here)")
+
+
+def test_doctor_shows_a_kernel_the_probe_refused_beside_the_choice(home: Path, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_timings(monkeypatch, tmp_path / "cache", fastest="npumoe-bf16")
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})
+    quant_kernels.CHOICES.choose(torch.bfloat16, {"format": "int8", "hidden": 2048, "ffn": 768},
+                                 ["onednn-dynamic", "int8pack"], lambda names: {name: 0.004 for name in names},
+                                 threads=1, probe=lambda names: {"onednn-dynamic": Accuracy(0.037, 0.012),
+                                                                 "int8pack": Accuracy(0.002, 0.004)})
+    detail = {c["check"]: c for c in json.loads(npumoed("doctor", "--json").output)["checks"]}["measured choices"]
+    assert detail["detail"].endswith(
+        "quantized kernels: bfloat16 format int8 hidden 2048 ffn 768 threads 1: int8pack (int8pack 4 ms; "
+        "onednn-dynamic refused: relative error 0.037 against the reference, above its bound 0.012)")
 
 
 def _weights_check(*args: str) -> dict:

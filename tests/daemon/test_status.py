@@ -45,7 +45,7 @@ def a_running_daemon(queue: Queue, now: float = NOW) -> int:
         "eta_s": 6.0,
     }
     queue.heartbeat(job_id, os.getpid(), lease_seconds=600, progress=0.4, detail=detail)
-    queue.write_daemon(
+    queue.daemons.write(
         pid=os.getpid(),
         started_at=now - 3725,
         heartbeat_at=now - 1,
@@ -91,7 +91,7 @@ def test_a_running_daemon_shows_its_pid_uptime_model_and_current_progress(queue:
 
 
 def test_a_waiting_daemon_says_why(queue: Queue) -> None:
-    queue.write_daemon(
+    queue.daemons.write(
         pid=os.getpid(),
         started_at=NOW - 10,
         heartbeat_at=NOW,
@@ -106,7 +106,7 @@ def test_a_waiting_daemon_says_why(queue: Queue) -> None:
 
 
 def test_a_daemon_that_stopped_cleanly_or_was_killed_is_shown_stopped(queue: Queue) -> None:
-    queue.write_daemon(
+    queue.daemons.write(
         pid=os.getpid(),
         started_at=NOW - 10,
         heartbeat_at=NOW - 5,
@@ -120,13 +120,13 @@ def test_a_daemon_that_stopped_cleanly_or_was_killed_is_shown_stopped(queue: Que
     assert snapshot(queue, now=NOW)["daemon"]["state"] == "stopped"
     gone = subprocess.Popen(["true"])
     gone.wait()
-    queue.write_daemon(pid=gone.pid, stopped_at=None, activity="working")  # killed: no clean stop recorded
+    queue.daemons.write(pid=gone.pid, stopped_at=None, activity="working")  # killed: no clean stop recorded
     snap = snapshot(queue, now=NOW)
     assert (snap["daemon"]["state"], snap["daemon"]["activity"]) == ("stopped", "stopped")
 
 
 def test_a_live_daemon_with_an_old_heartbeat_is_not_responding(queue: Queue) -> None:
-    queue.write_daemon(
+    queue.daemons.write(
         pid=os.getpid(),
         started_at=NOW - 600,
         heartbeat_at=NOW - 120,

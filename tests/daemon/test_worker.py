@@ -69,7 +69,7 @@ def test_run_once_processes_the_inbox_and_sets_aside_what_cannot_be_queued(
     assert "FIFO" in (home.failed / "pipe.txt.error.txt").read_text()
     assert "symbolic link" in (home.failed / "link.txt.error.txt").read_text()
     assert (tmp_path / "secret.txt").read_text() == "outside the inbox"
-    row = queue.read_daemon()
+    row = queue.daemons.read()
     assert row is not None and row["stopped_at"] is not None and row["counters"]["done"] == 1
 
 
@@ -111,16 +111,16 @@ def test_a_pause_holds_the_work_and_says_why_until_resumed(
     queue: Queue, home: Home, make_worker: Callable[..., Worker]
 ) -> None:
     (home.inbox / "report.md").write_text(PARAGRAPH * 3)
-    queue.set_control("paused", {"since": time.time()})
+    queue.controls.set("paused", {"since": time.time()})
     seen: list[str] = []
 
     def resume_once_waiting() -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            row = queue.read_daemon()
+            row = queue.daemons.read()
             if row and row["activity"] == "waiting":
                 seen.append(row["reason"])
-                queue.set_control("paused", None)
+                queue.controls.set("paused", None)
                 return
             time.sleep(0.05)
 

@@ -83,7 +83,7 @@ def test_a_full_disk_fails_no_job_says_so_in_status_and_every_document_completes
     def free_space_once_status_names_the_fault() -> None:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            row = queue.read_daemon()
+            row = queue.daemons.read()
             if row and "disk full" in (row["reason"] or ""):
                 seen["status"] = render_text(snapshot(queue))
                 seen["counts"] = queue.counts()
@@ -148,7 +148,7 @@ def test_a_restart_does_not_hash_an_unchanged_inbox_again(
     kept = home.inbox / "kept.md"
     kept.write_text(PARAGRAPH * 2)
     assert dict(make_worker().run().outcomes) == {"done": 1}
-    assert list(queue.handed_files()) == [str(kept)]
+    assert list(queue.handed.all()) == [str(kept)]
     hashed: list[Path] = []
     real_identify = intake.identify
 
@@ -163,7 +163,7 @@ def test_a_restart_does_not_hash_an_unchanged_inbox_again(
     assert dict(make_worker().run().outcomes) == {"done": 1} and hashed == [kept]
     kept.unlink()
     make_worker().run()
-    assert queue.handed_files() == {}  # a file that left the inbox is forgotten
+    assert queue.handed.all() == {}  # a file that left the inbox is forgotten
 
 
 def test_the_watchdog_counts_time_without_progress_but_not_while_the_model_loads() -> None:

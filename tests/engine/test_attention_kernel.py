@@ -145,7 +145,8 @@ def test_the_choice_is_timed_once_per_machine_and_kept(monkeypatch, tmp_path):
     monkeypatch.setattr(attention_choice, "time_kernels", lambda *a: timed.append(a) or time_kernels(*a))
     query, key, value, *_ = _case("causal chunk at depth, grouped heads", torch.float32)
     first = attention_choice.choose(query, key, value)
-    assert timed == [(torch.float32, 8, 2, 64)] and first.seconds.keys() == {"npumoe", "torch"}
+    assert timed == [(["npumoe", "torch"], torch.float32, 8, 2, 64)] and first.seconds.keys() == {"npumoe", "torch"}
+    assert first.refused == {}  # both passed the probe
     assert first.winner == min(first.seconds, key=first.seconds.__getitem__)
     monkeypatch.setattr(mechanism, "_chosen", {})  # a new process: read from the machine's cache
     assert attention_choice.choose(query, key, value) == first and len(timed) == 1

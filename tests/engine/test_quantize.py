@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.nn.functional as F
-from cpus import APPLE_SILICON, CPUS, INTEL_MAC, SAPPHIRE_RAPIDS, simulate
+from cpus import APPLE_SILICON, CPUS, INTEL_MAC, SAPPHIRE_RAPIDS, fresh_process, simulate
 
 from npumoe.engine.formats import quantize as quantize_module
 from npumoe.engine.formats.quantize import (
@@ -128,20 +134,27 @@ def _kernels_here(format: str, dtype: torch.dtype, weight: QuantizedWeight) -> l
 @pytest.mark.parametrize("dtype", ACTIVATION_DTYPES, ids=str)
 @pytest.mark.parametrize("format", FORMATS)
 def test_every_kernel_that_runs_here_matches_the_dequantized_reference_at_each_row_count(format, dtype):
+    """Or is wrong at them on this machine and the choice's probe refuses it, as it does oneDNN's int8 on x86
+    without VNNI (int16 pair sums saturate): the test and the choice read the same bounds."""
     q = quantize(randn(192, 256, seed=4), format)
+    kernels = _kernels_here(format, dtype, q)
+    refused = {kernel for kernel, accuracy in quant_kernels.probe_kernels(kernels, q, dtype).items()
+               if accuracy.refusal() is not None}
     calls = {kernel: 0 for kernel in KERNELS[format]}
-    for kernel in _kernels_here(format, dtype, q):
+    for kernel in kernels:
         linear = QuantLinear(q, kernel, dtype)
+        errors = []
         for rows in (1, 5, 32, 70):
             x = randn(rows, 256, seed=rows).to(dtype)
             y = linear(x)
             calls[kernel] += 1
             assert y.shape == (rows, 192) and y.dtype == dtype
-            # weight-only kernels: the reference up to float rounding; dynamic ones round x to 8 bits as well
-            bound = 0.012 if kernel.endswith("dynamic") else 0.004 if dtype == torch.bfloat16 else 1e-5
-            assert relative_error(y, reference_linear(x.float(), q)) < bound, (kernel, rows)
-    assert calls["dequantize"] == 4  # the kernel that runs anywhere ran
-    assert sum(calls.values()) == 4 * len(_kernels_here(format, dtype, q))
+            errors.append(relative_error(y, reference_linear(x.float(), q)))
+        # weight-only kernels: the reference up to float rounding; dynamic ones round x to 8 bits as well
+        bound = quant_kernels.bound(kernel, dtype)
+        assert max(errors) > bound if kernel in refused else max(errors) < bound, (kernel, errors)
+    assert calls["dequantize"] == 4 and "dequantize" not in refused  # the kernel that runs anywhere ran, right
+    assert sum(calls.values()) == 4 * len(kernels)
 
 
 def test_a_kernel_writes_into_out_and_takes_no_rows():
@@ -214,7 +227,8 @@ def test_the_kernel_measured_fastest_is_chosen_and_cached_for_the_next_process(t
 
     monkeypatch.setattr(quant_kernels, "time_kernels", fake_timing)
     choice = choose_kernel(*_experts(format), torch.bfloat16)
-    runnable = tuple(kernel for kernel in KERNELS[format] if kernel not in choice.unavailable)  # AMX: the OS decides
+    runnable = tuple(kernel for kernel in KERNELS[format]  # AMX: the OS decides; refused: wrong on this CPU
+                     if kernel not in choice.unavailable and kernel not in choice.refused)
     assert choice.winner == fastest and calls == [runnable]
     monkeypatch.setattr(mechanism, "_chosen", {})  # a new process
     assert choose_kernel(*_experts(format), torch.bfloat16) == choice
@@ -224,11 +238,70 @@ def test_the_kernel_measured_fastest_is_chosen_and_cached_for_the_next_process(t
     assert len(calls) == 2
 
 
+def test_a_kernel_over_its_bound_is_refused_by_the_choice_though_it_is_the_fastest(tmp_path, monkeypatch):
+    fresh_process(monkeypatch, tmp_path)
+    wrong, probed = "int8pack", []
+    product = QuantLinear._product
+
+    def five_percent_off(self, x):  # int8pack computes 5 % too much
+        if self.kernel != wrong:
+            return product(self, x)
+        probed.append(len(x))
+        return product(self, x) * 1.05
+
+    timed: list[tuple[str, ...]] = []
+
+    def fake_timing(kernels, gate_up, down, dtype):  # and is the fastest, were it timed
+        timed.append(tuple(kernels))
+        return {kernel: 1e-3 if kernel == wrong else 2e-3 for kernel in kernels}
+
+    monkeypatch.setattr(QuantLinear, "_product", five_percent_off)
+    monkeypatch.setattr(quant_kernels, "time_kernels", fake_timing)
+    choice = choose_kernel(*_experts(INT8), torch.float32)
+    assert probed == [quant_kernels.ROWS]  # the probe ran it, once
+    assert len(timed) == 1 and wrong not in timed[0] and "dequantize" in timed[0]  # it was not timed
+    assert choice.winner != wrong and wrong not in choice.seconds
+    assert choice.refused[wrong] == "relative error 0.05 against the reference, above its bound 1e-05"
+    monkeypatch.setattr(mechanism, "_chosen", {})  # a new process: the refusal is read back with the choice
+    assert choose_kernel(*_experts(INT8), torch.float32) == choice and len(timed) == 1 and len(probed) == 1
+
+
+def test_under_avx2_the_choice_takes_an_int8_kernel_within_its_bound(tmp_path):
+    """oneDNN and torch narrowed to AVX2, as on an x86 CPU without VNNI (a Zen 3): oneDNN's int8 matmul, and
+    torch's `_int_mm` on it, add pairs of u8×s8 products in int16, which saturates; the choice refuses them
+    there (oneDNN absent, as on arm64: they cannot run at all). In a process of its own: the settings are read
+    when torch loads."""
+    script = textwrap.dedent("""
+        import json, torch
+        from npumoe.engine.formats.quantize import INT8, quantize
+        from npumoe.engine.kernels import quant_kernels
+        generator = torch.Generator().manual_seed(0)
+        gate_up = [quantize(torch.randn(512, 256, generator=generator), INT8) for _ in range(2)]
+        down = [quantize(torch.randn(256, 256, generator=generator), INT8) for _ in range(2)]
+        result = {}
+        for dtype in quant_kernels.ACTIVATION_DTYPES:
+            choice = quant_kernels.choose_kernel(gate_up, down, dtype)
+            accuracy = quant_kernels.probe_kernels(list(choice.seconds), gate_up[1], dtype, rows=70)
+            result[str(dtype)] = {"winner": choice.winner, "refused": choice.refused, "unavailable": choice.unavailable,
+                                  "timed": {kernel: [a.error, a.bound] for kernel, a in accuracy.items()}}
+        print(json.dumps(result))
+    """)
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "NPUMOE_CACHE": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for dtype, choice in json.loads(run.stdout.splitlines()[-1]).items():
+        assert choice["winner"] in choice["timed"] and "dequantize" in choice["timed"], (dtype, choice)
+        # what the choice took, and all it timed, within bound on other weights and rows than the probe's
+        assert all(error <= bound for error, bound in choice["timed"].values()), (dtype, choice)
+        assert all("above its bound" in why for why in choice["refused"].values()), (dtype, choice)
+        assert "onednn-dynamic" in choice["unavailable"] or "onednn-dynamic" in choice["refused"], (dtype, choice)
+
+
 def test_real_timing_runs_every_kernel_here_single_threaded(tmp_path, monkeypatch):
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
     monkeypatch.setattr(mechanism, "_chosen", {})
     gate_up, down = _experts(INT8, count=3)
     choice = choose_kernel(gate_up, down, torch.float32)
-    assert choice.seconds.keys() == set(_kernels_here(INT8, torch.float32, gate_up[0]))
+    assert choice.seconds.keys() == set(_kernels_here(INT8, torch.float32, gate_up[0])) - choice.refused.keys()
     assert choice.winner == min(choice.seconds, key=choice.seconds.__getitem__)
     assert all(seconds > 0 for seconds in choice.seconds.values())

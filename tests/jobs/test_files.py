@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from npumoe.jobs.errors import FileRefused
-from npumoe.jobs.files import Identity, open_regular, snapshot
+from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
+from npumoe.jobs.files import Identity, identify, open_regular, snapshot
 
 
 def refusal(path: Path, max_bytes: int | None = None) -> FileRefused:
@@ -45,6 +47,30 @@ def test_a_file_over_the_limit_is_refused_in_the_units_of_the_setting(tmp_path: 
         f.truncate(2**20)  # sparse: nothing to read, only a size
     refused = refusal(huge, 2**19)
     assert refused.kind == "too_large" and "1,048,576 bytes, over the 0.5 MB limit" in str(refused)
+
+
+def test_every_reader_refuses_a_file_with_the_same_kind_and_the_same_words(tmp_path: Path) -> None:
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"x" * 2**20)
+    readers = (lambda: identify(huge, 2**19),  # intake hashing it
+               lambda: snapshot(huge, tmp_path / "copy", 2**19),  # the pipeline copying it
+               lambda: extract_text(huge, ExtractLimits(max_bytes=2**19)))  # extraction parsing it
+    refusals = [(refused.kind, str(refused)) for refused in map(refusal_of, readers)]
+    assert refusals == [("too_large", "the file is 1,048,576 bytes, over the 0.5 MB limit (extract.max_mb)")] * 3
+
+
+def test_an_empty_file_is_refused_only_where_text_is_needed(tmp_path: Path) -> None:
+    (tmp_path / "empty.txt").touch()
+    with open_regular(tmp_path / "empty.txt") as file:  # intake may queue it: the job records why it has no text
+        assert file.read() == b""
+    refused = refusal_of(lambda: open_regular(tmp_path / "empty.txt", empty=False))
+    assert (refused.kind, str(refused)) == ("empty", "file is empty (0 bytes)")
+
+
+def refusal_of(read: Callable[[], object]) -> FileRefused:
+    with pytest.raises(FileRefused) as caught:
+        read()
+    return caught.value
 
 
 def test_a_snapshot_is_a_private_copy_with_its_hash(tmp_path: Path) -> None:

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+from sample_meta import document_meta
 
 from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
 from npumoe.jobs.queue import sqlite
@@ -52,7 +52,7 @@ class Home:
         rows = np.stack([*vectors, unit(*np.mean(vectors, axis=0))])
         files = {"summary.md": f"# {name}\n\n_facts_\n\nAbout {name}.\nMore.\n".encode(),
                  "embeddings.npy": npy_bytes(rows),
-                 "meta.json": json.dumps({"job_id": job_id, "model_key": model_key, "source": f"/in/{name}"}).encode()}
+                 "meta.json": document_meta(job_id=job_id, model_key=model_key, source=f"/in/{name}").to_json()}
         if keep_text:
             files |= {OFFSETS_FILE: npy_bytes(spans), TEXT_FILE: compressed_text(text)}
         return write_folder(self.outbox, name, files)

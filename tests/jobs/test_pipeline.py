@@ -26,7 +26,7 @@ from npumoe.daemon.energy.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
 from npumoe.engine.moe.dispatch import DispatchStats
 from npumoe.jobs import files, outputs, pipeline
-from npumoe.jobs.errors import ExtractionError, MissingDependency, Stop
+from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import MachineFault
 from npumoe.jobs.files import Folders
@@ -278,6 +278,20 @@ def test_an_extractor_killed_by_the_same_stop_signal_does_not_fail_the_document(
     setup.stop_at_checkpoint = 2  # Ctrl-C: the daemon is stopping when the extractor's death is reported
     outcome, job = setup.run(setup.document())
     assert (outcome.state, job.state, job.attempts, job.last_error) == ("queued", "queued", 0, None)
+
+
+def test_a_document_refused_for_a_permission_is_tried_again_with_the_reason_it_was_refused(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def denied(*_: object) -> None:  # as open_regular refuses a file of mode 000 (root reads it anyway)
+        raise FileRefused("unreadable", "cannot read the file: permission denied", denied=True)
+
+    monkeypatch.setattr(pipeline, "snapshot", denied)
+    path = setup.document()
+    outcome, job = setup.run(path)
+    assert (outcome.state, job.error_kind, job.last_error) == ("failed", "unreadable",
+                                                               "cannot read the file: permission denied")
+    assert path.exists()  # a person may put the permission right: it stays in the inbox meanwhile
 
 
 def test_a_job_cancelled_mid_document_writes_nothing(setup: Setup) -> None:

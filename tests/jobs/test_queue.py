@@ -52,7 +52,7 @@ def queue(queue_location: Path | str, clock: Clock) -> Iterator[Queue]:
 
 def test_sqlite_database_uses_wal_and_is_private(tmp_path: Path) -> None:
     queue = Queue(tmp_path / "q.db")
-    with queue._read.connect() as conn:
+    with queue.db.read() as conn:
         assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
         assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
     assert queue.path.stat().st_mode & 0o077 == 0
@@ -215,7 +215,7 @@ def test_an_older_sqlite_database_is_migrated_in_place_keeping_its_jobs(tmp_path
                      {"sha": "0" * 64})
     engine.dispose()
     queue = Queue(path)
-    with queue._read.connect() as conn:
+    with queue.db.read() as conn:
         assert conn.exec_driver_sql("PRAGMA user_version").scalar() == SCHEMA_VERSION
         columns = {c["name"] for c in inspect(conn).get_columns("jobs")}
     assert columns == {c.name for c in jobs.columns}
@@ -238,7 +238,7 @@ def test_status_reads_while_a_writer_holds_the_lock(queue_location: Path | str) 
     writer = Queue(queue_location)
     add(writer, 3)
     reader = Queue(writer.location, read_only=True)
-    with writer._tx():  # SQLite: BEGIN IMMEDIATE held, and WAL readers still read
+    with writer.db.tx():  # SQLite: BEGIN IMMEDIATE held, and WAL readers still read
         assert reader.counts()["queued"] == 3
     with pytest.raises(PermissionError):
         reader.cancel(1)
@@ -302,7 +302,7 @@ def test_a_live_pid_that_started_after_the_claim_is_another_process(machines: tu
     claimed = alpha.claim(os.getpid(), lease_seconds=3600)
     assert claimed.worker_started == pytest.approx(psutil.Process().create_time())
     assert alpha.reap() == []  # this very process: alive, and the one that claimed
-    with alpha._tx() as conn:  # as if this pid had been reused since a worker that started earlier claimed
+    with alpha.db.tx() as conn:  # as if this pid had been reused since a worker that started earlier claimed
         conn.execute(update(jobs).values(worker_started=claimed.worker_started - 3600))
     assert alpha.reap() == [job_id]
 
@@ -319,11 +319,11 @@ def test_each_machine_and_home_has_its_own_daemon_row(machines: tuple[Queue, Que
     alpha, beta, _ = machines
     alpha_second_home = Queue(alpha.location, host="alpha", home="/srv/second")
     for queue, pid in ((alpha, 1), (beta, 2), (alpha_second_home, 3)):
-        queue.write_daemon(pid=pid, started_at=10.0, heartbeat_at=11.0, activity="idle", counters={"done": pid})
-    beta.write_daemon(activity="working", current_job=5)
-    assert [(w["host"], w["pid"], w["activity"]) for w in alpha.workers()] == [
+        queue.daemons.write(pid=pid, started_at=10.0, heartbeat_at=11.0, activity="idle", counters={"done": pid})
+    beta.daemons.write(activity="working", current_job=5)
+    assert [(w["host"], w["pid"], w["activity"]) for w in alpha.daemons.all()] == [
         ("alpha", 1, "idle"), ("alpha", 3, "idle"), ("beta", 2, "working")]
-    assert (beta.read_daemon()["pid"], alpha_second_home.read_daemon()["counters"]) == (2, {"done": 3})
+    assert (beta.daemons.read()["pid"], alpha_second_home.daemons.read()["counters"]) == (2, {"done": 3})
     alpha_second_home.close()
 
 
@@ -356,7 +356,7 @@ def test_postgresql_schema_version_is_kept_and_a_newer_one_refused(postgres: Pos
     for starter in starters:
         starter.join()
     queue = Queue(url)
-    with queue._tx() as conn:
+    with queue.db.tx() as conn:
         assert schema_version(conn) == SCHEMA_VERSION
         assert {c["name"] for c in inspect(conn).get_columns("jobs")} == {c.name for c in jobs.columns}
         conn.exec_driver_sql(f"UPDATE npumoed_schema SET version = {SCHEMA_VERSION + 1}")

@@ -95,9 +95,9 @@ def test_status_shows_every_worker_judging_other_hosts_by_their_heartbeat(postgr
     there.claim(4242, lease_seconds=600)
     there.heartbeat(job.id, 4242, lease_seconds=600, progress=0.5)
     # pid 4242 may not exist here: on another host only the heartbeat counts
-    there.write_daemon(pid=4242, started_at=now - 600, heartbeat_at=now - 2, activity="working", current_job=job.id,
+    there.daemons.write(pid=4242, started_at=now - 600, heartbeat_at=now - 2, activity="working", current_job=job.id,
                        counters={"done": 7})
-    here.write_daemon(pid=os.getpid(), started_at=now - 60, heartbeat_at=now - STALE_SECONDS - 5, activity="working",
+    here.daemons.write(pid=os.getpid(), started_at=now - 60, heartbeat_at=now - STALE_SECONDS - 5, activity="working",
                       counters={})
     snap = snapshot(here, now=now)
     workers = {w["host"]: w for w in snap["workers"]}
@@ -107,7 +107,7 @@ def test_status_shows_every_worker_judging_other_hosts_by_their_heartbeat(postgr
     assert "workers:" in text
     line = "attic-mac /Users/a/npumoed · pid 4242 · running · working · heartbeat 2s ago · #1 long.pdf 50% · 7 done"
     assert line in text
-    there.write_daemon(heartbeat_at=now - STALE_SECONDS - 5)
+    there.daemons.write(heartbeat_at=now - STALE_SECONDS - 5)
     assert {w["host"]: w["state"] for w in snapshot(here, now=now)["workers"]}["attic-mac"] == "not responding"
     here.close()
     there.close()

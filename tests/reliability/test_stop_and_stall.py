@@ -62,6 +62,7 @@ def test_sigterm_mid_document_again_and_again_never_spends_an_attempt(
     assert (job.state, job.attempts) == ("done", 1)
 
 
+@pytest.mark.slow  # waits out the stall watchdog in real time (make chaos)
 def test_a_hung_prefill_is_stopped_recorded_and_tried_again(
     home: Path, tmp_path: Path, daemon_config: Callable[..., Path],
     npumoed: Callable[..., subprocess.CompletedProcess[str]], wait_for: Callable[..., bool],

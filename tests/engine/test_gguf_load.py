@@ -1,0 +1,136 @@
+"""GGUF files: the model transformers reads from the same file, experts whose blocks the engine's formats express
+mapped into them with no float copy, other block types dequantized and quantized again, a stable key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.formats import gguf_blocks
+from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
+from npumoe.engine.formats.quantize import quantize
+from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
+from npumoe.engine.loading.load import load_model
+from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
+from npumoe.engine.loading.resolve import model_key
+from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
+from npumoe.engine.synthetic.gguf_writer import write_gguf
+
+Q = gguf.GGMLQuantizationType
+IDS = torch.arange(3, 60)[None]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A tiny dense llama (the demo model's family), saved with the project's byte tokenizer."""
+    tokenizer = build_byte_tokenizer()
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=False, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama") / "model"
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _reference_logits(file: Path) -> torch.Tensor:
+    """transformers' own load of the file (every tensor dequantized to float32), with the config the engine reads."""
+    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
+                                                 config=gguf_config(file)).eval()
+    with torch.inference_mode():
+        return model(IDS).logits
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_a_qwen3_moe_gguf_loads_as_transformers_reads_it(tiny, tmp_path, qtype):
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=qtype, weights=qtype)
+    loaded = load_model(file)
+    assert loaded.name == "model.gguf" and loaded.path == file.resolve() and loaded.streamed
+    assert (_logits(loaded.model) - _reference_logits(file)).abs().max() < 1e-4
+    assert loaded.tokenizer("hello <|im_start|>").input_ids == [104, 101, 108, 108, 111, 32, 257]
+    assert "<|im_start|>" in loaded.tokenizer.chat_template  # from the file's metadata
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
+def test_a_llama_gguf_loads_as_transformers_reads_it(tiny_llama, tmp_path, qtype):
+    file = write_gguf(tiny_llama, tmp_path / "llama.gguf", weights=qtype)
+    model = gguf_model(file, torch.float32, experts_implementation="eager")
+    assert (_logits(model) - _reference_logits(file)).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize(("qtype", "format"), [(Q.Q8_0, "int8"), (Q.Q4_0, "int4"), (Q.Q4_1, "int4")])
+def test_experts_in_blocks_the_formats_express_are_mapped_into_them_without_a_float_copy(tiny, tmp_path,
+                                                                                        monkeypatch, qtype, format):
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=qtype, weights=Q.F16)
+    floats: list[int] = []
+    quantize_ = gguf_blocks.quantize
+    monkeypatch.setattr(gguf_blocks, "quantize", lambda w, f: floats.append(w.shape[0]) or quantize_(w, f))
+    CONVERSIONS.clear()
+    loaded = load_model(file, dtype="float32", pack=True, format=format)
+    modules = moe_experts(loaded.model)
+    experts = len(modules) * loaded.model.config.num_experts
+    assert dict(CONVERSIONS) == {MAPPED: 3 * experts}  # gate, up and down of every expert, none dequantized
+    # Q4: no float weight at all; Q8_0: rescaled from its codes a few rows at a time
+    assert floats == [] if format == "int4" else max(floats) <= gguf_blocks.ROWS_AT_ONCE
+    MoeRuntime(loaded.model, get_backend("cpu"), quantized=format, release=True)
+    reference = _reference_logits(file)
+    error = (_logits(loaded.model) - reference).norm() / reference.norm()
+    # measured 0.7-1%: the kernels round the activations (int8 dynamic kernels) and int4 keeps bf16 scales
+    assert error < 0.03
+
+
+def test_q4_0_codes_pair_as_the_engines_nibbles(tmp_path):
+    # scales that are powers of two (exact in bf16): the engine's weight is the file's, value for value
+    rng = np.random.default_rng(0)
+    codes = rng.integers(-8, 8, size=(4, 64)).astype(np.float32)
+    codes[:, ::32] = -8  # each block's largest magnitude: d = -(-8 · s) / 8 = s
+    w = codes * np.float32(0.25)
+    raw = gguf.quants.quantize(w, Q.Q4_0)
+    got = engine_weight(torch.from_numpy(raw), Q.Q4_0, 64, "int4", torch.float32).dequantize()
+    assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0)))
+
+
+def test_a_k_quant_weight_is_dequantized_and_quantized_again():
+    # Q4_K blocks of 256 (gguf can read but not write them): f16 d and dmin, 12 bytes of 6-bit scales, 128 of codes
+    rng = np.random.default_rng(0)
+    rows, blocks = 8, 2
+    raw = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
+    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    raw[..., 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
+    raw = raw.reshape(rows, -1)
+    CONVERSIONS.clear()
+    got = engine_weight(torch.from_numpy(raw), Q.Q4_K, 256 * blocks, "int4", torch.float32)
+    want = quantize(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_K)), "int4")
+    assert dict(CONVERSIONS) == {DEQUANTIZED: 1}
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
+
+
+def test_a_gguf_files_key_follows_its_bytes(tiny, tmp_path):
+    one = write_gguf(tiny("qwen3_moe"), tmp_path / "one.gguf", experts=Q.Q4_0)
+    again = model_key(one)
+    (tmp_path / "two").mkdir()
+    two = write_gguf(tiny("qwen3_moe"), tmp_path / "two" / "one.gguf", experts=Q.Q8_0)
+    assert again == model_key(one) and again.startswith("one.gguf@") and model_key(two) != again
+
+
+def test_a_gguf_files_size_counts_the_same_parameters_and_experts_as_its_checkpoint(tiny, tmp_path):
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=Q.Q4_0)
+    from_file, from_folder = (model_size(checkpoint_tensors(where)) for where in (file, tiny("qwen3_moe")))
+    assert (from_file.parameters, from_file.expert_parameters) == (from_folder.parameters,
+                                                                    from_folder.expert_parameters)
+    assert from_file.formats["int4"].expert_bytes == from_folder.formats["int4"].expert_bytes
