@@ -1,6 +1,6 @@
 """Which model the daemon runs, and holding it: loaded on first use, unloaded after an idle spell.
 
-`[model] name` is "demo" (SmolLM2-135M-Instruct upcycled into an 8-expert Mixtral-class MoE, made once in the
+`[model] name` is "demo" (SmolLM2-135M-Instruct upcycled into an 8-expert top-1 Mixtral-class MoE, made once in the
 models cache from the GGUF file setup fetched), a local checkpoint folder, or a Hugging Face id that the engine
 looks up in the local HF cache (downloading only when `allow_download` is set).
 """
@@ -32,7 +32,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEMO = "demo"
-DEMO_BUILD = "demo-smollm2-135m-moe-8x2-v1"  # a new name whenever the recipe changes, so an old build is not reused
+DEMO_BUILD = "demo-smollm2-135m-moe-8x1-bf16-v2"  # a new name whenever the recipe changes: no old build is reused
+# A 135M model summarises a page or two well and loses the thread over its whole 8k context; short sections also keep
+# attention, which grows with the section, cheap. Wherever the demo model runs (demo, daemon, search, bench), unless
+# `section_tokens` is configured.
+DEMO_SECTION_TOKENS = 1536
 
 
 class ModelNotFound(ValueError):
@@ -108,7 +112,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,
         summary_tokens=m.summary_tokens,
-        section_tokens=m.section_tokens,
+        section_tokens=m.section_tokens or (DEMO_SECTION_TOKENS if m.name == DEMO else 0),
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
@@ -184,3 +188,8 @@ class ModelSlot:
             self._engine.close()
         self._engine = None
         gc.collect()  # the weights are only freed once the last reference cycle is broken
+
+
+if __name__ == "__main__":  # `make setup`: fetch the weights and build the demo MoE, so tests and the demo find it
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"demo model: {demo_model()}")

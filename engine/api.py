@@ -37,6 +37,7 @@ from .generate.summary import (
     SUMMARIZE,
     PromptFrame,
     decode_from_cache,
+    joined_lines,
     stop_ids,
     whole_sentences,
     without_thinking,
@@ -285,7 +286,8 @@ class Engine:
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
-        return DocumentResult(summary=whole_sentences(tokenizer.decode(summary, skip_special_tokens=True)),
+        said = joined_lines(tokenizer.decode(summary, skip_special_tokens=True))
+        return DocumentResult(summary=whole_sentences(said),
                               embeddings=_rows(vectors, sizes), spans=self._spans(encoded, sizes), stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run,

@@ -97,7 +97,7 @@ def read_status(home: Home, url: str = "") -> dict[str, Any] | None:
 def demo(app: App) -> None:
     """Process the built-in sample documents offline with the demo model, then show where it all went.
 
-    The demo model is SmolLM2-135M-Instruct made an 8-expert MoE (its summaries are SmolLM2's). The first run
+    The demo model is SmolLM2-135M-Instruct made an 8-expert top-1 MoE (its summaries are SmolLM2's). The first run
     makes it from the weights setup fetched and calibrates an expert plan on the samples, so the documents go
     through NPUMoE's static-shape path (torch-static backend).
     """

@@ -104,6 +104,12 @@ def whole_sentences(text: str) -> str:
     return text[:ends[-1]] if ends and ends[-1] < len(text) else text
 
 
+def joined_lines(text: str) -> str:
+    """`text` with the line breaks inside its paragraphs made spaces: a small model copies the hard-wrapped lines of a
+    PDF's text into its summary. Paragraph breaks and list items keep their lines."""
+    return re.sub(r"[ \t]*(?<!\n)\n(?![\n\-*•]|\d+[.)] )[ \t]*", " ", text)
+
+
 def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The tokens that end a turn: the model's generation eos ids and the tokenizer's eos."""
     configured = model.generation_config.eos_token_id

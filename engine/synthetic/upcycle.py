@@ -27,10 +27,16 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-EXPERTS = 8  # Mixtral's count: enough experts for tiers and groups to differ, memory 8x the dense FFNs'
-TOP_K = 2
+EXPERTS = 8  # Mixtral's count: enough experts for tiers and groups to differ
+# One expert per token: each token costs what the dense model's FFN does (top-2 would double it for the same output,
+# since the renormalised weight of one expert is exactly 1), and the loads stay as skewed as the router makes them.
+TOP_K = 1
+# Stored in bfloat16, the engine's 16-bit dtype: half fp32's disk, build and load time. Rounding the file's Q4_1
+# values to bf16's 8-bit mantissa moves them by up to 2^-9 relative; the MoE still equals the dense model with the
+# same rounded weights (tests/demo/test_demo_model.py).
+DTYPE = torch.bfloat16
 ROUTER_TOKENS = 1024  # of each text, for the clustering: enough for stable centres, cheap to run
-ROUTER_LOGITS = 4.0  # a typical token's largest logit: routing decided, the runner-up not negligible
+ROUTER_LOGITS = 4.0  # a typical token's largest logit: most tokens clearly belong to one expert
 ROUTER_SPREAD = 2.0  # logits between the most and the least popular expert's lean
 KMEANS_ROUNDS = 25
 
@@ -42,7 +48,7 @@ def upcycle_gguf(gguf: Path, out_dir: Path, texts: Sequence[str], *, experts: in
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     dense = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     rows = router_rows(dense, tokenizer, texts, experts, seed=seed)
-    moe = upcycle(dense, rows, top_k)
+    moe = upcycle(dense, rows, top_k).to(DTYPE)
     moe.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -21,6 +21,7 @@ from npumoe.engine.generate.summary import (
     SUMMARIZE,
     NoRepeatInAnswer,
     PromptFrame,
+    joined_lines,
     stop_ids,
     whole_sentences,
 )
@@ -93,7 +94,7 @@ def greedy_summary(loaded, text: str) -> str:
         out = loaded.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
                                     max_new_tokens=SUMMARY_TOKENS, eos_token_id=stop, pad_token_id=stop[0],
                                     logits_processor=[NoRepeatInAnswer(prompt.shape[1], NO_REPEAT)])
-    return whole_sentences(loaded.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True))
+    return whole_sentences(joined_lines(loaded.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "lfm2_moe", "gpt_oss"])
