@@ -36,6 +36,7 @@ from .generate.summary import (
     COMBINE,
     SUMMARIZE,
     PromptFrame,
+    answer_tokens,
     decode_from_cache,
     joined_lines,
     stop_ids,
@@ -424,7 +425,7 @@ class Engine:
     def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any, run: _Run) -> list[int]:
         with self.runtime.decoding():
             said = decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
-                                     self.settings.summary_tokens, self._stop)
+                                     answer_tokens(len(text), self.settings.summary_tokens), self._stop)
         run.generated_tokens += len(said)
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 

@@ -24,6 +24,10 @@ COMBINE = "These are summaries of consecutive parts of one document. Write one s
 # own n-grams count: transformers' no_repeat_ngram_size also counts the prompt's, which would forbid quoting it.
 NO_REPEAT = 4
 
+# A summary at most a third as long as its text (one as long is a copy, which is what a small model writes for a
+# short text), and never shorter than a few sentences' worth.
+SHARE, FEWEST = 3, 48
+
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
 # Chat-template switches that ask for an answer without reasoning first (Qwen3, GLM-4.5), or with the least of it
@@ -94,6 +98,11 @@ class NoRepeatInAnswer(LogitsProcessor):
             banned = [ids[i + self.n - 1] for i in range(len(ids) - self.n + 1) if tuple(ids[i:i + self.n - 1]) == tail]
             scores[row, banned] = -float("inf")
         return scores
+
+
+def answer_tokens(text_tokens: int, most: int) -> int:
+    """The new tokens a summary of a `text_tokens`-token text may take: `most`, less for a short text."""
+    return min(most, max(FEWEST, text_tokens // SHARE))
 
 
 def whole_sentences(text: str) -> str:

@@ -17,10 +17,12 @@ import torch
 from npumoe.engine import Engine, EngineSettings, Progress, load_model
 from npumoe.engine import api as engine_module
 from npumoe.engine.generate.summary import (
+    FEWEST,
     NO_REPEAT,
     SUMMARIZE,
     NoRepeatInAnswer,
     PromptFrame,
+    answer_tokens,
     joined_lines,
     stop_ids,
     whole_sentences,
@@ -347,3 +349,14 @@ def test_a_text_longer_than_a_section_is_embedded_section_by_section(api, harbou
 def test_an_empty_text_is_not_embedded(api):
     with pytest.raises(ValueError, match="empty or whitespace only"):
         api.embed(" \n")
+
+
+def test_a_summary_is_at_most_a_third_of_its_text_but_a_few_sentences_at_least() -> None:
+    assert answer_tokens(3000, 128) == 128  # a long text: the configured budget
+    assert answer_tokens(192, 128) == 64  # a short one: a third of it, or the summary would be a copy
+    assert answer_tokens(60, 128) == FEWEST
+    assert answer_tokens(192, 16) == 16  # never more than configured
+
+
+def test_a_pdfs_hard_wrapped_lines_are_joined_but_paragraphs_and_lists_keep_theirs() -> None:
+    assert joined_lines("A job that\nfailed.\n\n- one\n- two") == "A job that failed.\n\n- one\n- two"
