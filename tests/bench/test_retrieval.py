@@ -59,6 +59,7 @@ def test_each_question_asks_about_a_sentence_of_its_sample_in_other_words() -> N
         assert not copied, f"{q.question!r} copies {copied} from its anchor"
 
 
+@pytest.mark.timeout(600)  # the first test to ask for the shared demo run waits for it
 def test_the_demo_model_finds_the_answers_at_least_as_often_as_reported(demo_run) -> None:
     (default,) = [r for r in measure(Processed(demo_run), demo_run.texts, [MEAN]) if r.weights == WEIGHTS]
     assert default.questions == len(QUESTIONS)

@@ -10,6 +10,7 @@ import re
 from collections import Counter
 from dataclasses import replace
 
+import pytest
 import torch
 from demo_run import SUMMARY_TOKENS
 
@@ -17,6 +18,9 @@ from npumoe.engine import Engine
 from npumoe.engine.synthetic.smollm2 import gguf_path
 from npumoe.engine.synthetic.upcycle import DTYPE
 from npumoe.engine.vocabulary import FP32
+
+# The first test to ask for the shared demo run waits for it: minutes on a busy 2-core machine.
+pytestmark = pytest.mark.timeout(600)
 
 WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 # Words too common to say whether a summary is about its document.
