@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import platformdirs
 
@@ -102,15 +103,28 @@ class ExtractConfig:
     max_mb: float = positive(100.0)
 
 
-def matching(default: str, pattern: re.Pattern[str], words: str) -> Any:
-    """A string key that must match `pattern`; `words` say how, in the error."""
-    return field(default=default, metadata={"pattern": pattern, "words": words})
+def matching(default: str, pattern: re.Pattern[str], words: str, *, secret_url: bool = False) -> Any:
+    """A string key that must match `pattern`; `words` say how, in the error. `secret_url`: a URL whose password
+    `Config.shown` hides."""
+    return field(default=default, metadata={"pattern": pattern, "words": words, "secret_url": secret_url})
+
+
+def redacted_url(url: str) -> str:
+    """`url` with its password, in the user part or as a `password=` parameter, shown as `***`."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)],
+                      safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 @dataclass(frozen=True)
 class QueueConfig:
     # empty: the SQLite file in the home; postgresql://user@server/db: a queue several machines share
-    url: str = matching("", QUEUE_URL, "be empty or a postgresql://… URL")
+    url: str = matching("", QUEUE_URL, "be empty or a postgresql://… URL", secret_url=True)
     max_attempts: int = positive(3)
     lease_seconds: float = positive(120.0)
     retry_base_seconds: float = positive(30.0)
@@ -118,6 +132,13 @@ class QueueConfig:
     # A running job whose progress has not moved this long is stopped and retried (0: never). Longer than
     # the slowest chunk or summary step: a model loading does not count.
     stall_seconds: float = positive(900.0)
+    # On a shared queue: folders every machine mounts at the same path. A document anywhere else is pinned to
+    # the machine that queued it, since no other machine can read it there (or reads another file by that name).
+    shared_folders: list[str] = field(default_factory=list)
+
+    def is_shared(self, path: Path) -> bool:
+        """Whether `path` (absolute, its folder resolved) lies in one of the shared folders."""
+        return any(path.is_relative_to(Path(folder).expanduser().resolve()) for folder in self.shared_folders)
 
 
 @dataclass(frozen=True)
@@ -156,6 +177,15 @@ class Config:
 
     def as_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
+
+    def shown(self) -> dict[str, dict[str, Any]]:
+        """`as_dict` as it may be printed: the passwords in URLs hidden."""
+        shown = self.as_dict()
+        for section in dataclasses.fields(self):
+            for key in dataclasses.fields(getattr(self, section.name)):
+                if key.metadata.get("secret_url"):
+                    shown[section.name][key.name] = redacted_url(shown[section.name][key.name])
+        return shown
 
     def notes(self) -> dict[str, dict[str, str]]:
         """What `config show` says beside some keys, by section and key."""

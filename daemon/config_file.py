@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 import tomlkit
+
+from npumoe.jobs.outputs import write_file
 
 from .config import ConfigError, load_config
 
@@ -43,10 +46,11 @@ def section_text(text: str, section: str) -> str:
 
 def replace_config(path: Path, new: str) -> Path | None:
     """Write `new` to `path` after checking it loads, keeping the file there was as `<name>.bak`; returns the
-    backup's path (None when there was no file to back up)."""
+    backup's path (None when there was no file to back up). The new file keeps the old one's permissions (a file
+    that holds the queue server's password stays private), whatever the umask; a new one is private."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.writing")
-    partial.write_text(new, encoding="utf-8")
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o600
+    partial = write_file(path.with_name(f".{path.name}.writing"), new.encode("utf-8"), mode=mode)
     try:
         load_config(partial)  # the daemon must be able to read what is written
     except ConfigError:

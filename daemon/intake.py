@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from npumoe.engine.vocabulary import MEAN
-from npumoe.jobs.files import identify
+from npumoe.jobs.files import identify, real_folder
 from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
 
 from .config import Config
@@ -43,8 +43,9 @@ def iter_documents(paths: Iterable[Path], *, recursive: bool = True) -> Iterator
 
 
 def sha256_of(path: Path, max_bytes: int | None = None) -> str:
-    """The content hash of a regular file of at most `max_bytes`; FileRefused says why a path is not one."""
-    return identify(path, max_bytes)[0]
+    """The content hash of a regular file of at most `max_bytes`; FileRefused says why a path is not one.
+    `path` is a person's: links in its folder are followed, the file itself never is."""
+    return identify(real_folder(path), max_bytes)[0]
 
 
 def job_keys(config: Config) -> tuple[str, str]:
@@ -69,17 +70,19 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
             batch_window: str | None = None, pinned: bool = False) -> tuple[Job, bool]:
     """Queue one document; a file over `extract.max_mb` is refused before it is read (hashing costs a full read).
 
-    `pinned`: the file is this machine's own (an inbox), so on a shared queue only this machine may take it.
+    `pinned`: the file is this machine's own (an inbox), so on a shared queue only this machine may take it; so
+    is every file outside `queue.shared_folders`.
 
     Raises FileRefused for a path that is no document (a link, a FIFO, too large, gone).
     """
-    # First: a link (a looping one too) or a FIFO is refused before anything follows it.
-    sha256 = sha256_of(path, int(config.extract.max_mb * 2**20))
+    # The folder resolved, never the file itself: a link (a looping one too) or a FIFO is refused before
+    # anything follows it, and from now on a link anywhere on the recorded path is refused (open_regular).
+    where = real_folder(path)
+    sha256 = identify(where, int(config.extract.max_mb * 2**20))[0]
     model_key, settings_key = job_keys(config)
-    where = path.parent.resolve() / path.name  # the folder resolved, never the file itself
     return queue.add(where, sha256, model_key=model_key, settings_key=settings_key,
                      priority=priority, max_attempts=config.queue.max_attempts, batch_window=batch_window,
-                     pinned=pinned)
+                     pinned=pinned or not config.queue.is_shared(where))
 
 
 @dataclass

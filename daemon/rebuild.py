@@ -1,6 +1,6 @@
 """Rebuilding the queue's list of finished documents from the outbox, after the database was lost.
 
-Each finished document left `outbox/<stem>-<sha8>/meta.json`, naming its source, content hash, job and the
+Each finished document left `outbox/<stem>-<key16>/meta.json`, naming its source, content hash, job and the
 settings it was made with: enough to record it as done again, so that the inbox rescan settles its original
 instead of processing it a second time. Waiting and failed jobs left nothing in the outbox; the rescan
 queues their files again. A database that cannot be used is moved aside, never deleted.

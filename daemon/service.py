@@ -26,7 +26,8 @@ LABEL = "io.npumoed.daemon"
 UNIT = "npumoed.service"
 TEMPLATES = resources.files("npumoe.services")
 # The exit status of a daemon that restarting cannot help (its database is damaged or from a newer npumoed):
-# EX_CONFIG of sysexits(3). systemd is told not to restart on it; launchd restarts only after a crash.
+# EX_CONFIG of sysexits(3). systemd is told not to restart on it; launchd cannot exempt a status, so it
+# restarts after every exit but 0, at most once a ThrottleInterval.
 EXIT_DO_NOT_RESTART = 78
 SERVICE_ENV = "NPUMOED_SERVICE"  # set in the service definitions: the daemon logs to its rotating file only
 # Where the person's models and caches are: passed on to the service when set at install time.

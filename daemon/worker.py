@@ -216,6 +216,10 @@ class Worker:
             self._beat.join(timeout=BEAT_SECONDS * 2)
         self.model.unload()
         self.awake.release()
+        try:
+            self.pipeline.record_unsettled()
+        except MachineFault as fault:  # left running: the next start takes those jobs back
+            log.warning("stopping before the ends of some jobs could be recorded: %s", fault)
         self.summary.waiting = sum(self.queue.counts()[s] for s in (QUEUED, FAILED))
         self._set("stopped", "", current_job=None)
         self.queue.daemons.write(stopped_at=time.time())
@@ -239,36 +243,50 @@ class Worker:
     # -- the loop ---------------------------------------------------------------------------------------
 
     def _loop(self) -> None:
-        poll = self.config.scheduler.poll_seconds
         while not self._stopping.is_set():
-            self.queries.answer(self._embed_query)
-            decision = self._decide()
-            if not decision.run and not decision.idle:
-                self._set("waiting", decision.reason)
-                self._wait(poll)
-                continue
-            self._reap_now_and_then()
-            job = None if decision.idle else self.queue.claim(
-                self.pid, lease_seconds=self.config.queue.lease_seconds, open_windows=decision.open_windows
-            )
-            if job is None:
-                if self.once:
-                    return
-                self._set("idle", decision.reason or decision.held)
-                self.model.unload_if_idle()
-                self._wait(poll)
-                continue
             try:
-                self._work(job)
+                if not self._turn():
+                    return
             except ModelUnavailable as e:
                 log.error("cannot load the model: %s", e)
                 if self.once:
                     raise
                 self._set("waiting", f"the model could not be loaded: {e}")
                 self._wait(MODEL_RETRY_SECONDS)
-            except MachineFault as fault:
-                log.warning("job %d handed back, its attempt not counted: %s", job.id, fault)
+            except Exception as e:  # the database's own fault between jobs (claiming, reaping): wait it out
+                if (fault := machine_fault(e, self.outbox, database=self.queue.path)) is None:
+                    raise
+                log.warning("the queue could not be used: %s; waiting", fault)
                 self.scheduler.hold(fault)
+                self._wait(self.config.scheduler.poll_seconds)
+
+    def _turn(self) -> bool:
+        """One pass of the loop: wait, or run a job, or idle. False: `--once` found nothing left to do."""
+        poll = self.config.scheduler.poll_seconds
+        self.queries.answer(self._embed_query)  # searches asked of the daemon, between jobs
+        decision = self._decide()
+        if not decision.run and not decision.idle:
+            self._set("waiting", decision.reason)
+            self._wait(poll)
+            return True
+        self._reap_now_and_then()
+        self.pipeline.record_unsettled()  # the ends of earlier jobs the database would not take then
+        job = None if decision.idle else self.queue.claim(
+            self.pid, lease_seconds=self.config.queue.lease_seconds, open_windows=decision.open_windows
+        )
+        if job is None:
+            if self.once:
+                return False
+            self._set("idle", decision.reason or decision.held)
+            self.model.unload_if_idle()
+            self._wait(poll)
+            return True
+        try:
+            self._work(job)
+        except MachineFault as fault:
+            log.warning("job %d handed back, its attempt not counted: %s", job.id, fault)
+            self.scheduler.hold(fault)
+        return True
 
     def _reap_now_and_then(self) -> None:
         """Requeue the jobs of workers that died (their lease ran out), once every `lease_seconds`."""
@@ -390,6 +408,9 @@ class Worker:
             if isinstance(e, FileRefused) and e.kind == "missing":
                 log.info("%s disappeared before it could be queued", path)
                 return True
+            if isinstance(e, FileRefused) and e.denied:  # a person may put that right: offered again at the rescan
+                log.warning("not queued yet: %s: %s", path, e)
+                return False
             log.warning("not queued: %s: %s", path, e)
             set_aside(path, f"not queued: {e}\n", self.folders)
             self.summary.rejected += 1

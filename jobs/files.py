@@ -3,7 +3,7 @@
 Every reader of a document (intake hashing it, the pipeline copying it, extraction parsing it) opens it with
 `open_regular`, so they refuse the same files for the same reasons, in the same words. Originals are only
 ever moved or deleted from inside an inbox (`Folders.holds`): a document queued by hand from elsewhere is
-never touched, and one that is no longer the file that was read (`Identity`) is never touched either.
+never touched, and one that is no longer the very version that was read (`Version`) is never touched either.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import errno
 import hashlib
 import logging
 import os
+import shutil
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import BinaryIO
 
 from .errors import FileRefused
 from .faults import MACHINE_ERRNOS
-from .outputs import move_file, write_file
+from .outputs import fsync_dir, temporary_path, write_file
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ FILE_KINDS = {
 }
 # Never follow a link, never wait on a FIFO's writer, never let a terminal become ours, never leak into children.
 _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+# The folders on a path, walked one by one: O_PATH (Linux) needs no read permission, as a lookup by path does not.
+_FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
 CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
 # What becomes of an original once its document is done (the originals policy).
@@ -64,18 +67,34 @@ class Identity:
             return None
 
 
-def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True) -> BinaryIO:
-    """`path` opened for reading, if it is a regular file of at most `max_bytes` (None: any size), and not
-    empty unless `empty` allows it.
+@dataclass(frozen=True)
+class Version(Identity):
+    """An Identity that also tells an in-place rewrite from the file that was read: the ctime moves with every
+    write and every change of metadata, and unlike the mtime nothing can set it back. What a reader returns,
+    and what an original must still be before it is moved or deleted; the watcher's memory needs only Identity.
+    """
 
-    Raises FileRefused saying why not. lstat comes first, so a FIFO or a device is never even opened;
-    O_NOFOLLOW and an fstat of the open descriptor close the race with a rename in between. The size is
-    judged before a byte is read. A fault of the machine (an I/O error, a stale network share) is raised as
-    the OSError it is: it says nothing about the file, and the same file may read fine a minute later.
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, status: os.stat_result) -> Version:
+        return cls(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True) -> BinaryIO:
+    """`path` opened for reading, if it is a regular file of one name, of at most `max_bytes` (None: any size),
+    and not empty unless `empty` allows it.
+
+    Raises FileRefused saying why not. No link is followed anywhere on the path: a document's path is recorded
+    with its folder resolved (`real_folder`), so a link on it now is a folder swapped for one since. lstat
+    comes first, so a FIFO or a device is never even opened; O_NOFOLLOW and an fstat of the open descriptor
+    close the race with a rename in between. A file with other hard links is refused: another name of it may
+    be anywhere. The size is judged before a byte is read. A fault of the machine (an I/O error, a stale
+    network share) is raised as the OSError it is: it says nothing about the file, and the same file may read
+    fine a minute later.
     """
     try:
-        _require_regular(os.lstat(path).st_mode)
-        fd = os.open(path, _OPEN_FLAGS)
+        fd = _open_walking(path)
     except FileNotFoundError:
         raise FileRefused("missing", "the file is gone (deleted or moved away)") from None
     except PermissionError:
@@ -90,11 +109,48 @@ def open_regular(path: Path, max_bytes: int | None = None, *, empty: bool = True
     try:
         status = os.fstat(fd)
         _require_regular(status.st_mode)
+        if status.st_nlink > 1:
+            raise FileRefused("unreadable", f"the file has {status.st_nlink} hard links; only a file with a single "
+                                            "name is read")
         check_size(status.st_size, max_bytes, empty=empty)
     except BaseException:
         file.close()
         raise
     return file
+
+
+def real_folder(path: Path) -> Path:
+    """`path` with its folder resolved (every link in it followed) and the file itself not: how a document's
+    path is recorded, and what a reader of a path given by a person opens."""
+    return path.parent.resolve() / path.name
+
+
+def _open_walking(path: Path) -> int:
+    """`path` opened with _OPEN_FLAGS, each folder on the way opened relative to the one before it and never
+    followed if it is a link (O_NOFOLLOW alone covers only the last name)."""
+    *folders, name = path.parts
+    at = os.open("." if not path.anchor else folders.pop(0), _FOLDER_FLAGS)
+    try:
+        for folder in folders:
+            try:
+                inner = os.open(folder, _FOLDER_FLAGS, dir_fd=at)
+            except OSError as e:
+                if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK) and _is_link(folder, at):
+                    raise FileRefused("unreadable", "a folder on its path is a symbolic link, not a folder") from None
+                raise
+            os.close(at)
+            at = inner
+        _require_regular(os.stat(name, dir_fd=at, follow_symlinks=False).st_mode)
+        return os.open(name, _OPEN_FLAGS, dir_fd=at)
+    finally:
+        os.close(at)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
 
 
 def check_size(size: int, max_bytes: int | None, *, while_read: bool = False, empty: bool = True) -> None:
@@ -121,23 +177,23 @@ def _not_regular(file_type: int) -> FileRefused:
     return FileRefused("unreadable", f"the file is {kind}, not a regular file")
 
 
-def identify(path: Path, max_bytes: int | None = None) -> tuple[str, Identity]:
-    """The content hash of a regular file of at most `max_bytes`, and the identity of the file it read;
+def identify(path: Path, max_bytes: int | None = None) -> tuple[str, Version]:
+    """The content hash of a regular file of at most `max_bytes`, and the version of the file it read;
     FileRefused says why a path is not one."""
     with open_regular(path, max_bytes) as file:
-        identity = Identity.of(os.fstat(file.fileno()))
+        identity = Version.of(os.fstat(file.fileno()))
         return hashlib.file_digest(file, "sha256").hexdigest(), identity
 
 
-def snapshot(source: Path, copy: Path, max_bytes: int) -> tuple[str, Identity]:
+def snapshot(source: Path, copy: Path, max_bytes: int) -> tuple[str, Version]:
     """Copy the document to `copy` (a new private file), hashing it on the way; returns the copy's sha256
-    and the identity of the file it was read from (as it was opened: a change while reading shows).
+    and the version of the file it was read from (as it was opened: a change while reading shows).
 
     Raises FileRefused for what `open_regular` refuses, and for a file that grows past `max_bytes` meanwhile.
     """
     digest = hashlib.sha256()
     with open_regular(source, max_bytes) as file:
-        identity = Identity.of(os.fstat(file.fileno()))
+        identity = Version.of(os.fstat(file.fileno()))
         out_fd = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         with os.fdopen(out_fd, "wb") as out:
             copied = 0
@@ -170,25 +226,110 @@ def containing_inbox(path: Path, inboxes: Sequence[Path]) -> Path | None:
     return next((inbox for inbox in inboxes if parent.is_relative_to(inbox)), None)
 
 
-def settle_original(source: Path, originals: str, folders: Folders, identity: Identity) -> str:
+def settle_original(source: Path, originals: str, folders: Folders, version: Version) -> str:
     """Keep, move to processed/ or delete a finished document, by policy; returns what happened, in words
-    (CHANGED when `source` no longer holds the file of `identity`, the one that was processed).
+    (CHANGED when `source` no longer holds `version`, the one that was processed, or changed while moved).
 
     Only documents inside an inbox are touched (one queued by hand from elsewhere stays where it is), and a
     failure here is logged, never raised: the job's result is already safe.
     """
     if originals == KEEP or not os.path.lexists(source) or not folders.holds(source):
         return "kept"
-    if Identity.at(source) != identity:  # saved again, or replaced, since it was read: not ours to settle
-        return CHANGED
     try:
         if originals == DELETE:
+            if Version.at(source) != version:  # saved again, or replaced, since it was read: not ours to settle
+                return CHANGED
             source.unlink()
             return "deleted"
-        return f"moved to {move_file(source, folders.processed, source.name)}"
+        moved = move_file(source, folders.processed, source.name, version)
+        return CHANGED if moved is None else f"moved to {moved}"
     except OSError as e:
         log.warning("could not %s %s: %s", originals, source, e)
         return f"could not {originals} it: {e.strerror or e}"
+
+
+def move_file(source: Path, folder: Path, name: str, version: Version | None = None) -> Path | None:
+    """Move `source` into `folder` under `name` (or a free variant of it); returns where it went, or None when
+    it is not `version` (None: any) or changed while it was copied. Then it stays where it is, untouched.
+
+    A rename when both sides share a file system. Otherwise the very descriptor that was checked is copied
+    under a temporary name, flushed to disk and renamed into place, and the source is removed only if it is
+    still that version afterwards: a save during the copy is never lost. (Between that last look and the
+    unlink a save can still slip in: no system call removes a name only if it still holds a given inode.)
+    """
+    fd = _open_to_move(source)
+    if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
+        return None if version is not None else _move_entry(source, _free_name(folder, name))
+    with os.fdopen(fd, "rb") as file:
+        read = Version.of(os.fstat(file.fileno()))
+        if version is not None and read != version:
+            return None
+        target = _free_name(folder, name)
+        try:
+            os.rename(source, target)
+            return target
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+        _copy_durably(file, target)
+        if Version.of(os.fstat(file.fileno())) != read or Version.at(source) != read:  # written to, or replaced
+            target.unlink()
+            fsync_dir(folder)
+            return None
+    source.unlink()
+    fsync_dir(source.parent)
+    return target
+
+
+def _open_to_move(source: Path) -> int | None:
+    """A descriptor of the regular file `source`; None for anything else, or one this process may not read."""
+    if not stat.S_ISREG(os.lstat(source).st_mode):
+        return None
+    try:
+        return os.open(source, _OPEN_FLAGS)
+    except PermissionError:  # being set aside for it: it can still be renamed, though not copied
+        return None
+
+
+def _copy_durably(file: BinaryIO, target: Path) -> None:
+    """Copy the open `file` to `target` (which must not exist) as a whole, on disk, with its mode and times."""
+    status = os.fstat(file.fileno())
+    tmp = temporary_path(target.parent, target.name)
+    try:
+        out_fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        with os.fdopen(out_fd, "wb") as out:
+            shutil.copyfileobj(file, out, _BLOCK_BYTES)
+            out.flush()
+            os.fchmod(out_fd, stat.S_IMODE(status.st_mode))
+            os.utime(out_fd, ns=(status.st_atime_ns, status.st_mtime_ns))
+            os.fsync(out_fd)
+        os.rename(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+
+
+def _move_entry(source: Path, target: Path) -> Path:
+    """Move what `source` is, as itself, by name (a link stays a link)."""
+    try:
+        os.rename(source, target)
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+        shutil.copy2(source, target, follow_symlinks=False)  # a link is copied as the link it is
+        source.unlink()
+    return target
+
+
+def _free_name(folder: Path, name: str) -> Path:
+    target = folder / name
+    stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
+    number = 1
+    while os.path.lexists(target):
+        number += 1
+        target = folder / f"{stem} ({number}){dot}{suffix}"
+    return target
 
 
 def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
@@ -197,6 +338,8 @@ def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
         return None
     try:
         moved = move_file(source, folders.failed, source.name)
+        if moved is None:  # saved again while it was being moved: the new version is a new document
+            return None
         write_file(moved.with_name(moved.name + ".error.txt"), report.encode(errors="replace"))
     except OSError as e:
         log.warning("could not move %s to %s: %s", source, folders.failed, e)

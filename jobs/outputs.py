@@ -1,14 +1,19 @@
-"""Writing files so that no reader ever sees half of one, and moving documents between folders.
+"""Writing files so that no reader ever sees half of one.
 
 Everything is first written under a hidden temporary name (`.tmp-…`) in the folder it belongs to,
 flushed to disk, then renamed in one step: an output folder appears complete or not at all. A run
-killed half-way leaves only `.tmp-…` entries, which `remove_leftovers` deletes at the next start.
+killed half-way leaves only `.tmp-…` entries, which `remove_leftovers` clears at the next start: it deletes
+them all, except that an output folder set aside while being replaced (`.tmp-…-<hex8>.old`) is put back
+when its replacement never took its place. Output folders are named for the document, the model and its
+settings together (`output_name`), so no other job's outputs ever replace them.
 """
 
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
+import logging
 import os
 import re
 import secrets
@@ -21,14 +26,18 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # numpy is imported where it is used: the extraction child imports this module (through
     import numpy as np  # files.py) under a capped address space, which numpy's thread buffers would eat into
 
+log = logging.getLogger(__name__)
+
 TMP_PREFIX = ".tmp-"
+DISPLACED_SUFFIX = ".old"  # after a temporary name: an output folder set aside while its replacement moves in
 NAME_MAX_BYTES = 255  # the longest file name most file systems take (ext4, APFS, NTFS), in bytes
 MAX_STEM = 80  # characters, for names people read
-_TOKEN = 9  # "-" and 8 hex digits: the sha8 of an output name, or a temporary name's random part
-# The longest name made from a stem: the temporary name of the old output folder a rewrite replaces,
-# `.tmp-old-<stem>-<sha8>-<hex8>`; capping the stem so that fits keeps every name derived from it legal.
-MAX_STEM_BYTES = NAME_MAX_BYTES - len(f"{TMP_PREFIX}old-") - 2 * _TOKEN
-# The files of a document's output folder (outbox/<stem>-<sha8>/).
+_KEY_HEX = 16  # 64 bits of the job's keys in an output name: no two jobs' outputs share a folder
+_TMP_TOKEN = 9  # "-" and 8 hex digits: a temporary name's random part
+# The longest name made from a stem: the old output folder a rewrite sets aside,
+# `.tmp-<stem>-<key16>-<hex8>.old`; capping the stem so that fits keeps every name derived from it legal.
+MAX_STEM_BYTES = NAME_MAX_BYTES - len(TMP_PREFIX) - (1 + _KEY_HEX) - _TMP_TOKEN - len(DISPLACED_SUFFIX)
+# The files of a document's output folder (outbox/<stem>-<key16>/).
 SUMMARY_FILE = "summary.md"  # "# name", a line of facts, then the summary
 EMBEDDINGS_FILE = "embeddings.npy"  # float32 (chunks + 1, dim): one row per chunk, then the document vector
 META_FILE = "meta.json"  # DocumentMeta (meta.py): how the outputs were made and what making them cost
@@ -36,9 +45,12 @@ TEXT_FILE = "text.txt.gz"  # the extracted text the model read, so a search hit 
 OFFSETS_FILE = "offsets.npy"  # int64 (chunks, 2): each chunk's [start, end) character offsets in that text
 
 
-def output_name(source_name: str, sha256: str) -> str:
-    """`<stem>-<sha8>`: a single safe path component, whatever the source was called."""
-    return f"{safe_stem(source_name)}-{sha256[:8]}"
+def output_name(source_name: str, sha256: str, model_key: str, settings_key: str) -> str:
+    """`<stem>-<key16>`: a single safe path component, whatever the source was called; key16 is 64 bits of
+    the hash of the job's keys (the content, the model, its settings), so one document made with other
+    settings, or another document, never gets the same folder."""
+    key = hashlib.sha256("\0".join((sha256, model_key, settings_key)).encode()).hexdigest()[:_KEY_HEX]
+    return f"{safe_stem(source_name)}-{key}"
 
 
 def safe_stem(name: str) -> str:
@@ -89,8 +101,16 @@ def temporary_path(folder: Path, label: str) -> Path:
 
     The label is only a hint for people, cut so that the name stays within NAME_MAX_BYTES.
     """
-    label = truncate_utf8(label, NAME_MAX_BYTES - len(TMP_PREFIX) - _TOKEN)
+    label = truncate_utf8(label, NAME_MAX_BYTES - len(TMP_PREFIX) - _TMP_TOKEN)
     return folder / f"{TMP_PREFIX}{label}-{secrets.token_hex(4)}"
+
+
+def displaced_path(folder: Path, name: str) -> Path:
+    """Where the folder `name` is set aside while its replacement moves in: a temporary name that says which
+    name it held, so that a start after a crash can put it back (`remove_leftovers`)."""
+    if len(name.encode("utf-8", "surrogateescape")) > MAX_STEM_BYTES + 1 + _KEY_HEX:
+        raise ValueError(f"a folder name of at most {MAX_STEM_BYTES + 1 + _KEY_HEX} bytes can be replaced safely")
+    return folder / f"{temporary_path(folder, name).name}{DISPLACED_SUFFIX}"
 
 
 def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
@@ -101,20 +121,25 @@ def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
     try:
         for filename, data in files.items():
             _write_durably(tmp / filename, data)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if final.exists():
             # rename() cannot replace a non-empty folder; between these two renames the name is absent,
-            # which a reader sees as "not written yet", never as half written.
-            old = temporary_path(parent, f"old-{name}")
+            # which a reader sees as "not written yet", never as half written. Killed in between, the old
+            # folder is put back at the next start; failing in between, at once.
+            old = displaced_path(parent, name)
             os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old)
+            try:
+                os.rename(tmp, final)
+            except BaseException:
+                os.rename(old, final)
+                raise
+            shutil.rmtree(old, ignore_errors=True)  # what is left of it goes at the next start
         else:
             os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(parent)
+    fsync_dir(parent)
     return final
 
 
@@ -127,53 +152,36 @@ def write_file(path: Path, data: bytes, *, mode: int = 0o600) -> Path:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     return path
 
 
-def move_file(source: Path, folder: Path, name: str) -> Path:
-    """Move `source` into `folder` under `name` (or a free variant of it); returns where it went.
-
-    A rename when both sides share a file system; otherwise a copy under a temporary name, renamed into
-    place, then the source removed, so an interrupted move never leaves a partial file under a real name.
-    """
-    target = _free_name(folder, name)
-    try:
-        os.rename(source, target)
-    except OSError as e:
-        if e.errno != getattr(os, "EXDEV", 18):
-            raise
-        tmp = temporary_path(folder, name)
-        try:
-            shutil.copy2(source, tmp, follow_symlinks=False)
-            os.rename(tmp, target)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        source.unlink()
-    return target
-
-
 def remove_leftovers(folder: Path) -> list[Path]:
-    """Delete the `.tmp-…` entries a killed writer left in `folder`; returns what was removed."""
+    """Delete the `.tmp-…` entries a killed writer left in `folder`; returns what was removed. An output folder
+    set aside while being replaced is put back if nothing took its name, and removed if its replacement did."""
     removed = []
     for entry in folder.glob(f"{TMP_PREFIX}*"):
-        if entry.is_dir() and not entry.is_symlink():
+        held = _displaced_from(entry)
+        if held is not None and not os.path.lexists(folder / held):
+            os.rename(entry, folder / held)
+            fsync_dir(folder)
+            log.warning("put back %s: the run replacing it was killed before the new one took its place",
+                        folder / held)
+        elif entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
         else:
             entry.unlink(missing_ok=True)
-        removed.append(entry)
+            removed.append(entry)
     return removed
 
 
-def _free_name(folder: Path, name: str) -> Path:
-    target = folder / name
-    stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
-    number = 1
-    while os.path.lexists(target):
-        number += 1
-        target = folder / f"{stem} ({number}){dot}{suffix}"
-    return target
+def _displaced_from(entry: Path) -> str | None:
+    """The name the folder set aside as `entry` held (see displaced_path); None if it is no such folder."""
+    if not entry.name.endswith(DISPLACED_SUFFIX) or entry.is_symlink() or not entry.is_dir():
+        return None
+    name, dash, token = entry.name[len(TMP_PREFIX):-len(DISPLACED_SUFFIX)].rpartition("-")
+    return name if dash and name and len(token) == _TMP_TOKEN - 1 and re.fullmatch("[0-9a-f]+", token) else None
 
 
 def _write_durably(path: Path, data: bytes, mode: int = 0o600) -> None:
@@ -185,7 +193,8 @@ def _write_durably(path: Path, data: bytes, mode: int = 0o600) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make the entries of `folder` (a file created, renamed or removed there) survive a power cut."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)

@@ -3,9 +3,11 @@
 The worker claims a job and hands it to `Pipeline.process`, which always leaves the job in a settled
 state: done, failed (will retry), dead (gave up, original set aside in `failed/` with a `.error.txt`),
 or handed back to the queue untouched, without spending an attempt, when the worker is stopping, the
-model cannot be loaded or the machine failed (disk full, I/O error: see faults.py). The last two escape
-as ModelUnavailable and MachineFault, so the worker can wait. No document's failure escapes: one bad
-document cannot stop the daemon.
+model cannot be loaded or the machine failed (disk full, I/O error, the database's own faults: see
+faults.py; a few times, then the attempt counts: see `Queue.hand_back`). The last two escape as
+ModelUnavailable and MachineFault, so the worker can wait. No document's failure escapes: one bad
+document cannot stop the daemon, nor can a database that will not record how a job ended (it is
+recorded later, `record_unsettled`).
 
 Everything after the snapshot reads a private copy of the document whose hash was checked against the
 job, so the outputs always describe exactly the content that was queued.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,7 +36,7 @@ from npumoe.engine.vocabulary import PREFILL
 from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailable, Stop
 from .extract.isolated import ExtractedText, ExtractLimits, extract_text
 from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
-from .files import CHANGED, KEEP, ORIGINALS, Folders, Identity, identify, set_aside, settle_original, snapshot
+from .files import CHANGED, KEEP, ORIGINALS, Folders, Version, identify, set_aside, settle_original, snapshot
 from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, read_meta
 from .outputs import (
     EMBEDDINGS_FILE,
@@ -49,7 +52,7 @@ from .outputs import (
 )
 from .queue.schema import DEAD, DONE, QUEUED
 from .queue.store import Job, Queue
-from .search.index import IndexEntry, write_entry, write_local
+from .search.index import IndexEntry, mark_stale, write_local
 
 if TYPE_CHECKING:
     from npumoe.engine import DocumentResult, Engine, EngineSettings, Progress
@@ -92,7 +95,7 @@ class Policy:
 @dataclass(frozen=True)
 class Outcome:
     job_id: int
-    state: str  # done | failed | dead | queued (handed back) | lost
+    state: str  # done | failed | dead | queued (handed back) | lost | unsettled (its end not recorded yet)
     reason: str = ""
     output_dir: Path | None = None
 
@@ -115,7 +118,7 @@ class Pipeline:
         prefill chunk and decode step): it may block (a pause) or raise Stop (or Lost, or a Failure for a job the
         worker gave up on); it decides nothing else. `progressed(phase)` is told each time the job moves on.
         `local_index`: the home's own database, where done documents are indexed when the queue is shared (on
-        SQLite the index is written in the transaction that marks the job done)."""
+        SQLite, the queue's own database)."""
         self.queue = queue
         self.folders = folders
         self.policy = policy
@@ -125,29 +128,86 @@ class Pipeline:
         self.checkpoint = checkpoint
         self.progressed = progressed
         self.local_index = local_index
+        self.unsettled: dict[int, Callable[[], Outcome]] = {}  # job id -> how it ended, not recorded yet
 
     def process(self, job: Job) -> Outcome:
         work = temporary_path(self.folders.outbox, f"job{job.id}")
         try:
             return self._process(job, work)
         except Stop as stop:
-            self.queue.release(job.id, self.pid)
-            return Outcome(job.id, QUEUED, f"handed back: {stop}")
-        except (ModelUnavailable, MachineFault):
-            self.queue.release(job.id, self.pid)
+            return self._record(job, partial(self._release, job, f"handed back: {stop}"))
+        except ModelUnavailable:
+            self._record(job, partial(self._release, job, "handed back: the model could not be loaded"))
             raise
+        except MachineFault as fault:
+            return self._hand_back(job, fault)
         except Lost:
             return Outcome(job.id, "lost", "cancelled or taken over while it ran")
         except Failure as failure:
-            return self._fail(job, failure)
+            return self._record(job, partial(self._fail, job, failure))
         except Exception as e:  # a bug of ours must not stop the daemon: record it and go on
-            if (fault := machine_fault(e, self.folders.outbox)) is not None:
-                self.queue.release(job.id, self.pid)
-                raise fault from e
+            if (fault := self._machine_fault(e)) is not None:
+                return self._hand_back(job, fault)
             log.exception("job %d: unexpected error", job.id)
-            return self._fail(job, Failure("internal", f"internal error: {type(e).__name__}: {e}", retryable=True))
+            failure = Failure("internal", f"internal error: {type(e).__name__}: {e}", retryable=True)
+            return self._record(job, partial(self._fail, job, failure))
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def record_unsettled(self) -> None:
+        """Record the ends of jobs the database would not take when they ended (the worker calls this before it
+        claims the next job); one it still will not take waits for the next call, and a machine fault is raised."""
+        for job_id, settle in list(self.unsettled.items()):
+            try:
+                outcome = settle()
+            except Exception as e:
+                if (fault := self._machine_fault(e)) is not None:
+                    raise fault from e
+                log.warning("job %d: its end still cannot be recorded: %s: %s", job_id, type(e).__name__, e)
+                continue
+            del self.unsettled[job_id]
+            log.info("job %d: recorded at last as %s", job_id, outcome.state)
+
+    def _record(self, job: Job, settle: Callable[[], Outcome]) -> Outcome:
+        """Record how the job ended: `settle` writes it to the queue, its values bound, as it may run again. When
+        the database will not take it (full, locked, its server gone), the daemon goes on: the job stays leased to
+        this worker, `record_unsettled` writes its end later, and a machine fault is raised for the worker to wait
+        on."""
+        try:
+            return settle()
+        except Exception as e:
+            self.unsettled[job.id] = settle
+            fault = self._machine_fault(e)
+            log.warning("job %d: how it ended could not be recorded yet (%s); tried again later", job.id,
+                        fault or f"{type(e).__name__}: {e}")
+            if fault is not None:
+                raise fault from e
+            return Outcome(job.id, "unsettled", f"not recorded yet: {e}")
+
+    def _machine_fault(self, error: BaseException) -> MachineFault | None:
+        return machine_fault(error, self.folders.outbox, database=self.queue.path)
+
+    def _release(self, job: Job, reason: str) -> Outcome:
+        self.queue.release(job.id, self.pid)
+        return Outcome(job.id, QUEUED, reason)
+
+    def _hand_back(self, job: Job, fault: MachineFault) -> Outcome:
+        """Hand the job back for a machine fault. While that costs no attempt, the fault is raised for the worker
+        to wait until it has cleared; once it keeps coming back though the machine probes well (see
+        `Queue.hand_back`), it is likely the file's, and the attempt it spent is an outcome like any failure."""
+        outcome = self._record(job, partial(self._handed_back, job, fault))
+        if outcome.state == QUEUED:
+            raise fault
+        return outcome
+
+    def _handed_back(self, job: Job, fault: MachineFault) -> Outcome:
+        state = self.queue.hand_back(job.id, self.pid, str(fault))
+        if state is None:
+            return Outcome(job.id, "lost", "cancelled or taken over while it ran")
+        if state == QUEUED:
+            return Outcome(job.id, QUEUED, f"handed back: {fault}")
+        again = Failure("machine", f"{fault}, each time it was tried, while the machine itself was found working")
+        return self._settled(job, state, again)
 
     def _process(self, job: Job, work: Path) -> Outcome:
         source = Path(job.path)
@@ -183,10 +243,11 @@ class Pipeline:
             META_FILE: meta.to_json(),
         }
         with blamed_on(self.folders.outbox):
-            out = write_folder(self.folders.outbox, output_name(source.name, job.sha256), files)
+            name = output_name(source.name, job.sha256, job.model_key, job.settings_key)
+            out = write_folder(self.folders.outbox, name, files)
         return self._complete(job, out, source, identity)
 
-    def _snapshot(self, source: Path, copy: Path) -> tuple[str, Identity]:
+    def _snapshot(self, source: Path, copy: Path) -> tuple[str, Version]:
         try:
             return snapshot(source, copy, self.policy.limits.max_bytes)
         except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (the outbox's)
@@ -261,39 +322,45 @@ class Pipeline:
             priority=job.priority,
             max_attempts=job.max_attempts,
             batch_window=job.batch_window,
+            pinned=True,  # the content was read here: on a shared queue it is this machine's file, whatever the path
         )
         which = f"queued as job #{new.id}" if created else f"already job #{new.id} ({new.state})"
         raise Failure("changed", f"the file changed after it was queued; its new content is {which}", set_aside=False)
 
     def _finished_output(self, job: Job) -> Path | None:
-        out = self.folders.outbox / output_name(Path(job.path).name, job.sha256)
+        out = self.folders.outbox / output_name(Path(job.path).name, job.sha256, job.model_key, job.settings_key)
         try:
             meta = read_meta(out)
         except ValueError:
             return None
         return out if (meta["job_id"], meta["sha256"]) == (job.id, job.sha256) else None
 
-    def _complete(self, job: Job, out: Path, source: Path, identity: Identity | None) -> Outcome:
-        """Mark the job done and index its outputs in the same transaction, then settle the original: only the
-        very file that was read (`identity`; None when this attempt did not read it), and a file saved again
-        meanwhile is queued as a new document instead."""
+    def _complete(self, job: Job, out: Path, source: Path, identity: Version | None) -> Outcome:
+        """Mark the job done, index its outputs, then settle the original: only the very file that was read
+        (`identity`; None when this attempt did not read it), and a file saved again meanwhile is queued as a new
+        document instead."""
         entry = IndexEntry.read(out)  # from the files just written: what `npumoed reindex` would read too
-        if self.queue.shared:
-            done = self.queue.complete(job.id, self.pid, output_dir=str(out))
-            if done and self.local_index is not None:
-                try:
-                    write_local(self.local_index, entry)
-                except Exception:  # the job is done all the same; `npumoed reindex` rebuilds the index
-                    log.exception("job %d: done, but could not be added to this machine's search index", job.id)
-        else:
-            done = self.queue.complete(job.id, self.pid, output_dir=str(out),
-                                       on_done=lambda conn: write_entry(conn, entry))
-        if not done:
+        if not self.queue.complete(job.id, self.pid, output_dir=str(out)):
             raise Lost
+        self._index(job, entry)
         self.settle(job, source, identity)
         return Outcome(job.id, DONE, output_dir=out)
 
-    def settle(self, job: Job, source: Path, identity: Identity | None = None) -> None:
+    def _index(self, job: Job, entry: IndexEntry) -> None:
+        """Add a done document to the search index, in a transaction of its own after the one that marked it done:
+        the index is derived from the outbox, so a failure to write it (a damaged index, a full disk) flags it for
+        `npumoed reindex` and fails no document."""
+        database = self.local_index if self.queue.shared else self.queue.path
+        if database is None:
+            return
+        try:
+            write_local(database, entry)
+        except Exception as e:
+            log.warning("job %d: done, but not added to the search index (%s: %s); `npumoed reindex` rebuilds it",
+                        job.id, type(e).__name__, e)
+            mark_stale(database, f"job {job.id} was not added: {type(e).__name__}: {e}")
+
+    def settle(self, job: Job, source: Path, identity: Version | None = None) -> None:
         """Keep, move or delete the original of the done `job` by policy, if `source` still holds its content."""
         if self.policy.originals == KEEP:
             return
@@ -305,7 +372,7 @@ class Pipeline:
             log.info("job %d: %s changed after it was read; not %s", job.id, source, self.policy.originals)
             self._identify_as(job, source)
 
-    def _identify_as(self, job: Job, source: Path) -> Identity | None:
+    def _identify_as(self, job: Job, source: Path) -> Version | None:
         """The identity of `source` if it still holds the content of `job`; otherwise its new content is queued
         (as `_requeue_changed` would) and None returned, and so is None for a file that can no longer be read."""
         try:
@@ -322,10 +389,15 @@ class Pipeline:
         return None
 
     def _fail(self, job: Job, failure: Failure) -> Outcome:
-        reason = str(failure)
-        state = self.queue.fail(job.id, self.pid, reason, kind=failure.kind, retryable=failure.retryable)
+        state = self.queue.fail(job.id, self.pid, str(failure), kind=failure.kind, retryable=failure.retryable)
         if state is None:
             return Outcome(job.id, "lost", "cancelled or taken over while it ran")
+        return self._settled(job, state, failure)
+
+    def _settled(self, job: Job, state: str, failure: Failure) -> Outcome:
+        """The outcome of a job the queue recorded as `state` (failed or dead) for `failure`; a dead one's
+        original is set aside with the reason."""
+        reason = str(failure)
         log.warning("job %d %s (%s): %s", job.id, state, failure.kind, reason)
         if state == DEAD and failure.set_aside:
             set_aside(

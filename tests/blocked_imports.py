@@ -1,22 +1,24 @@
-"""Make packages fail to import in child processes, as on a machine where they are missing or broken.
+"""Make packages fail to import in the extraction child, as on a machine where they are missing or broken.
 
-Extraction runs in a child process that inherits this process's environment: a folder of stand-in packages
-that raise ImportError, put first on PYTHONPATH, hides the installed ones from the child only.
+The child starts isolated (`python -I`: no PYTHONPATH, no working directory on its path), so the stand-in
+packages that raise ImportError reach it through its command: a folder of them put first on its sys.path.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
+from npumoe.jobs.extract import isolated
+
 
 def block_imports(folder: Path, monkeypatch: pytest.MonkeyPatch, *packages: str) -> None:
-    """From now on (in child processes), importing any of `packages` raises ImportError naming it."""
+    """From now on (in the extraction child), importing any of `packages` raises ImportError naming it."""
     for package in packages:
         (folder / package).mkdir(parents=True)
         message = f"No module named {package!r} (blocked by the test)"
         (folder / package / "__init__.py").write_text(f"raise ImportError({message!r}, name={package!r})\n")
-    inherited = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(folder), *inherited]))
+    *python, _, module = isolated.CHILD_COMMAND  # [python, -I, -m, module]
+    start = f"import runpy, sys; sys.path.insert(0, {str(folder)!r}); runpy.run_module({module!r}, run_name='__main__')"
+    monkeypatch.setattr(isolated, "CHILD_COMMAND", [*python, "-c", start])

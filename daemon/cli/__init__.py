@@ -19,6 +19,7 @@ from npumoe.jobs.queue.store import Job
 
 from ..intake import Enqueued, enqueue_paths
 from .app import App, emit_json, pass_app
+from .terminal import printable
 
 # Commands of the other areas, imported only when named: `npumoed status` must answer fast, and most
 # areas pull in torch, coremltools or the engine.
@@ -87,7 +88,7 @@ def add(app: App, paths: tuple[Path, ...], as_json: bool) -> None:
 
 def echo_job(path: Path, job: Job, created: bool, *, queued: str = "queued") -> None:
     """A document's line as `add` and `batch` print it: `queued` when its job is new, else the job's state."""
-    click.echo(f"#{job.id} {queued if created else f'already known ({job.state})'}: {path}")
+    click.echo(f"#{job.id} {queued if created else f'already known ({job.state})'}: {printable(str(path))}")
 
 
 def job_dicts(enqueued: Enqueued) -> list[dict[str, Any]]:
@@ -98,7 +99,7 @@ def job_dicts(enqueued: Enqueued) -> list[dict[str, Any]]:
 def report_skipped(enqueued: Enqueued) -> None:
     """Name each path that could not be queued; exit 1 when that was every one."""
     for problem in enqueued.problems:
-        click.echo(f"npumoed: skipped {problem}", err=True)
+        click.echo(f"npumoed: skipped {printable(problem)}", err=True)
     if enqueued.failed:
         raise SystemExit(1)
 
@@ -116,9 +117,10 @@ def list_jobs(app: App, state: str | None, limit: int | None, as_json: bool) -> 
         return
     table = Table("id", "state", "host", "tries", "progress", "updated", "document", "last error", box=None)
     for job in found:  # names and errors as Text: rich would read `[draft]` in a file name as markup
-        table.add_row(str(job.id), job.state, Text(job.worker_host or ""), f"{job.attempts}/{job.max_attempts}",
-                      f"{job.progress:.0%}", datetime.fromtimestamp(job.updated_at).strftime("%m-%d %H:%M"),
-                      Text(job.path), Text(job.last_error or ""))
+        table.add_row(str(job.id), job.state, Text(printable(job.worker_host or "")),
+                      f"{job.attempts}/{job.max_attempts}", f"{job.progress:.0%}",
+                      datetime.fromtimestamp(job.updated_at).strftime("%m-%d %H:%M"),
+                      Text(printable(job.path)), Text(printable(job.last_error or "")))
     Console().print(table if found else "no jobs")
 
 
@@ -137,7 +139,7 @@ def _change(app: App, job_id: int, action: str) -> Job:
 def retry(app: App, job_id: int) -> None:
     """Queue a failed, dead or cancelled job again."""
     job = _change(app, job_id, "retry")
-    click.echo(f"#{job.id} queued again: {job.path}")
+    click.echo(f"#{job.id} queued again: {printable(job.path)}")
 
 
 @main.command()
@@ -146,7 +148,7 @@ def retry(app: App, job_id: int) -> None:
 def cancel(app: App, job_id: int) -> None:
     """Cancel a queued or running job."""
     job = _change(app, job_id, "cancel")
-    click.echo(f"#{job.id} cancelled: {job.path}")
+    click.echo(f"#{job.id} cancelled: {printable(job.path)}")
 
 
 @main.group()
@@ -158,8 +160,8 @@ def config() -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print as JSON.")
 @pass_app
 def config_show(app: App, as_json: bool) -> None:
-    """Print the effective config (file values over defaults) as TOML."""
-    effective = app.config.as_dict()
+    """Print the effective config (file values over defaults) as TOML; passwords shown as ***."""
+    effective = app.config.shown()
     if as_json:
         emit_json(effective)
         return

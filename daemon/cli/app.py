@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import click
+from filelock import FileLock, Timeout
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
@@ -76,6 +79,21 @@ class App:
 
 
 pass_app = click.make_pass_decorator(App)
+
+
+@contextmanager
+def holding_home(home: Home) -> Iterator[None]:
+    """The home's lock, which a running daemon holds: for the commands that rewrite what the daemon writes."""
+    lock = FileLock(home.lock, mode=0o600)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise click.ClickException(f"npumoed is running for {home.root}; stop it first "
+                                   "(`npumoed uninstall`, or Ctrl-C where it runs)") from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def emit_json(data: Any) -> None:

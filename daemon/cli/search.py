@@ -17,12 +17,22 @@ from rich.text import Text
 
 from npumoe.jobs.outputs import read_text
 from npumoe.jobs.queue.schema import DONE
-from npumoe.jobs.search.index import DocumentHits, Neighbour, NotIndexed, SearchIndex, reindex, vectors_key
+from npumoe.jobs.search.index import (
+    DocumentHits,
+    IndexDamaged,
+    Neighbour,
+    NotIndexed,
+    SearchIndex,
+    reindex,
+    stale_reason,
+    vectors_key,
+)
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home
 from ..queries import NoAnswer, ask_daemon
-from .app import App, emit_json, pass_app
+from .app import App, emit_json, holding_home, pass_app
+from .terminal import printable
 
 HIGHLIGHT = "bold yellow"
 
@@ -46,11 +56,12 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
     try:
         if not index.models():
             raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
+        if stale := stale_reason(app.home.database):
+            click.echo(f"warning: the search index misses documents ({stale}); `npumoed reindex` rebuilds it", err=True)
         key, vector = _embedded(app, query)
-        try:
-            results = index.search(key, vector, query, k)
-        except NotIndexed as e:
-            raise click.ClickException(str(e)) from e
+        results = index.search(key, vector, query, k)
+    except (NotIndexed, IndexDamaged) as e:
+        raise click.ClickException(str(e)) from e
     finally:
         index.close()
     terms = query_terms(query)
@@ -72,19 +83,14 @@ def similar(app: App, document: str, k: int, as_json: bool) -> None:
     index = _open(app.home)
     try:
         neighbours = index.similar(_job_id(app, document), k)
-    except NotIndexed as e:
+    except (NotIndexed, IndexDamaged) as e:
         raise click.ClickException(str(e)) from e
     finally:
         index.close()
     if as_json:
         emit_json({"document": document, "similar": [_neighbour(n) for n in neighbours]})
         return
-    console = Console()
-    for rank, n in enumerate(neighbours, 1):
-        line = Text(f"{rank:>2}. {n.score:.3f}  ")
-        line.append(n.document.source, style="bold")
-        line.append(f"  (#{n.document.job_id})  {n.document.summary}", style="dim")
-        console.print(line)
+    _print_neighbours(neighbours)
 
 
 @click.command("reindex")
@@ -92,17 +98,18 @@ def similar(app: App, document: str, k: int, as_json: bool) -> None:
 def reindex_command(app: App) -> None:
     """Rebuild the search index from the outbox (its embeddings.npy, offsets.npy and text.txt.gz files).
 
-    Holds the database's write lock while it runs: best while the daemon is paused or stopped.
+    Only while the daemon is stopped: it holds the home, and writes the index as it finishes documents.
     """
     app.queue  # noqa: B018 -- opening the queue creates the database when there is none yet
     outbox = app.home.outputs(app.config)
-    try:
-        done = reindex(app.home.database, outbox)
-    except OSError as e:  # a configured outbox folder missing or unreadable (the shared storage not mounted)
-        raise click.ClickException(f"cannot read the outbox {outbox}: {e}") from e
+    with holding_home(app.home):
+        try:
+            done = reindex(app.home.database, outbox)
+        except OSError as e:  # a configured outbox folder missing or unreadable (the shared storage not mounted)
+            raise click.ClickException(f"cannot read the outbox {outbox}: {e}") from e
     for problem in done.skipped:
-        click.echo(f"npumoed: skipped {problem}", err=True)
-    click.echo(f"indexed {done.documents} document(s) from {outbox}")
+        click.echo(f"npumoed: skipped {printable(problem)}", err=True)
+    click.echo(f"indexed {done.documents} document(s) from {printable(str(outbox))}")
 
 
 def _embedded(app: App, query: str) -> tuple[str, Any]:
@@ -175,6 +182,15 @@ def _neighbour(n: Neighbour) -> dict[str, Any]:
             "summary": n.document.summary, "score": round(n.score, 4)}
 
 
+def _print_neighbours(neighbours: list[Neighbour]) -> None:
+    console = Console()
+    for rank, n in enumerate(neighbours, 1):
+        line = Text(f"{rank:>2}. {n.score:.3f}  ")
+        line.append(printable(n.document.source), style="bold")
+        line.append(f"  (#{n.document.job_id})  {printable(n.document.summary)}", style="dim")
+        console.print(line)
+
+
 def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
     console = Console()
     if not rows:
@@ -182,14 +198,15 @@ def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
     words = re.compile(r"(?<![^\W_])(" + "|".join(map(re.escape, terms)) + r")(?![^\W_])", re.IGNORECASE)
     for rank, row in enumerate(rows, 1):
         heading = Text(f"{rank:>2}. {row['score']:.3f}  ")  # Text, not markup: names and passages print as they are
-        heading.append(row["source"], style="bold")
+        heading.append(printable(row["source"]), style="bold")
         heading.append(f"  (#{row['job_id']})")
         console.print(heading)
         if row["summary"]:
-            console.print(Text(f"    {row['summary']}", style="dim"))
+            console.print(Text(f"    {printable(row['summary'], lines=True)}", style="dim"))
         for shown in row["passages"]:
             line = Text(f"    {shown['score']:.3f}  ")
-            body = Text(shown["text"] if shown["text"] is not None else f"(chunk {shown['chunk']}: no text kept)")
+            body = Text(printable(shown["text"], lines=True) if shown["text"] is not None
+                        else f"(chunk {shown['chunk']}: no text kept)")
             if terms:
                 body.highlight_regex(words, HIGHLIGHT)
             console.print(line + body)

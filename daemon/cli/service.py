@@ -12,15 +12,15 @@ from functools import partial
 from pathlib import Path
 
 import click
-from filelock import FileLock, Timeout
+from sqlalchemy.exc import SQLAlchemyError
 
 from npumoe.engine.vocabulary import AUTO, COREML
 from npumoe.jobs.errors import DatabaseUnusable
-from npumoe.jobs.queue.schema import SCHEMA_VERSION
+from npumoe.jobs.queue.schema import SCHEMA_VERSION, schema_version
 from npumoe.jobs.queue.store import BATCH, Queue
 
 from ..batch import BatchWindow
-from ..config import ModelConfig
+from ..config import Config, ModelConfig, redacted_url
 from ..energy.measure import ForegroundLoad, system_energy_counter
 from ..energy.power import system_power_source
 from ..energy.priority import available_cores, worker_threads
@@ -40,7 +40,7 @@ from ..service import (
     service_manager,
 )
 from . import echo_job, job_dicts, report_skipped
-from .app import App, emit_json, pass_app
+from .app import App, emit_json, holding_home, pass_app
 
 # Folders macOS guards with a privacy prompt that a LaunchAgent never gets to show.
 PROTECTED = ("Documents", "Desktop", "Downloads")
@@ -161,7 +161,7 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
     if rebuild_queue:
         _rebuild_queue(app)
         return
-    checks = [*_service_checks(), _database_check(app.home),
+    checks = [*_service_checks(), _database_check(app.config, app.home),
               *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
               _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(),
               _measured_choices_check(), _weights_check(app), *_backend_checks(), _placement_check(app)]
@@ -201,7 +201,10 @@ def _linger_check(user: str) -> dict[str, str]:
                                        f"`loginctl enable-linger {user}` keeps it running")
 
 
-def _database_check(home: Home) -> dict[str, str]:
+def _database_check(config: Config, home: Home) -> dict[str, str]:
+    """The queue the daemon uses: the server of a shared queue, else the home's SQLite file."""
+    if config.queue.url:
+        return _server_check(config.queue.url)
     try:
         Queue(home.database).close()
     except DatabaseUnusable as e:
@@ -210,25 +213,36 @@ def _database_check(home: Home) -> dict[str, str]:
                                           f"SQLite {sqlite3.sqlite_version}")
 
 
+def _server_check(url: str) -> dict[str, str]:
+    shown = redacted_url(url)
+    try:
+        queue = Queue(url, read_only=True)
+        try:
+            with queue.db.read() as conn:
+                version = schema_version(conn)
+        finally:
+            queue.close()
+    except SQLAlchemyError as e:
+        return _check("queue database", "fail", f"{shown}: cannot reach it: {str(getattr(e, 'orig', e)).strip()}")
+    if version > SCHEMA_VERSION:
+        return _check("queue database", "fail", f"{shown}: schema v{version} is newer than this npumoed "
+                                                f"(v{SCHEMA_VERSION}); upgrade npumoed")
+    later = f" (the first daemon to start migrates it to v{SCHEMA_VERSION})" if version < SCHEMA_VERSION else ""
+    return _check("queue database", "ok", f"{shown}: reachable, schema v{version}{later}")
+
+
 def _rebuild_queue(app: App) -> None:
     from npumoe.jobs.search.index import reindex
 
     from ..rebuild import rebuild_queue
 
-    lock = FileLock(app.home.lock, mode=0o600)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise click.ClickException(f"npumoed is running for {app.home.root}; stop it first "
-                                   "(`npumoed uninstall`, or Ctrl-C where it runs)") from None
     outbox = app.home.outputs(app.config)
-    try:
-        rebuilt = rebuild_queue(app.home, app.config)
-        indexed = reindex(app.home.database, outbox)  # the search index lived in the same database
-    except (OSError, DatabaseUnusable) as e:
-        raise click.ClickException(f"cannot rebuild the queue: {e}") from e
-    finally:
-        lock.release()
+    with holding_home(app.home):
+        try:
+            rebuilt = rebuild_queue(app.home, app.config)
+            indexed = reindex(app.home.database, outbox)  # the search index lived in the same database
+        except (OSError, DatabaseUnusable) as e:
+            raise click.ClickException(f"cannot rebuild the queue: {e}") from e
     for path in rebuilt.moved_aside:
         click.echo(f"moved the unusable database aside: {path}")
     for problem in rebuilt.skipped:

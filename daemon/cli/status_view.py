@@ -21,6 +21,8 @@ from npumoe.engine.vocabulary import PREFILL, REDUCE, SUMMARY
 from npumoe.jobs.queue.schema import DEAD, DONE, FAILED, RUNNING
 from npumoe.jobs.queue.store import Job, Queue, pid_alive
 
+from .terminal import printable
+
 STALE_SECONDS = 30.0  # a working daemon whose heartbeat is older than this is reported as not responding
 RECENT = 5
 STEPS = {PREFILL: "chunks", SUMMARY: "sections", REDUCE: "parts"}  # what the engine counts in each phase
@@ -125,7 +127,7 @@ def render_text(snap: dict[str, Any]) -> str:
     if awake := _awake(snap["daemon"]):
         lines.append(awake)
     if (current := snap["current"]) is not None:
-        lines.append(f"working on #{current['id']} {_printable(current['path'])}")
+        lines.append(f"working on #{current['id']} {printable(current['path'])}")
         lines.append(f"  {_progress_words(current)}")
     lines.append("queue: " + ", ".join(f"{n} {state}" for state, n in snap["queue"].items()))
     lines.extend(_worker_lines(snap))
@@ -143,7 +145,7 @@ def render_rich(snap: dict[str, Any]) -> RenderableType:
     if awake := _awake(snap["daemon"]):
         parts.append(Text(awake))
     if (current := snap["current"]) is not None:
-        parts.append(Text(f"working on #{current['id']} {_printable(current['path'])}", style="bold"))
+        parts.append(Text(f"working on #{current['id']} {printable(current['path'])}", style="bold"))
         bar = Table.grid(padding=(0, 1))
         bar.add_row(
             ProgressBar(total=1.0, completed=current["progress"], width=30),
@@ -214,13 +216,13 @@ def _worker_lines(snap: dict[str, Any]) -> list[str]:
         return []
     lines = ["workers:"]
     for w in workers:
-        words = [f"{w['host']} {_printable(w['home'] or '')}", f"pid {w['pid']}", w["state"]]
+        words = [f"{w['host']} {printable(w['home'] or '')}", f"pid {w['pid']}", w["state"]]
         if w["state"] != "stopped":
             words.append(w["activity"] or "")
             if w["heartbeat_age_s"] is not None:
                 words.append(f"heartbeat {_duration(w['heartbeat_age_s'])} ago")
         if w["job"]:
-            words.append(f"#{w['job']['id']} {_printable(Path(w['job']['path']).name)} {w['job']['progress']:.0%}")
+            words.append(f"#{w['job']['id']} {printable(Path(w['job']['path']).name)} {w['job']['progress']:.0%}")
         words.append(f"{w['done']} done")
         lines.append("  " + " · ".join(word for word in words if word))
     return lines
@@ -231,7 +233,7 @@ def _recent_lines(snap: dict[str, Any]) -> list[str]:
     if snap["recent_done"]:
         lines.append("recently done:")
         lines.extend(
-            f"  #{j['id']} {_printable(Path(j['path']).name)} → {_printable(j['output_dir'])} "
+            f"  #{j['id']} {printable(Path(j['path']).name)} → {printable(j['output_dir'])} "
             f"({_clock(j['finished_at'])})"
             for j in snap["recent_done"]
         )
@@ -240,8 +242,8 @@ def _recent_lines(snap: dict[str, Any]) -> list[str]:
         for j in snap["recent_failures"]:
             retry = f", retry at {_clock(j['retry_at'])}" if j["retry_at"] else ""
             lines.append(
-                f"  #{j['id']} {_printable(Path(j['path']).name)}: {j['state']} ({j['kind']}{retry}): "
-                f"{_printable(j['reason'] or '')}"
+                f"  #{j['id']} {printable(Path(j['path']).name)}: {j['state']} ({j['kind']}{retry}): "
+                f"{printable(j['reason'] or '')}"
             )
     if rejected := snap["daemon"].get("counters", {}).get("rejected"):
         lines.append(f"{rejected} file(s) in the inbox could not be queued; see failed/*.error.txt")
@@ -257,8 +259,3 @@ def _duration(seconds: float) -> str:
 
 def _clock(timestamp: float | None) -> str:
     return datetime.fromtimestamp(timestamp).strftime("%H:%M:%S") if timestamp else "?"
-
-
-def _printable(text: str) -> str:
-    """A file name or message on one line: control characters (a newline in a name) shown as `?`."""
-    return "".join(c if c.isprintable() else "?" for c in text)

@@ -112,13 +112,20 @@ def _compiler(kernel: NativeKernel) -> list[str]:
 
 def _unsafe(folder: Path) -> str | None:
     """Why `folder` cannot hold libraries this process loads, or None: anyone else who can write there could
-    plant code that runs as this user."""
+    plant code that runs as this user, and so could anyone who can write to a folder above it (they would
+    rename it away and put their own in its place), unless that folder is sticky (as /tmp is)."""
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     status = folder.stat()
     if status.st_uid != os.getuid():
         return f"it belongs to user id {status.st_uid}, not this user"
     if status.st_mode & 0o022:
         return f"others can write to it (mode {stat.S_IMODE(status.st_mode):o}; `chmod go-w` it to cache there)"
+    for above in folder.resolve().parents:
+        status = above.stat()
+        if status.st_uid not in (os.getuid(), 0):
+            return f"{above} above it belongs to user id {status.st_uid}, neither this user nor root"
+        if status.st_mode & 0o022 and not status.st_mode & stat.S_ISVTX:
+            return f"others can write to {above} above it (mode {stat.S_IMODE(status.st_mode):o})"
     return None
 
 

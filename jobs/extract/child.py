@@ -1,4 +1,4 @@
-"""The extraction child process: `python -m npumoe.jobs.extract.child`.
+"""The extraction child process: `python -I -m npumoe.jobs.extract.child`, started in an empty folder.
 
 Reads one JSON request on stdin ({"fd": inherited open file, "suffix": name hint, "limits": ExtractLimits}),
 caps its own address space, parses the file and writes one JSON reply on stdout: the ExtractedText fields,
@@ -37,7 +37,7 @@ def main() -> None:
 
 def _cap_resources(memory_mb: int) -> None:
     memory = memory_mb * 2**20
-    # macOS does not enforce RLIMIT_AS: there the parent's wall-clock limit is the only bound.
+    # macOS does not enforce RLIMIT_AS: there the parent's watch of the resident memory is the bound.
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     # A parser crashing on a large document should not leave a core file of the same size behind.

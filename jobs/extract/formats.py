@@ -40,14 +40,17 @@ _OLE_MAGIC = b"\xd0\xcf\x11\xe0\xa1\xb1\x1a\xe1"
 # Password-protected DOCX/XLSX files are OLE compound files holding a stream of this name.
 _OLE_ENCRYPTED_STREAM = "EncryptedPackage".encode("utf-16-le")
 _CONTROL_BYTES = bytes(set(range(32)) - set(b"\t\n\r\f\v\x1b") | {0x7F})
+# C0 and C1 controls and DEL, dropped from extracted text; a vertical tab or form feed (a page break) is a newline
+_CONTROL_CHARS = {c: None for c in (*range(0x20), *range(0x7F, 0xA0)) if chr(c) not in "\t\n"} | {
+    0x0B: "\n", 0x0C: "\n"}
 # An HTML page may open with an XML declaration and comments before its first tag.
 _HTML_START = re.compile(r"(\s|<\?xml[^>]*>|<!--.*?-->)*<(!doctype html|html|head|body)\b", re.DOTALL)
 
 
 @dataclass(frozen=True)
 class ExtractLimits:
-    timeout_s: float = 60.0
-    memory_mb: int = 1024  # address-space cap for the child (RLIMIT_AS on Linux; best effort on macOS)
+    timeout_s: float = 60.0  # of the child's processor time (and ten times that of not running: a hang)
+    memory_mb: int = 1024  # the child's address space (RLIMIT_AS, where enforced) and its resident memory
     max_bytes: int = 100 * 2**20  # for the file, and for a DOCX unpacked; checked before any parsing
     max_chars: int = 5_000_000  # longer text fails as too_large: never silent truncation
 
@@ -128,8 +131,9 @@ def _describe(suffix: str) -> str:
 
 
 def _tidy(text: str) -> str:
-    """Unix newlines, no lone surrogates (they cannot be encoded), no surrounding blank space."""
-    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    """Unix newlines, no control characters but newline and tab (an escape sequence in a document must not reach a
+    terminal that shows a passage), no lone surrogates (they cannot be encoded), no surrounding blank space."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").translate(_CONTROL_CHARS)
     return text.encode("utf-8", errors="replace").decode("utf-8").strip()
 
 

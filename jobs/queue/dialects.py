@@ -118,6 +118,11 @@ class SQLite:
     def listen(self, wake: Callable[[], None], stop: threading.Event) -> threading.Thread | None:
         return None
 
+    @staticmethod
+    def now(conn: Connection) -> float:
+        """The time leases and backoffs are reckoned in: this machine's clock, the only one that uses the file."""
+        return time.time()
+
     # -- migrations' bookkeeping ----------------------------------------------------------------------
 
     @staticmethod
@@ -183,6 +188,12 @@ class PostgreSQL:
         thread = threading.Thread(target=_listen, args=(conninfo, wake, stop), name="queue-listen", daemon=True)
         thread.start()
         return thread
+
+    @staticmethod
+    def now(conn: Connection) -> float:
+        """The server's clock, one for every machine: a worker whose own clock is behind would otherwise write
+        leases that others already find expired (and one ahead, leases that outlive its death)."""
+        return conn.exec_driver_sql("SELECT extract(epoch FROM clock_timestamp())::float8").scalar_one()
 
     # -- migrations' bookkeeping ----------------------------------------------------------------------
 

@@ -81,6 +81,10 @@ jobs = Table(
     Column("worker_host", String(255)),
     Column("worker_started", Float),  # the worker process's start time: with host and pid, its identity
     Column("pinned_host", String(255)),
+    # v6: the claim that took it, so a claim run again after its answer was lost finds the job it took
+    Column("claim_token", String(32)),
+    # v7: hand-backs for a machine fault since the last attempt was spent (see Queue.hand_back)
+    Column("handbacks", Integer, nullable=False, default=0),
 )
 
 daemon = Table(  # v3: one row, written by the running daemon, read by `npumoed status`
@@ -173,6 +177,13 @@ MIGRATIONS: list[list[str]] = [
         "ALTER TABLE daemon ADD COLUMN host VARCHAR(255)",
         "ALTER TABLE daemon ADD COLUMN home TEXT",
         "CREATE UNIQUE INDEX daemon_worker ON daemon (host, home)",
+    ],
+    [  # 6: the token of the claim that took a job (a claim replayed after a lost answer finds it)
+        "ALTER TABLE jobs ADD COLUMN claim_token VARCHAR(32)",
+        "CREATE INDEX jobs_claim_token ON jobs (claim_token)",  # looked up by every claim
+    ],
+    [  # 7: a job handed back for a machine fault counts how often, so one file cannot hold the queue for ever
+        "ALTER TABLE jobs ADD COLUMN handbacks INTEGER NOT NULL DEFAULT 0",
     ],
 ]
 

@@ -12,7 +12,10 @@ stays open while a job is worked on: the worker holds a lease, renews it with `h
 returns the jobs of workers that died.
 
 A worker is known by host, pid and process start time. Whether its process is alive can be asked only on
-its own host; a job of a worker on another machine comes back when its lease expires.
+its own host; a job of a worker on another machine comes back when its lease expires. Leases and backoffs are
+reckoned in the database's time (PostgreSQL's clock, not each machine's), and a statement run again after its
+answer was lost (`reconnecting`) does what it did once: a claim finds the job it took by its claim token, a
+complete finds the job done by the same worker.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import psutil
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Connection, Select, func, select, update
 
 from .controls import Controls
 from .daemons import DaemonRows
@@ -36,6 +39,10 @@ from .handed import HandedFiles
 from .schema import CANCELLED, DEAD, DONE, FAILED, QUEUED, RUNNING, STATES, jobs
 
 CLAIMABLE = (QUEUED, FAILED)
+# A job handed back for a machine fault: the first few times it costs nothing and goes to the end of the line; the
+# next few it also waits (backoff), so the other jobs go first; after that the fault keeps coming back while the
+# machine probes well, so it is likely the file's (an unreadable sector): an attempt is spent.
+FREE_HANDBACKS, HANDBACKS = 2, 4
 INTERACTIVE, BATCH = 10, 0  # priorities: a document added by hand outranks overnight batch work
 
 
@@ -66,6 +73,8 @@ class Job:
     worker_host: str | None
     worker_started: float | None
     pinned_host: str | None
+    claim_token: str | None
+    handbacks: int
 
     @classmethod
     def from_row(cls, row: Any) -> Job:
@@ -127,13 +136,14 @@ class Queue:
     """The queue API: the worker loop and the CLI never write SQL of their own.
 
     `location` is a SQLite file, or a `postgresql://…` URL for a queue that several machines share.
-    `host` and `home` say which daemon this is, for its row in the daemon table. The jobs are its methods;
+    `host` and `home` say which daemon this is, for its row in the daemon table. `clock`: the time the queue
+    reckons in; by default the database's (`Dialect.now`), a fixed one for tests. The jobs are its methods;
     the watcher's memory of handed files (`handed`), the daemons' rows (`daemons`) and the person's switches
     (`controls`) are objects of their own on the same database, opened once with it.
     """
 
     def __init__(self, location: Path | str, *, read_only: bool = False, backoff: Backoff = Backoff(),
-                 clock: Callable[[], float] = time.time, host: str | None = None,
+                 clock: Callable[[], float] | None = None, host: str | None = None,
                  home: Path | str | None = None) -> None:
         self.db = Database(location, read_only=read_only, host=host, home=home)
         self.path, self.location, self.host = self.db.path, self.db.location, self.db.host
@@ -148,6 +158,10 @@ class Queue:
     def shared(self) -> bool:
         """Whether workers of other homes and machines may share this queue (PostgreSQL)."""
         return self.db.shared
+
+    def now(self, conn: Connection) -> float:
+        """The time now as the queue reckons it, read on `conn` (PostgreSQL: the server's clock)."""
+        return self.clock() if self.clock is not None else self.db.dialect.now(conn)
 
     def close(self) -> None:
         self.db.close()
@@ -169,12 +183,12 @@ class Queue:
         host's worker may claim it. Returns the job and whether it was created (False: it already existed,
         and is left as it is).
         """
-        now = self.clock()
-        values = dict(path=str(path), sha256=sha256, model_key=model_key, settings_key=settings_key,
-                      state=QUEUED, priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
-                      progress=0.0, created_at=now, updated_at=now, batch_window=batch_window,
-                      pinned_host=self.host if pinned and self.shared else None)
         with self.db.tx() as conn:
+            now = self.now(conn)
+            values = dict(path=str(path), sha256=sha256, model_key=model_key, settings_key=settings_key,
+                          state=QUEUED, priority=priority, attempts=0, max_attempts=max_attempts, run_after=now,
+                          progress=0.0, created_at=now, updated_at=now, batch_window=batch_window,
+                          pinned_host=self.host if pinned and self.shared else None)
             row = conn.execute(self.db.dialect.insert_new(jobs, values).returning(*jobs.c)).first()
             if row is not None:
                 self.db.dialect.notify(conn)
@@ -198,24 +212,31 @@ class Queue:
 
     # -- the worker's side ------------------------------------------------------------------------
 
-    @reconnecting
     def claim(self, worker_pid: int, *, lease_seconds: float,
               open_windows: Sequence[str] = ()) -> Job | None:
         """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
-        now = self.clock()
-        runnable = (
-            _runnable(now, open_windows, self.host)
-            .order_by(jobs.c.priority.desc(), jobs.c.run_after, jobs.c.id)
-            .limit(1)
-            .with_for_update(skip_locked=True)  # PostgreSQL: pass over rows other claimers hold
-            .scalar_subquery()
-        )
+        # One token per call, not per try: a try run again after its commit's answer was lost finds its job.
+        return self._claim(uuid.uuid4().hex, worker_pid, lease_seconds, open_windows)
+
+    @reconnecting
+    def _claim(self, token: str, worker_pid: int, lease_seconds: float, open_windows: Sequence[str]) -> Job | None:
         with self.db.tx() as conn:
+            taken = conn.execute(select(jobs).where(jobs.c.claim_token == token, jobs.c.state == RUNNING)).first()
+            if taken is not None:
+                return Job.from_row(taken)
+            now = self.now(conn)
+            runnable = (
+                _runnable(now, open_windows, self.host)
+                .order_by(jobs.c.priority.desc(), jobs.c.run_after, jobs.c.id)
+                .limit(1)
+                .with_for_update(skip_locked=True)  # PostgreSQL: pass over rows other claimers hold
+                .scalar_subquery()
+            )
             row = conn.execute(
                 update(jobs)
                 .where(jobs.c.id == runnable)
                 .values(state=RUNNING, attempts=jobs.c.attempts + 1, worker_pid=worker_pid,
-                        worker_host=self.host, worker_started=process_started(worker_pid),
+                        worker_host=self.host, worker_started=process_started(worker_pid), claim_token=token,
                         lease_until=now + lease_seconds, heartbeat_at=now, updated_at=now, progress=0.0,
                         detail=None)
                 .returning(*jobs.c)
@@ -226,38 +247,39 @@ class Queue:
     def heartbeat(self, job_id: int, worker_pid: int, *, lease_seconds: float,
                   progress: float | None = None, detail: dict[str, Any] | None = None) -> bool:
         """Renew the lease (and record progress). False: the job is no longer this worker's."""
-        now = self.clock()
-        values: dict[str, Any] = {"lease_until": now + lease_seconds, "heartbeat_at": now, "updated_at": now}
-        if progress is not None:
-            values["progress"] = progress
-        if detail is not None:
-            values["detail"] = json.dumps(detail)
         with self.db.tx() as conn:
+            now = self.now(conn)
+            values: dict[str, Any] = {"lease_until": now + lease_seconds, "heartbeat_at": now, "updated_at": now}
+            if progress is not None:
+                values["progress"] = progress
+            if detail is not None:
+                values["detail"] = json.dumps(detail)
             updated = conn.execute(update(jobs).where(*self._owned(job_id, worker_pid)).values(**values))
         return updated.rowcount == 1
 
     @reconnecting
-    def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None,
-                 on_done: Callable[[Any], None] | None = None) -> bool:
-        """Mark the job done. `on_done` gets the DB-API connection inside the same transaction (the search
-        index writes there on SQLite), so the job is done and indexed together, or neither if either fails."""
-        now = self.clock()
+    def complete(self, job_id: int, worker_pid: int, *, output_dir: str | None = None) -> bool:
+        """Mark the job done. False: it is no longer this worker's; True also when this worker already completed
+        it (the same statement run again after its answer was lost)."""
         with self.db.tx() as conn:
+            now = self.now(conn)
             done = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
                 .values(state=DONE, progress=1.0, output_dir=output_dir, finished_at=now, updated_at=now,
-                        lease_until=None, last_error=None, error_kind=None)
+                        lease_until=None, last_error=None, error_kind=None, handbacks=0)
             ).rowcount == 1
-            if done and on_done is not None:
-                on_done(conn.connection.dbapi_connection)
+            if not done:
+                done = conn.execute(select(jobs.c.id).where(
+                    jobs.c.id == job_id, jobs.c.state == DONE, jobs.c.worker_pid == worker_pid,
+                    jobs.c.worker_host == self.host, jobs.c.output_dir == output_dir)).first() is not None
             return done
 
     @reconnecting
     def fail(self, job_id: int, worker_pid: int, error: str, *, kind: str = "error",
              retryable: bool = True) -> str | None:
         """Record a failure: back off and retry while attempts remain, else dead. Returns the new state."""
-        now = self.clock()
         with self.db.tx() as conn:
+            now = self.now(conn)
             job = conn.execute(select(jobs).where(*self._owned(job_id, worker_pid)).with_for_update()).first()
             if job is None:
                 return None
@@ -274,16 +296,41 @@ class Queue:
     @reconnecting
     def release(self, job_id: int, worker_pid: int) -> bool:
         """Hand a job back untouched (graceful shutdown): queued again, the attempt not counted."""
-        now = self.clock()
         with self.db.tx() as conn:
             released = conn.execute(
                 update(jobs).where(*self._owned(job_id, worker_pid))
                 .values(state=QUEUED, attempts=jobs.c.attempts - 1, worker_pid=None, lease_until=None,
-                        progress=0.0, detail=None, updated_at=now)
+                        progress=0.0, detail=None, updated_at=self.now(conn))
             ).rowcount == 1
             if released:
                 self.db.dialect.notify(conn)
             return released
+
+    @reconnecting
+    def hand_back(self, job_id: int, worker_pid: int, reason: str) -> str | None:
+        """Hand a job back for a machine fault (`reason`): queued again without spending an attempt, at the end
+        of the line, and after FREE_HANDBACKS with a backoff too; beyond HANDBACKS the attempt is spent (failed,
+        or dead once out of attempts) and the count starts again. Returns the new state; None if not owned."""
+        with self.db.tx() as conn:
+            now = self.now(conn)
+            job = conn.execute(select(jobs).where(*self._owned(job_id, worker_pid)).with_for_update()).first()
+            if job is None:
+                return None
+            count = job.handbacks + 1
+            values: dict[str, Any] = dict(last_error=reason, error_kind="machine", updated_at=now, lease_until=None,
+                                          worker_pid=None, progress=0.0, detail=None)
+            if count > HANDBACKS:
+                state = FAILED if job.attempts < job.max_attempts else DEAD
+                values |= dict(state=state, handbacks=0, finished_at=now if state == DEAD else None,
+                               run_after=now + self.backoff.delay(job.attempts) if state == FAILED else job.run_after)
+            else:
+                state = QUEUED
+                wait = self.backoff.delay(count - FREE_HANDBACKS) if count > FREE_HANDBACKS else 0.0
+                values |= dict(state=state, handbacks=count, attempts=job.attempts - 1, run_after=now + wait)
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(**values))
+            if state != DEAD:
+                self.db.dialect.notify(conn)
+            return state
 
     @reconnecting
     def reap(self, alive: Callable[[int], bool] | None = None) -> list[int]:
@@ -294,12 +341,13 @@ class Queue:
         transaction holds are left for the next reap. Cheap enough to run periodically: it only reads unless
         there is a job to requeue.
         """
-        now = self.clock()
         with self.db.read() as conn:
+            now = self.now(conn)
             running = conn.execute(select(jobs).where(jobs.c.state == RUNNING)).all()
             if not any(self._lost(j, now, alive) for j in running):
                 return []
         with self.db.tx() as conn:
+            now = self.now(conn)
             running = conn.execute(
                 select(jobs).where(jobs.c.state == RUNNING).with_for_update(skip_locked=True)
             ).all()
@@ -337,16 +385,19 @@ class Queue:
     def retry(self, job_id: int) -> Job:
         """Queue a failed, dead or cancelled job again now, with its attempts reset."""
         return self._set_state(job_id, QUEUED, (FAILED, DEAD, CANCELLED),
-                               attempts=0, run_after=self.clock(), finished_at=None)
+                               lambda now: dict(attempts=0, handbacks=0, run_after=now, finished_at=None))
 
     @reconnecting
     def cancel(self, job_id: int) -> Job:
         """Cancel a waiting or running job; a running worker notices at its next heartbeat."""
         return self._set_state(job_id, CANCELLED, (QUEUED, FAILED, RUNNING),
-                               finished_at=self.clock(), lease_until=None)
+                               lambda now: dict(finished_at=now, lease_until=None))
 
-    def _set_state(self, job_id: int, state: str, allowed: tuple[str, ...], **values: Any) -> Job:
+    def _set_state(self, job_id: int, state: str, allowed: tuple[str, ...],
+                   values: Callable[[float], dict[str, Any]]) -> Job:
+        """Move the job from one of the `allowed` states to `state`, with `values(now)` besides."""
         with self.db.tx() as conn:
+            now = self.now(conn)
             job = conn.execute(select(jobs).where(jobs.c.id == job_id).with_for_update()).first()
             if job is None:
                 raise KeyError(f"no job {job_id}")
@@ -354,7 +405,7 @@ class Queue:
                 allowed_text = ', '.join(allowed)
                 raise ValueError(f"job {job_id} is {job.state}; only {allowed_text} jobs can be {state}")
             row = conn.execute(update(jobs).where(jobs.c.id == job_id).returning(*jobs.c)
-                               .values(state=state, updated_at=self.clock(), **values)).one()
+                               .values(state=state, updated_at=now, **values(now))).one()
             if state in CLAIMABLE:
                 self.db.dialect.notify(conn)
         return Job.from_row(row)
@@ -389,7 +440,7 @@ class Queue:
     def has_runnable(self, open_windows: Sequence[str] = ()) -> bool:
         """Whether `claim` would find a job now; a read, so an idle daemon can ask without writing."""
         with self.db.read() as conn:
-            return conn.execute(_runnable(self.clock(), open_windows, self.host).limit(1)).first() is not None
+            return conn.execute(_runnable(self.now(conn), open_windows, self.host).limit(1)).first() is not None
 
     @reconnecting
     def open_windows_needed(self) -> list[str]:

@@ -1,7 +1,8 @@
 """The search index: every done document's chunk and document vectors, and its chunks' words.
 
-It lives in the home's SQLite database beside the queue, and a document enters it in the transaction
-that marks its job done (`Queue.complete(on_done=...)`), so the two never disagree. Its tables:
+It lives in the home's SQLite database beside the queue, and a document enters it right after its job is
+marked done, in a transaction of its own: the index is derived, so damage to it must not fail documents. A
+write that fails flags the index (`mark_stale`) until `reindex` has rebuilt it. Its tables:
 
     search_models         one row per model (and pooling, `vectors_key`) whose vectors are indexed: vectors of
                           two models, or of one model pooled two ways, never mix
@@ -16,11 +17,14 @@ what the daemon wrote.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +35,8 @@ from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, r
 from ..queue import sqlite
 from .passages import query_terms, sentence_spans, whole_sentences
 
+log = logging.getLogger(__name__)
+STALE_SUFFIX = "-reindex"
 
 @dataclass(frozen=True)
 class Weights:
@@ -198,6 +204,32 @@ def write_local(database: Path, entry: IndexEntry) -> None:
         write_entry(conn, entry)
 
 
+def stale_marker(database: Path) -> Path:
+    """The file beside `database` that says its index misses documents, and why: a file, since the database
+    itself may be what refused the write."""
+    return database.with_name(f"{database.name}{STALE_SUFFIX}")
+
+
+def mark_stale(database: Path, why: str) -> None:
+    """Flag the index of `database` for `reindex`: the first reason is kept (it says when it began)."""
+    marker = stale_marker(database)
+    try:
+        with open(marker, "x", encoding="utf-8") as f:
+            f.write(why + "\n")
+    except FileExistsError:
+        pass
+    except OSError as e:  # a disk too full for even that: the log says it
+        log.warning("could not flag the search index for `npumoed reindex`: %s", e)
+
+
+def stale_reason(database: Path) -> str | None:
+    """Why the index of `database` misses documents, when it was flagged; None when it is whole."""
+    try:
+        return stale_marker(database).read_text(encoding="utf-8").strip()
+    except OSError:
+        return None
+
+
 def reindex(database: Path, outbox: Path) -> Reindexed:
     """Drop the index and build it again from every output folder, in one transaction: a search meanwhile sees
     the old index whole, then the new one."""
@@ -213,6 +245,7 @@ def reindex(database: Path, outbox: Path) -> Reindexed:
                 documents += 1
             except OutputsUnreadable as e:
                 skipped.append(str(e))
+    stale_marker(database).unlink(missing_ok=True)
     return Reindexed(documents, skipped)
 
 
@@ -269,6 +302,37 @@ class NotIndexed(LookupError):
     """Nothing to search: no document of this model, or the document asked about, is in the index."""
 
 
+class IndexDamaged(Exception):
+    """The index cannot be read (a table or row missing, a page damaged); `npumoed reindex` rebuilds it."""
+
+
+def _reading(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A read of the index whose database errors are IndexDamaged, naming the remedy."""
+
+    @functools.wraps(method)
+    def read(self: SearchIndex, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except sqlite.driver.DatabaseError as e:
+            if getattr(e, "sqlite_errorname", "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+                raise  # a writer held on too long: nothing is damaged
+            raise _damaged(str(e)) from e
+
+    return read
+
+
+def _damaged(why: str) -> IndexDamaged:
+    return IndexDamaged(f"the search index is damaged ({why}); `npumoed reindex` rebuilds it from the outbox")
+
+
+def _one(cursor: Any, what: str) -> Any:
+    """The row that the index's other tables say is there."""
+    row = cursor.fetchone()
+    if row is None:
+        raise _damaged(f"no {what}")
+    return row
+
+
 class SearchIndex:
     """Reads the index (read-only): the best chunks for a query, and a document's nearest documents."""
 
@@ -278,6 +342,7 @@ class SearchIndex:
     def close(self) -> None:
         self.conn.close()
 
+    @_reading
     def models(self) -> dict[str, int]:
         """model_key -> number of documents indexed with it."""
         if not self._exists("search_models"):
@@ -286,6 +351,7 @@ class SearchIndex:
             "SELECT m.model_key, count(d.job_id) FROM search_models m "
             "LEFT JOIN search_documents d ON d.model_id = m.id GROUP BY m.id"))
 
+    @_reading
     def search(self, model_key: str, vector: np.ndarray, query: str, k: int,
                weights: Weights = WEIGHTS) -> list[DocumentHits]:
         """The k best chunks for the query among the documents of `model_key` (a `vectors_key`), grouped by
@@ -298,15 +364,16 @@ class SearchIndex:
             (vector.tobytes(), min(candidates, MAX_KNN))))
         words, phrase = self._lexical(model_id, query, candidates)
         for chunk_id in (words.keys() | phrase) - cosines.keys():
-            (blob,) = self.conn.execute(f"SELECT embedding FROM search_chunk_vectors_{model_id} WHERE rowid = ?",
-                                        (chunk_id,)).fetchone()
+            (blob,) = _one(self.conn.execute(f"SELECT embedding FROM search_chunk_vectors_{model_id} WHERE rowid = ?",
+                                             (chunk_id,)), f"vector of chunk {chunk_id}")
             cosines[chunk_id] = _cosine(np.frombuffer(blob, dtype=np.float32), vector)
         scores = {i: weights.cosine * cos + weights.words * words.get(i, 0.0) + weights.phrase * (i in phrase)
                   for i, cos in cosines.items()}
         grouped: dict[int, list[ChunkHit]] = {}
         for chunk_id in sorted(scores, key=lambda i: (-scores[i], i))[:k]:
-            job_id, ordinal, start, end = self.conn.execute(
-                'SELECT job_id, ordinal, start, "end" FROM search_chunks WHERE id = ?', (chunk_id,)).fetchone()
+            job_id, ordinal, start, end = _one(self.conn.execute(
+                'SELECT job_id, ordinal, start, "end" FROM search_chunks WHERE id = ?', (chunk_id,)),
+                f"chunk {chunk_id}")
             grouped.setdefault(job_id, []).append(ChunkHit(
                 chunk_id, ordinal, start, end, scores[chunk_id], cosines[chunk_id], words.get(chunk_id, 0.0),
                 chunk_id in phrase))
@@ -341,6 +408,7 @@ class SearchIndex:
                 shares[chunk_id] += weight / sum(weights)
         return shares, phrase
 
+    @_reading
     def similar(self, job_id: int, k: int) -> list[Neighbour]:
         """The k documents of the same model nearest to document `job_id`'s vector: itself first."""
         row = self._exists("search_documents") and self.conn.execute(
@@ -348,8 +416,8 @@ class SearchIndex:
         if not row:
             raise NotIndexed(f"job {job_id} is not in the search index (not done, or run `npumoed reindex`)")
         (model_id,) = row
-        (blob,) = self.conn.execute(f"SELECT embedding FROM search_document_vectors_{model_id} WHERE rowid = ?",
-                                    (job_id,)).fetchone()
+        (blob,) = _one(self.conn.execute(f"SELECT embedding FROM search_document_vectors_{model_id} WHERE rowid = ?",
+                                         (job_id,)), f"vector of document {job_id}")
         found = self.conn.execute(
             f"SELECT rowid, 1 - distance FROM search_document_vectors_{model_id} WHERE embedding MATCH ? AND k = ?",
             (blob, min(k, MAX_KNN))).fetchall()

@@ -55,6 +55,19 @@ def test_cancel_then_retry(home: Path, tmp_path: Path) -> None:
     assert missing.returncode == 1 and "no job 42" in missing.stderr
 
 
+def test_a_file_name_with_escape_sequences_reaches_the_terminal_without_them(
+    home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # the `jobs` table shows the whole name
+    doc = tmp_path / "notes\x1b]0;owned\x07\x1b[2J\x9b31m.txt"  # set the window title, clear the screen, a C1 CSI
+    doc.write_text("text")
+    shown = [npumoed(home, "add", str(doc)), npumoed(home, "jobs"), npumoed(home, "cancel", "1"),
+             npumoed(home, "retry", "1")]
+    assert [r.returncode for r in shown] == [0, 0, 0, 0]
+    for result in shown:
+        assert "notes" in result.stdout and not {"\x1b", "\x07", "\x9b"} & set(result.stdout + result.stderr)
+
+
 def test_a_bad_config_exits_2_naming_the_problem(home: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[model]\nbackend = 'gpu'\n")

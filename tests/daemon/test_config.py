@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from npumoe.daemon.cli import main
 from npumoe.daemon.config import Config, ConfigError, ModelConfig, load_config
+from npumoe.daemon.config_file import replace_config, with_section
 
 
 def write(tmp_path: Path, body: str) -> Path:
@@ -82,3 +87,28 @@ def test_a_dtype_that_agrees_with_weights_is_only_deprecated_and_one_that_disagr
 def test_a_plan_is_calibrated_at_the_configured_chunk_length_or_the_default_where_it_is_measured() -> None:
     assert ModelConfig(chunk_tokens=256).plan_chunk_tokens == 256
     assert ModelConfig(chunk_tokens=0).plan_chunk_tokens == 512
+
+
+def test_a_private_config_file_rewritten_in_place_stays_private(tmp_path: Path) -> None:
+    path = write(tmp_path, '[queue]\nurl = "postgresql://npumoed:s3cret@db.local/jobs"\n')
+    path.chmod(0o600)
+    old = os.umask(0o022)
+    try:
+        _, new = with_section(path, "model", {"backend": "torch-static"})
+        replace_config(path, new)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "config.toml.bak").stat().st_mode) == 0o600
+    assert load_config(path).model.backend == "torch-static"
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_config_show_hides_the_queue_servers_password(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                      as_json: bool) -> None:
+    monkeypatch.setenv("NPUMOED_HOME", str(tmp_path))
+    write(tmp_path, '[queue]\nurl = "postgresql://npumoed:s3cret@db.local:5433/jobs?password=s3cret"\n')
+    shown = CliRunner().invoke(main, ["config", "show", *(["--json"] if as_json else [])])
+    assert shown.exit_code == 0, shown.output
+    assert "s3cret" not in shown.output
+    assert "postgresql://npumoed:***@db.local:5433/jobs?password=***" in shown.output

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from postgres_server import PostgresServer
 from sample_meta import document_meta
 
 from npumoe.daemon.cli import main
-from npumoe.daemon.config import Config, ModelConfig, OutboxConfig
+from npumoe.daemon.cli.service import _database_check
+from npumoe.daemon.config import Config, ModelConfig, OutboxConfig, QueueConfig
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import enqueue
 from npumoe.daemon.model_choice import demo_model_dir
@@ -114,7 +116,7 @@ def write_output(home: Home, source: Path, job_id: int, model: str, *, outbox: P
     meta = document_meta(source=str(source), sha256=sha, job_id=job_id, model=model, model_key=f"{model}@main",
                          plan=settings.get("plan"), backend=str(settings.get("backend", "cpu")),
                          weights=str(settings.get("weights", "fp32")))
-    folder = (outbox or home.outbox) / output_name(source.name, sha)
+    folder = (outbox or home.outbox) / output_name(source.name, sha, f"{model}@main", "settings")
     folder.mkdir(parents=True)
     (folder / "meta.json").write_bytes(meta.to_json())
     (folder / "summary.md").write_text("# summary\n")
@@ -260,3 +262,19 @@ background_priority = false
     after = sorted((j.id, j.sha256, j.path, j.output_dir) for j in queue.list())
     queue.close()
     assert after == before
+
+
+def test_doctor_checks_the_queue_server_not_the_home_file_when_the_queue_is_on_postgresql(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
+    home = Home(tmp_path / "home")
+    home.root.mkdir()
+    home.database.write_bytes(b"not a database")  # the home's own file, which a shared queue does not use
+    url = postgres.new_database()
+    Queue(url).close()
+    check = _database_check(Config(queue=QueueConfig(url=url)), home)
+    assert check["status"] == "ok" and f"schema v{SCHEMA_VERSION}" in check["detail"]
+    assert check["detail"].startswith("postgresql://") and str(home.database) not in check["detail"]
+    unreachable = _database_check(Config(queue=QueueConfig(url="postgresql://npumoed:pw@/q?host=/nowhere")), home)
+    assert unreachable["status"] == "fail" and "cannot reach" in unreachable["detail"]
+    assert "pw" not in unreachable["detail"]

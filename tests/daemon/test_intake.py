@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from postgres_server import PostgresServer
 
-from npumoe.daemon.config import Config, ExtractConfig, ModelConfig
+from npumoe.daemon.config import Config, ExtractConfig, ModelConfig, QueueConfig
 from npumoe.daemon.intake import enqueue, enqueue_paths, is_ignored, iter_documents, job_keys
 from npumoe.jobs.queue.store import Queue
 
@@ -64,3 +65,18 @@ def test_enqueue_paths_queues_what_it_can_and_names_what_it_cannot(tmp_path: Pat
     again = enqueue_paths(queue, [docs / "a.txt", docs / "big.txt"], config)
     assert [created for _, created in again.jobs] == [False] and len(again.problems) == 1
     assert enqueue_paths(queue, [docs / "big.txt"], config).failed
+
+
+def test_on_a_shared_queue_a_document_outside_the_shared_folders_is_pinned_to_the_machine_that_added_it(
+    tmp_path: Path, postgres: PostgresServer
+) -> None:
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    for folder in (shared, local):
+        folder.mkdir()
+        (folder / "a.txt").write_text(f"a document in {folder.name}")
+    queue = Queue(postgres.new_database(), host="laptop")
+    config = Config(queue=QueueConfig(shared_folders=[str(shared)]))
+    [(local_job, _), (shared_job, _)] = enqueue_paths(queue, [local, shared], config).jobs
+    assert local_job.pinned_host == "laptop"  # no other machine can read the laptop's own files
+    assert shared_job.pinned_host is None  # every machine sees the shared folder at this path
+    queue.close()

@@ -19,14 +19,15 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from filelock import FileLock
 
 from npumoe.daemon import model_choice, queries
 from npumoe.daemon.cli import main
-from npumoe.daemon.cli.search import _print_results
+from npumoe.daemon.cli.search import _print_neighbours, _print_results
 from npumoe.daemon.samples import FILENAMES, sample_documents, write_samples
 from npumoe.jobs.errors import Stop
 from npumoe.jobs.queue import sqlite
-from npumoe.jobs.search.index import _drop_tables
+from npumoe.jobs.search.index import Document, Neighbour, _drop_tables
 
 CONFIG = """
 [model]
@@ -110,6 +111,26 @@ def test_reindex_after_deleting_the_index_gives_the_same_results(home: Path) -> 
 
     assert "indexed 6 document(s)" in npumoed(home, "reindex")
     assert ([npumoed(home, "search", q, "--json") for q in queries], npumoed(home, "similar", "1", "--json")) == before
+
+
+def test_a_damaged_index_is_named_with_its_remedy_not_a_traceback(home: Path) -> None:
+    conn = sqlite.connect(home / "npumoed.db")
+    for table in ("search_chunk_vectors_1", "search_document_vectors_1"):  # as a crash mid-write could leave it
+        conn.execute(f"DROP TABLE {table}")
+    conn.close()
+    for command in (["search", "energy budget at night"], ["similar", "1"]):
+        damaged = CliRunner().invoke(main, command, env={"NPUMOED_HOME": str(home)})
+        assert damaged.exit_code == 1 and isinstance(damaged.exception, SystemExit)  # not an exception of ours
+        assert "the search index is damaged" in damaged.output and "npumoed reindex" in damaged.output
+        assert "Traceback" not in damaged.output
+    assert "indexed 6 document(s)" in npumoed(home, "reindex")
+
+
+def test_reindex_refuses_while_a_daemon_holds_the_home(home: Path) -> None:
+    with FileLock(home / "npumoed.lock"):  # as a running daemon holds it
+        refused = CliRunner().invoke(main, ["reindex"], env={"NPUMOED_HOME": str(home)})
+    assert refused.exit_code == 1 and "npumoed is running" in refused.output and "indexed" not in refused.output
+    assert "indexed 6 document(s)" in npumoed(home, "reindex")
 
 
 def test_reindex_reads_the_outbox_folder_the_config_names(home: Path, tmp_path: Path) -> None:
@@ -242,3 +263,19 @@ def test_the_worker_hands_a_stop_raised_while_it_answers_back_after_telling_the_
     with pytest.raises(Stop):
         server.answer(stopped)
     assert request.done.is_set() and "handing its running job back" in request.reply["error"]
+
+
+ESCAPES = "\x1b]0;owned\x07\x1b[2J\x9b31m"  # set the window title, clear the screen, a C1 CSI
+
+
+def test_names_passages_and_summaries_reach_the_terminal_without_escape_sequences(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"job_id": 3, "source": f"/in/notes{ESCAPES}.txt", "summary": f"first{ESCAPES} line", "score": 0.9,
+             "passages": [{"chunk": 0, "score": 0.9, "text": f"A tide{ESCAPES} came in."}]}]
+    _print_results(rows, ["tide"])
+    document = Document(job_id=4, source=f"/in/other{ESCAPES}.txt", output_dir="/out/other", summary=ESCAPES)
+    _print_neighbours([Neighbour(document=document, score=1.0)])
+    shown = capsys.readouterr().out
+    assert not {"\x1b", "\x07", "\x9b"} & set(shown)
+    assert "/in/notes" in shown and "came in." in shown and "/in/other" in shown

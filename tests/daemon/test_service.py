@@ -35,6 +35,7 @@ from npumoe.daemon.service import (
     carry_out,
     lingering,
 )
+from npumoe.daemon.worker import EXIT_STUCK
 from npumoe.engine.kernels import attention_choice, float_kernels, quant_kernels
 from npumoe.engine.kernels.choice import Accuracy
 from npumoe.engine.kernels.host import cpu_model
@@ -84,12 +85,27 @@ def test_the_launch_agent_parses_and_has_every_key_launchd_needs(tmp_path: Path,
     assert agent["EnvironmentVariables"]["NPUMOED_HOME"] == str(home)
     assert agent["WorkingDirectory"] == str(home)
     assert agent["RunAtLoad"] is True
-    assert agent["KeepAlive"] == {"Crashed": True}  # every exit the daemon chooses (78 among them) stays stopped
     assert agent["ProcessType"] == "Background"
     assert agent["LowPriorityIO"] is True
     assert agent["ThrottleInterval"] == 30
     assert Path(agent["StandardOutPath"]).parent == home / "logs"
     assert Path(agent["StandardErrorPath"]).parent == home / "logs"
+
+
+def launchd_restarts(keep_alive: dict[str, bool], *, status: int = 0, crashed: bool = False) -> bool:
+    """What launchd.plist(5) says KeepAlive does when the job ends: `SuccessfulExit` false restarts it after an
+    exit other than 0, `Crashed` true after a crash (a signal)."""
+    return (crashed and keep_alive.get("Crashed", False)) or (
+        (status != 0 or crashed) and keep_alive.get("SuccessfulExit") is False)
+
+
+def test_the_launch_agent_restarts_the_daemon_after_a_stall_a_failing_exit_or_a_crash(
+    tmp_path: Path, service: Service
+) -> None:
+    keep_alive = plistlib.loads(Launchd(tmp_path, uid=501).render(service).encode())["KeepAlive"]
+    assert launchd_restarts(keep_alive, status=EXIT_STUCK)  # a call that never returned: the README's promise
+    assert launchd_restarts(keep_alive, status=1) and launchd_restarts(keep_alive, crashed=True)
+    assert not launchd_restarts(keep_alive, status=0)  # told to stop: stays stopped
 
 
 def test_a_config_file_given_at_install_is_passed_to_the_service(tmp_path: Path) -> None:

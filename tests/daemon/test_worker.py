@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ from npumoe.daemon.intake import sha256_of
 from npumoe.daemon.model_choice import ModelSlot, engine_settings
 from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
+from npumoe.jobs import files
 from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.queue.store import BATCH, Queue
 
@@ -71,6 +73,40 @@ def test_run_once_processes_the_inbox_and_sets_aside_what_cannot_be_queued(
     assert (tmp_path / "secret.txt").read_text() == "outside the inbox"
     row = queue.daemons.read()
     assert row is not None and row["stopped_at"] is not None and row["counters"]["done"] == 1
+
+
+class Locked:
+    """`os` as jobs/files.py sees it, except that opening `path` is refused (permission denied) while `locked`:
+    how a file of mode 000 reads to anyone but root."""
+
+    def __init__(self, path: Path) -> None:
+        self.target, self.locked = str(path), True
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def open(self, path: object, *args: object, **kwargs: object) -> int:
+        # The document is opened by its name within its folder's descriptor (open_regular walks the path).
+        if self.locked and os.fspath(path) == os.path.basename(self.target) and "dir_fd" in kwargs:  # type: ignore[arg-type]
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), self.target)
+        return os.open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_file_refused_for_permission_stays_in_the_inbox_and_is_queued_once_it_can_be_read(
+    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    locked_path = home.inbox / "locked.md"
+    locked_path.write_text("# Locked\n\n" + PARAGRAPH * 3)
+    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
+    locked = Locked(locked_path)
+    monkeypatch.setattr(files, "os", locked)
+    summary = make_worker().run()
+    assert dict(summary.outcomes) == {"done": 1} and summary.rejected == 0
+    assert locked_path.exists() and list(home.failed.iterdir()) == []  # not set aside: a person may put it right
+    assert [Path(job.path).name for job in queue.list()] == ["report.md"]
+    locked.locked = False  # the person gave read permission back
+    assert dict(make_worker().run().outcomes) == {"done": 1}
+    assert sorted(Path(job.path).name for job in queue.list("done")) == ["locked.md", "report.md"]
 
 
 def test_only_one_daemon_runs_per_home(home: Home, make_worker: Callable[..., Worker]) -> None:

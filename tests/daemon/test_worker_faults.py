@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlite_errors import as_sqlalchemy_raises_it, locked
 
 from npumoe.daemon import intake
 from npumoe.daemon.cli.status_view import render_text, snapshot
@@ -105,6 +106,27 @@ def test_a_full_disk_fails_no_job_says_so_in_status_and_every_document_completes
     assert summary.outcomes["done"] == 3 and "failed" not in summary.outcomes and "dead" not in summary.outcomes
     assert sorted(p.name for p in home.outbox.iterdir()) == sorted(Path(job.output_dir or "").name for job in jobs)
     assert list(home.failed.iterdir()) == []
+
+
+def test_the_queue_database_locked_while_claiming_holds_the_work_and_ends_no_daemon(
+    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 4)
+    locked_error = as_sqlalchemy_raises_it(locked(tmp_path))
+    real_claim = Queue.claim
+    refused = []
+
+    def claim_once_locked(self: Queue, *args: Any, **kwargs: Any) -> Any:
+        if not refused:
+            refused.append(args)
+            raise locked_error
+        return real_claim(self, *args, **kwargs)
+
+    monkeypatch.setattr(Queue, "claim", claim_once_locked)
+    summary = make_worker().run()
+    assert refused and dict(summary.outcomes) == {"done": 1}
+    [job] = queue.list()
+    assert (job.state, job.attempts) == ("done", 1)
 
 
 def test_a_stop_takes_effect_before_the_next_model_layer_not_at_the_end_of_the_chunk(

@@ -157,6 +157,19 @@ def test_a_library_planted_in_a_cache_others_can_write_to_is_not_loaded(fresh_bu
     assert not path.exists()  # the private folder is gone once the library is loaded
 
 
+def test_a_cache_inside_a_folder_others_can_write_to_is_not_loaded_from(fresh_build, monkeypatch):
+    simulate(monkeypatch, SAPPHIRE_RAPIDS)
+    shared = fresh_build / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)  # whoever can write here can swap the private `npumoe` folder below for their own
+    fresh_process(monkeypatch, shared / "npumoe")
+    build = fake_build(monkeypatch, fresh_build)
+    with pytest.warns(RuntimeWarning, match=f"not safe to load code from: others can write to {shared} "):
+        assert bf16_linear.unavailable() is None
+    path, _ = build.loaded[-1]
+    assert not path.is_relative_to(shared)
+
+
 def test_a_cached_library_whose_content_does_not_match_its_hash_is_not_loaded(fresh_build, monkeypatch):
     simulate(monkeypatch, ZEN4)
     build = fake_build(monkeypatch, fresh_build)

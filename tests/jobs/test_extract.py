@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
+import textwrap
+import tracemalloc
 import zipfile
 from pathlib import Path
 
@@ -15,6 +18,7 @@ from pypdf import PdfReader
 
 from npumoe.daemon.samples import SampleDocument, sample_documents, write_samples
 from npumoe.jobs.errors import ExtractionError
+from npumoe.jobs.extract import isolated
 from npumoe.jobs.extract.isolated import ExtractLimits, child_failure, detect_format, extract_text
 
 LIMITS = ExtractLimits(timeout_s=30, memory_mb=256, max_bytes=8 * 2**20, max_chars=1_000_000)
@@ -226,3 +230,84 @@ def test_extraction_error_names_only_known_kinds() -> None:
 def test_limits_must_be_positive(field: str) -> None:
     with pytest.raises(ValueError, match=f"ExtractLimits.{field} must be positive"):
         ExtractLimits(**{field: 0})
+
+
+def test_the_child_never_imports_modules_from_the_working_directory(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = tmp_path / "inbox"
+    folder.mkdir()
+    (folder / "json.py").write_text("raise SystemExit('the json.py of the working directory ran')\n")
+    (folder / "note.txt").write_text("Plain words.\n")
+    monkeypatch.chdir(folder)  # `npumoed run --once --inbox .` in a folder that holds a json.py
+    monkeypatch.setenv("PYTHONPATH", str(folder))
+
+    assert extract_text(folder / "note.txt", LIMITS).text == "Plain words."
+
+
+REPLY = json.dumps({"text": "Plain words.", "format": "text", "pages": None})
+
+
+def stand_in_child(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Extraction runs `code` as its child instead of the parser: what the parent does about it is under test."""
+    monkeypatch.setattr(isolated, "CHILD_COMMAND", [sys.executable, "-I", "-c", textwrap.dedent(code)])
+
+
+def note(tmp_path: Path) -> Path:
+    (tmp_path / "note.txt").write_text("Plain words.\n")
+    return tmp_path / "note.txt"
+
+
+def test_a_child_over_the_memory_limit_is_stopped_where_the_address_space_cap_is_not_enforced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in_child(monkeypatch, """
+        import time
+        held = bytearray(256 * 2**20)  # resident, as macOS lets a parser grow: nothing caps its address space
+        time.sleep(60)
+    """)
+    error = extraction_error(note(tmp_path), ExtractLimits(timeout_s=30, memory_mb=64))
+
+    assert error.kind == "memory"
+    assert str(error).startswith("extraction used more than 64 MiB of memory and was stopped")
+
+
+def test_a_child_that_writes_endless_warnings_costs_only_the_tail_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in_child(monkeypatch, """
+        import sys
+        for _ in range(32 * 1024):
+            sys.stderr.write("warning: duplicate key in the PDF's dictionary, the last one is kept\\n" * 8)
+        sys.exit("the parser gave up")
+    """)
+    tracemalloc.start()
+    try:
+        error = extraction_error(note(tmp_path))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert error.kind == "corrupt" and str(error).endswith("exit status 1: the parser gave up)")
+    assert peak < 4 * 2**20  # of the 18 MiB written
+
+
+def test_the_time_limit_counts_the_processor_time_the_child_uses_not_the_clock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    stand_in_child(monkeypatch, f"""
+        import sys, time
+        time.sleep(1.5)  # the time a child waits for a busy machine is not time spent parsing
+        sys.stdout.write({REPLY!r})
+    """)
+    assert extract_text(note(tmp_path), ExtractLimits(timeout_s=0.5)).text == "Plain words."
+
+
+def test_a_child_that_waits_for_ever_is_stopped_all_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stand_in_child(monkeypatch, """
+        import time
+        time.sleep(600)
+    """)
+    error = extraction_error(note(tmp_path), ExtractLimits(timeout_s=0.1))
+
+    assert error.kind == "timeout"
+    assert str(error) == "extraction waited 1 s without running and was stopped"

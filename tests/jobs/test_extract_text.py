@@ -10,6 +10,7 @@ from blocked_imports import block_imports
 
 from npumoe.jobs.errors import MissingDependency
 from npumoe.jobs.extract.decode import declared_charset
+from npumoe.jobs.extract.formats import extract_bytes
 from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
 
 LIMITS = ExtractLimits(timeout_s=30, memory_mb=512, max_bytes=8 * 2**20, max_chars=1_000_000)
@@ -161,3 +162,10 @@ def test_missing_trafilatura_is_the_machines_fault(tmp_path: Path, monkeypatch: 
 
     with pytest.raises(MissingDependency, match="trafilatura"):
         extract_text(path, LIMITS)
+
+
+def test_extracted_text_keeps_newlines_and_tabs_but_no_other_control_characters() -> None:
+    prose = "The night clerk reads the harbour ledger. " * 10  # a few control characters among much text
+    data = f"A ti\x1b[2Jde\tcame in\x07.\nThe \x9b31mclerk\x01 wrote.\x7f\fNext page. {prose}".encode()
+    text = extract_bytes(data, ".txt", ExtractLimits()).text
+    assert text == f"A ti[2Jde\tcame in.\nThe 31mclerk wrote.\nNext page. {prose}".strip()

@@ -12,7 +12,17 @@ import pytest
 
 from npumoe.jobs.errors import FileRefused
 from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
-from npumoe.jobs.files import Identity, identify, open_regular, snapshot
+from npumoe.jobs.files import (
+    CHANGED,
+    MOVE,
+    Folders,
+    Version,
+    identify,
+    move_file,
+    open_regular,
+    settle_original,
+    snapshot,
+)
 
 
 def refusal(path: Path, max_bytes: int | None = None) -> FileRefused:
@@ -77,10 +87,116 @@ def test_a_snapshot_is_a_private_copy_with_its_hash(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_bytes(b"hello")
     sha256, identity = snapshot(tmp_path / "a.txt", tmp_path / "copy", 5)
     assert sha256 == "2cf24dba5fb0a30e26e83b2ac5b9e29e1b161e5c1fa7425e73043362938b9824"
-    assert identity == Identity.at(tmp_path / "a.txt")  # the file it read: what settling the original checks
+    assert identity == Version.at(tmp_path / "a.txt")  # the file it read: what settling the original checks
     assert (tmp_path / "copy").read_bytes() == b"hello" and (tmp_path / "copy").stat().st_mode & 0o777 == 0o600
 
 
 def test_the_jobs_errors_import_neither_numpy_nor_torch() -> None:
     code = "import sys, npumoe.jobs.errors; print(sorted({'numpy', 'torch'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """What an editor saving in place does, then putting the old mtime back (rsync -t, a sync tool): the same
+    inode, the same size and mtime; only the ctime moves (waited for, on a clock of coarse ticks)."""
+    before = os.stat(path)
+    with path.open("r+b") as file:
+        file.write(data)
+    while True:
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        if os.stat(path).st_ctime_ns != before.st_ctime_ns:
+            return
+
+
+def save_atomically(path: Path, data: bytes) -> None:
+    """What most editors do: write a new file beside it and rename it over the old one."""
+    (path.parent / ".saving").write_bytes(data)
+    os.replace(path.parent / ".saving", path)
+
+
+@pytest.fixture
+def inbox_folders(tmp_path: Path) -> Folders:
+    for name in ("inbox", "outbox", "processed", "failed"):
+        (tmp_path / name).mkdir()
+    return Folders(tmp_path / "outbox", tmp_path / "processed", tmp_path / "failed", ((tmp_path / "inbox").resolve(),))
+
+
+def test_a_rewrite_that_keeps_size_and_mtime_is_not_the_file_that_was_read(inbox_folders: Folders,
+                                                                           tmp_path: Path) -> None:
+    source = tmp_path / "inbox" / "a.txt"
+    source.write_bytes(b"first")
+    _, read = identify(source)
+    rewrite_in_place(source, b"later")
+
+    assert settle_original(source, MOVE, inbox_folders, read) == CHANGED
+    assert source.read_bytes() == b"later" and list(inbox_folders.processed.iterdir()) == []
+
+
+@pytest.mark.parametrize("save", [rewrite_in_place, save_atomically])
+def test_a_save_while_moving_across_file_systems_keeps_the_new_version(
+    inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, save: Callable[[Path, bytes], None]
+) -> None:
+    source = tmp_path / "inbox" / "a.txt"
+    source.write_bytes(b"first")
+    _, read = identify(source)
+    real_rename = os.rename
+
+    def cross_device_with_a_save(src: object, dst: object) -> None:
+        if Path(str(src)) == source:  # the inbox on another file system, and the person saving meanwhile
+            save(source, b"later")
+            raise OSError(18, "Invalid cross-device link")
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", cross_device_with_a_save)
+    assert settle_original(source, MOVE, inbox_folders, read) == CHANGED
+    assert source.read_bytes() == b"later"
+    assert list(inbox_folders.processed.iterdir()) == []  # the copy is taken back, temporary and all
+
+
+def test_moving_never_overwrites_a_file_already_there(tmp_path: Path) -> None:
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "a.txt").write_text("earlier")
+    first = tmp_path / "a.txt"
+    first.write_text("later")
+    moved = move_file(first, tmp_path / "done", "a.txt")
+    assert moved.name == "a (2).txt" and moved.read_text() == "later"
+    assert (tmp_path / "done" / "a.txt").read_text() == "earlier"
+    assert not first.exists()
+
+
+def test_moving_across_file_systems_copies_then_removes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_cross_device_rename(src: object, dst: object) -> None:
+        if Path(str(src)).parent == tmp_path:
+            raise OSError(18, "Invalid cross-device link")
+        os.replace(src, dst)  # type: ignore[arg-type]
+
+    (tmp_path / "done").mkdir()
+    source = tmp_path / "a.txt"
+    source.write_text("content")
+    monkeypatch.setattr(os, "rename", no_cross_device_rename)
+    moved = move_file(source, tmp_path / "done", "a.txt")
+    assert moved.read_text() == "content" and not source.exists()
+    assert [p.name for p in (tmp_path / "done").iterdir()] == ["a.txt"]  # no temporary left behind
+
+
+def test_a_folder_swapped_for_a_link_after_queueing_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "inbox" / "reports").mkdir(parents=True)
+    (tmp_path / "inbox" / "reports" / "a.txt").write_text("queued")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.txt").write_text("private")
+    queued = tmp_path / "inbox" / "reports" / "a.txt"  # as recorded: its folder resolved, so no link in it
+    (tmp_path / "inbox" / "reports").rename(tmp_path / "inbox" / "moved")
+    (tmp_path / "inbox" / "reports").symlink_to(tmp_path / "elsewhere")
+
+    refused = refusal_of(lambda: snapshot(queued, tmp_path / "copy", 100))
+    assert (refused.kind, str(refused)) == ("unreadable", "a folder on its path is a symbolic link, not a folder")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_a_file_with_another_hard_link_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "secret.txt").write_text("elsewhere")
+    os.link(tmp_path / "secret.txt", tmp_path / "a.txt")  # a name in the inbox for a file kept somewhere else
+
+    refused = refusal(tmp_path / "a.txt")
+    assert refused.kind == "unreadable"
+    assert str(refused) == "the file has 2 hard links; only a file with a single name is read"

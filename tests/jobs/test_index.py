@@ -1,4 +1,4 @@
-"""The search index: written with the job's completion, searched by vector and words, rebuilt from the outbox."""
+"""The search index: written once a job is done, searched by vector and words, rebuilt from the outbox."""
 
 from __future__ import annotations
 
@@ -12,7 +12,15 @@ from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_by
 from npumoe.jobs.queue import sqlite
 from npumoe.jobs.queue.store import Queue
 from npumoe.jobs.search import index as index_module
-from npumoe.jobs.search.index import IndexEntry, NotIndexed, OutputsUnreadable, SearchIndex, reindex, write_entry
+from npumoe.jobs.search.index import (
+    IndexEntry,
+    NotIndexed,
+    OutputsUnreadable,
+    SearchIndex,
+    reindex,
+    write_entry,
+    write_local,
+)
 
 PID = 77
 MODEL = "tiny@0"
@@ -41,7 +49,8 @@ class Home:
         assert claimed is not None and claimed.id == job.id
         folder = self.write(name, job.id, paragraphs, vectors, model_key=model_key, keep_text=keep_text)
         entry = IndexEntry.read(folder)
-        assert self.queue.complete(job.id, PID, output_dir=str(folder), on_done=lambda c: write_entry(c, entry))
+        assert self.queue.complete(job.id, PID, output_dir=str(folder))
+        write_local(self.database, entry)  # as the pipeline indexes it: after the job is done
         return job.id
 
     def write(self, name: str, job_id: int, paragraphs: list[str], vectors: list[np.ndarray], *,
@@ -121,20 +130,18 @@ def test_similar_lists_the_document_itself_first_at_one_then_the_nearest(archive
     assert found[1][1] > found[2][1]
 
 
-def test_a_failing_index_write_leaves_the_job_undone_and_the_index_unchanged(home: Home) -> None:
+def test_a_failing_index_write_leaves_the_index_unchanged(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     home.done("before.txt", ["Already here."], [unit(1)])
-    job, _ = home.queue.add("/in/a.txt", "a" * 64, model_key=MODEL, settings_key="s")
-    home.queue.claim(PID, lease_seconds=60)
-    folder = home.write("a.txt", job.id, ["Some words."], [unit(1)])
+    folder = home.write("a.txt", 2, ["Some words."], [unit(1)])
     entry = IndexEntry.read(folder)
 
-    def write_then_fail(conn: sqlite.Connection) -> None:
+    def write_then_fail(conn: sqlite.Connection, entry: IndexEntry) -> None:
         write_entry(conn, entry)
         raise OSError("disk full")
 
+    monkeypatch.setattr(index_module, "write_entry", write_then_fail)
     with pytest.raises(OSError, match="disk full"):
-        home.queue.complete(job.id, PID, output_dir=str(folder), on_done=write_then_fail)
-    assert home.queue.get(job.id).state == "running"
+        write_local(home.database, entry)
     assert home.count("search_documents") == 1 and home.count("search_chunks") == 1
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from npumoe.jobs import outputs
-from npumoe.jobs.outputs import move_file, output_name, remove_leftovers, safe_stem, write_file, write_folder
+from npumoe.jobs.outputs import output_name, remove_leftovers, safe_stem, write_file, write_folder
 
 SHA = "0123456789abcdef" * 4
 
@@ -147,32 +150,41 @@ def test_outputs_are_readable_by_the_user_only(tmp_path: Path) -> None:
 )
 def test_output_names_are_one_safe_path_component(name: str, stem: str) -> None:
     assert safe_stem(name) == stem
-    folder = output_name(name, SHA)
-    assert folder == f"{stem}-01234567"
+    folder = output_name(name, SHA, "model", "settings")
+    assert folder.startswith(f"{stem}-") and len(folder) == len(stem) + 17
     assert "/" not in folder and "\n" not in folder and not folder.startswith(".")
 
 
-def test_moving_never_overwrites_a_file_already_there(tmp_path: Path) -> None:
-    (tmp_path / "done").mkdir()
-    (tmp_path / "done" / "a.txt").write_text("earlier")
-    first = tmp_path / "a.txt"
-    first.write_text("later")
-    moved = move_file(first, tmp_path / "done", "a.txt")
-    assert moved.name == "a (2).txt" and moved.read_text() == "later"
-    assert (tmp_path / "done" / "a.txt").read_text() == "earlier"
-    assert not first.exists()
+def test_an_output_name_tells_apart_documents_models_and_settings_in_64_bits() -> None:
+    names = {output_name("report.pdf", sha, model, settings)
+             for sha in (SHA, SHA[:8] + "f" * 56) for model in ("small", "large") for settings in ("s1", "s2")}
+    assert len(names) == 8  # the same first 8 hex digits of content no longer share a folder either
+    assert all(len(name.removeprefix("report-")) == 16 for name in names)
 
 
-def test_moving_across_file_systems_copies_then_removes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_cross_device_rename(src: object, dst: object) -> None:
-        if Path(str(src)).parent == tmp_path:
-            raise OSError(18, "Invalid cross-device link")
-        os.replace(src, dst)  # type: ignore[arg-type]
+@pytest.mark.parametrize(("killed_at", "survivor"), [("rename", b"old"), ("rmtree", b"new")])
+def test_a_replace_killed_half_way_keeps_the_old_outputs_or_the_new_never_neither(
+    tmp_path: Path, killed_at: str, survivor: bytes
+) -> None:
+    write_folder(tmp_path, "doc", {"meta.json": b"old"})
+    # A writer killed (no clean-up of its own) at the second rename, or while removing the old folder.
+    code = textwrap.dedent(f"""
+        import os, shutil
+        from pathlib import Path
+        from npumoe.jobs.outputs import write_folder
+        real, renames = os.rename, []
+        def rename(source, target):
+            renames.append(source)
+            if {killed_at!r} == "rename" and len(renames) == 2:
+                os._exit(9)
+            real(source, target)
+        os.rename = rename
+        shutil.rmtree = lambda path, **kwargs: os._exit(9)
+        write_folder(Path({str(tmp_path)!r}), "doc", {{"meta.json": b"new"}})
+    """)
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 9
 
-    (tmp_path / "done").mkdir()
-    source = tmp_path / "a.txt"
-    source.write_text("content")
-    monkeypatch.setattr(outputs.os, "rename", no_cross_device_rename)
-    moved = move_file(source, tmp_path / "done", "a.txt")
-    assert moved.read_text() == "content" and not source.exists()
-    assert [p.name for p in (tmp_path / "done").iterdir()] == ["a.txt"]  # no temporary left behind
+    remove_leftovers(tmp_path)  # what the next start does
+
+    assert [p.name for p in tmp_path.iterdir()] == ["doc"]
+    assert (tmp_path / "doc" / "meta.json").read_bytes() == survivor

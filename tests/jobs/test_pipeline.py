@@ -6,6 +6,7 @@ specify the pipeline's own behaviour; the real engine runs in tests/daemon/test_
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -21,6 +22,9 @@ import hostile_files
 import meta_fields
 import numpy as np
 import pytest
+from postgres_server import PostgresServer
+from sqlalchemy import update
+from sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
 
 from npumoe.daemon.energy.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
@@ -28,12 +32,13 @@ from npumoe.engine.moe.dispatch import DispatchStats
 from npumoe.jobs import files, outputs, pipeline
 from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
-from npumoe.jobs.faults import MachineFault
+from npumoe.jobs.faults import READ_FAULTS, MachineFault
 from npumoe.jobs.files import Folders
-from npumoe.jobs.outputs import read_text, temporary_path
+from npumoe.jobs.outputs import displaced_path, output_name, read_text
 from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
-from npumoe.jobs.queue.store import Backoff, Job, Queue
-from npumoe.jobs.search.index import SearchIndex
+from npumoe.jobs.queue.schema import jobs
+from npumoe.jobs.queue.store import HANDBACKS, Backoff, Job, Queue
+from npumoe.jobs.search.index import SearchIndex, reindex, stale_reason
 
 PID = 4242
 TEXT = "A short document about queues.\n\nIt has two paragraphs, which is plenty for a stand-in engine.\n"
@@ -130,7 +135,8 @@ def test_a_document_becomes_five_outputs_and_a_done_job(setup: Setup) -> None:
     outcome, job = setup.run(setup.document())
     assert outcome.state == "done" and job.state == "done"
     out = Path(job.output_dir or "")
-    assert out.parent == setup.outbox and out.name == f"notes-{job.sha256[:8]}"
+    assert out.parent == setup.outbox
+    assert out.name == output_name("notes.md", job.sha256, job.model_key, job.settings_key)
     assert sorted(p.name for p in out.iterdir()) == [
         "embeddings.npy", "meta.json", "offsets.npy", "summary.md", "text.txt.gz"]
     assert np.load(out / "embeddings.npy").shape == (4, 4)  # three chunks plus the document vector
@@ -251,6 +257,20 @@ def test_a_file_rewritten_after_it_was_queued_becomes_a_new_job(setup: Setup) ->
     assert path.exists() and list(setup.failed.iterdir()) == []  # it belongs to the new job now
 
 
+def test_on_a_shared_queue_a_rewritten_file_is_queued_again_pinned_to_the_machine_that_read_it(
+    setup: Setup, postgres: PostgresServer
+) -> None:
+    setup.queue = Queue(postgres.new_database(), host="alpha", backoff=Backoff(base=0.0, cap=0.0))
+    path = setup.document()
+    job = setup.claim(path)
+    assert job.pinned_host is None  # added as a path every machine may read
+    path.write_text(TEXT + "\nA third paragraph, added later.\n")
+    setup.pipeline().process(job)
+    [new] = setup.queue.list("queued")
+    assert new.pinned_host == "alpha"  # what alpha read is alpha's file: no other machine may publish it
+    setup.queue.close()
+
+
 def test_a_file_deleted_after_it_was_queued_ends_with_that_reason(setup: Setup) -> None:
     path = setup.document()
     job = setup.claim(path)
@@ -332,8 +352,9 @@ def test_failing_to_move_the_original_never_loses_the_result(setup: Setup) -> No
 def test_a_file_name_with_a_newline_gets_a_safe_output_folder(setup: Setup) -> None:
     outcome, job = setup.run(setup.document("two\nlines.txt"))
     assert outcome.state == "done"
-    assert Path(job.output_dir or "").name == f"two_lines-{job.sha256[:8]}"
-    assert os.listdir(setup.outbox) == [f"two_lines-{job.sha256[:8]}"]
+    name = output_name("two\nlines.txt", job.sha256, job.model_key, job.settings_key)
+    assert name.startswith("two_lines-") and Path(job.output_dir or "").name == name
+    assert os.listdir(setup.outbox) == [name]
 
 
 # -- faults of the machine, and originals that changed ----------------------------------------------------
@@ -343,36 +364,71 @@ class FailingOpen:
     """`os` as jobs/files.py sees it, except that opening `path` fails with `code` (counted) while `failing`."""
 
     def __init__(self, path: Path, code: int) -> None:
-        self.path, self.code, self.failing, self.calls = str(path), code, True, 0
+        self.target, self.code, self.failing, self.calls = str(path), code, True, 0
 
     def __getattr__(self, name: str) -> object:
         return getattr(os, name)
 
     def open(self, path: object, *args: object, **kwargs: object) -> int:
-        if self.failing and os.fspath(path) == self.path:  # type: ignore[arg-type]
+        # The document is opened by its name within its folder's descriptor (open_regular walks the path).
+        if self.failing and os.fspath(path) == os.path.basename(self.target) and "dir_fd" in kwargs:  # type: ignore[arg-type]
             self.calls += 1
-            raise OSError(self.code, os.strerror(self.code), self.path)
+            raise OSError(self.code, os.strerror(self.code), self.target)
         return os.open(path, *args, **kwargs)  # type: ignore[arg-type]
 
 
+def backoff_waited_out(queue: Queue) -> None:
+    """Every waiting job runnable now, keeping their order (the order `claim` takes them in is the test)."""
+    with queue.db.tx() as conn:
+        conn.execute(update(jobs).values(run_after=jobs.c.run_after - 1e6))
+
+
 @pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE])
-def test_an_io_error_reading_the_inbox_never_costs_an_attempt_nor_sets_the_document_aside(
+def test_an_io_error_reading_the_inbox_costs_no_attempt_nor_sets_the_document_aside(
     setup: Setup, monkeypatch: pytest.MonkeyPatch, code: int
 ) -> None:
     path = setup.document()
     failing = FailingOpen(path, code)
     monkeypatch.setattr(files, "os", failing)
-    job = setup.claim(path, max_attempts=3)
-    for _ in range(5):  # more tries than the job has attempts: none of them is spent
+    job = setup.claim(path, max_attempts=1)
+    for _ in range(HANDBACKS):  # more tries than the job has attempts: none of them is spent
         with pytest.raises(MachineFault, match=str(setup.inbox)) as fault:
             setup.pipeline("delete").process(job)
         assert fault.value.code == code and fault.value.cleared()  # transient: the folder itself lists fine
         after = setup.queue.get(job.id)
-        assert after is not None and (after.state, after.attempts, after.last_error) == ("queued", 0, None)
+        assert after is not None and (after.state, after.attempts, after.last_error) == ("queued", 0, str(fault.value))
+        backoff_waited_out(setup.queue)
         job = setup.queue.claim(PID, lease_seconds=60) or job
-    assert failing.calls == 5 and path.exists() and list(setup.failed.iterdir()) == []
+    assert failing.calls == HANDBACKS and path.exists() and list(setup.failed.iterdir()) == []
     failing.failing = False  # the share is back
     assert setup.pipeline().process(job).state == "done"
+
+
+@pytest.mark.parametrize("code", [errno.EIO, errno.ESTALE])
+def test_a_file_whose_reads_keep_failing_lets_the_queue_go_on_then_is_set_aside_with_its_reason(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, code: int
+) -> None:
+    bad, good = setup.document("bad.md"), setup.document("good.md", TEXT + "Another one.\n")
+    monkeypatch.setattr(files, "os", FailingOpen(bad, code))
+    for path in (bad, good):
+        setup.queue.add(path, hashlib.sha256(path.read_bytes()).hexdigest(), model_key="m", settings_key="s",
+                        max_attempts=2)
+    claimed, done = [], []
+    for _ in range(30):  # at most two attempts of five hand-backs each for the bad file, one claim for the good
+        backoff_waited_out(setup.queue)
+        job = setup.queue.claim(PID, lease_seconds=60)
+        if job is None:
+            break
+        claimed.append(Path(job.path).name)
+        with contextlib.suppress(MachineFault):  # the worker waits until the folder probes well: at once here
+            done.append(setup.pipeline().process(job).state)
+    assert claimed[:2] == ["bad.md", "good.md"]  # the file handed back does not come first again
+    assert claimed.count("bad.md") == 2 * (HANDBACKS + 1) and done == ["done", "failed", "dead"]
+    [after] = [j for j in setup.queue.list() if j.path == str(bad)]
+    assert (after.state, after.attempts, after.error_kind) == ("dead", 2, "machine")
+    assert after.last_error is not None and after.last_error.startswith(READ_FAULTS[code])
+    assert (setup.failed / "bad.md").exists() and not bad.exists()
+    assert "kind: machine" in (setup.failed / "bad.md.error.txt").read_text()
 
 
 def test_a_missing_package_is_the_machines_fault_and_clears_once_it_imports(
@@ -420,14 +476,73 @@ def test_a_full_disk_hands_the_job_back_and_says_how_much_is_free(
     assert again is not None and setup.pipeline().process(again).state == "done"
 
 
+def test_the_queue_database_full_while_marking_a_job_done_blames_no_document(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    full = as_sqlalchemy_raises_it(disk_full(tmp_path))
+    real_complete = Queue.complete
+    tried = []
+
+    def complete_once_full(queue: Queue, *args: object, **kwargs: object) -> bool:
+        tried.append(args)
+        if len(tried) == 1:
+            raise full
+        return real_complete(queue, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Queue, "complete", complete_once_full)
+    job = setup.claim(setup.document(), max_attempts=1)
+    with pytest.raises(MachineFault, match=r"^disk full: .* in the queue database ") as fault:
+        setup.pipeline().process(job)
+    assert fault.value.folder == setup.root and fault.value.code == errno.ENOSPC
+    after = setup.queue.get(job.id)
+    assert after is not None and (after.state, after.attempts, after.error_kind) == ("queued", 0, "machine")
+    again = setup.queue.claim(PID, lease_seconds=60)
+    assert again is not None and setup.pipeline().process(again).state == "done" and len(tried) == 2
+
+
+def test_a_failure_the_locked_database_would_not_record_is_recorded_later_and_the_worker_goes_on(
+    setup: Setup, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    locked_error = as_sqlalchemy_raises_it(locked(tmp_path))
+    real_fail = Queue.fail
+    database = {"locked": True}
+
+    def fail_unless_locked(queue: Queue, *args: object, **kwargs: object) -> str | None:
+        if database["locked"]:
+            raise locked_error
+        return real_fail(queue, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Queue, "fail", fail_unless_locked)
+    monkeypatch.setattr(pipeline, "extract_text", refuse_as_corrupt)
+    job = setup.claim(setup.document(), max_attempts=1)
+    worker = setup.pipeline()
+    with pytest.raises(MachineFault, match=r"^the database is busy") as fault:
+        worker.process(job)
+    assert fault.value.code == errno.EBUSY and list(worker.unsettled) == [job.id]
+    with pytest.raises(MachineFault):
+        worker.record_unsettled()  # still locked: it waits for the next call
+    running = setup.queue.get(job.id)
+    assert running is not None and running.state == "running" and running.worker_pid == PID  # still this worker's
+    database["locked"] = False
+    worker.record_unsettled()
+    after = setup.queue.get(job.id)
+    assert after is not None and (after.state, after.error_kind) == ("dead", "corrupt") and worker.unsettled == {}
+    assert (setup.failed / "notes.md").exists()  # set aside once the failure was recorded
+
+
+def refuse_as_corrupt(path: Path, limits: ExtractLimits) -> None:
+    raise ExtractionError("corrupt", "not a document at all")
+
+
 def test_a_long_cjk_name_gives_names_that_fit_in_255_bytes(setup: Setup) -> None:
     name = "長い日本語の報告書" * 8 + "第二版の要約.md"  # 78 characters (234 bytes of UTF-8), then ".md"
-    assert len(name) == 81  # once over 255 bytes as a temporary name: ".tmp-" + 234 + "-sha8" + "-hex8"
+    assert len(name) == 81  # once over 255 bytes as a temporary name: ".tmp-" + 234 + "-key16" + "-hex8" + ".old"
     outcome, job = setup.run(setup.document(name))
     assert outcome.state == "done"
     out = Path(job.output_dir or "")
-    assert out.name.startswith("長い日本語の報告書") and out.name.endswith(job.sha256[:8])
-    longest = temporary_path(setup.outbox, f"old-{out.name}").name  # what replacing that output would be called
+    assert out.name.startswith("長い日本語の報告書")
+    assert out.name == output_name(name, job.sha256, job.model_key, job.settings_key)
+    longest = displaced_path(setup.outbox, out.name).name  # what replacing that output would be called
     assert len(out.name.encode()) <= len(longest.encode()) <= 255
 
 
@@ -495,10 +610,18 @@ def test_on_a_shared_queue_a_done_document_is_indexed_in_this_machines_own_datab
     assert itself.document.job_id == job.id
 
 
-def test_a_document_that_cannot_be_indexed_is_not_done(setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(conn: object, entry: object) -> None:
-        raise RuntimeError("index refused")
-
-    monkeypatch.setattr(pipeline, "write_entry", refuse)
-    outcome, job = setup.run(setup.document())
-    assert outcome.state == job.state == "failed" and "index refused" in (job.last_error or "")
+def test_a_damaged_search_index_fails_no_document_and_is_flagged_for_reindex(setup: Setup) -> None:
+    setup.run(setup.document())
+    database = setup.root / "queue.db"
+    with sqlite3.connect(database) as conn:  # the FTS structure record zeroed: quick_check still finds nothing
+        conn.execute("UPDATE search_words_data SET block = zeroblob(length(block)) WHERE id = 10")
+        assert conn.execute("PRAGMA quick_check").fetchall() == [("ok",)]
+    outcome, job = setup.run(setup.document("second.md", TEXT + "And a second document.\n"))
+    assert outcome.state == job.state == "done" and job.last_error is None
+    assert (reason := stale_reason(database)) is not None and reason.startswith(f"job {job.id} was not added: ")
+    assert reindex(database, setup.outbox).documents == 2 and stale_reason(database) is None
+    index = SearchIndex(database)
+    try:
+        assert {n.document.job_id for n in index.similar(job.id, 5)} == {1, 2}
+    finally:
+        index.close()

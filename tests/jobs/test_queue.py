@@ -13,16 +13,18 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
 from postgres_server import PostgresServer
 from sqlalchemy import create_engine, inspect, text, update
+from sqlalchemy.exc import DBAPIError
 
 from npumoe.bench.service.queue import run_claim_benchmark
 from npumoe.jobs.queue.schema import SCHEMA_VERSION, jobs, migrate, schema_version
-from npumoe.jobs.queue.store import BATCH, INTERACTIVE, Backoff, Queue
+from npumoe.jobs.queue.store import BATCH, FREE_HANDBACKS, HANDBACKS, INTERACTIVE, Backoff, Queue
 
 
 class Clock:
@@ -160,6 +162,32 @@ def test_release_hands_the_job_back_without_spending_an_attempt(queue: Queue) ->
     assert (job.state, job.attempts, job.worker_pid) == ("queued", 0, None)
 
 
+def test_a_job_handed_back_for_a_machine_fault_goes_last_then_backs_off_then_spends_an_attempt(
+    queue: Queue, clock: Clock
+) -> None:
+    faulty, other = add(queue, 2, max_attempts=2)
+    clock.now += 1
+    assert queue.claim(7, lease_seconds=60).id == faulty
+    assert queue.hand_back(faulty, 7, "I/O error in /docs") == "queued"
+    clock.now += 1
+    assert queue.claim(7, lease_seconds=60).id == other  # the job handed back no longer comes first
+    assert queue.complete(other, 7)
+    for spent in (1, 2):
+        for count in range(2 if spent == 1 else 1, HANDBACKS + 1):  # the first cycle's first hand-back was above
+            clock.now = queue.get(faulty).run_after
+            assert queue.claim(7, lease_seconds=60).id == faulty
+            assert queue.hand_back(faulty, 7, "I/O error in /docs") == "queued"
+            job = queue.get(faulty)
+            assert (job.attempts, job.handbacks, job.error_kind) == (spent - 1, count, "machine")
+            assert (job.run_after > clock.now) == (count > FREE_HANDBACKS)  # free hand-backs wait for nothing
+        clock.now = queue.get(faulty).run_after
+        assert queue.claim(7, lease_seconds=60).id == faulty
+        assert queue.hand_back(faulty, 7, "I/O error in /docs") == ("failed" if spent == 1 else "dead")
+        job = queue.get(faulty)
+        assert (job.attempts, job.handbacks, job.last_error) == (spent, 0, "I/O error in /docs")
+    assert queue.retry(faulty).handbacks == 0
+
+
 def test_many_processes_claim_each_job_exactly_once(queue_location: Path | str) -> None:
     run = run_claim_benchmark(queue_location, processes=4, jobs=2000)
     assert (run.duplicates, run.lost) == (0, 0)
@@ -242,6 +270,66 @@ def test_status_reads_while_a_writer_holds_the_lock(queue_location: Path | str) 
         assert reader.counts()["queued"] == 3
     with pytest.raises(PermissionError):
         reader.cancel(1)
+
+
+def lose_the_next_answer(queue: Queue, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next write commits, and then the connection drops before its answer arrives (a server restart, a
+    network cut): the caller sees the dropped connection and runs the statement again."""
+    real_tx, answers_lost = queue.db.tx, []
+
+    @contextmanager
+    def tx() -> Iterator[object]:
+        with real_tx() as conn:
+            yield conn
+        if not answers_lost:
+            answers_lost.append(True)
+            raise DBAPIError("COMMIT", None, ConnectionResetError("connection lost"), connection_invalidated=True)
+
+    monkeypatch.setattr(queue.db, "tx", tx)
+
+
+def test_a_claim_replayed_after_its_answer_was_lost_takes_no_second_job(
+    queue: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = add(queue, 2)
+    lose_the_next_answer(queue, monkeypatch)
+    claimed = queue.claim(7, lease_seconds=60)
+    assert (claimed.id, claimed.attempts) == (first, 1)
+    assert (queue.get(second).state, queue.counts()["running"]) == ("queued", 1)
+
+
+def test_a_complete_replayed_after_its_answer_was_lost_reads_as_done(
+    queue: Queue, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (job_id,) = add(queue, 1)
+    queue.claim(7, lease_seconds=60)
+    lose_the_next_answer(queue, monkeypatch)
+    assert queue.complete(job_id, 7, output_dir="/outbox/a")
+    assert queue.get(job_id).state == "done"
+
+
+CLAIM_ON_A_SLOW_CLOCK = """
+import sys, time
+real = time.time
+time.time = lambda: real() - 3600  # this machine's clock is an hour behind
+from npumoe.jobs.queue.store import Queue
+queue = Queue(sys.argv[1], host="slow")
+job = queue.claim(1, lease_seconds=60)
+print(job.id if job else "no job", flush=True)
+"""
+
+
+def test_postgresql_leases_run_on_the_servers_clock_not_the_machines(postgres: PostgresServer) -> None:
+    url = postgres.new_database()
+    beta = Queue(url, host="beta")
+    (job_id,) = add(beta, 1)
+    claimed = subprocess.run([sys.executable, "-c", CLAIM_ON_A_SLOW_CLOCK, url], capture_output=True, text=True,
+                             check=True)
+    assert claimed.stdout.strip() == str(job_id)  # on its own clock the job is not due for another hour
+    assert beta.reap() == []  # the slow machine's lease runs for its 60 s, not an hour in the past
+    job = beta.get(job_id)
+    assert (job.state, job.worker_host) == ("running", "slow")
+    beta.close()
 
 
 # -- several machines on one PostgreSQL queue ---------------------------------------------------------------

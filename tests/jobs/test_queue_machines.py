@@ -25,7 +25,8 @@ def npumoed(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
-def machine(root: Path, name: str, url: str, outbox: Path, model: Path) -> Path:
+def machine(root: Path, name: str, url: str, shared: Path, model: Path) -> Path:
+    """A home on `root` whose queue is at `url`, with the storage every machine mounts at `shared`."""
     home = root / name
     home.mkdir()
     (home / "config.toml").write_text(f"""
@@ -36,9 +37,10 @@ summary_tokens = 2
 
 [queue]
 url = "{url}"
+shared_folders = ["{shared}"]
 
 [outbox]
-folder = "{outbox}"
+folder = "{shared / 'outbox'}"
 
 [scheduler]
 max_foreground_load = 1.0
@@ -57,13 +59,13 @@ def test_a_document_added_on_one_machine_is_processed_by_another_into_the_shared
     (shared / "documents").mkdir(parents=True)
     document = shared / "documents" / "ledger.txt"
     document.write_text(TEXT)
-    laptop = machine(tmp_path, "laptop", url, shared / "outbox", tiny_model)
-    desktop = machine(tmp_path, "desktop", url, shared / "outbox", tiny_model)
+    laptop = machine(tmp_path, "laptop", url, shared, tiny_model)
+    desktop = machine(tmp_path, "desktop", url, shared, tiny_model)
 
     added = npumoed(laptop, "add", "--json", str(document))
     assert added.returncode == 0, added.stderr
     [queued] = json.loads(added.stdout)["jobs"]
-    assert queued["created"] and queued["pinned_host"] is None  # `add` names shared storage: any worker may take it
+    assert queued["created"] and queued["pinned_host"] is None  # on the shared storage: any worker may take it
 
     ran = npumoed(desktop, "run", "--once")
     assert ran.returncode == 0, ran.stderr

@@ -69,7 +69,7 @@ def audit(home: Path, dropped: dict[str, str], *, originals_moved: bool) -> Audi
     result.jobs = read_jobs(home / "npumoed.db")
     done = Counter(job.sha256 for job in result.jobs if job.state == "done")
     by_sha = {job.sha256: job for job in result.jobs if job.state == "done"}
-    expected_folders = {output_name(name, sha): sha for sha, name in dropped.items()}
+    expected_folders = output_folders(dropped, result.jobs)
     folders = Counter()
     for entry in (home / "outbox").iterdir():
         if entry.name in expected_folders:
@@ -89,12 +89,22 @@ def audit(home: Path, dropped: dict[str, str], *, originals_moved: bool) -> Audi
         elif any(n == 0 for n in counts.values()):
             states = [j.state for j in result.jobs if j.sha256 == sha]
             result.losses.append(f"{name}: {counts}, jobs {states}")
-        elif why := incomplete(home / "outbox" / output_name(name, sha), by_sha[sha]):
+        elif why := incomplete(home / "outbox" / output_folder(name, by_sha[sha]), by_sha[sha]):
             result.losses.append(f"{name}: {why}")
         else:
             result.processed += 1
     result.leftovers = [str(p.relative_to(home)) for p in _walk(home) if p.name.startswith(TMP_PREFIX)]
     return result
+
+
+def output_folder(name: str, job: Job) -> str:
+    """The output folder's name the daemon gives the document `name` done as `job`."""
+    return output_name(name, job.sha256, job.model_key, job.settings_key)
+
+
+def output_folders(dropped: dict[str, str], jobs: list[Job]) -> dict[str, str]:
+    """The output folder's name of each job of a `dropped` document (sha256 -> file name): folder -> sha256."""
+    return {output_folder(dropped[job.sha256], job): job.sha256 for job in jobs if job.sha256 in dropped}
 
 
 def incomplete(folder: Path, job: Job) -> str:

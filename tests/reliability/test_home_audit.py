@@ -42,7 +42,7 @@ class FakeHome:
         claimed = self.queue.claim(PID, lease_seconds=60)
         assert claimed is not None and claimed.id == job.id
         meta = {"job_id": job.id, "sha256": sha, "chunks": 2, "embeddings": {"dim": 4}}
-        out = write_folder(self.root / "outbox", output_name(name, sha),
+        out = write_folder(self.root / "outbox", output_name(name, sha, "m", settings),
                            {"summary.md": f"# {name}\n".encode(), "embeddings.npy": npy(3),
                             "meta.json": json.dumps(meta).encode(), OFFSETS_FILE: b"", TEXT_FILE: b""})
         assert self.queue.complete(job.id, PID, output_dir=str(out))
@@ -75,7 +75,7 @@ def test_a_document_without_outputs_is_a_loss(fake_home: FakeHome) -> None:
 def test_a_half_written_output_folder_is_a_loss(fake_home: FakeHome) -> None:
     home = fake_home
     sha, name = next(iter(home.dropped.items()))
-    (home.root / "outbox" / output_name(name, sha) / "embeddings.npy").unlink()
+    (home.root / "outbox" / output_name(name, sha, "m", "s") / "embeddings.npy").unlink()
     result = audit(home.root, home.dropped, originals_moved=True)
     assert result.losses == [f"{name}: output folder holds ['meta.json', 'offsets.npy', 'summary.md', 'text.txt.gz']"]
 

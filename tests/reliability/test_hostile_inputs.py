@@ -23,12 +23,14 @@ from npumoe.jobs.outputs import TMP_PREFIX
 
 # Refused before they are queued: set aside in failed/ with a `.error.txt` that says why.
 REFUSED = {"symlink_outside": "symbolic link", "symlink_loop": "symbolic link", "fifo": "FIFO",
-           "unreadable_file": "permission denied", "huge_file": "MB limit"}
+           "huge_file": "MB limit"}
+# Refused for now: a permission a person may give back, so left where it is, to be tried again.
+NOT_YET = {"unreadable_file"}
 # Leaves nothing in the inbox: the documents queued by hand, then deleted or rewritten, stand for it.
 NOTHING_TO_SEE = {"deleted_after_seen"}
 READABLE = [case for case, kind in hostile_files.EXPECTED.items() if kind is None]
 UNPROCESSABLE = [case for case, kind in hostile_files.EXPECTED.items()
-                 if kind is not None and case not in {*REFUSED, *NOTHING_TO_SEE}]
+                 if kind is not None and case not in {*REFUSED, *NOTHING_TO_SEE, *NOT_YET}]
 
 
 def under(path: str, folder: Path) -> bool:
@@ -82,14 +84,20 @@ def test_an_unprocessable_file_dies_with_its_kind_and_is_set_aside_with_the_reas
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_a_link_fifo_unreadable_or_oversized_file_is_refused_with_the_reason_beside_it(
+def test_a_link_fifo_or_oversized_file_is_refused_with_the_reason_beside_it(
     hostile: HostileRun, case: str
 ) -> None:
-    if case == "unreadable_file" and not hostile.unreadable_enforced:
-        pytest.skip("the daemon could read a mode-000 file here (root, and setpriv unavailable): nothing to refuse")
     path = hostile.made[case]
     assert not os.path.lexists(path)
     assert REFUSED[case] in (hostile.home / "failed" / f"{path.name}.error.txt").read_text()
+    assert not [job for job in hostile.jobs if job.path == str(path)]
+
+
+def test_a_file_without_read_permission_is_left_in_the_inbox_to_be_tried_again(hostile: HostileRun) -> None:
+    if not hostile.unreadable_enforced:
+        pytest.skip("the daemon could read a mode-000 file here (root, and setpriv unavailable): nothing to refuse")
+    path = hostile.made["unreadable_file"]
+    assert path.exists() and not (hostile.home / "failed" / path.name).exists()
     assert not [job for job in hostile.jobs if job.path == str(path)]
 
 

@@ -33,10 +33,10 @@ import documents
 import pytest
 from chaos_summary import Figures
 from daemon_toml import daemon_toml
-from home_audit import incomplete
+from home_audit import incomplete, output_folders
 from postgres_server import PostgresServer
 
-from npumoe.jobs.outputs import TMP_PREFIX, output_name
+from npumoe.jobs.outputs import TMP_PREFIX
 from npumoe.jobs.queue.store import Job, Queue
 
 DOCUMENTS = 1000
@@ -96,7 +96,7 @@ def read_jobs(url: str) -> list[Job]:
 def audit_outbox(outbox: Path, homes: list[Path], dropped: dict[str, str], jobs: list[Job]) -> dict[str, Any]:
     """Count, from the output folders, how many complete results each document got."""
     done = {job.sha256: job for job in jobs if job.state == "done"}
-    expected = {output_name(name, sha): sha for sha, name in dropped.items()}
+    expected = output_folders(dropped, jobs)
     results: Counter[str] = Counter()
     problems, leftovers = [], []
     for folder in [outbox, *(home / "outbox" for home in homes)]:
