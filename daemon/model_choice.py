@@ -1,8 +1,8 @@
 """Which model the daemon runs, and holding it: loaded on first use, unloaded after an idle spell.
 
-`[model] name` is "demo" (the built-in tiny Qwen3-MoE checkpoint, made once under the home's
-models/ folder), a local checkpoint folder, or a Hugging Face id that the engine looks up in the
-local HF cache (downloading only when `allow_download` is set).
+`[model] name` is "demo" (SmolLM2-135M-Instruct upcycled into an 8-expert top-1 Mixtral-class MoE, made once in the
+models cache from the GGUF file setup fetched), a local checkpoint folder, or a Hugging Face id that the engine
+looks up in the local HF cache (downloading only when `allow_download` is set).
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from filelock import FileLock
+
 from npumoe.engine.vocabulary import COREML
 from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.outputs import temporary_path
@@ -30,17 +32,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEMO = "demo"
-DEMO_ARCH = "qwen3_moe"
+DEMO_BUILD = "demo-smollm2-135m-moe-8x1-bf16-v2"  # a new name whenever the recipe changes: no old build is reused
+# A 135M model summarises a page or two well and loses the thread over its whole 8k context; short sections also keep
+# attention, which grows with the section, cheap. Wherever the demo model runs (demo, daemon, search, bench), unless
+# `section_tokens` is configured.
+DEMO_SECTION_TOKENS = 1536
 
 
 class ModelNotFound(ValueError):
     """A model name that is neither "demo", an existing folder or GGUF file, nor shaped like a Hugging Face id."""
 
 
-def resolve_model(name: str, models_dir: Path) -> str:
+def resolve_model(name: str) -> str:
     """The path or Hugging Face id the engine should load for the configured `name`."""
     if name == DEMO:
-        return str(demo_model(models_dir))
+        return str(demo_model())
     path = Path(name).expanduser()
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return str(path.resolve())
@@ -49,25 +55,33 @@ def resolve_model(name: str, models_dir: Path) -> str:
     return name
 
 
-def demo_model_dir(models_dir: Path) -> Path:
-    return models_dir / f"{DEMO}-{DEMO_ARCH}"
+def demo_model_dir() -> Path:
+    from npumoe.engine.synthetic.smollm2 import models_cache
+
+    return models_cache() / DEMO_BUILD
 
 
-def demo_model(models_dir: Path) -> Path:
-    """The built-in tiny random-weight MoE checkpoint, made on first use; its summaries are not meaningful."""
-    target = demo_model_dir(models_dir)
+def demo_model() -> Path:
+    """The demo MoE checkpoint, upcycled on first use (a few minutes) from the GGUF file setup fetched, its router
+    built on the sample documents; fetched first if setup did not."""
+    target = demo_model_dir()
     if (target / "config.json").is_file():
         return target
-    from npumoe.engine.synthetic.tiny import make_tiny
+    from npumoe.engine.synthetic.smollm2 import fetch_gguf
+    from npumoe.engine.synthetic.upcycle import upcycle_gguf
 
-    log.info("making the built-in demo model (tiny %s, random weights) in %s", DEMO_ARCH, target)
-    models_dir.mkdir(parents=True, exist_ok=True)
-    tmp = temporary_path(models_dir, DEMO)
-    try:
-        make_tiny(DEMO_ARCH, tmp, seed=0)
-        os.rename(tmp, target)  # all at once: a half-written checkpoint never sits under the real name
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    from .samples import sample_documents
+
+    gguf = fetch_gguf()
+    with FileLock(f"{target}.lock"):  # a second process waits for the first one's build
+        if not (target / "config.json").is_file():
+            log.info("making the demo model (SmolLM2-135M-Instruct upcycled to an MoE) in %s", target)
+            tmp = temporary_path(target.parent, DEMO)
+            try:
+                upcycle_gguf(gguf, tmp, ["\n\n".join(doc.paragraphs) for doc in sample_documents()])
+                os.rename(tmp, target)  # all at once: a half-written checkpoint never sits under the real name
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 
@@ -88,7 +102,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
 
     m = config.model
     return EngineSettings(
-        model=resolve_model(m.name, home.models),
+        model=resolve_model(m.name),
         backend=m.backend,
         plan=Path(m.plan).expanduser() if m.plan else None,
         chunk_tokens=m.chunk_tokens,
@@ -98,7 +112,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,
         summary_tokens=m.summary_tokens,
-        section_tokens=m.section_tokens,
+        section_tokens=m.section_tokens or (DEMO_SECTION_TOKENS if m.name == DEMO else 0),
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
@@ -174,3 +188,8 @@ class ModelSlot:
             self._engine.close()
         self._engine = None
         gc.collect()  # the weights are only freed once the last reference cycle is broken
+
+
+if __name__ == "__main__":  # `make setup`: fetch the weights and build the demo MoE, so tests and the demo find it
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(f"demo model: {demo_model()}")

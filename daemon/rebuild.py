@@ -88,7 +88,7 @@ def keys_of(meta: dict[str, Any], home: Home, config: Config,
     model, backend, plan, overflow and weights (it does not record the summary or section length), else keys
     of its own that no document queued today matches, so such a document is processed again under today's
     settings."""
-    model_key = DEMO if Path(meta["model"]) == demo_model_dir(home.models) else meta["model"]
+    model_key = DEMO if Path(meta["model"]) == demo_model_dir() else meta["model"]
     m = config.model
     plan = str(Path(m.plan).expanduser()) if m.plan else None
     made_in = meta.get("weights") or DTYPE_WEIGHTS[meta["dtype"]]  # outputs from before weights: their dtype's

@@ -32,7 +32,17 @@ from .generate.checks import Check, checked
 from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
 from .generate.pooling import OneWordFrame, check_pooling, pooled, prefill_pooling
 from .generate.prefill import new_cache, prefill, windows
-from .generate.summary import COMBINE, SUMMARIZE, PromptFrame, decode_from_cache, stop_ids, without_thinking
+from .generate.summary import (
+    COMBINE,
+    SUMMARIZE,
+    PromptFrame,
+    answer_tokens,
+    decode_from_cache,
+    joined_lines,
+    stop_ids,
+    whole_sentences,
+    without_thinking,
+)
 from .loading.load import LoadedModel, load_model
 from .moe.dispatch import DispatchStats
 from .plan.expert_plan import ExpertPlan, PlanError
@@ -277,7 +287,8 @@ class Engine:
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
-        return DocumentResult(summary=tokenizer.decode(summary, skip_special_tokens=True).strip(),
+        said = joined_lines(tokenizer.decode(summary, skip_special_tokens=True))
+        return DocumentResult(summary=whole_sentences(said),
                               embeddings=_rows(vectors, sizes), spans=self._spans(encoded, sizes), stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run,
@@ -414,7 +425,7 @@ class Engine:
     def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any, run: _Run) -> list[int]:
         with self.runtime.decoding():
             said = decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
-                                     self.settings.summary_tokens, self._stop)
+                                     answer_tokens(len(text), self.settings.summary_tokens), self._stop)
         run.generated_tokens += len(said)
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 

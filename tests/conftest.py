@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from demo_run import DemoRun, process_samples
 from postgres_server import PostgresServer
 
 
@@ -159,6 +160,12 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 def tiny_model(tiny: Callable[..., Path]) -> Path:
     """The demo architecture (tiny random-weight Qwen3-MoE), made once per test session."""
     return tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def demo_run() -> DemoRun:
+    """The demo model's engine and its results on the six samples, made once per session (demo_run.py)."""
+    return process_samples()
 
 
 @pytest.fixture(scope="session")

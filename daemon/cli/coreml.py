@@ -140,7 +140,7 @@ def _checkpoint(app: App, model_name: str, plan_path: Path) -> Source:
 
     try:
         plan = ExpertPlan.load(plan_path)
-        loaded = load_model(resolve_model(model_name, app.home.models),
+        loaded = load_model(resolve_model(model_name),
                             trust_remote_code=app.config.model.trust_remote_code)
     except (ModelNotFound, ModelError, PlanError) as e:
         raise click.ClickException(str(e)) from e

@@ -6,11 +6,10 @@ import click
 
 
 def model_ref(name: str) -> str:
-    """A folder or Hugging Face id for the engine; "demo" is the home's built-in tiny model."""
-    from ..home import Home
+    """A folder or Hugging Face id for the engine; "demo" is the built-in demo MoE (model_choice.py)."""
     from ..model_choice import ModelNotFound, resolve_model
 
     try:
-        return resolve_model(name, Home.current().models)
+        return resolve_model(name)
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from e

@@ -130,7 +130,7 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
 
     home, configured = app.home, app.config.model
     try:
-        ref = resolve_model(model_name, home.models)
+        ref = resolve_model(model_name)
     except ModelNotFound as e:
         raise click.ClickException(str(e)) from e
     console = Console(stderr=True)

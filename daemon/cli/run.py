@@ -31,7 +31,6 @@ from .app import App, BadConfig, UnusableDatabase, emit_json, pass_app
 from .status_view import render_rich, render_text, snapshot
 
 DEMO_BACKEND = TORCH_STATIC  # NPUMoE's static-shape executor, the reference for accelerators
-DEMO_SUMMARY_TOKENS = 64  # enough to show the decode path; the demo model's words mean nothing anyway
 
 
 @click.command()
@@ -96,11 +95,11 @@ def read_status(home: Home, url: str = "") -> dict[str, Any] | None:
 @click.command()
 @pass_app
 def demo(app: App) -> None:
-    """Process the built-in sample documents offline with the tiny demo model, then show where it all went.
+    """Process the built-in sample documents offline with the demo model, then show where it all went.
 
-    The first run makes the model and calibrates an expert plan on the samples, so the documents go through
-    NPUMoE's static-shape path (torch-static backend). The demo model has random weights: its summaries are
-    not meaningful text.
+    The demo model is SmolLM2-135M-Instruct made an 8-expert top-1 MoE (its summaries are SmolLM2's). The first run
+    makes it from the weights setup fetched and calibrates an expert plan on the samples, so the documents go
+    through NPUMoE's static-shape path (torch-static backend).
     """
     from ..intake import job_keys, sha256_of
     from ..samples import write_samples
@@ -131,7 +130,8 @@ def demo(app: App) -> None:
         click.echo(f"  {name}: {where}")
     click.echo()
     _show(home, config.queue.url)
-    click.echo(f"\nThe demo model is tiny and random: its summaries are not meaningful text. Home: {home.root}")
+    click.echo(f"\nThe demo model is SmolLM2-135M-Instruct upcycled to an MoE: the summaries are its own, a 135M "
+               f"model's. Home: {home.root}")
 
 
 def _run_worker(
@@ -206,11 +206,7 @@ def _demo_config(config: Config, home: Home, calibration_data: list[Path]) -> Co
     plan = home.plans / "demo.json"
     if not plan.exists():
         click.echo(f"calibrating an expert plan for the demo model on the samples: {plan}")
-        calibrate_documents("demo", calibration_data, plan, chunk_tokens=config.model.plan_chunk_tokens,
-                            overflow=config.model.overflow)
-    summary_tokens = min(config.model.summary_tokens, DEMO_SUMMARY_TOKENS)
-    model = dataclasses.replace(
-        config.model, name="demo", backend=DEMO_BACKEND, plan=str(plan), summary_tokens=summary_tokens
-    )
+        calibrate_documents("demo", calibration_data, plan, chunk_tokens=config.model.plan_chunk_tokens)
+    model = dataclasses.replace(config.model, name="demo", backend=DEMO_BACKEND, plan=str(plan))
     cpu = dataclasses.replace(config.cpu, background_priority=False)  # someone is watching: no need to yield
     return dataclasses.replace(config, model=model, cpu=cpu)

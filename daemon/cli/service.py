@@ -343,14 +343,14 @@ def _weights_check(app: App) -> dict[str, str]:
     m = app.config.model
     if m.weights != AUTO:
         return {**_check("weights", "ok", f"{m.weights}, set by [model] weights"), "weights": m.weights}
-    if m.name == DEMO and not (demo_model_dir(app.home.models) / "config.json").is_file():
+    if m.name == DEMO and not (demo_model_dir() / "config.json").is_file():
         return _check("weights", "ok", "auto: decided when the demo model is first made and loaded "
                                        "(`npumoed demo` or the daemon make it)")
     from npumoe.engine.errors import ModelError
     from npumoe.engine.loading.auto_weights import choose_model_weights
 
     try:
-        ref = resolve_model(m.name, app.home.models)
+        ref = resolve_model(m.name)
         _, choice = choose_model_weights(ref, allow_download=False, trust_remote_code=m.trust_remote_code)
     except (ModelNotFound, ModelError, ValueError) as e:
         return _check("weights", "warn", f"auto: cannot decide for {m.name}: {e}")

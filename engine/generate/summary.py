@@ -7,10 +7,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    DynamicCache,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-SUMMARIZE = "Summarize the following document."
-COMBINE = "Combine these partial summaries of one document into a single summary."
+# Asked after the text, where a small model still sees it when it starts to answer.
+SUMMARIZE = "Summarize the text above in a few sentences of plain English."
+COMBINE = "These are summaries of consecutive parts of one document. Write one summary of the whole document."
+
+# Greedy decoding falls into loops; a summary never needs to say the same NO_REPEAT words twice. Only the answer's
+# own n-grams count: transformers' no_repeat_ngram_size also counts the prompt's, which would forbid quoting it.
+NO_REPEAT = 4
+
+# A summary at most a third as long as its text (one as long is a copy, which is what a small model writes for a
+# short text), and never shorter than a few sentences' worth.
+SHARE, FEWEST = 3, 48
 
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
@@ -27,7 +43,7 @@ _HARMONY_MESSAGE = re.compile(r"<\|channel\|>(.*?)<\|message\|>(.*?)(?=<\|(?:end
 
 @dataclass(frozen=True)
 class PromptFrame:
-    """prefix + text + suffix asks the model for a summary of the text."""
+    """prefix + text + suffix asks the model for a summary of the text (the instruction is in the suffix)."""
 
     prefix: list[int]
     suffix: list[int]
@@ -43,7 +59,7 @@ class PromptFrame:
                         if _render(tokenizer, instruction, **{name: value}) != plain}
             before, after = _render(tokenizer, instruction, **switches).split(_MARK)
         else:
-            before, after = f"{instruction}\n\n", "\n\nSummary:\n"
+            before, after = "", f"\n\n{instruction}\n\nSummary:\n"
         return cls(prefix=_encode(tokenizer, before), suffix=_encode(tokenizer, after))
 
     @property
@@ -58,12 +74,49 @@ def decode_from_cache(model: PreTrainedModel, prompt: Sequence[int], cache: Dyna
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop_ids),
                               pad_token_id=stop_ids[0])
+    no_repeat = LogitsProcessorList([NoRepeatInAnswer(ids.shape[1], NO_REPEAT)])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
-                         generation_config=config)
+                         generation_config=config, logits_processor=no_repeat)
     new = out[0, ids.shape[1]:].tolist()
     while new and new[-1] in stop_ids:
         new.pop()
     return new
+
+
+class NoRepeatInAnswer(LogitsProcessor):
+    """Forbids the token that would repeat an n-gram the answer (what follows the first `start` tokens) already
+    holds."""
+
+    def __init__(self, start: int, n: int) -> None:
+        self.start, self.n = start, n
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        for row, ids in enumerate(input_ids[:, self.start:].tolist()):
+            if len(ids) < self.n:
+                continue
+            tail = tuple(ids[len(ids) - self.n + 1:])
+            banned = [ids[i + self.n - 1] for i in range(len(ids) - self.n + 1) if tuple(ids[i:i + self.n - 1]) == tail]
+            scores[row, banned] = -float("inf")
+        return scores
+
+
+def answer_tokens(text_tokens: int, most: int) -> int:
+    """The new tokens a summary of a `text_tokens`-token text may take: `most`, less for a short text."""
+    return min(most, max(FEWEST, text_tokens // SHARE))
+
+
+def whole_sentences(text: str) -> str:
+    """`text` up to its last finished sentence, when the token budget cut it mid-sentence; as it is otherwise, or
+    when it holds no finished sentence."""
+    text = text.strip()
+    ends = [m.end() for m in re.finditer(r"[.!?][\"')\]]*(?=\s|$)", text)]
+    return text[:ends[-1]] if ends and ends[-1] < len(text) else text
+
+
+def joined_lines(text: str) -> str:
+    """`text` with the line breaks inside its paragraphs made spaces: a small model copies the hard-wrapped lines of a
+    PDF's text into its summary. Paragraph breaks and list items keep their lines."""
+    return re.sub(r"[ \t]*(?<!\n)\n(?![\n\-*•]|\d+[.)] )[ \t]*", " ", text)
 
 
 def stop_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -92,7 +145,7 @@ def strip_thinking(text: str) -> str:
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, instruction: str, **switches: object) -> str:
-    return tokenizer.apply_chat_template([{"role": "user", "content": f"{instruction}\n\n{_MARK}"}],
+    return tokenizer.apply_chat_template([{"role": "user", "content": f"{_MARK}\n\n{instruction}"}],
                                          add_generation_prompt=True, tokenize=False, **switches)
 
 

@@ -130,7 +130,7 @@ def test_rebuild_records_each_output_as_done_under_the_keys_a_new_add_would_use(
     for name in ("Budget [draft].txt", "notes.txt", "other-backend.txt"):
         documents.append(tmp_path / name)
         documents[-1].write_text(PARAGRAPH + name)
-    demo = str(demo_model_dir(home.models))
+    demo = str(demo_model_dir())
     today = [write_output(home, documents[0], 7, demo), write_output(home, documents[1], 9, demo)]
     write_output(home, documents[2], 12, demo, backend="torch-static")
     broken = home.outbox / "broken-00000000"
@@ -186,7 +186,7 @@ def test_rebuild_with_a_sound_database_keeps_it_and_adds_what_is_missing(tmp_pat
     home = Home(tmp_path / "home").ensure()
     document = tmp_path / "a.txt"
     document.write_text(PARAGRAPH)
-    write_output(home, document, 3, str(demo_model_dir(home.models)))
+    write_output(home, document, 3, str(demo_model_dir()))
     Queue(home.database).close()
     rebuilt = rebuild_queue(home, Config())
     assert (rebuilt.moved_aside, rebuilt.restored) == ([], 1)
@@ -199,7 +199,7 @@ def test_rebuild_reads_the_outbox_folder_the_config_names(tmp_path: Path) -> Non
     documents = [tmp_path / "a.txt", tmp_path / "b.txt"]
     for document in documents:
         document.write_text(PARAGRAPH + document.name)
-    demo = str(demo_model_dir(home.models))
+    demo = str(demo_model_dir())
     there = write_output(home, documents[0], 3, demo, outbox=shared)
     write_output(home, documents[1], 4, demo)  # the home's own outbox, where this config sends nothing
     rebuilt = rebuild_queue(home, config)

@@ -271,8 +271,8 @@ def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
     from npumoe.daemon.model_choice import ModelNotFound, resolve_model
 
     with pytest.raises(ModelNotFound, match="does not exist"):
-        resolve_model(str(tmp_path / "missing"), tmp_path)
-    assert resolve_model("Qwen/Qwen3-30B-A3B", tmp_path) == "Qwen/Qwen3-30B-A3B"  # for the engine's HF cache lookup
+        resolve_model(str(tmp_path / "missing"))
+    assert resolve_model("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"  # for the engine's HF cache lookup
 
 
 def test_the_coreml_backend_finds_the_graphs_npumoed_compile_built(tmp_path: Path) -> None:

@@ -16,7 +16,17 @@ import torch
 
 from npumoe.engine import Engine, EngineSettings, Progress, load_model
 from npumoe.engine import api as engine_module
-from npumoe.engine.generate.summary import SUMMARIZE, PromptFrame, stop_ids
+from npumoe.engine.generate.summary import (
+    FEWEST,
+    NO_REPEAT,
+    SUMMARIZE,
+    NoRepeatInAnswer,
+    PromptFrame,
+    answer_tokens,
+    joined_lines,
+    stop_ids,
+    whole_sentences,
+)
 
 CHUNK = 128
 SUMMARY_TOKENS = 16
@@ -72,26 +82,21 @@ def test_embeddings_are_mean_pooled_final_hidden_states_as_one_uncached_forward_
 def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(api, reference, orchard):
     text = orchard[:700]
     result = api.process(text)
-    frame = PromptFrame.build(reference.tokenizer, SUMMARIZE)
-    prompt = torch.tensor([frame.prefix + list(text.encode()) + frame.suffix])
-    stop = stop_ids(reference.model, reference.tokenizer)
-    with torch.no_grad():
-        out = reference.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                       max_new_tokens=SUMMARY_TOKENS, eos_token_id=stop, pad_token_id=stop[0])
-    expected = reference.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip()
-    assert result.summary == expected
+    assert result.summary == greedy_summary(reference, text)
     assert result.summary  # the random model does say something
 
 
 def greedy_summary(loaded, text: str) -> str:
-    """What `generate` says, greedily, after the whole summary prompt in one forward."""
+    """What `generate` says, greedily and without repeating the answer's n-grams, after the whole summary prompt in
+    one forward, up to its last finished sentence."""
     frame = PromptFrame.build(loaded.tokenizer, SUMMARIZE)
     prompt = torch.tensor([frame.prefix + list(text.encode()) + frame.suffix])
     stop = stop_ids(loaded.model, loaded.tokenizer)
     with torch.no_grad():
         out = loaded.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
-                                    max_new_tokens=SUMMARY_TOKENS, eos_token_id=stop, pad_token_id=stop[0])
-    return loaded.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True).strip()
+                                    max_new_tokens=SUMMARY_TOKENS, eos_token_id=stop, pad_token_id=stop[0],
+                                    logits_processor=[NoRepeatInAnswer(prompt.shape[1], NO_REPEAT)])
+    return whole_sentences(joined_lines(loaded.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)))
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "lfm2_moe", "gpt_oss"])
@@ -344,3 +349,14 @@ def test_a_text_longer_than_a_section_is_embedded_section_by_section(api, harbou
 def test_an_empty_text_is_not_embedded(api):
     with pytest.raises(ValueError, match="empty or whitespace only"):
         api.embed(" \n")
+
+
+def test_a_summary_is_at_most_a_third_of_its_text_but_a_few_sentences_at_least() -> None:
+    assert answer_tokens(3000, 128) == 128  # a long text: the configured budget
+    assert answer_tokens(192, 128) == 64  # a short one: a third of it, or the summary would be a copy
+    assert answer_tokens(60, 128) == FEWEST
+    assert answer_tokens(192, 16) == 16  # never more than configured
+
+
+def test_a_pdfs_hard_wrapped_lines_are_joined_but_paragraphs_and_lists_keep_theirs() -> None:
+    assert joined_lines("A job that\nfailed.\n\n- one\n- two") == "A job that failed.\n\n- one\n- two"

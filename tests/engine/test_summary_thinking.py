@@ -59,22 +59,22 @@ def test_a_template_with_a_thinking_switch_is_rendered_with_thinking_off() -> No
     tokenizer = tokenizer_with(QWEN3_LIKE, plain=["<think>", "</think>"])
     frame = PromptFrame.build(tokenizer, SUMMARIZE)
     # The template writes the empty block only when enable_thinking=False reached it.
-    assert text_of(tokenizer, frame.suffix) == f"<|im_end|>\n<|im_start|>assistant\n{EMPTY_THINKING}"
-    assert text_of(tokenizer, frame.prefix) == f"<|im_start|>user\n{SUMMARIZE}\n\n"
+    assert text_of(tokenizer, frame.suffix) == f"\n\n{SUMMARIZE}<|im_end|>\n<|im_start|>assistant\n{EMPTY_THINKING}"
+    assert text_of(tokenizer, frame.prefix) == "<|im_start|>user\n"
 
 
 def test_a_reasoning_level_is_set_to_the_lowest_where_the_template_reads_one() -> None:
     tokenizer = tokenizer_with(GPT_OSS_LIKE, special=HARMONY_TOKENS)
     frame = PromptFrame.build(tokenizer, SUMMARIZE)
     assert text_of(tokenizer, frame.prefix).startswith("<|start|>system<|message|>Reasoning: low<|end|>")
-    assert text_of(tokenizer, frame.suffix) == "<|end|><|start|>assistant"
+    assert text_of(tokenizer, frame.suffix) == f"\n\n{SUMMARIZE}<|end|><|start|>assistant"
 
 
 def test_a_template_without_a_switch_renders_as_before() -> None:
     tokenizer = build_byte_tokenizer()  # ChatML, which reads neither switch
     frame = PromptFrame.build(tokenizer, SUMMARIZE)
-    assert text_of(tokenizer, frame.prefix) == f"<|im_start|>user\n{SUMMARIZE}\n\n"
-    assert text_of(tokenizer, frame.suffix) == "<|im_end|>\n<|im_start|>assistant\n"
+    assert text_of(tokenizer, frame.prefix) == "<|im_start|>user\n"
+    assert text_of(tokenizer, frame.suffix) == f"\n\n{SUMMARIZE}<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize(("said", "answer"), [
