@@ -23,17 +23,17 @@ class DemoRun:
 
 
 def process_samples() -> DemoRun:
-    """Each sample's text as the daemon extracts it, processed by the demo model: in bf16, as `auto` runs it on a
-    CPU with native bf16 (half fp32's prefill time); the demo's section length; a fixed chunk length (none
-    measured). One thread: on a 2-core machine other work shares, a second thread mostly waits for the first (a
-    10x slower decode step).
-    Summaries of SUMMARY_TOKENS, half the product's, since decoding is most of the cost."""
+    """Each sample's text as the daemon extracts it, processed by the demo model: in the float format `auto` measures
+    fastest here (bf16 where the CPU has it natively, fp32 where bf16 is emulated); the demo's section length; a
+    fixed chunk length (none measured). One thread: on a 2-core machine other work shares, a second thread mostly
+    waits for the first (a 10x slower decode step).
+    Summaries of SUMMARY_TOKENS, well under the product's, since decoding is most of the cost."""
     from npumoe.bench.service.retrieval import sample_texts
     from npumoe.daemon.model_choice import DEMO_SECTION_TOKENS, demo_model
     from npumoe.engine import Engine, EngineSettings
-    from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS
+    from npumoe.engine.vocabulary import AUTO, CHUNK_TOKENS
 
-    engine = Engine.load(EngineSettings(model=str(demo_model()), weights=BF16, chunk_tokens=CHUNK_TOKENS,
+    engine = Engine.load(EngineSettings(model=str(demo_model()), weights=AUTO, chunk_tokens=CHUNK_TOKENS,
                                         section_tokens=DEMO_SECTION_TOKENS, summary_tokens=SUMMARY_TOKENS,
                                         threads=1))
     texts = sample_texts()

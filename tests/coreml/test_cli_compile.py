@@ -21,6 +21,7 @@ def loaded_groups(plan) -> int:
     return sum(any(layer.load.mean[e] for e in g.experts) for layer in plan.layers for g in layer.groups)
 
 
+@pytest.mark.slow  # converts every group of a real plan (make chaos); the sizing run converts a layer's by default
 def test_compile_converts_every_group_calibration_saw_load_for_once(home: Path, tiny_model: Path,
                                                                     coreml_plan: Callable) -> None:
     plan_path, plan = coreml_plan()

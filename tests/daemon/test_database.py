@@ -221,6 +221,7 @@ def test_doctor_rebuild_queue_refuses_while_the_daemon_holds_the_home(home: Path
     assert result.exit_code == 1 and "npumoed is running" in result.output
 
 
+@pytest.mark.slow  # three lives of a real daemon (make chaos); the rebuild itself is tested by default
 def test_the_real_daemon_damaged_then_rebuilt_does_not_process_its_documents_again(
         home: Path, configure: Callable[[str], Path], tiny_model: Path, npumoed: Callable[..., object]) -> None:
     configure(f"""

@@ -188,6 +188,7 @@ def test_a_job_handed_back_for_a_machine_fault_goes_last_then_backs_off_then_spe
     assert queue.retry(faulty).handbacks == 0
 
 
+@pytest.mark.slow  # four processes racing (make chaos, beside the several-machines run)
 def test_many_processes_claim_each_job_exactly_once(queue_location: Path | str) -> None:
     run = run_claim_benchmark(queue_location, processes=4, jobs=2000)
     assert (run.duplicates, run.lost) == (0, 0)
