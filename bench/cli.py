@@ -264,12 +264,11 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
             raise click.ClickException(str(e)) from e
     from .weights_fidelity import DISTRIBUTIONS, layer_errors
 
-    layer_rows = [row for distribution in DISTRIBUTIONS
+    layer_rows = [row for distribution in (DISTRIBUTIONS if layer else ())
                   for row in layer_errors(geometry, QUANTIZED, distribution, tokens=layer_tokens, seed=seed,
                                           on_result=lambda row: _err.print(
                                               f"{row['geometry']} {row['distribution']} {row['format']}: relative "
-                                              f"error {row['rel_error']:.2%}", style="dim", highlight=False))
-                  if layer]
+                                              f"error {row['rel_error']:.2%}", style="dim", highlight=False))]
     if capacity:
         print_fidelity(results, f"model {loaded.name}, calibrated on "
                                 f"{', '.join(name for name, _ in calibration_texts)}, held out: "
