@@ -23,6 +23,8 @@ from .service.foreground import foreground
 
 if TYPE_CHECKING:
     from npumoe.engine.loading.load import LoadedModel
+
+    from .real_fidelity import RealFidelitySettings
 from npumoe.engine.vocabulary import (
     AUTO,
     BF16,
@@ -183,8 +185,12 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
 
 
 @bench.command("fidelity")
-@click.option("--model", "model_path", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="A checkpoint folder (default: a tiny skewed Qwen3-MoE made for the run).")
+@click.option("--model", "model_name",
+              help="demo (the demo MoE) or a checkpoint folder: its weights formats are compared on the sample "
+                   "documents (perplexity, top-1, KL against its float weights). Default: a tiny skewed Qwen3-MoE "
+                   "made for the run, and the tiny families.")
+@click.option("--tokens-per-document", type=click.IntRange(min=2), default=512, show_default=True,
+              help="With --model: the first this many tokens of each sample document.")
 @click.option("--calibration-text", "calibration_files", multiple=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Text file(s) to calibrate on (default: the sample documents other than the night log).")
@@ -208,13 +214,15 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
 @click.option("--layer-tokens", type=click.IntRange(min=1), default=CHUNK_TOKENS, show_default=True,
               help="Tokens through that layer.")
 @click.option("--capacity/--no-capacity", default=True, show_default=True, help="Run the capacity sweep.")
+@click.option("--layer/--no-layer", default=True, show_default=True, help="Measure the real-size layer.")
 @_threads_option
 @_timing_options
 @_json_option
-def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_file: Path | None,
-             scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int, plot_path: Path | None,
-             families: tuple[str, ...], layer_geometry: str, layer_tokens: int, capacity: bool, threads: int,
-             warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
+def fidelity(model_name: str | None, tokens_per_document: int, calibration_files: tuple[Path, ...],
+             eval_file: Path | None, scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int,
+             plot_path: Path | None, families: tuple[str, ...], layer_geometry: str, layer_tokens: int,
+             capacity: bool, layer: bool, threads: int, warmup: int, repeats: int, seed: int,
+             json_path: Path | None) -> None:
     """Accuracy against capacity (dropped, spilled and padding fractions, top-1 agreement and KL vs the exact
     model), and against the weights' format (bf16, int8, int4 vs fp32, whole model and one real-size layer)."""
     if plot_path is not None:
@@ -223,12 +231,16 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
 
     import torch
 
+    from npumoe.daemon.cli.model_ref import model_ref
     from npumoe.engine.errors import ModelError
     from npumoe.engine.loading.load import load_model
     from npumoe.engine.synthetic.tiny import make_tiny
 
     from .fidelity import FidelitySettings, run_fidelity_bench
     from .machine import describe_machine
+    from .real_fidelity import RealFidelitySettings
+
+    model_path = Path(model_ref(model_name)) if model_name else None
 
     calibration_texts, eval_text = _fidelity_texts(calibration_files, eval_file)
     settings = FidelitySettings(threads=threads, scales=tuple(sorted(set(scales))), chunk_tokens=chunk_tokens,
@@ -242,13 +254,17 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
             loaded = load_model(model_path or make_tiny("qwen3_moe", Path(scratch) / "tiny-qwen3_moe", seed=seed))
             if capacity:
                 results = run_fidelity_bench(loaded, calibration_texts, eval_text, settings, on_result=_progress)
-            weights_rows = _weights_fidelity(loaded if model_path else None, families, calibration_texts, eval_text,
-                                             chunk_tokens, eval_tokens, Path(scratch), seed)
+            if model_path:
+                real_settings = RealFidelitySettings(chunk_tokens=chunk_tokens, tokens_per_document=tokens_per_document)
+                weights_rows = _real_fidelity(loaded, model_name, real_settings)
+            else:
+                weights_rows = _weights_fidelity(families, calibration_texts, eval_text, chunk_tokens, eval_tokens,
+                                                 Path(scratch), seed)
         except (ModelError, ValueError) as e:
             raise click.ClickException(str(e)) from e
     from .weights_fidelity import DISTRIBUTIONS, layer_errors
 
-    layer_rows = [row for distribution in DISTRIBUTIONS
+    layer_rows = [row for distribution in (DISTRIBUTIONS if layer else ())
                   for row in layer_errors(geometry, QUANTIZED, distribution, tokens=layer_tokens, seed=seed,
                                           on_result=lambda row: _err.print(
                                               f"{row['geometry']} {row['distribution']} {row['format']}: relative "
@@ -257,9 +273,16 @@ def fidelity(model_path: Path | None, calibration_files: tuple[Path, ...], eval_
         print_fidelity(results, f"model {loaded.name}, calibrated on "
                                 f"{', '.join(name for name, _ in calibration_texts)}, held out: "
                                 f"{results[0]['eval_tokens']} tokens, chunk {chunk_tokens}, {threads} threads")
-    print_weights_fidelity(weights_rows, layer_rows, f"held out: {weights_rows[0]['eval_tokens']} tokens; "
-                                                     f"{threads} threads, {machine['cpu']}")
-    results += [{"section": "weights", **row} for row in weights_rows]
+    if model_path:
+        print_real_fidelity(weights_rows, f"{loaded.name}: the first {tokens_per_document} tokens of each sample "
+                                          f"document ({weights_rows[0]['tokens']} in all), fp32, chunk {chunk_tokens}; "
+                                          f"{threads} threads, {machine['cpu']}")
+    else:
+        print_weights_fidelity(weights_rows, f"held out: {weights_rows[0]['eval_tokens']} tokens; "
+                                             f"{threads} threads, {machine['cpu']}")
+    if layer_rows:
+        print_layer_errors(layer_rows)
+    results += [{"section": "real-text" if model_path else "weights", **row} for row in weights_rows]
     results += [{"section": "layer", **row} for row in layer_rows]
     if plot_path is not None and capacity:
         from .plot import fidelity_figure
@@ -310,19 +333,33 @@ def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_t
                 results)
 
 
-def _weights_fidelity(model: LoadedModel | None, families: Sequence[str], calibration_texts: Sequence[tuple[str, str]],
-                      eval_text: str, chunk_tokens: int, eval_tokens: int, scratch: Path, seed: int) -> list[dict]:
-    """bf16, int8 and int4 against fp32: on the model given (loaded in fp32), else on each tiny family, with its
-    random output layer and with a readout fitted to the calibration texts (so that its top-1 means something)."""
+def _real_fidelity(loaded: LoadedModel, model_name: str, settings: RealFidelitySettings) -> list[dict]:
+    """Each weights format against the model's float weights on the sample documents; for the demo, whose float
+    weights come from its GGUF file, the experts' weights are compared with the file's too."""
+    from npumoe.daemon.model_choice import DEMO
+    from npumoe.daemon.samples import sample_documents
+    from npumoe.engine.synthetic.smollm2 import gguf_path
+
+    from .real_fidelity import gguf_dense_ffn, run_real_fidelity
+
+    dense = gguf_dense_ffn(gguf_path(), loaded.model) if model_name == DEMO and gguf_path().is_file() else None
+    texts = ["\n\n".join(doc.paragraphs) for doc in sample_documents()]
+    return [{"model": model_name, **row} for row in run_real_fidelity(
+        loaded, texts, settings, dense=dense, on_result=lambda row: _err.print(
+            f"{row['variant']}: perplexity {row['perplexity']:.3f}, top-1 {row['top1_agreement']:.1%}",
+            style="dim", highlight=False))]
+
+
+def _weights_fidelity(families: Sequence[str], calibration_texts: Sequence[tuple[str, str]], eval_text: str,
+                      chunk_tokens: int, eval_tokens: int, scratch: Path, seed: int) -> list[dict]:
+    """bf16, int8 and int4 against fp32 on each tiny family, with its random output layer and with a readout
+    fitted to the calibration texts (so that its top-1 means something)."""
     from npumoe.engine.loading.load import load_model
     from npumoe.engine.synthetic.tiny import make_tiny
 
     from .weights_fidelity import WeightsFidelitySettings, fit_readout, run_weights_fidelity
 
     settings = WeightsFidelitySettings(chunk_tokens=chunk_tokens, eval_tokens=eval_tokens)
-    if model is not None:
-        return [{"model": model.name, "head": "its own", **row}
-                for row in run_weights_fidelity(model, eval_text, settings)]
     rows = []
     for family in families:
         loaded = load_model(make_tiny(family, scratch / f"weights-{family}", seed=seed))
@@ -338,9 +375,23 @@ def _weights_fidelity(model: LoadedModel | None, families: Sequence[str], calibr
     return rows
 
 
-def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], caption: str) -> None:
-    from .weights_fidelity import TARGETS
+def print_real_fidelity(rows: Sequence[dict], caption: str) -> None:
+    from .real_fidelity import TARGETS
 
+    table = Table("weights", "perplexity", "Δ perplexity", "top-1 vs float", "mean KL vs float", "target",
+                  "expert weights' error", "vs the GGUF's", "what it means",
+                  title="Weights format against the float model, on real text", caption=caption,
+                  caption_justify="left")
+    for row in rows:
+        target = TARGETS.get(row["format"])
+        table.add_row(row["variant"], f"{row['perplexity']:.3f}", f"{row['perplexity_change']:+.2%}",
+                      _percent(row["top1_agreement"]), _error(row["mean_kl"]),
+                      f"top-1 ≥ {target['top1']:.0%}, Δ ≤ {target['perplexity']:.0%}" if target else "",
+                      f"{row['weight_error']:.2%}", _percent(row.get("weight_error_vs_gguf")), row["meaning"])
+    _console().print(table)
+
+
+def print_weights_fidelity(rows: Sequence[dict], caption: str) -> None:
     table = Table("model", "output layer", "weights", "top-1 vs fp32", "mean KL vs fp32", "top-1 vs its float",
                   "mean KL vs its float", title="Weights format against the float model", caption=caption,
                   caption_justify="left")
@@ -349,6 +400,11 @@ def print_weights_fidelity(rows: Sequence[dict], layer_rows: Sequence[dict], cap
                       _error(row["kl_vs_fp32"]), f"{_percent(row['top1_vs_float'])} ({row['vs_float']})",
                       _error(row["kl_vs_float"]))
     _console().print(table)
+
+
+def print_layer_errors(layer_rows: Sequence[dict]) -> None:
+    from .weights_fidelity import TARGETS
+
     layers = Table("geometry", "weights and activations", "format", "relative error", "weights alone", "target",
                    title="One MoE layer, quantized experts against fp32",
                    caption="weights alone: the format's floor, its rounded weights with exact fp32 activations",
