@@ -17,15 +17,23 @@ import pytest
 from demo_run import DemoRun, process_samples
 from postgres_server import PostgresServer
 
+from npumoe.engine.synthetic.smollm2 import models_cache
+
+# The models cache `make setup` filled (the demo model), read before the run points NPUMOE_MODELS elsewhere.
+SETUP_MODELS = models_cache()
+
 
 def pytest_configure(config: pytest.Config) -> None:
     """Compiled kernels go to a folder of this run's, not the user's cache; set before collection, which
-    asks whether the kernel builds, and inherited by every child process."""
+    asks whether the kernel builds, and inherited by every child process. Likewise an empty models cache: no
+    test sees the demo model `make setup` made unless it asks for it (`demo_run`)."""
     os.environ["NPUMOE_CACHE"] = tempfile.mkdtemp(prefix="npumoe-test-cache-")
+    os.environ["NPUMOE_MODELS"] = tempfile.mkdtemp(prefix="npumoe-test-models-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    shutil.rmtree(os.environ.pop("NPUMOE_CACHE", ""), ignore_errors=True)
+    for variable in ("NPUMOE_CACHE", "NPUMOE_MODELS"):
+        shutil.rmtree(os.environ.pop(variable, ""), ignore_errors=True)
 
 
 @pytest.fixture
@@ -164,8 +172,9 @@ def tiny_model(tiny: Callable[..., Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def demo_run() -> DemoRun:
-    """The demo model's engine and its results on the six samples, made once per session (demo_run.py)."""
-    return process_samples()
+    """The demo model's engine and its results on the six samples, made once per session (demo_run.py), from
+    the models cache `make setup` filled."""
+    return process_samples(SETUP_MODELS)
 
 
 @pytest.fixture(scope="session")

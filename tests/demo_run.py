@@ -4,25 +4,38 @@ session (conftest's `demo_run`): the summary, retrieval and equals-dense tests s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import pytest
+
 if TYPE_CHECKING:
+    import numpy as np
+
     from npumoe.engine import DocumentResult, Engine
 
 
 SUMMARY_TOKENS = 64
 
 
+# The long sample: ten sections of summaries and their combine, most of the run's decoding. The default suite
+# embeds it (retrieval needs its vectors); its summary is checked by a slow test, which processes it whole.
+LONG = "night-shift-log.txt"
+
+
 @dataclass(frozen=True)
 class DemoRun:
-    """The demo model's engine and its results on the six samples, by file name."""
+    """The demo model's engine; its results on the samples but the long one, by file name; every sample's
+    vectors (embeddings, spans) as `process` makes them."""
 
     engine: Engine
+    gguf: Path  # the dense model the demo model was made from
     texts: dict[str, str]
     results: dict[str, DocumentResult]
+    vectors: dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def process_samples() -> DemoRun:
+def process_samples(models: Path) -> DemoRun:
     """Each sample's text as the daemon extracts it, processed by the demo model: in the float format `auto` measures
     fastest here (bf16 where the CPU has it natively, fp32 where bf16 is emulated); the demo's section length; a
     fixed chunk length (none measured). One thread: on a 2-core machine other work shares, a second thread mostly
@@ -31,10 +44,17 @@ def process_samples() -> DemoRun:
     from npumoe.bench.service.retrieval import sample_texts
     from npumoe.daemon.model_choice import DEMO_SECTION_TOKENS, demo_model
     from npumoe.engine import Engine, EngineSettings
+    from npumoe.engine.synthetic.smollm2 import GGUF
     from npumoe.engine.vocabulary import AUTO, CHUNK_TOKENS
 
-    engine = Engine.load(EngineSettings(model=str(demo_model()), weights=AUTO, chunk_tokens=CHUNK_TOKENS,
+    with pytest.MonkeyPatch.context() as env:  # every other test sees an empty models cache (conftest)
+        env.setenv("NPUMOE_MODELS", str(models))
+        model = demo_model()
+    engine = Engine.load(EngineSettings(model=str(model), weights=AUTO, chunk_tokens=CHUNK_TOKENS,
                                         section_tokens=DEMO_SECTION_TOKENS, summary_tokens=SUMMARY_TOKENS,
                                         threads=1))
     texts = sample_texts()
-    return DemoRun(engine, texts, {name: engine.process(text) for name, text in texts.items()})
+    results = {name: engine.process(text) for name, text in texts.items() if name != LONG}
+    vectors = {name: (result.embeddings, result.spans) for name, result in results.items()}
+    vectors[LONG] = engine.embed_document(texts[LONG])
+    return DemoRun(engine, models / GGUF, texts, results, vectors)

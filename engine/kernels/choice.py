@@ -121,7 +121,7 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, repeats: int = 
 
 
 _KINDS: dict[str, Measured] = {}  # every kind of choice, by name, as its module made it: what doctor lists
-_chosen: dict[tuple[Path, str, str], Choice] = {}  # this process's choices, by cache file, kind and key
+_chosen: dict[tuple[Path, str, str], Choice] = {}  # this process's choices, by user cache, kind and key
 # One lock per choice, so two threads do not time the same one at once while a choice that times another (auto
 # weights times the float kernels) does not wait on itself.
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
@@ -150,11 +150,14 @@ class Measured:
         a choice whose candidates compute the same thing) refuses those above their bound, then `timer` gives the
         others' figures (from `time_in_turns`)."""
         key = self.key(dtype, shape, threads)
+        held = (cache_root(), self.kind, key)  # a process that points at another cache has chosen nothing there
+        choice = _chosen.get(held)
+        if choice is not None and choice.seconds.keys() | choice.refused.keys() == set(candidates):
+            return choice  # the common case, asked on every call of a kernel: no lock, no file
         unavailable = dict(unavailable or {})
         with _locks_lock:
             lock = _locks[(self.kind, key)]
         with lock:
-            held = (_path(), self.kind, key)  # a process that points at another cache has chosen nothing there
             choice = _chosen.get(held) or self.cached().get(key)
             if choice is None or choice.seconds.keys() | choice.refused.keys() != set(candidates):
                 choice = on_threads(threads, lambda: _measure(candidates, unavailable, timer, probe))  # new, or changed

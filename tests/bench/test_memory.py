@@ -8,6 +8,7 @@ from npumoe.bench.memory import MemorySettings, measure
 from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
 
 
+@pytest.mark.slow  # a child process per format, measured (make chaos)
 @pytest.mark.parametrize("weights", ["bf16", "int4"])
 def test_the_child_loads_processes_the_document_and_its_peak_is_set_beside_the_weights_bytes(tiny, weights):
     folder = tiny("qwen3_moe")

@@ -40,7 +40,7 @@ class Processed:
     def embed_document(self, text: str, pooling: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         assert pooling == self.run.engine.settings.pooling  # the pooling the run made its vectors with
         (name,) = [name for name, t in self.run.texts.items() if t == text]
-        return self.run.results[name].embeddings, self.run.results[name].spans
+        return self.run.vectors[name]
 
 
 def words(text: str) -> list[str]:

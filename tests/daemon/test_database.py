@@ -66,6 +66,7 @@ def test_a_newer_schema_is_unusable_and_says_so(tmp_path: Path) -> None:
         Queue(path)
 
 
+@pytest.mark.slow  # a real daemon started on each kind of unusable database (make chaos); the checks are fast
 @pytest.mark.parametrize("spoil", ["damaged", "newer"])
 def test_npumoed_run_on_an_unusable_database_exits_78_with_one_line(
         home: Path, npumoed: Callable[..., object], spoil: str) -> None:

@@ -12,10 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from demo_run import SUMMARY_TOKENS
+from demo_run import LONG, SUMMARY_TOKENS
 
 from npumoe.engine import Engine
-from npumoe.engine.synthetic.smollm2 import gguf_path
 from npumoe.engine.synthetic.upcycle import DTYPE
 from npumoe.engine.vocabulary import FP32
 
@@ -43,7 +42,7 @@ def test_the_upcycled_moe_computes_what_the_dense_model_does(demo_run) -> None:
     from transformers import AutoModelForCausalLM
 
     engine = Engine.load(replace(demo_run.engine.settings, weights=FP32, dtype=None))
-    dense = AutoModelForCausalLM.from_pretrained(gguf_path().parent, gguf_file=gguf_path().name,
+    dense = AutoModelForCausalLM.from_pretrained(demo_run.gguf.parent, gguf_file=demo_run.gguf.name,
                                                  dtype=torch.float32).eval()
     with torch.no_grad():
         for p in dense.parameters():
@@ -56,31 +55,47 @@ def test_the_upcycled_moe_computes_what_the_dense_model_does(demo_run) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
 
 
+def assert_made_of_its_documents_words(name: str, text: str, summary: str) -> None:
+    document = set(WORD.findall(text.lower()))
+    words = content_words(summary)
+    assert len(words) >= 5, (name, summary)
+    inside = sum(w in document for w in words) / len(words)
+    assert inside >= 0.7, (name, inside, summary)
+
+
+def assert_no_loop_or_template_residue(name: str, summary: str) -> None:
+    words = WORD.findall(summary.lower())
+    repeated = [g for g, n in Counter(zip(*(words[i:] for i in range(LOOP)), strict=False)).items() if n > 1]
+    assert not repeated, (name, repeated, summary)
+    assert not any(mark in summary for mark in RESIDUE), (name, summary)
+
+
+def assert_within_the_token_budget(demo_run, name: str, summary: str) -> None:
+    assert len(demo_run.engine.loaded.tokenizer(summary)["input_ids"]) <= SUMMARY_TOKENS, name
+
+
 def test_each_summary_is_made_of_its_documents_words(demo_run) -> None:
     for name, result in demo_run.results.items():
-        document = set(WORD.findall(demo_run.texts[name].lower()))
-        words = content_words(result.summary)
-        assert len(words) >= 5, (name, result.summary)
-        inside = sum(w in document for w in words) / len(words)
-        assert inside >= 0.7, (name, inside, result.summary)
+        assert_made_of_its_documents_words(name, demo_run.texts[name], result.summary)
 
 
 def test_no_summary_loops_or_carries_template_residue(demo_run) -> None:
     for name, result in demo_run.results.items():
-        words = WORD.findall(result.summary.lower())
-        repeated = [g for g, n in Counter(zip(*(words[i:] for i in range(LOOP)), strict=False)).items() if n > 1]
-        assert not repeated, (name, repeated, result.summary)
-        assert not any(mark in result.summary for mark in RESIDUE), (name, result.summary)
+        assert_no_loop_or_template_residue(name, result.summary)
 
 
 def test_each_summary_keeps_to_the_token_budget(demo_run) -> None:
     for name, result in demo_run.results.items():
-        assert len(demo_run.engine.loaded.tokenizer(result.summary)["input_ids"]) <= SUMMARY_TOKENS, name
+        assert_within_the_token_budget(demo_run, name, result.summary)
 
 
+@pytest.mark.slow  # ten section summaries and their combine: most of a demo run's decoding (make chaos)
 def test_the_long_samples_summary_is_combined_from_its_sections_and_names_their_subjects(demo_run) -> None:
-    engine, text = demo_run.engine, demo_run.texts["night-shift-log.txt"]
-    result = demo_run.results["night-shift-log.txt"]
+    engine, text = demo_run.engine, demo_run.texts[LONG]
+    result = engine.process(text)
+    assert_made_of_its_documents_words(LONG, text, result.summary)
+    assert_no_loop_or_template_residue(LONG, result.summary)
+    assert_within_the_token_budget(demo_run, LONG, result.summary)
     assert result.stats.sections >= 2 and result.stats.reduce_rounds >= 1
     assert result.stats.dispatch.assignments > 0  # prefilled through the engine's routed experts
     ids = engine.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 from postgres_server import PostgresServer
 
 TEXT = "The night clerk reads the harbour ledger and writes a short note on each page before the tide turns.\n"
@@ -52,6 +53,7 @@ background_priority = false
     return home
 
 
+@pytest.mark.slow  # two real daemons on one PostgreSQL queue (make chaos, beside the several-machines run)
 def test_a_document_added_on_one_machine_is_processed_by_another_into_the_shared_outbox(
     tmp_path: Path, postgres: PostgresServer, tiny_model: Path
 ) -> None:
