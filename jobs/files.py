@@ -282,12 +282,12 @@ def move_file(source: Path, folder: Path, name: str, version: Version | None = N
 
 
 def _open_to_move(source: Path) -> int | None:
-    """A descriptor of the regular file `source`; None for anything else, or one this process may not read."""
+    """A descriptor of the regular file `source`; None for anything else, or one this process cannot read."""
     if not stat.S_ISREG(os.lstat(source).st_mode):
         return None
     try:
         return os.open(source, _OPEN_FLAGS)
-    except PermissionError:  # being set aside for it: it can still be renamed, though not copied
+    except OSError:  # no permission, an I/O error: being set aside for it, it can still be renamed, not copied
         return None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from npumoe.jobs.files import (
     identify,
     move_file,
     open_regular,
+    set_aside,
     settle_original,
     snapshot,
 )
@@ -200,3 +202,25 @@ def test_a_file_with_another_hard_link_is_refused(tmp_path: Path) -> None:
     refused = refusal(tmp_path / "a.txt")
     assert refused.kind == "unreadable"
     assert str(refused) == "the file has 2 hard links; only a file with a single name is read"
+
+
+def test_a_file_whose_every_open_fails_with_an_io_error_is_set_aside_all_the_same(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad sector: the file cannot be opened, so it cannot be copied, but it can still be renamed into failed/."""
+    source = tmp_path / "inbox" / "bad.txt"
+    source.write_bytes(b"unreadable now")
+    opened: list[str] = []
+
+    def failing_open(path: object, *args: object, **kwargs: object) -> int:
+        if os.fsdecode(path).endswith("bad.txt"):  # type: ignore[arg-type]
+            opened.append(os.fsdecode(path))  # type: ignore[arg-type]
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    real_open = os.open
+    monkeypatch.setattr(os, "open", failing_open)
+    moved = set_aside(source, "kind: machine, I/O error", inbox_folders)
+    assert opened  # the move tried to read it first
+    assert moved == inbox_folders.failed / "bad.txt" and not source.exists()
+    assert (inbox_folders.failed / "bad.txt.error.txt").read_text() == "kind: machine, I/O error"
+
