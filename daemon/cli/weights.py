@@ -21,10 +21,13 @@ FORMATS = ("int8", "int4")  # listed here rather than imported, so that `npumoed
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Folder to write (default: the home's models/quantized/).")
 def quantize_command(model_name: str, format: str, out: Path | None) -> None:
-    """Quantize MODEL's routed experts, one tensor at a time, into the home (the rest stays in MODEL)."""
+    """Quantize MODEL's routed experts (a checkpoint's, or a GGUF file's, one expert at a time), one tensor at a
+    time, into the home (the rest stays in MODEL)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from npumoe.engine.errors import ModelError
+    from npumoe.engine.loading.gguf_load import is_gguf
+    from npumoe.engine.loading.gguf_quantize import quantize_gguf
     from npumoe.engine.loading.quant_store import QuantizedStoreError, quantize_checkpoint, quantized_folder
     from npumoe.engine.loading.resolve import fingerprint, model_folder
 
@@ -36,9 +39,9 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
                    TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True)) as progress:
             task = progress.add_task("quantize", total=None)
-            report = quantize_checkpoint(checkpoint, target, format,
-                                         progress=lambda done, total: progress.update(task, completed=done,
-                                                                                      total=total))
+            write = quantize_gguf if is_gguf(checkpoint) else quantize_checkpoint
+            report = write(checkpoint, target, format,
+                           progress=lambda done, total: progress.update(task, completed=done, total=total))
     except (ModelError, QuantizedStoreError) as e:
         raise click.ClickException(str(e)) from e
     click.echo(f"quantized {report.experts} expert weights of {checkpoint} to {format}: "
