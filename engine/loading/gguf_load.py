@@ -16,6 +16,12 @@ model: about 122 GB for Qwen3-30B-A3B in Q4_K_M, an 18 GB file. Here instead:
   them), then packed into the engine's CPU experts with `pack`, or
   written into the module's float parameters without it.
 
+Architectures: llama (dense), Mixtral's experts in a llama file (llama.cpp writes Mixtral as llama with
+`llama.expert_count`), qwen3moe and qwen2moe (its shared expert beside the routed ones). Not gpt-oss: transformers'
+GGUF support cannot read llama.cpp's gpt-oss files (its tensor processor is registered as "gpt_oss" but looked up
+by the file's "gpt-oss"; its name map leaves the fused, interleaved gate-up experts and the experts' biases
+unmapped), so nothing here would say what the file means.
+
 A file this loader cannot read (experts in a layout it does not map, tensors the model has no place for)
 raises stream_load.NotStreamable before the experts are read.
 """
