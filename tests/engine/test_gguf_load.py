@@ -19,6 +19,7 @@ from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
 from npumoe.engine.formats.quantize import quantize
+from npumoe.engine.loading import gguf_load
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
@@ -185,3 +186,21 @@ def test_mixtral_experts_stored_in_a_llama_file_load_as_a_mixtral(tiny, tmp_path
     assert (got - _logits(_dequantized_mixtral(file, folder))).abs().max() < 1e-4
     if qtype == Q.F32:  # the file holds the checkpoint's weights exactly
         assert (got - _logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))).abs().max() < 1e-5
+
+
+def test_the_other_weights_are_dequantized_a_few_rows_at_a_time_and_laid_out_in_any_dtype(tiny_llama, tmp_path,
+                                                                                         monkeypatch):
+    file = write_gguf(tiny_llama, tmp_path / "llama.gguf", weights=Q.Q8_0)
+    whole = gguf_model(file, torch.float32, experts_implementation="eager")
+    rows: list[int] = []
+    dequantized = gguf_load.dequantized
+    monkeypatch.setattr(gguf_load, "dequantized", lambda raw, kind: rows.append(len(raw)) or dequantized(raw, kind))
+    monkeypatch.setattr(gguf_load, "_FLOAT_VALUES_AT_ONCE", 4 * 64)  # four rows of the hidden width
+    in_rows = gguf_model(file, torch.float32, experts_implementation="eager")
+    assert max(rows) == 4 and len(rows) > len(list(whole.parameters()))  # every 2-D weight in several reads
+    assert torch.equal(_logits(in_rows), _logits(whole))
+    # llama's permuted query and key rows, laid out on the bits: bf16 holds the float32 load's values rounded
+    half = gguf_model(file, torch.bfloat16, experts_implementation="eager")
+    for name in ("q_proj", "k_proj"):
+        got = getattr(half.model.layers[0].self_attn, name).weight
+        assert torch.equal(got, getattr(whole.model.layers[0].self_attn, name).weight.to(torch.bfloat16))
