@@ -17,10 +17,8 @@ model: about 122 GB for Qwen3-30B-A3B in Q4_K_M, an 18 GB file. Here instead:
   written into the module's float parameters without it.
 
 Architectures: llama (dense), Mixtral's experts in a llama file (llama.cpp writes Mixtral as llama with
-`llama.expert_count`), qwen3moe and qwen2moe (its shared expert beside the routed ones). Not gpt-oss: transformers'
-GGUF support cannot read llama.cpp's gpt-oss files (its tensor processor is registered as "gpt_oss" but looked up
-by the file's "gpt-oss"; its name map leaves the fused, interleaved gate-up experts and the experts' biases
-unmapped), so nothing here would say what the file means.
+`llama.expert_count`), qwen3moe and qwen2moe (its shared expert beside the routed ones); any other is refused
+before anything is read, gpt-oss with the reason (`_UNREAD`).
 
 A file this loader cannot read (experts in a layout it does not map, tensors the model has no place for)
 raises stream_load.NotStreamable before the experts are read.
@@ -39,6 +37,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
+from ..errors import ModelError
 from ..formats.gguf_blocks import dequantized, engine_weight, stored_format
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
@@ -52,6 +51,9 @@ from .tensor_reader import read_into
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 EXPERTS_TENSOR = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
 _LAYER = re.compile(r"layers\.(\d+)\.")
+_UNREAD = {"gpt-oss": "transformers cannot read llama.cpp's gpt-oss files (its gpt-oss tensor processor is registered "
+                      "as 'gpt_oss' but looked up by the file's 'gpt-oss', and its name map leaves the fused gate-up "
+                      "experts and the experts' biases unmapped), so no load here could be checked against it"}
 _PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 _FLOAT_VALUES_AT_ONCE = 1 << 22  # values of a float weight dequantized at once (16 MiB of float32)
 
@@ -64,9 +66,13 @@ def gguf_config(path: Path) -> PretrainedConfig:
     """The model's config from the file's metadata, as transformers reads it, with what its mappings miss: the
     widths of qwen3moe's and qwen2moe's experts and of qwen2moe's shared expert, and the experts of a llama file
     that has them (llama.cpp writes Mixtral as llama with `llama.expert_count`), which make it a Mixtral."""
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
+    if arch not in GGUF_ARCHITECTURES.values():
+        why = _UNREAD.get(arch, "transformers' GGUF mapping and this loader do not map it")
+        raise ModelError(f"{path.name}: its architecture {arch!r} is not one the engine reads from a GGUF file "
+                         f"({', '.join(sorted(set(GGUF_ARCHITECTURES.values())))}): {why}")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
     def field(key: str) -> int | None:
         held = reader.fields.get(f"{arch}.{key}")

@@ -16,6 +16,7 @@ from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, get_g
 
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.errors import ModelError
 from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
 from npumoe.engine.formats.quantize import quantize
@@ -204,3 +205,15 @@ def test_the_other_weights_are_dequantized_a_few_rows_at_a_time_and_laid_out_in_
     for name in ("q_proj", "k_proj"):
         got = getattr(half.model.layers[0].self_attn, name).weight
         assert torch.equal(got, getattr(whole.model.layers[0].self_attn, name).weight.to(torch.bfloat16))
+
+
+def test_a_gpt_oss_gguf_is_refused_with_the_reason_before_anything_is_read(tmp_path):
+    file = tmp_path / "gpt-oss.gguf"
+    writer = gguf.GGUFWriter(file, "gpt-oss")  # llama.cpp's name for it
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=r"'gpt-oss' is not one the engine reads.*registered as 'gpt_oss'"):
+        load_model(file)
