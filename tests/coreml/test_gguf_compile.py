@@ -45,3 +45,13 @@ def test_a_gguf_models_packages_are_compressed_as_its_checkpoints_are(home: Path
         assert Path(from_file["folder"]).name.endswith(f"-{weights}") and from_file["weights"] == weights
         assert read_manifest(Path(from_file["folder"])).weights == weights
         assert from_file["bytes"] == from_folder["bytes"]  # the same compressed weights' layout, byte for byte
+
+
+def test_with_weights_auto_a_quantized_gguf_is_compiled_in_the_format_the_engine_will_run(home: Path, tiny_gguf,
+                                                                                         tmp_path: Path) -> None:
+    file = tiny_gguf("qwen3_moe", "Q4_0")  # auto: int4, so the backend will look for int4 packages
+    result = CliRunner().invoke(main, ["compile", "--model", str(file), "--plan",
+                                       str(one_group_plan(file, tmp_path / "plan.json")), "--json"],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["weights"] == "int4"
