@@ -45,7 +45,8 @@ class Source(NamedTuple):
 
 
 @click.command("compile")
-@click.option("--model", "model_name", help="Model: \"demo\", a checkpoint folder or a Hugging Face id (with --plan).")
+@click.option("--model", "model_name",
+              help="Model: \"demo\", a checkpoint folder, a .gguf file or a Hugging Face id (with --plan).")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The ExpertPlan whose groups to convert (calibrated for this model).")
 @click.option("--geometry", help="Sizing run instead: random weights at a named MoE geometry, e.g. qwen3-30b-a3b.")

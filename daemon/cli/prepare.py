@@ -109,7 +109,7 @@ class Model:
 
 @click.command("prepare")
 @click.option("--model", "model_name", required=True,
-              help="Model: a checkpoint folder, a Hugging Face id in the local cache, or \"demo\".")
+              help="Model: a checkpoint folder, a .gguf file, a Hugging Face id in the local cache, or \"demo\".")
 @click.option("--data", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration document (repeat for more; default: the bundled sample documents).")
 @click.option("--backend", type=click.Choice((AUTO, *BACKENDS)), default=AUTO, show_default=True,

@@ -53,8 +53,8 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
 @click.argument("model_name", metavar="MODEL")
 @click.option("--json", "as_json", is_flag=True, help="Print the sizes as JSON.")
 def size_command(model_name: str, as_json: bool) -> None:
-    """What MODEL (a checkpoint folder, a Hugging Face id in the local cache, "demo", or a config.json) needs in
-    memory in each weight format, and which formats fit this machine; no weight is read."""
+    """What MODEL (a checkpoint folder, a .gguf file, a Hugging Face id in the local cache, "demo", or a
+    config.json) needs in memory in each weight format, and which formats fit this machine; no weight is read."""
     import psutil
 
     from npumoe.engine.loading.model_size import (
