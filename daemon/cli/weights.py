@@ -20,7 +20,8 @@ FORMATS = ("int8", "int4")  # listed here rather than imported, so that `npumoed
 @click.option("--weights", "format", type=click.Choice(FORMATS), required=True, help="Format of the experts.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Folder to write (default: the home's models/quantized/).")
-def quantize_command(model_name: str, format: str, out: Path | None) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def quantize_command(model_name: str, format: str, out: Path | None, as_json: bool) -> None:
     """Quantize MODEL's routed experts (a checkpoint's, or a GGUF file's, one expert at a time), one tensor at a
     time, into the home (the rest stays in MODEL)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -44,6 +45,11 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
                            progress=lambda done, total: progress.update(task, completed=done, total=total))
     except (ModelError, QuantizedStoreError) as e:
         raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"model": str(checkpoint), "format": format, "target": str(report.target),
+                               "experts": report.experts, "kept": report.kept, "source_bytes": report.source_bytes,
+                               "quantized_bytes": report.quantized_bytes}, indent=2))
+        return
     click.echo(f"quantized {report.experts} expert weights of {checkpoint} to {format}: "
                f"{_gib(report.source_bytes)} -> {_gib(report.quantized_bytes)}; {report.kept} other tensors stay "
                f"in the checkpoint; wrote {report.target}")

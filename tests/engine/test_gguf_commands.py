@@ -92,16 +92,18 @@ def test_model_quantize_writes_a_gguf_files_experts_once_and_a_load_takes_them_f
     file = tiny_gguf("qwen3_moe", "F16")  # float experts: each load would quantize them again
     home = tmp_path / "home"
     monkeypatch.setenv("NPUMOED_HOME", str(home))
-    result = CliRunner().invoke(model_group, ["quantize", str(file), "--weights", "int4"])
+    result = CliRunner().invoke(model_group, ["quantize", str(file), "--weights", "int4", "--json"])
     assert result.exit_code == 0, result.output
     models = home / "models"
     target = quantized_folder(models, file, fingerprint(file), "int4")
+    report = json.loads(result.stdout)
     manifest = json.loads((target / quant_store.MANIFEST).read_text())
     loaded = load_model(file)
     experts = len(moe_experts(loaded.model)) * loaded.model.config.num_experts
     assert manifest["source"] == str(file.resolve()) and manifest["fingerprint"] == fingerprint(file)
     assert sum(map(len, manifest["files"].values())) == 3 * experts  # gate, up and down of every expert
-    assert f"{3 * experts} expert weights" in result.output
+    assert report["experts"] == 3 * experts and report["target"] == str(target) and report["format"] == "int4"
+    assert 0 < report["quantized_bytes"] < report["source_bytes"]  # int4 from F16
 
     read: list[str] = []
     weight = quant_store.QuantizedReader.weight
