@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from npumoe.engine.vocabulary import CHUNK_TOKENS
+from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS
 
 GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16")  # the types the gguf package writes
 TARGET_RATIO = 1.15  # issue #15: peak RSS of load + one 2,048-token document at most 1.15 x the weights' bytes
@@ -130,7 +130,6 @@ def gguf_weights(type_name: str) -> str:
     import gguf
 
     from npumoe.engine.formats.gguf_blocks import stored_format
-    from npumoe.engine.vocabulary import BF16
 
     return stored_format(gguf.GGMLQuantizationType[type_name]) or BF16
 
