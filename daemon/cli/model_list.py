@@ -7,9 +7,6 @@ import json
 from typing import TYPE_CHECKING, Any
 
 import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from .weights import gib
 
@@ -35,27 +32,26 @@ def list_command(as_json: bool) -> None:
         click.echo(json.dumps({"models": rows, "searched": [str(p) for p in found.searched], "usable_bytes": usable},
                               indent=2))
         return
-    console = Console()
     if not rows:
-        console.print("No GGUF models found. Looked in: " + ", ".join(escape(str(p)) for p in found.searched),
-                      highlight=False)
+        click.echo("No GGUF models found. Looked in: " + ", ".join(str(p) for p in found.searched))
         return
-    table = Table("name", "store", "architecture", "type", "parameters", "on disk", "runs", "fits here")
-    table.columns[0].overflow = "fold"
-    notes = []
+    # each name on a line of its own, never wrapped: it is what a person copies into the config
     for row in rows:
-        runs = "yes" if row["runs"] else "no"
-        on_disk = gib(row["disk_bytes"]) if row["disk_bytes"] is not None else "-"
-        if row["problem"]:
-            notes.append(f"{row['name']}: {row['problem']}")
-        table.add_row(escape(row["name"]), row["store"], row["architecture"] or "-", row["quantization"] or "-",
-                      f"{row['parameters'] / 1e9:.3g} B" if row["parameters"] else "-",
-                      on_disk, runs, ", ".join(row["fits"]) or "-")
-    console.print(table)
-    for note in notes:
-        console.print(f"[yellow]{escape(note)}[/]", highlight=False)
-    console.print(f"fits here: the formats the model needs no more than the {gib(usable)} this machine leaves "
-                  "(`npumoed model size NAME` shows each); runs: whether the engine runs it.", highlight=False)
+        click.echo(row["name"])
+        click.echo(f"    {' · '.join(_facts(row))}")
+    click.echo(f"\nfits here: the formats whose needs stay within the {gib(usable)} this machine leaves "
+               "(`npumoed model size NAME` shows each).")
+
+
+def _facts(row: dict[str, Any]) -> list[str]:
+    facts = [row["store"]]
+    if row["architecture"]:
+        facts += [row["architecture"], row["quantization"], _count(row["parameters"]),
+                  f"{gib(row['disk_bytes'])} on disk"]
+    facts.append("runs" if row["runs"] else f"does not run: {row['problem']}")
+    if row["fits"]:
+        facts.append(f"fits here in {', '.join(row['fits'])}")
+    return facts
 
 
 def _row(model: StoredModel, usable: int) -> dict[str, Any]:
@@ -78,3 +74,7 @@ def _row(model: StoredModel, usable: int) -> dict[str, Any]:
     return {**row, "architecture": summary.architecture, "quantization": summary.quantization,
             "parameters": summary.size.parameters, "disk_bytes": summary.disk_bytes, "fits": fits,
             "runs": problem is None, "problem": problem}
+
+
+def _count(parameters: int) -> str:
+    return f"{parameters / 1e9:.3g} B parameters" if parameters >= 1e9 else f"{parameters / 1e6:.3g} M parameters"
