@@ -29,9 +29,11 @@ def list_command(as_json: bool) -> None:
     usable = usable_bytes(psutil.virtual_memory().total)
     rows = [_row(model, usable) for model in found.models]
     if as_json:
-        click.echo(json.dumps({"models": rows, "searched": [str(p) for p in found.searched], "usable_bytes": usable},
-                              indent=2))
+        click.echo(json.dumps({"models": rows, "searched": [str(p) for p in found.searched],
+                               "unreadable": found.unreadable, "usable_bytes": usable}, indent=2))
         return
+    for place in found.unreadable:
+        click.echo(f"could not read {place}")
     if not rows:
         click.echo("No GGUF models found. Looked in: " + ", ".join(str(p) for p in found.searched))
         return

@@ -52,6 +52,7 @@ class StoredModel:
 class Found:
     models: list[StoredModel]  # by store, then name
     searched: list[Path]  # every place looked in, whether it exists or not
+    unreadable: list[str]  # "place: why" of each store that could not be read
 
 
 def is_store_name(name: str) -> bool:
@@ -60,20 +61,21 @@ def is_store_name(name: str) -> bool:
 
 def find_models() -> Found:
     """Every GGUF model in the stores of this user (and of Ollama's Linux service)."""
-    models: list[StoredModel] = []
     ollama, lmstudio, hf = ollama_roots(), lmstudio_roots(), hf_hub_cache()
-    for root in ollama:
-        models += _ollama_models(root)
-    for root in lmstudio:
-        models += _grouped(LMSTUDIO, root, sorted(root.glob(f"*/*/*{GGUF_SUFFIX}")))
-    for repo in sorted(hf.glob("models--*")):
-        snapshot = _hf_snapshot(repo)
-        if snapshot is not None:
-            models += _grouped(HF, snapshot, sorted(snapshot.rglob(f"*{GGUF_SUFFIX}")), _hf_repo(repo))
+    scans = [*((root, _ollama_models) for root in ollama), *((root, _lmstudio_models) for root in lmstudio),
+             (hf, _hf_models)]
+    models: list[StoredModel] = []
+    unreadable = []
+    for root, scan in scans:
+        try:
+            models += scan(root)
+        except OSError as e:  # another user's store (Ollama's service keeps its own)
+            unreadable.append(f"{root}: {e}")
     first: dict[tuple[str, str], StoredModel] = {}
     for model in models:  # a name resolves to its first root: the same name further down is not that model
         first.setdefault((model.store, model.name), model)
-    return Found(sorted(first.values(), key=lambda m: (STORES.index(m.store), m.name)), [*ollama, *lmstudio, hf])
+    return Found(sorted(first.values(), key=lambda m: (STORES.index(m.store), m.name)), [*ollama, *lmstudio, hf],
+                 unreadable)
 
 
 def store_file(name: str) -> Path:
@@ -233,6 +235,19 @@ def _stored_file(store: str, prefix: str, roots: list[Path], relative: str, dept
             return _grouped(store, root, [path], prefix)[0]
     where = ", ".join(map(str, roots)) or "no such repository in the Hugging Face cache"
     raise ModelError(f"{name}: not found ({where}; `npumoed model list` shows the models there are)")
+
+
+def _lmstudio_models(root: Path) -> list[StoredModel]:
+    return _grouped(LMSTUDIO, root, sorted(root.glob(f"*/*/*{GGUF_SUFFIX}")))
+
+
+def _hf_models(cache: Path) -> list[StoredModel]:
+    models = []
+    for repo in sorted(cache.glob("models--*")):
+        snapshot = _hf_snapshot(repo)
+        if snapshot is not None:
+            models += _grouped(HF, snapshot, sorted(snapshot.rglob(f"*{GGUF_SUFFIX}")), _hf_repo(repo))
+    return models
 
 
 def _hf_repo(folder: Path) -> str:

@@ -149,3 +149,21 @@ def test_the_summary_reads_the_header_and_says_whether_the_engine_runs_it(ggufs,
     for bad in (damaged, tmp_path / "missing.gguf"):
         with pytest.raises(HEADER_ERRORS):
             summarize([bad])
+
+
+def test_a_store_that_cannot_be_read_is_said_and_the_others_are_still_listed(home, ggufs, monkeypatch):
+    service = model_stores.OLLAMA_SERVICE_MODELS
+    ollama_pull(service, ggufs["qwen3moe"], *LIBRARY, "theirs", "latest")
+    ollama_pull(home / ".ollama/models", ggufs["qwen3moe"], *LIBRARY, "mine", "latest")
+    is_file = Path.is_file
+
+    def denied(path: Path) -> bool:  # as another user's folder can be (the tests run as root, who reads all)
+        if path.is_relative_to(service):
+            raise PermissionError(13, "Permission denied", str(path))
+        return is_file(path)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    found = find_models()
+    assert [m.name for m in found.models] == ["ollama:mine:latest"]
+    assert len(found.unreadable) == 1 and found.unreadable[0].startswith(f"{service}: ")
+    assert "Permission denied" in found.unreadable[0]
