@@ -42,11 +42,22 @@ from .tensor_reader import read_into
 # transformers' model types and the GGUF architecture names llama.cpp writes for them
 GGUF_ARCHITECTURES = {"llama": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
 EXPERTS_TENSOR = re.compile(r"(?P<stem>.*\.ffn_(?P<part>gate|up|down)_exps)\.weight")
+GGUF_MAGIC = b"GGUF"
 _PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 
 
 def is_gguf(path: Path) -> bool:
-    return path.suffix == GGUF_SUFFIX and path.is_file()
+    """A GGUF file: by its suffix, or by its magic where a store keeps it without one (Ollama's blobs, and the
+    Hugging Face cache's blobs a snapshot's link resolves to)."""
+    if not path.is_file():
+        return False
+    if path.suffix == GGUF_SUFFIX:
+        return True
+    try:
+        with path.open("rb") as file:
+            return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def gguf_config(path: Path) -> PretrainedConfig:
