@@ -191,8 +191,8 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
                f"{machine['cpu']}.")
     case_keys = ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens")
     print_results([row for row in results if row["impl"] != "profile"], case_keys, caption)
-    if peer_tool is not None:
-        _console().print("\n".join(peer_lines(results)), highlight=False)
+    for line in peer_lines(results):
+        _console().print(line, highlight=False)
     if profile:
         print_profile([row for row in results if row["impl"] == "profile"], case_keys, machine)
     _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "layers": layers,
