@@ -15,10 +15,13 @@ python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$
 tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 # Native code for this CPU, as a person building it here would; no network (CURL), only the two tools.
-cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+flags=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+       -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF)
+cmake -S "$src" -B "$work/build" -G Ninja "${flags[@]}" >/dev/null
 cmake --build "$work/build" --target llama-bench llama-quantize -j "$(nproc)"
 mkdir -p "$dest/bin"
 cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$dest/bin/"
-echo "llama-cpp-python $version, built $(date -u +%FT%TZ) on $(uname -m)" > "$dest/VERSION"
+# The results' settings block quotes this file: which llama.cpp, built how.
+printf 'llama-cpp-python %s, built %s on %s\ncmake %s\n' "$version" "$(date -u +%FT%TZ)" "$(uname -m)" \
+    "${flags[*]}" > "$dest/VERSION"
 echo "built: $dest/bin/llama-bench $dest/bin/llama-quantize"
