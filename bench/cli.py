@@ -148,19 +148,32 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Also split the time of the engine's CPU path (and of each --weights format's) per part "
                    "(experts, attention, projections, norms, router, cache, ...) at several depths, beside each "
                    "part's roofline.")
+@click.option("--peer", "peer_dir", type=click.Path(file_okay=False, path_type=Path), envvar="NPUMOE_LLAMA_CPP",
+              help="Also run llama.cpp beside them on the same weights: a folder holding llama-bench and "
+                   "llama-quantize (or holding them in bin/; bench/peer/build-llama-cpp.sh builds them). "
+                   "Default: $NPUMOE_LLAMA_CPP.")
 @_threads_option
 @_timing_options
 @_json_option
 def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
-            dtypes: tuple[str, ...], calibration_documents: int, weights: tuple[str, ...], profile: bool, threads: int,
-            warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
-    """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers."""
+            dtypes: tuple[str, ...], calibration_documents: int, weights: tuple[str, ...], profile: bool,
+            peer_dir: Path | None, threads: int, warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
+    """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers (and llama.cpp)."""
     parsed = _geometries(geometries)
     dtypes = _measured_dtypes(dtypes, parsed)
+    from functools import partial
+
     import torch
 
     from .machine import describe_machine
+    from .peer.llama_cpp import find_llama_cpp
+    from .peer.prefill_peer import peer_lines, peer_rows
     from .prefill_bench import PrefillBenchSettings, run_prefill_bench
+
+    try:
+        peer_tool = find_llama_cpp(peer_dir) if peer_dir is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--peer") from e
 
     try:
         settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
@@ -171,18 +184,21 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
         raise click.UsageError(str(e)) from e
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
+    peer = None if peer_tool is None else partial(peer_rows, peer_tool, warmup=warmup, repeats=repeats)
     results = run_prefill_bench(parsed, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
-                                on_result=_progress)
+                                on_result=_progress, peer=peer)
     caption = (f"× transformers: against transformers' fastest implementation in the same case. Random weights, "
                f"random-token documents, chunked prefill with the KV cache carried. {threads} threads, "
                f"{machine['cpu']}.")
     case_keys = ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens")
     print_results([row for row in results if row["impl"] != "profile"], case_keys, caption)
+    for line in peer_lines(results):
+        _console().print(line, highlight=False)
     if profile:
         print_profile([row for row in results if row["impl"] == "profile"], case_keys, machine)
     _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "layers": layers,
-                                     "calibration_documents": calibration_documents, "weights": list(weights)},
-                results)
+                                     "calibration_documents": calibration_documents, "weights": list(weights),
+                                     "peer": None if peer_tool is None else peer_tool.describe()}, results)
 
 
 @bench.command("fidelity")
@@ -591,6 +607,8 @@ def _console() -> Console:
 def _note(row: dict) -> str:
     if row["status"] in ("skipped", "refused"):
         return f"[red]{row['status']}[/red]"
+    if "note" in row:  # a row that says what it is itself (bench/peer's)
+        return row["note"]
     if row["status"] == "approximate":
         quantized = next((f for f in QUANTIZED if row["impl"].endswith(f"-{f}")), None)
         return f"approximate: {quantized} experts" if quantized else "approximate: prunes"

@@ -66,10 +66,12 @@ def build_model(geometry: Geometry, layers: int, dtype: torch.dtype, *, context:
 
 def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], settings: PrefillBenchSettings, *,
                       bandwidth: float | None = None,
-                      on_result: Callable[[dict], None] | None = None) -> list[dict]:
+                      on_result: Callable[[dict], None] | None = None,
+                      peer: Callable[[PreTrainedModel, dict, list[dict]], list[dict]] | None = None) -> list[dict]:
     """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best;
     with `settings.profile`, also one row per (depth, part) of the engine's CPU path (`impl` "profile"),
-    its rooflines priced at `bandwidth` (bytes/s)."""
+    its rooflines priced at `bandwidth` (bytes/s). `peer(model, case, rows)`: the case's rows with another
+    engine's beside them on the same model (bench/peer), after the in-process rounds."""
     if settings.profile and bandwidth is None:
         raise ValueError("a profile needs the machine's measured bandwidth")
     unknown = [d for d in dtypes if d not in TORCH_DTYPES]
@@ -85,6 +87,8 @@ def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], set
                         "document_tokens": settings.document_tokens, "chunk_tokens": settings.chunk_tokens,
                         "threads": settings.threads}
                 rows = _bench_model(model, geometry, settings)
+                if peer is not None:
+                    rows = peer(model, case, rows)
                 if settings.profile:
                     rows += [{"impl": "profile", **row} for row in _profile(model, settings, bandwidth)]
                 for row in rows:

@@ -15,10 +15,25 @@ python3 -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$
 tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
 # Native code for this CPU, as a person building it here would; no network (CURL), only the two tools.
-cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+flags=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF
+       -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF)
+# On a CPU with AMX-INT8 a native build's quantized weights crash once repacked for AMX (llama.cpp issue 20824,
+# seen here on a Sapphire Rapids with Q8_0 and Q4_0): every other feature of this CPU is named instead, AMX left out.
+cpu_flags=$(sed -n 's/^flags[[:space:]]*:[[:space:]]*//p' /proc/cpuinfo 2>/dev/null | head -n 1)
+if [[ " $cpu_flags " == *" amx_int8 "* ]]; then
+    flags=("${flags[@]/-DGGML_NATIVE=ON/-DGGML_NATIVE=OFF}")
+    for pair in avx:AVX avx2:AVX2 bmi2:BMI2 fma:FMA f16c:F16C avx_vnni:AVX_VNNI avx512f:AVX512 \
+                avx512vbmi:AVX512_VBMI avx512_vnni:AVX512_VNNI avx512_bf16:AVX512_BF16; do
+        [[ " $cpu_flags " == *" ${pair%%:*} "* ]] && flags+=("-DGGML_${pair#*:}=ON")
+    done
+fi
+read -r -a extra <<<"${LLAMA_CPP_CMAKE_FLAGS:-}"  # anything else a person wants to try, recorded in VERSION
+flags+=("${extra[@]}")
+cmake -S "$src" -B "$work/build" -G Ninja "${flags[@]}" >/dev/null
 cmake --build "$work/build" --target llama-bench llama-quantize -j "$(nproc)"
 mkdir -p "$dest/bin"
 cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$dest/bin/"
-echo "llama-cpp-python $version, built $(date -u +%FT%TZ) on $(uname -m)" > "$dest/VERSION"
+# The results' settings block quotes this file: which llama.cpp, built how.
+printf 'llama-cpp-python %s, built %s on %s\ncmake %s\n' "$version" "$(date -u +%FT%TZ)" "$(uname -m)" \
+    "${flags[*]}" > "$dest/VERSION"
 echo "built: $dest/bin/llama-bench $dest/bin/llama-quantize"

@@ -21,6 +21,7 @@ from rich.table import Table
 
 from npumoe.engine.vocabulary import AUTO, BACKENDS, CHUNK_TOKENS, WEIGHTS, WEIGHTS_DTYPE
 
+from .model_list import list_command
 from .model_ref import model_ref
 from .weights import quantize_command, size_command
 
@@ -41,6 +42,7 @@ def model_group() -> None:
     """Model utilities."""
 
 
+model_group.add_command(list_command)
 model_group.add_command(quantize_command)
 model_group.add_command(size_command)
 

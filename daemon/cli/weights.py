@@ -51,7 +51,7 @@ def quantize_command(model_name: str, format: str, out: Path | None, as_json: bo
                                "quantized_bytes": report.quantized_bytes}, indent=2))
         return
     click.echo(f"quantized {report.experts} expert weights of {checkpoint} to {format}: "
-               f"{_gib(report.source_bytes)} -> {_gib(report.quantized_bytes)}; {report.kept} other tensors stay "
+               f"{gib(report.source_bytes)} -> {gib(report.quantized_bytes)}; {report.kept} other tensors stay "
                f"in the checkpoint; wrote {report.target}")
 
 
@@ -104,14 +104,14 @@ def size_command(model_name: str, as_json: bool) -> None:
                   f"{size.expert_parameters / 1e9:.3g} B in routed experts, counted {counted}")
     table = Table("weights", "experts", "other", "all weights", "needs", "fits here")
     for row in rows:
-        table.add_row(row["format"], _gib(row["expert_bytes"]), _gib(row["other_bytes"]), _gib(row["weight_bytes"]),
-                      _gib(row["needed_bytes"]), "yes" if row["fits"] else "no")
+        table.add_row(row["format"], gib(row["expert_bytes"]), gib(row["other_bytes"]), gib(row["weight_bytes"]),
+                      gib(row["needed_bytes"]), "yes" if row["fits"] else "no")
     console.print(table)
     console.print(f"int8/int4: experts quantized, the rest bf16. Needs: 1.15 x the weights + 0.5 GiB for the "
-                  f"process; this machine leaves {_gib(usable)} (its RAM less a quarter, at least 2 GiB, for the "
+                  f"process; this machine leaves {gib(usable)} (its RAM less a quarter, at least 2 GiB, for the "
                   "system and other programs).")
 
 
-def _gib(count: int) -> str:
+def gib(count: int) -> str:
     """Bytes in GiB, or MiB below one GiB."""
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"

@@ -54,12 +54,23 @@ _LAYER = re.compile(r"layers\.(\d+)\.")
 _UNREAD = {"gpt-oss": "transformers cannot read llama.cpp's gpt-oss files (its gpt-oss tensor processor is registered "
                       "as 'gpt_oss' but looked up by the file's 'gpt-oss', and its name map leaves the fused gate-up "
                       "experts and the experts' biases unmapped), so no load here could be checked against it"}
+GGUF_MAGIC = b"GGUF"
 _PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 _FLOAT_VALUES_AT_ONCE = 1 << 22  # values of a float weight dequantized at once (16 MiB of float32)
 
 
 def is_gguf(path: Path) -> bool:
-    return path.suffix == GGUF_SUFFIX and path.is_file()
+    """A GGUF file: by its suffix, or by its magic where a store keeps it without one (Ollama's blobs, and the
+    Hugging Face cache's blobs a snapshot's link resolves to)."""
+    if not path.is_file():
+        return False
+    if path.suffix == GGUF_SUFFIX:
+        return True
+    try:
+        with path.open("rb") as file:
+            return file.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def gguf_config(path: Path) -> PretrainedConfig:

@@ -10,16 +10,18 @@ from huggingface_hub import snapshot_download
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
 from ..errors import ModelError
+from .model_stores import GGUF_SUFFIX, is_store_name, store_file
 
 # Bytes read from each end of a weight file for the fingerprint: enough to tell checkpoints apart,
 # cheap enough for 60 GB models.
 _FINGERPRINT_SPAN = 1 << 20
-GGUF_SUFFIX = ".gguf"
 
 
 def model_folder(ref: str, *, allow_download: bool, trust_remote_code: bool) -> tuple[Path, str]:
-    """(folder holding config.json, or the GGUF file; display name) for a local folder, a GGUF file or a Hugging
-    Face id."""
+    """(folder holding config.json, or the GGUF file; display name) for a local folder, a GGUF file, a model in a
+    store (model_stores.py: `ollama:…`, `lmstudio:…`, `hf:…`, read where the store keeps it) or a Hugging Face id."""
+    if is_store_name(ref):
+        return store_file(ref), ref
     local = Path(ref).expanduser()
     if local.is_file() and local.suffix == GGUF_SUFFIX:
         return local.resolve(), local.name

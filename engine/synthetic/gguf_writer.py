@@ -2,19 +2,23 @@
 
 The tensor names are gguf's own (the reverse of the map transformers reads GGUF files with); llama's query and key
 rows are permuted as llama.cpp permutes them; routed experts are stored stacked, one (E, out, in) tensor per
-projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`); the tokenizer and chat template go in the metadata.
-Each 2-D weight is stored in the type asked for, experts and other weights apart; one whose rows are not whole
-blocks of that type, and every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Architectures:
-llama, qwen3moe, qwen2moe (its shared expert and the shared expert's gate, a 1-D tensor as llama.cpp keeps it)
-and Mixtral, which llama.cpp writes as llama with `llama.expert_count`.
+projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`); the tokenizer and chat template go in the metadata
+(a model with no tokenizer gets llama.cpp's "none" vocabulary: its vocab_size dummy tokens). Each 2-D weight is
+stored in the type asked for, experts and other weights apart; one whose rows are not whole blocks of that type, and
+every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Architectures: llama, qwen3moe, qwen2moe (its
+shared expert and the shared expert's gate, a 1-D tensor as llama.cpp keeps it) and Mixtral, which llama.cpp writes
+as llama with `llama.expert_count`.
 
-The checkpoint is read in its own dtype, each tensor quantized one expert at a time and spooled to a temporary file
-until the header is written: a real-geometry checkpoint is written at about the memory of one copy of it.
+Tensors are converted and written one at a time, each quantized a few thousand rows at a time, so a real-size model
+needs no second copy of its weights in memory (nor a float32 one of its largest tensor).
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -30,17 +34,58 @@ _VALUES_AT_ONCE = 1 << 22
 _EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
 
+@dataclass(frozen=True)
+class _Tensor:
+    """One GGUF tensor to write: its name, float shape, storage type, and how to get its float32 values."""
+    name: str
+    shape: tuple[int, ...]
+    qtype: gguf.GGMLQuantizationType
+    values: Callable[[], torch.Tensor]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
+
+
 def write_gguf(folder: Path, out: Path, *, experts: gguf.GGMLQuantizationType = F16,
                weights: gguf.GGMLQuantizationType = F16) -> Path:
     """The checkpoint in `folder` (llama, mixtral, qwen2_moe or qwen3_moe) as the GGUF file `out`: routed experts
-    in `experts`, the other 2-D weights in `weights`."""
+    in `experts`, the other 2-D weights in `weights`. The checkpoint is read in its own dtype (a bf16 one is not
+    widened in memory)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return write_model_gguf(model, AutoTokenizer.from_pretrained(folder), out, experts=experts, weights=weights)
+
+
+def write_model_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out: Path, *,
+                     experts: gguf.GGMLQuantizationType = F16,
+                     weights: gguf.GGMLQuantizationType = F16) -> Path:
+    """`model` in memory (llama, mixtral, qwen2_moe or qwen3_moe, any float dtype) as the GGUF file `out`, as
+    write_gguf lays it out; `tokenizer` None: llama.cpp's "none" vocabulary of the config's vocab_size (a model fed
+    token ids only)."""
     config = model.config
     arch = GGUF_ARCHITECTURES[config.model_type]
-    writer = gguf.GGUFWriter(out, arch, use_temp_file=True)
+    writer = gguf.GGUFWriter(out, arch)
     _write_config(writer, arch, model)
-    _write_tokenizer(writer, tokenizer)
+    if tokenizer is None:
+        writer.add_tokenizer_model("none")
+    else:
+        _write_tokenizer(writer, tokenizer)
+    tensors = list(_tensors(model, arch, experts, weights))
+    for tensor in tensors:  # the header lists every tensor's type and size before any data
+        writer.add_tensor_info(tensor.name, gguf.quant_shape_to_byte_shape(tensor.shape, tensor.qtype), np.uint8,
+                               tensor.nbytes, raw_dtype=tensor.qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for tensor in tensors:
+        writer.write_tensor_data(_quantized(tensor.values(), tensor.qtype))
+    writer.close()
+    return out
+
+
+def _tensors(model: PreTrainedModel, arch: str, experts: gguf.GGMLQuantizationType,
+             weights: gguf.GGMLQuantizationType) -> Iterator[_Tensor]:
+    config = model.config
     names = {hf: name for name, hf in get_gguf_hf_weights_map(
         model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict()), model_type=arch).items()}
     for hf_name, tensor in model.state_dict().items():
@@ -49,17 +94,31 @@ def write_gguf(folder: Path, out: Path, *, experts: gguf.GGMLQuantizationType = 
         if hf_name.endswith("shared_expert_gate.weight"):
             tensor = tensor[0]  # (1, H) in the model, (H,) in llama.cpp's files
         if match := _EXPERTS.fullmatch(hf_name):
-            _write_experts(writer, match["module"], match["name"], tensor, experts)
+            yield from _experts(match["module"], match["name"], tensor, experts)
             continue
+        values = _float(tensor)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
-            tensor = torch.from_numpy(_llama_permute(tensor.float().numpy(), heads))
-        _add(writer, names[hf_name], tensor, weights)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return out
+            values = _permuted(values, heads)
+        yield _stored(names[hf_name], tuple(tensor.shape), weights, values)
+
+
+def _float(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor
+
+
+def _permuted(values: Callable[[], torch.Tensor], heads: int) -> Callable[[], torch.Tensor]:
+    return lambda: torch.from_numpy(_llama_permute(values().float().numpy(), heads))
+
+
+def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """The tensor's GGUF bytes, (…, row bytes), quantized a few thousand rows at a time: a float32 copy of a real
+    embedding or layer of experts (and the quantizer's temporaries) would be gigabytes."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    step = max(1, _VALUES_AT_ONCE // rows.shape[1])
+    parts = [gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
+             for i in range(0, len(rows), step)]
+    return np.concatenate(parts).reshape(*tensor.shape[:-1], -1)
 
 
 def _write_config(writer: gguf.GGUFWriter, arch: str, model: PreTrainedModel) -> None:
@@ -109,35 +168,26 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def _write_experts(writer: gguf.GGUFWriter, module: str, name: str, tensor: torch.Tensor,
-                   qtype: gguf.GGMLQuantizationType) -> None:
+def _experts(module: str, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterator[_Tensor]:
     """A fused (E, 2I, H) gate-up or (E, H, I) down parameter as llama.cpp's stacked per-projection tensors."""
     layer = re.search(r"layers\.(\d+)\.", module).group(1)
     if name == "down_proj":
-        _add(writer, f"blk.{layer}.ffn_down_exps.weight", tensor, qtype)
+        yield _stored(f"blk.{layer}.ffn_down_exps.weight", tuple(tensor.shape), qtype, _float(tensor))
         return
     gate, up = tensor.chunk(2, dim=1)
-    _add(writer, f"blk.{layer}.ffn_gate_exps.weight", gate, qtype)
-    _add(writer, f"blk.{layer}.ffn_up_exps.weight", up, qtype)
+    for part, half in (("gate", gate), ("up", up)):
+        yield _stored(f"blk.{layer}.ffn_{part}_exps.weight", tuple(half.shape), qtype, _float(half))
 
 
-def _add(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> None:
+def _stored(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType,
+            values: Callable[[], torch.Tensor]) -> _Tensor:
+    """The tensor in `qtype`, or F32 when 1-D, or F16 when its rows are not whole blocks of `qtype`."""
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    if tensor.ndim < 2:
+    if len(shape) < 2:
         qtype = F32
-    elif tensor.shape[-1] % block:
+    elif shape[-1] % block:
         qtype = F16
-    writer.add_tensor(name, _quantized(tensor, qtype), raw_dtype=qtype)
-
-
-def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The tensor's GGUF bytes, (…, row bytes), quantized a few thousand rows at a time: a float32 copy of a real
-    embedding or layer of experts (and the quantizer's temporaries) would be gigabytes."""
-    rows = tensor.reshape(-1, tensor.shape[-1])
-    step = max(1, _VALUES_AT_ONCE // rows.shape[1])
-    parts = [gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
-             for i in range(0, len(rows), step)]
-    return np.concatenate(parts).reshape(*tensor.shape[:-1], -1)
+    return _Tensor(name, shape, qtype, values)
 
 
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -1,0 +1,96 @@
+"""llama.cpp's two tools as the benchmarks call them: llama-quantize, and llama-bench's prompt-processing test.
+
+The binaries come from `bench/peer/build-llama-cpp.sh` (or any llama.cpp build): a folder holding `llama-bench` and
+`llama-quantize`, or holding them in `bin/`, named by `--peer DIR` or the NPUMOE_LLAMA_CPP environment variable.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+LLAMA_CPP_ENV = "NPUMOE_LLAMA_CPP"
+TOOLS = ("llama-bench", "llama-quantize")
+VERSION_FILE = "VERSION"  # written by build-llama-cpp.sh: the sdist's version and the build's flags
+
+
+# llama-bench's switch for its repacked weights layouts (the AMX and CPU_REPACK buffers); off, every weight is used
+# as the file holds it.
+NO_REPACK = ("--repack", "0")
+
+
+class ToolCrashed(RuntimeError):
+    """A llama.cpp tool killed by a signal (not an error it reported itself)."""
+
+
+@dataclass(frozen=True)
+class LlamaCpp:
+    bench: Path
+    quantize: Path
+    version: str  # the VERSION file's text, or where the binaries came from when there is none
+
+    def describe(self) -> dict:
+        """What the results' settings block records of the peer: its build, as the folder and the binary say."""
+        built = subprocess.run([str(self.bench), "--version"], capture_output=True, text=True, timeout=60)
+        return {"llama_bench": str(self.bench), "version": self.version,
+                "llama_bench_version": " ".join((built.stdout + built.stderr).split())}
+
+
+def find_llama_cpp(folder: Path) -> LlamaCpp:
+    """The two tools in `folder` or `folder/bin`; a clear error naming what is missing."""
+    for place in (folder, folder / "bin"):
+        paths = [place / tool for tool in TOOLS]
+        if all(path.is_file() for path in paths):
+            missing = [str(path) for path in paths if not _executable(path)]
+            if missing:
+                raise ValueError(f"llama.cpp tools are not executable: {', '.join(missing)}")
+            version_file = next((p / VERSION_FILE for p in (place, place.parent) if (p / VERSION_FILE).is_file()),
+                                None)
+            version = version_file.read_text().strip() if version_file else f"unrecorded (binaries in {place})"
+            return LlamaCpp(bench=paths[0], quantize=paths[1], version=version)
+    raise ValueError(f"no llama-bench and llama-quantize in {folder} or {folder / 'bin'}; build them with "
+                     f"bench/peer/build-llama-cpp.sh")
+
+
+def quantize(tool: LlamaCpp, source: Path, out: Path, type_name: str, *, threads: int) -> Path:
+    """`source` requantized by llama-quantize to `type_name` (its own spelling: Q8_0, Q4_0, ...) as `out`."""
+    _run([str(tool.quantize), str(source), str(out), type_name, str(threads)], "llama-quantize", timeout=3600)
+    return out
+
+
+def bench_command(tool: LlamaCpp, model: Path, *, tokens: int, chunk: int, threads: int, warmup: int,
+                  repeats: int) -> list[str]:
+    """llama-bench prefilling `tokens` random tokens in micro-batches of `chunk` (the KV cache carried across them,
+    as the engine's chunked prefill does), no generation, `repeats` timed runs, JSON out."""
+    command = [str(tool.bench), "-m", str(model), "-p", str(tokens), "-n", "0", "-b", str(tokens), "-ub", str(chunk),
+               "-t", str(threads), "-r", str(repeats), "-o", "json"]
+    return command if warmup else [*command, "--no-warmup"]  # llama-bench warms up once by default
+
+
+def run_bench(command: list[str], *, tokens: int) -> dict:
+    """llama-bench's result for the prompt test of `tokens` tokens: its JSON object, as it printed it."""
+    output = _run(command, "llama-bench", timeout=7200)
+    try:
+        results = json.loads(output)
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"llama-bench printed no JSON ({e}): {output[:300]!r}") from e
+    found = [r for r in results if isinstance(r, dict) and r.get("n_prompt") == tokens and r.get("n_gen") == 0]
+    if len(found) != 1 or not found[0].get("samples_ns"):
+        raise RuntimeError(f"llama-bench's JSON holds no single prompt test of {tokens} tokens with samples: "
+                           f"{output[:300]!r}")
+    return found[0]
+
+
+def _run(command: list[str], name: str, *, timeout: float) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if done.returncode < 0:
+        raise ToolCrashed(f"{name} was killed by signal {-done.returncode}: {done.stderr.strip()[-300:]}")
+    if done.returncode:
+        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+    return done.stdout
+
+
+def _executable(path: Path) -> bool:
+    return path.stat().st_mode & 0o111 != 0
