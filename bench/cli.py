@@ -19,6 +19,7 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
+from .memory import GGUF_TYPES
 from .service.foreground import foreground
 
 if TYPE_CHECKING:
@@ -320,32 +321,43 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
               show_default=True, help="Weights format (repeatable): each is loaded in a process of its own.")
 @click.option("--document-tokens", type=click.IntRange(min=1), default=2048, show_default=True,
               help="Tokens of the document processed after loading.")
+@click.option("--gguf", "gguf_types", multiple=True, type=click.Choice(GGUF_TYPES),
+              help="Also write the checkpoint as a GGUF file in this type (repeatable) and load it in the format "
+                   "the type maps to (Q8_0: int8, Q4_x: int4, F16: bf16).")
+@click.option("--model", "model_path", type=click.Path(exists=True, path_type=Path),
+              help="Measure this checkpoint folder or GGUF file in each --weights format instead of a written one.")
 @_threads_option
 @_json_option
-def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_tokens: int, threads: int,
-           json_path: Path | None) -> None:
-    """Peak memory of loading a real-geometry checkpoint and processing one document, beside its weights' bytes."""
+def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_tokens: int,
+           gguf_types: tuple[str, ...], model_path: Path | None, threads: int, json_path: Path | None) -> None:
+    """Peak memory of loading a real-geometry checkpoint (or --model) and processing one document, beside its
+    weights' bytes."""
     from .machine import describe_machine
-    from .memory import TARGET_RATIO, MemorySettings, run_memory_bench
+    from .memory import TARGET_RATIO, MemorySettings, run_memory_bench, run_model_memory_bench
 
+    if model_path is not None and gguf_types:
+        raise click.UsageError("--gguf writes the bench's own checkpoint as GGUF; it does not go with --model")
     settings = MemorySettings(layers=layers, document_tokens=document_tokens, threads=threads)
     try:
-        results = run_memory_bench(geometry_name, list(weights), settings)
+        results = run_model_memory_bench(model_path, list(weights), settings) if model_path else \
+            run_memory_bench(geometry_name, list(weights), settings, gguf_types)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     machine = describe_machine(threads)
     gib = 2**30
-    table = Table("weights", "kernel", "weights GiB", "experts GiB", "rest GiB", "before GiB", "loaded GiB",
+    measured = model_path or f"{geometry_name}, {layers} layers"
+    table = Table("stored", "weights", "kernel", "weights GiB", "experts GiB", "rest GiB", "before GiB", "loaded GiB",
                   "load peak GiB", "peak GiB", "peak − before GiB", "× weights",
-                  caption=f"{geometry_name}, {layers} layers, bf16 checkpoint; load + one {document_tokens}-token "
-                          f"document; peak RSS minus the RSS before loading, target ≤ {TARGET_RATIO} × the weights' "
-                          f"bytes. {threads} threads, {machine['cpu']}.", caption_justify="left")
+                  caption=f"{measured}; load + one {document_tokens}-token document; peak RSS minus the RSS before "
+                          f"loading, target ≤ {TARGET_RATIO} × the weights' bytes in the format loaded. {threads} "
+                          f"threads, {machine['cpu']}.", caption_justify="left")
     for row in results:
-        table.add_row(row["weights"], row["kernel"], *(f"{row[key] / gib:.2f}" for key in (
+        table.add_row(row["stored"], row["weights"], row["kernel"], *(f"{row[key] / gib:.2f}" for key in (
             "weight_bytes", "expert_bytes", "other_bytes", "before_rss", "loaded_rss", "load_peak_rss", "peak_rss",
             "peak_over_before")), f"{row['ratio']:.2f}")
     _console().print(table)
-    _write_json(json_path, machine, {"geometry": geometry_name, "layers": layers, "document_tokens": document_tokens},
+    _write_json(json_path, machine, {"geometry": geometry_name, "layers": layers, "document_tokens": document_tokens,
+                                     "gguf_types": list(gguf_types), "model": str(model_path) if model_path else None},
                 results)
 
 

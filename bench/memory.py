@@ -8,6 +8,10 @@ few tokens). The engine reads the checkpoint tensor by tensor, the experts strai
 (engine/stream_load.py; `streamed` says it did). It reports its peak resident memory (the kernel's high-water
 mark) minus what it held before loading, so the interpreter and the libraries are not counted, beside the bytes
 the weights take in that format (engine/model_size.py, from the checkpoint's headers).
+
+With GGUF types, the same checkpoint is also written as a GGUF file in each (synthetic/gguf_writer.py, with the
+gguf package: every 2-D weight in that type) and loaded in the engine's format the type maps to without widening
+(Q8_0: int8, Q4_0 and Q4_1: int4; F16: bf16). A model the person has, a folder or a GGUF file, is measured as it is.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import resource
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from npumoe.engine.vocabulary import CHUNK_TOKENS
+from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS
 
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "F16")  # the types the gguf package writes
 TARGET_RATIO = 1.15  # issue #15: peak RSS of load + one 2,048-token document at most 1.15 x the weights' bytes
 _SUMMARY_TOKENS = 4
 _SENTENCE = "The harbour master logs every ship that enters, the cargo it carries and the berth it takes. "
@@ -83,12 +89,49 @@ def measure(folder: Path, weights: str, settings: MemorySettings) -> dict:
             "target_ratio": TARGET_RATIO}
 
 
-def run_memory_bench(geometry_name: str, weights: list[str], settings: MemorySettings) -> list[dict]:
-    """One row per weights format, all on one checkpoint written once to a temporary folder."""
+def run_memory_bench(geometry_name: str, weights: list[str], settings: MemorySettings,
+                     gguf_types: Sequence[str] = ()) -> list[dict]:
+    """One row per weights format, all on one checkpoint written once to a temporary folder, then one per GGUF
+    type, the checkpoint written as a GGUF file in it."""
+    unknown = sorted(set(gguf_types) - set(GGUF_TYPES))
+    if unknown:
+        raise ValueError(f"GGUF types must be among {', '.join(GGUF_TYPES)}, got {', '.join(unknown)}")
     with tempfile.TemporaryDirectory(prefix="npumoe-memory-") as temporary:
         folder = write_checkpoint(geometry_name, settings.layers, Path(temporary) / "model", settings.seed)
-        return [{"geometry": geometry_name, "layers": settings.layers, **measure(folder, w, settings)}
-                for w in weights]
+        about = {"geometry": geometry_name, "layers": settings.layers}
+        rows = [{**about, "stored": "bf16 safetensors", **measure(folder, w, settings)} for w in weights]
+        for name in gguf_types:
+            file = write_gguf_file(folder, name, Path(temporary) / f"model-{name}.gguf")
+            rows.append({**about, "stored": f"{name} GGUF", **measure(file, gguf_weights(name), settings)})
+            file.unlink()  # a real geometry's file is gigabytes
+        return rows
+
+
+def run_model_memory_bench(model: Path, weights: list[str], settings: MemorySettings) -> list[dict]:
+    """One row per weights format for a model the person has: a checkpoint folder or a GGUF file."""
+    if not model.exists():
+        raise ValueError(f"{model}: no such checkpoint folder or GGUF file")
+    return [{"model": str(model), "stored": "GGUF" if model.is_file() else "safetensors",
+             **measure(model, w, settings)} for w in weights]
+
+
+def write_gguf_file(folder: Path, type_name: str, out: Path) -> Path:
+    """The checkpoint in `folder` as a GGUF file `out`, every 2-D weight in `type_name`."""
+    import gguf
+
+    from npumoe.engine.synthetic.gguf_writer import write_gguf
+
+    qtype = gguf.GGMLQuantizationType[type_name]
+    return write_gguf(folder, out, experts=qtype, weights=qtype)
+
+
+def gguf_weights(type_name: str) -> str:
+    """The engine's format a GGUF type's experts load into without widening (as `weights = "auto"` chooses)."""
+    import gguf
+
+    from npumoe.engine.formats.gguf_blocks import stored_format
+
+    return stored_format(gguf.GGMLQuantizationType[type_name]) or BF16
 
 
 def _rss() -> int:

@@ -171,6 +171,26 @@ def tiny_model(tiny: Callable[..., Path]) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gguf(tiny: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_gguf(arch, type_name="Q8_0"): a tiny checkpoint of `arch` written as a GGUF file, every 2-D weight in
+    that GGUF type (gguf_writer.py), once per session."""
+    import gguf
+
+    from npumoe.engine.synthetic.gguf_writer import write_gguf
+
+    made: dict[tuple[str, str], Path] = {}
+
+    def get(arch: str, type_name: str = "Q8_0") -> Path:
+        if (arch, type_name) not in made:
+            qtype = gguf.GGMLQuantizationType[type_name]
+            out = tmp_path_factory.mktemp(f"{arch}-{type_name}") / f"{arch}-{type_name}.gguf"
+            made[arch, type_name] = write_gguf(tiny(arch), out, experts=qtype, weights=qtype)
+        return made[arch, type_name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def demo_run() -> DemoRun:
     """The demo model's engine and its results on the six samples, made once per session (demo_run.py), from
     the models cache `make setup` filled."""

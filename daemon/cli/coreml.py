@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from npumoe.engine.backends.coreml.compress import FP16, PACKAGE_FORMATS, package_format
-from npumoe.engine.vocabulary import COREML
+from npumoe.engine.vocabulary import AUTO, COREML
 
 from ..model_choice import ModelNotFound, resolve_model
 from .app import App, emit_json, pass_app
@@ -45,7 +45,8 @@ class Source(NamedTuple):
 
 
 @click.command("compile")
-@click.option("--model", "model_name", help="Model: \"demo\", a checkpoint folder or a Hugging Face id (with --plan).")
+@click.option("--model", "model_name",
+              help="Model: \"demo\", a checkpoint folder, a .gguf file or a Hugging Face id (with --plan).")
 @click.option("--plan", "plan_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="The ExpertPlan whose groups to convert (calibrated for this model).")
 @click.option("--geometry", help="Sizing run instead: random weights at a named MoE geometry, e.g. qwen3-30b-a3b.")
@@ -69,11 +70,29 @@ def compile_command(app: App, model_name: str | None, plan_path: Path | None, ge
     if (geometry and (model_name or plan_path)) or (not geometry and not (model_name and plan_path)):
         raise click.UsageError("give either --model and --plan, or --geometry for a random-weight sizing run")
     source = _sizing(geometry, layers, group_size) if geometry else _checkpoint(app, model_name, plan_path)
+    if weights_format is None:
+        configured = app.config.model
+        weights_format = package_format(configured.weights) if geometry else package_weights(
+            resolve_model(model_name), configured.weights, trust_remote_code=configured.trust_remote_code)
     started = time.perf_counter()
     folder, manifest, reused = build(app.home.compiled, source.plan, source.model_key, lambda: source,
                                      every_group=bool(geometry), force=force, max_package_bytes=max_package_mb << 20,
-                                     weights_format=weights_format or package_format(app.config.model.weights))
+                                     weights_format=weights_format)
     report(folder, manifest, reused, time.perf_counter() - started, as_json)
+
+
+def package_weights(ref: str, weights: str | None, *, trust_remote_code: bool = False) -> str:
+    """The package format of a model run with `[model] weights = weights`; `auto` stands for the format the engine
+    will choose for it at load (a quantized GGUF file's int8 or int4, say), whose packages its backend looks for."""
+    if weights == AUTO:
+        from npumoe.engine.errors import ModelError
+        from npumoe.engine.loading.auto_weights import choose_model_weights
+
+        try:
+            weights = choose_model_weights(ref, trust_remote_code=trust_remote_code)[1].weights
+        except ModelError as e:
+            raise click.ClickException(str(e)) from e
+    return package_format(weights)
 
 
 def build(root: Path, plan: ExpertPlan, model_key: str, load: Callable[[], Source], *, every_group: bool = False,

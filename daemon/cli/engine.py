@@ -70,7 +70,7 @@ def make_tiny_command(arch: str, directory: Path, seed: int) -> None:
 
 @click.command("calibrate")
 @click.option("--model", "model_name", required=True,
-              help="Model: a checkpoint folder, a Hugging Face id in the local cache, or \"demo\".")
+              help="Model: a checkpoint folder, a .gguf file, a Hugging Face id in the local cache, or \"demo\".")
 @click.option("--data", "data", multiple=True, required=True,
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration document (text, Markdown, HTML, PDF, DOCX); more may follow it, or repeat --data.")

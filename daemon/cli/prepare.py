@@ -109,7 +109,7 @@ class Model:
 
 @click.command("prepare")
 @click.option("--model", "model_name", required=True,
-              help="Model: a checkpoint folder, a Hugging Face id in the local cache, or \"demo\".")
+              help="Model: a checkpoint folder, a .gguf file, a Hugging Face id in the local cache, or \"demo\".")
 @click.option("--data", multiple=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Calibration document (repeat for more; default: the bundled sample documents).")
 @click.option("--backend", type=click.Choice((AUTO, *BACKENDS)), default=AUTO, show_default=True,
@@ -221,9 +221,7 @@ def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model
 
 
 def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model, weights: str | None) -> None:
-    from npumoe.engine.backends.coreml.compress import package_format
-
-    from .coreml import Source, build
+    from .coreml import Source, build, package_weights
 
     def source() -> Source:
         from npumoe.engine.backends.placement import plan_experts
@@ -232,7 +230,8 @@ def _compile_stage(stages: Stages, root: Path, plan: ExpertPlan, model: Model, w
         return Source(plan, [weights for weights, _ in experts].__getitem__, experts[0][1], plan.model_key)
 
     with stages.stage("compile", "Core ML packages") as outcome:
-        folder, manifest, reused = build(root, plan, plan.model_key, source, weights_format=package_format(weights))
+        formats = package_weights(model.ref, weights, trust_remote_code=model.trust_remote_code)
+        folder, manifest, reused = build(root, plan, plan.model_key, source, weights_format=formats)
         total = sum(manifest.package_bytes.values())
         outcome.update(outcome="reused" if reused else "done",
                        detail=f"{len(manifest.groups)} functions in {len(manifest.package_bytes)} packages, "

@@ -20,11 +20,15 @@ FORMATS = ("int8", "int4")  # listed here rather than imported, so that `npumoed
 @click.option("--weights", "format", type=click.Choice(FORMATS), required=True, help="Format of the experts.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path),
               help="Folder to write (default: the home's models/quantized/).")
-def quantize_command(model_name: str, format: str, out: Path | None) -> None:
-    """Quantize MODEL's routed experts, one tensor at a time, into the home (the rest stays in MODEL)."""
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
+def quantize_command(model_name: str, format: str, out: Path | None, as_json: bool) -> None:
+    """Quantize MODEL's routed experts (a checkpoint's, or a GGUF file's, one expert at a time), one tensor at a
+    time, into the home (the rest stays in MODEL)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from npumoe.engine.errors import ModelError
+    from npumoe.engine.loading.gguf_load import is_gguf
+    from npumoe.engine.loading.gguf_quantize import quantize_gguf
     from npumoe.engine.loading.quant_store import QuantizedStoreError, quantize_checkpoint, quantized_folder
     from npumoe.engine.loading.resolve import fingerprint, model_folder
 
@@ -36,11 +40,16 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
                    TimeElapsedColumn())
         with Progress(*columns, console=Console(stderr=True)) as progress:
             task = progress.add_task("quantize", total=None)
-            report = quantize_checkpoint(checkpoint, target, format,
-                                         progress=lambda done, total: progress.update(task, completed=done,
-                                                                                      total=total))
+            write = quantize_gguf if is_gguf(checkpoint) else quantize_checkpoint
+            report = write(checkpoint, target, format,
+                           progress=lambda done, total: progress.update(task, completed=done, total=total))
     except (ModelError, QuantizedStoreError) as e:
         raise click.ClickException(str(e)) from e
+    if as_json:
+        click.echo(json.dumps({"model": str(checkpoint), "format": format, "target": str(report.target),
+                               "experts": report.experts, "kept": report.kept, "source_bytes": report.source_bytes,
+                               "quantized_bytes": report.quantized_bytes}, indent=2))
+        return
     click.echo(f"quantized {report.experts} expert weights of {checkpoint} to {format}: "
                f"{gib(report.source_bytes)} -> {gib(report.quantized_bytes)}; {report.kept} other tensors stay "
                f"in the checkpoint; wrote {report.target}")
@@ -50,8 +59,8 @@ def quantize_command(model_name: str, format: str, out: Path | None) -> None:
 @click.argument("model_name", metavar="MODEL")
 @click.option("--json", "as_json", is_flag=True, help="Print the sizes as JSON.")
 def size_command(model_name: str, as_json: bool) -> None:
-    """What MODEL (a checkpoint folder, a Hugging Face id in the local cache, "demo", or a config.json) needs in
-    memory in each weight format, and which formats fit this machine; no weight is read."""
+    """What MODEL (a checkpoint folder, a .gguf file, a Hugging Face id in the local cache, "demo", or a
+    config.json) needs in memory in each weight format, and which formats fit this machine; no weight is read."""
     import psutil
 
     from npumoe.engine.loading.model_size import (

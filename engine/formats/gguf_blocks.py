@@ -30,11 +30,22 @@ FLOATS = {gguf.GGMLQuantizationType.F32: torch.float32, gguf.GGMLQuantizationTyp
 MAPPED, FLOAT, DEQUANTIZED = "mapped", "float", "dequantized"
 CONVERSIONS: Counter[str] = Counter()  # weights converted each way since the process started
 ROWS_AT_ONCE = 64  # Q8_0 rows rescaled at once: the float temporaries stay a few of the weight's rows
+INT4_BITS = 4 + 2 * 16 / INT4_GROUP  # bits a weight in int4: the code, and a bf16 scale and zero per group
 
 
 def direct_format(ggml_type: int) -> str | None:
     """The engine's format this block type maps into without dequantizing; None when there is none."""
     return {Q4_0: INT4, Q4_1: INT4, Q8_0: INT8}.get(ggml_type)
+
+
+def stored_format(ggml_type: int) -> str | None:
+    """The engine's narrowest format that keeps a weight stored in this block type without widening it much: int4
+    (5 bits a weight, its scale and zero included) for types of at most 5 bits (Q4_0, Q4_1, Q4_K, Q3_K, Q2_K,
+    the 4-bit IQ types), int8 for the wider ones (Q5_x, Q6_K, Q8_0); None for the float types."""
+    if ggml_type in FLOATS:
+        return None
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(ggml_type)]
+    return INT4 if size * 8 / block <= INT4_BITS else INT8
 
 
 def engine_weight(raw: torch.Tensor, ggml_type: int, k: int, format: str | None,

@@ -5,6 +5,10 @@ bf16 wins where the CPU has it natively, fp32 where bf16 is emulated), unless th
 machine's memory in it (model_size's rule: the weights' bytes with their run overhead against what the machine
 leaves the daemon); then the first smaller format that fits, from bf16 through int8 to int4 (the least rounding
 that fits), and int4 when none does.
+
+A GGUF file whose experts are stored quantized is never widened to a float format: auto starts from the format its
+blocks load into without widening (gguf_blocks.stored_format: Q4_x and the K-quants of 4 bits and fewer int4,
+Q5_x, Q6_K and Q8_0 int8), and goes down to int4 only if that does not fit. Float GGUF files go as checkpoints do.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from ..kernels.choice import Measured
 from ..moe.experts_layout import expert_weights
 from ..moe.model_experts import moe_layouts
 from ..vocabulary import BF16, FP32, INT4, INT8
+from .gguf_load import experts_format, gguf_config, is_gguf
 from .model_size import ModelSize, checkpoint_tensors, model_size, needed_bytes, usable_bytes
 
 _FLOATS = {FP32: torch.float32, BF16: torch.bfloat16}
@@ -38,8 +43,8 @@ class WeightsChoice:
 
 def choose_model_weights(model: str, *, allow_download: bool = False,
                          trust_remote_code: bool = False) -> tuple[str, WeightsChoice]:
-    """(the model's name, the format `auto` stands for) for a local folder or a Hugging Face id (ModelError when
-    it cannot be found)."""
+    """(the model's name, the format `auto` stands for) for a local folder, a GGUF file or a Hugging Face id
+    (ModelError when it cannot be found)."""
     from .resolve import model_folder
 
     checkpoint, name = model_folder(model, allow_download=allow_download, trust_remote_code=trust_remote_code)
@@ -50,6 +55,9 @@ def choose_weights(checkpoint: Path, total_memory: int | None = None, *,
                    trust_remote_code: bool = False) -> WeightsChoice:
     """The format `auto` stands for when loading `checkpoint` on this machine (with `total_memory` bytes of RAM,
     this machine's by default)."""
+    stored = experts_format(checkpoint) if is_gguf(checkpoint) else None
+    if stored is not None:
+        return _stored_choice(checkpoint, stored, total_memory)
     seconds = float_seconds(*expert_sizes(checkpoint, trust_remote_code=trust_remote_code))
     fastest = min(seconds, key=seconds.__getitem__)
     timing = ", ".join(f"{name} {s * 1e3:.3g} ms" for name, s in seconds.items())
@@ -68,12 +76,29 @@ def choose_weights(checkpoint: Path, total_memory: int | None = None, *,
                                  f"{'fits' if fits else 'does not fit either, the smallest format there is'}", fits)
 
 
+def _stored_choice(file: Path, stored: str, total_memory: int | None) -> WeightsChoice:
+    """The format auto stands for a GGUF file whose experts are stored in blocks that load into `stored`."""
+    size = model_size(checkpoint_tensors(file))
+    usable = usable_bytes(total_memory if total_memory is not None else psutil.virtual_memory().total)
+    chosen = next((f for f in (INT8, INT4) if _bytes(size, f) <= _bytes(size, stored) and _fits(size, f, usable)),
+                  INT4)
+    fits = _fits(size, chosen, usable)
+    why = f"the file's experts are stored quantized ({stored} without widening them; never a float format)"
+    if chosen == stored:
+        return WeightsChoice(chosen, f"{chosen}: {why}; needs {_gib(size, chosen)} of {usable / _GIB:.1f} GiB usable",
+                             fits)
+    return WeightsChoice(chosen, f"{chosen}: {why}, but {stored} needs {_gib(size, stored)}, more than the "
+                                 f"{usable / _GIB:.1f} GiB usable; {chosen} needs {_gib(size, chosen)} and "
+                                 f"{'fits' if fits else 'does not fit either, the smallest format there is'}", fits)
+
+
 def expert_sizes(checkpoint: Path, *, trust_remote_code: bool = False) -> tuple[int, int]:
     """(hidden, ffn) of one routed expert, read from the experts modules of the model built from the checkpoint's
     config on the meta device (nothing read or allocated): the modules the engine runs, whatever names the
     checkpoint stores their tensors under (GraniteMoE's block_sparse_moe.input_linear, gpt-oss's fused or MXFP4
     experts). ModelError when the model has no routed experts."""
-    config = AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
+    config = gguf_config(checkpoint) if is_gguf(checkpoint) else \
+        AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
     _, experts, layout = moe_layouts(model)[0]

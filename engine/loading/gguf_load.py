@@ -8,11 +8,17 @@ model: about 122 GB for Qwen3-30B-A3B in Q4_K_M, an 18 GB file. Here instead:
 - the model is built on the meta device, and each GGUF name mapped to the model's parameter by transformers' own
   map (`get_gguf_hf_weights_map`, with its architecture's tensor processor for llama's permuted query and key);
 - every tensor is read into memory of its own (`os.preadv`: the gguf package's reader maps the file, which is
-  used for its header only); a weight other than the routed experts is converted to float one at a time;
+  used for its header only); a weight other than the routed experts is converted to float one at a time, a few
+  thousand rows at a time (a float32 copy of a whole embedding would take twice its place in bf16);
 - each routed expert's gate, up and down projections are read from the stacked `ffn_*_exps` tensors and put in
   the engine's form one expert at a time (gguf_blocks.py: Q8_0, Q4_0 and Q4_1 straight into int8 or int4,
-  other types dequantized and quantized again), then packed into the engine's CPU experts with `pack`, or
+  other types dequantized and quantized again; taken from `npumoed model quantize`'s store where it holds
+  them), then packed into the engine's CPU experts with `pack`, or
   written into the module's float parameters without it.
+
+Architectures: llama (dense), Mixtral's experts in a llama file (llama.cpp writes Mixtral as llama with
+`llama.expert_count`), qwen3moe and qwen2moe (its shared expert beside the routed ones); any other is refused
+before anything is read, gpt-oss with the reason (`_UNREAD`).
 
 A file this loader cannot read (experts in a layout it does not map, tensors the model has no place for)
 raises stream_load.NotStreamable before the experts are read.
@@ -28,22 +34,29 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, PretrainedConfig, PreTrainedModel
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
-from ..formats.gguf_blocks import dequantized, engine_weight
+from ..errors import ModelError
+from ..formats.gguf_blocks import dequantized, engine_weight, stored_format
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
+from .quant_store import QuantizedReader
 from .resolve import GGUF_SUFFIX
 from .stream_load import NotStreamable, attach_packed, finish_loading, put_tensor
 from .tensor_reader import read_into
 
 # transformers' model types and the GGUF architecture names llama.cpp writes for them
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
-EXPERTS_TENSOR = re.compile(r"(?P<stem>.*\.ffn_(?P<part>gate|up|down)_exps)\.weight")
+GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+EXPERTS_TENSOR = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_UNREAD = {"gpt-oss": "transformers cannot read llama.cpp's gpt-oss files (its gpt-oss tensor processor is registered "
+                      "as 'gpt_oss' but looked up by the file's 'gpt-oss', and its name map leaves the fused gate-up "
+                      "experts and the experts' biases unmapped), so no load here could be checked against it"}
 GGUF_MAGIC = b"GGUF"
 _PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
+_FLOAT_VALUES_AT_ONCE = 1 << 22  # values of a float weight dequantized at once (16 MiB of float32)
 
 
 def is_gguf(path: Path) -> bool:
@@ -61,21 +74,49 @@ def is_gguf(path: Path) -> bool:
 
 
 def gguf_config(path: Path) -> PretrainedConfig:
-    """The model's config from the file's metadata, as transformers reads it, with the expert width it misses."""
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    """The model's config from the file's metadata, as transformers reads it, with what its mappings miss: the
+    widths of qwen3moe's and qwen2moe's experts and of qwen2moe's shared expert, and the experts of a llama file
+    that has them (llama.cpp writes Mixtral as llama with `llama.expert_count`), which make it a Mixtral."""
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
-    width = reader.fields.get(f"{arch}.expert_feed_forward_length")
-    if width is not None and hasattr(config, "moe_intermediate_size"):
-        config.moe_intermediate_size = int(width.contents())
+    if arch not in GGUF_ARCHITECTURES.values():
+        why = _UNREAD.get(arch, "transformers' GGUF mapping and this loader do not map it")
+        raise ModelError(f"{path.name}: its architecture {arch!r} is not one the engine reads from a GGUF file "
+                         f"({', '.join(sorted(set(GGUF_ARCHITECTURES.values())))}): {why}")
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+
+    def field(key: str) -> int | None:
+        held = reader.fields.get(f"{arch}.{key}")
+        return None if held is None else int(held.contents())
+
+    if arch == "llama" and field("expert_count"):
+        settings = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        config = MixtralConfig(**settings, num_local_experts=field("expert_count"),
+                               num_experts_per_tok=field("expert_used_count"))
+    for key, attribute in (("expert_feed_forward_length", "moe_intermediate_size"),
+                           ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
+        if (width := field(key)) is not None and hasattr(config, attribute):
+            setattr(config, attribute, width)
     return config
 
 
+def experts_format(path: Path) -> str | None:
+    """The engine's format the file's routed experts are stored in, or no wider than (gguf_blocks.stored_format of
+    the block type most of their weights are in: a Q4_K_M file keeps some down projections in Q6_K); None for
+    float experts or a file without any."""
+    counts: dict[int, int] = defaultdict(int)
+    for tensor in gguf.GGUFReader(path).tensors:
+        if EXPERTS_TENSOR.fullmatch(tensor.name):
+            counts[int(tensor.tensor_type)] += int(tensor.n_elements)
+    return stored_format(max(counts, key=counts.__getitem__)) if counts else None
+
+
 def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, pack: bool = False,
-               format: str | None = None) -> PreTrainedModel:
+               format: str | None = None, quantized: QuantizedReader | None = None) -> PreTrainedModel:
     """The model in the GGUF file `path`, its float weights in `dtype`. With `pack`, every experts module's
-    weights go straight into the engine's CPU experts in `format` (None: float). experts_layout.LayoutError for
-    experts the engine does not run."""
+    weights go straight into the engine's CPU experts in `format` (None: float), from `quantized` (what `npumoed
+    model quantize` wrote from this file) where it holds them. experts_layout.LayoutError for experts the engine
+    does not run."""
     config = gguf_config(path)
     reader = gguf.GGUFReader(path)
     arch = reader.fields["general.architecture"].contents()
@@ -84,12 +125,14 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
     # a dense model (llama) loads too: whether the engine runs it is the caller's check (models.moe_layouts)
     layouts = {name: read_layout(name, module) for name, module in model.named_modules() if is_experts_module(module)}
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    names = get_gguf_hf_weights_map(model, processor)
+    names = get_gguf_hf_weights_map(model, processor, model_type=arch)
+    # the experts module of each block: transformers' map names the fused gate-up parameter for qwen's only
+    blocks = {int(_LAYER.search(name)[1]): name for name in layouts}
     experts: dict[str, dict[tuple[str, int], gguf.ReaderTensor]] = defaultdict(dict)
     with path.open("rb") as file:
         for tensor in reader.tensors:
             if match := EXPERTS_TENSOR.fullmatch(tensor.name):
-                module = names.get(match["stem"], "").rpartition(".")[0]
+                module = blocks.get(int(match["block"]), "")
                 if module not in layouts or layouts[module].transposed or layouts[module].interleaved \
                         or layouts[module].bias:
                     raise NotStreamable(f"its experts tensor {tensor.name} is not in a layout the loader maps")
@@ -98,13 +141,11 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             target = names.get(tensor.name)
             if target is None:
                 continue  # a tensor the model has no place for: transformers drops it too
-            values = dequantized(_read(file, tensor), tensor.tensor_type).reshape(gguf_shape(tensor))
-            values = processor.process(weights=values, name=tensor.name).weights
-            put_tensor(model, target, torch.from_numpy(np.ascontiguousarray(values)))
+            put_tensor(model, target, _float(file, tensor, processor, dtype))
         for name, tensors in experts.items():
             module = model.get_submodule(name)
             if pack:
-                weights = _experts(file, tensors, format, dtype)
+                weights = _experts(file, tensors, format, dtype, quantized)
                 cpu = CpuExperts.streamed(weights, dtype, layouts[name], format)
                 attach_packed(module, layouts[name].weight_names, cpu)
             else:
@@ -120,26 +161,62 @@ def gguf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
     return tuple(int(n) for n in reversed(tensor.shape))
 
 
-def _read(file, tensor: gguf.ReaderTensor, expert: int | None = None) -> np.ndarray:
-    """A tensor's bytes (or one expert's, the `expert`-th slice along the first dimension) in memory of its own,
-    (rows, bytes a row)."""
-    rows = int(np.prod(gguf_shape(tensor)[:-1]))
-    size, offset = int(tensor.n_bytes), int(tensor.data_offset)
-    if expert is not None:
-        experts = gguf_shape(tensor)[0]
-        rows, size = rows // experts, size // experts
-        offset += expert * size
-    out = torch.empty((rows, size // rows), dtype=torch.uint8)
-    read_into(file.fileno(), out, offset, Path(file.name))
+def stored_expert(tensor: str, expert: int) -> str:
+    """The name `npumoed model quantize` stores expert `expert` of the stacked experts tensor `tensor` under."""
+    return f"{tensor}.{expert}"
+
+
+def _rows(tensor: gguf.ReaderTensor) -> int:
+    return int(np.prod(gguf_shape(tensor)[:-1]))
+
+
+def _read(file, tensor: gguf.ReaderTensor, first: int = 0, count: int | None = None) -> np.ndarray:
+    """A tensor's bytes (or those of its `count` rows from row `first`) in memory of its own, (rows, bytes a
+    row)."""
+    rows = _rows(tensor)
+    row_bytes = int(tensor.n_bytes) // rows
+    count = rows - first if count is None else count
+    out = torch.empty((count, row_bytes), dtype=torch.uint8)
+    read_into(file.fileno(), out, int(tensor.data_offset) + first * row_bytes, Path(file.name))
     return out.numpy()
 
 
+def read_expert(file, tensor: gguf.ReaderTensor, expert: int) -> np.ndarray:
+    """The bytes of one expert's weight, the `expert`-th slice of a stacked (E, out, in) tensor."""
+    per_expert = _rows(tensor) // gguf_shape(tensor)[0]
+    return _read(file, tensor, expert * per_expert, per_expert)
+
+
+def expert_bytes(tensor: gguf.ReaderTensor) -> int:
+    """The bytes one expert's weight takes in a stacked experts tensor."""
+    return int(tensor.n_bytes) // gguf_shape(tensor)[0]
+
+
+def _float(file, tensor: gguf.ReaderTensor, processor: TensorProcessor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight other than the routed experts in `dtype`, dequantized a few thousand rows at a time, then laid out
+    by the architecture's tensor processor."""
+    shape = gguf_shape(tensor)
+    out = torch.empty(shape, dtype=dtype)
+    rows, width = out.view(-1, shape[-1]), shape[-1]
+    step = max(1, _FLOAT_VALUES_AT_ONCE // width)
+    for first in range(0, len(rows), step):
+        raw = _read(file, tensor, first, min(step, len(rows) - first))
+        rows[first:first + len(raw)] = torch.from_numpy(dequantized(raw, tensor.tensor_type)).view(len(raw), width)
+    # the processors of the architectures read here only rearrange values (llama's query and key rows, a shape),
+    # so they run on the bits, which numpy holds in every dtype (it has no bfloat16)
+    bits = out.view({2: torch.int16, 4: torch.int32}[dtype.itemsize]).numpy()
+    arranged = processor.process(weights=bits, name=tensor.name).weights
+    return torch.from_numpy(np.ascontiguousarray(arranged)).view(dtype)
+
+
 def _expert(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], expert: int, format: str | None,
-            dtype: torch.dtype) -> Expert:
+            dtype: torch.dtype, quantized: QuantizedReader | None = None) -> Expert:
     """One expert's (n·I, H) gate-up and (H, I) down weights in the engine's form."""
     def weight(key: tuple[str, int]) -> torch.Tensor | QuantizedWeight:
         tensor = tensors[key]
-        raw = torch.from_numpy(_read(file, tensor, expert))
+        if quantized is not None and (name := stored_expert(tensor.name, expert)) in quantized:
+            return quantized.weight(name)
+        raw = torch.from_numpy(read_expert(file, tensor, expert))
         return engine_weight(raw, tensor.tensor_type, gguf_shape(tensor)[-1], format, dtype)
 
     up = [weight(key) for key in sorted(key for key in tensors if key[0] == "gate_up_proj")]
@@ -148,9 +225,9 @@ def _expert(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], expert: int
 
 
 def _experts(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], format: str | None,
-             dtype: torch.dtype) -> Iterator[Expert]:
+             dtype: torch.dtype, quantized: QuantizedReader | None) -> Iterator[Expert]:
     for expert in range(gguf_shape(tensors[("down_proj", 0)])[0]):
-        yield _expert(file, tensors, expert, format, dtype)
+        yield _expert(file, tensors, expert, format, dtype, quantized)
 
 
 def _fill(model: PreTrainedModel, name: str, layout: ExpertsLayout, file,

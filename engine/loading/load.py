@@ -96,15 +96,19 @@ def _streamed(path: Path, name: str, dtype: torch.dtype, trust_remote_code: bool
               format: str | None, models_dir: Path | None) -> PreTrainedModel | None:
     """The model read by the streaming loader; None, said in the log, when it cannot read this checkpoint (a GGUF
     file it cannot read is an error: from_pretrained would widen all of it to float32)."""
+    quantized = find_quantized(models_dir, path, format) if pack and format and models_dir is not None else None
     if is_gguf(path):
         try:
-            model = gguf_model(path, dtype, experts_implementation=experts, pack=pack, format=format)
+            model = gguf_model(path, dtype, experts_implementation=experts, pack=pack, format=format,
+                               quantized=quantized)
         except (NotStreamable, LayoutError) as e:
             raise ModelError(f"this GGUF file is not one the engine reads: {e}") from e
+        finally:
+            if quantized is not None:
+                quantized.close()
         moe_layouts(model)  # the capability check, as stream_model makes it
         return model
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
-    quantized = find_quantized(models_dir, path, format) if pack and format and models_dir is not None else None
     try:
         return stream_model(path, config, dtype, experts_implementation=experts, pack=pack, format=format,
                             quantized=quantized, trust_remote_code=trust_remote_code)

@@ -97,37 +97,51 @@ def quantize_checkpoint(source: Path, target: Path, format: str, *, group: int =
     if not files:
         raise QuantizedStoreError(f"{source}: no safetensors files to quantize")
     headers = {path.name: read_header(path) for path in files}
-    plans = {name: {tensor: entry for tensor, entry in header.items() if tensor != "__metadata__"
+    plans = {name: {tensor: entry["shape"] for tensor, entry in header.items() if tensor != "__metadata__"
                     and is_expert_weight(tensor, entry["shape"], entry["dtype"], format=format, group=group)}
              for name, header in headers.items()}
-    total = sum(map(len, plans.values()))
-    if not total:
+    if not sum(map(len, plans.values())):
         raise QuantizedStoreError(f"{source}: no routed expert weights found (expected 2-D tensors named "
                                   "…experts.<index>.<name>.weight)")
+
+    def quantized(name: str) -> Iterator[tuple[QuantizedWeight, int]]:
+        with safe_open(str(source / name), framework="pt") as reader:
+            for tensor in plans[name]:
+                weight = reader.get_tensor(tensor)
+                size = weight.numel() * weight.element_size()
+                codes = quantize(weight, format, group=group)
+                del weight  # only the codes are held while they are written
+                yield codes, size
+
+    kept = sum(len(h) - ("__metadata__" in h) for h in headers.values()) - sum(map(len, plans.values()))
+    return write_store(source, target, format, plans, quantized, kept=kept, group=group, progress=progress)
+
+
+def write_store(source: Path, target: Path, format: str, plans: dict[str, dict[str, list[int]]],
+                quantized: Callable[[str], Iterator[tuple[QuantizedWeight, int]]], *, kept: int,
+                group: int = INT4_GROUP, progress: Callable[[int, int], None] | None = None) -> QuantizeReport:
+    """Write the quantized experts of the checkpoint (or GGUF file) `source` into the folder `target`, replaced
+    whole once complete: per file name of `plans`, its tensors' (N, K) weights, which `quantized(file name)` yields
+    in that order, each with the bytes it took in the source; `progress(done, total)` after each."""
+    total = sum(map(len, plans.values()))
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     done = source_bytes = quantized_bytes = 0
     try:
-        for path in files:
-            plan = plans[path.name]
+        for name, plan in plans.items():
             if not plan:
                 continue
-            with safe_open(str(path), framework="pt") as reader:
-                layout = {f"{tensor}.{part}": spec for tensor, entry in plan.items()
-                          for part, spec in _quantized_shapes(entry["shape"], format, group).items()}
-                with _SafetensorsWriter(partial / path.name, layout, {"format": format}) as writer:
-                    for tensor in plan:
-                        weight = reader.get_tensor(tensor)
-                        source_bytes += weight.numel() * weight.element_size()
-                        quantized = quantize(weight, format, group=group)
-                        del weight
-                        for part, value in quantized.tensors().items():
-                            writer.write(f"{tensor}.{part}", value)
-                        quantized_bytes += quantized.nbytes
-                        done += 1
-                        if progress:
-                            progress(done, total)
-        kept = sum(len(h) - ("__metadata__" in h) for h in headers.values()) - total
+            layout = {f"{tensor}.{part}": spec for tensor, shape in plan.items()
+                      for part, spec in _quantized_shapes(shape, format, group).items()}
+            with _SafetensorsWriter(partial / name, layout, {"format": format}) as writer:
+                for tensor, (weight, size) in zip(plan, quantized(name), strict=True):
+                    source_bytes += size
+                    for part, value in weight.tensors().items():
+                        writer.write(f"{tensor}.{part}", value)
+                    quantized_bytes += weight.nbytes
+                    done += 1
+                    if progress:
+                        progress(done, total)
         manifest = {"version": VERSION, "format": format, "group": group if format == INT4 else None,
                     "source": str(source.resolve()), "fingerprint": fingerprint(source),
                     "files": {name: sorted(plan) for name, plan in plans.items() if plan}}
@@ -266,7 +280,8 @@ def _checked_manifest(target: Path, source: Path | None) -> tuple[str, dict[str,
         if isinstance(e, QuantizedStoreError):
             raise
         raise QuantizedStoreError(f"{target}: no readable quantized experts ({e})") from e
-    if not (source / "config.json").is_file() or fingerprint(source) != manifest["fingerprint"]:
+    # a checkpoint folder, or a GGUF file (its config is in its metadata)
+    if not (source.is_file() or (source / "config.json").is_file()) or fingerprint(source) != manifest["fingerprint"]:
         raise QuantizedStoreError(f"{target}: made from other weights than those now in {source}; quantize again")
     return format, files, source
 

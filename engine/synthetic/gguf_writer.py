@@ -5,8 +5,12 @@ rows are permuted as llama.cpp permutes them; routed experts are stored stacked,
 projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`); the tokenizer and chat template go in the metadata
 (a model with no tokenizer gets llama.cpp's "none" vocabulary: its vocab_size dummy tokens). Each 2-D weight is
 stored in the type asked for, experts and other weights apart; one whose rows are not whole blocks of that type, and
-every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Tensors are converted and written one at a
-time, so a real-size model needs no second copy of its weights in memory.
+every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Architectures: llama, qwen3moe, qwen2moe (its
+shared expert and the shared expert's gate, a 1-D tensor as llama.cpp keeps it) and Mixtral, which llama.cpp writes
+as llama with `llama.expert_count`.
+
+Tensors are converted and written one at a time, each quantized a few thousand rows at a time, so a real-size model
+needs no second copy of its weights in memory (nor a float32 one of its largest tensor).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from ..loading.gguf_load import GGUF_ARCHITECTURES
 
 F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+_VALUES_AT_ONCE = 1 << 22
 _EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
 
@@ -35,7 +40,7 @@ class _Tensor:
     name: str
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
-    values: Callable[[], np.ndarray]
+    values: Callable[[], torch.Tensor]
 
     @property
     def nbytes(self) -> int:
@@ -44,17 +49,19 @@ class _Tensor:
 
 def write_gguf(folder: Path, out: Path, *, experts: gguf.GGMLQuantizationType = F16,
                weights: gguf.GGMLQuantizationType = F16) -> Path:
-    """The checkpoint in `folder` (llama or qwen3_moe) as the GGUF file `out`: routed experts in `experts`, the
-    other 2-D weights in `weights`."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    """The checkpoint in `folder` (llama, mixtral, qwen2_moe or qwen3_moe) as the GGUF file `out`: routed experts
+    in `experts`, the other 2-D weights in `weights`. The checkpoint is read in its own dtype (a bf16 one is not
+    widened in memory)."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
     return write_model_gguf(model, AutoTokenizer.from_pretrained(folder), out, experts=experts, weights=weights)
 
 
 def write_model_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out: Path, *,
                      experts: gguf.GGMLQuantizationType = F16,
                      weights: gguf.GGMLQuantizationType = F16) -> Path:
-    """`model` in memory (llama or qwen3_moe, any float dtype) as the GGUF file `out`, as write_gguf lays it out;
-    `tokenizer` None: llama.cpp's "none" vocabulary of the config's vocab_size (a model fed token ids only)."""
+    """`model` in memory (llama, mixtral, qwen2_moe or qwen3_moe, any float dtype) as the GGUF file `out`, as
+    write_gguf lays it out; `tokenizer` None: llama.cpp's "none" vocabulary of the config's vocab_size (a model fed
+    token ids only)."""
     config = model.config
     arch = GGUF_ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(out, arch)
@@ -71,8 +78,7 @@ def write_model_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase 
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     for tensor in tensors:
-        writer.write_tensor_data(gguf.quants.quantize(np.ascontiguousarray(tensor.values(), dtype=np.float32),
-                                                      tensor.qtype))
+        writer.write_tensor_data(_quantized(tensor.values(), tensor.qtype))
     writer.close()
     return out
 
@@ -81,10 +87,12 @@ def _tensors(model: PreTrainedModel, arch: str, experts: gguf.GGMLQuantizationTy
              weights: gguf.GGMLQuantizationType) -> Iterator[_Tensor]:
     config = model.config
     names = {hf: name for name, hf in get_gguf_hf_weights_map(
-        model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())).items()}
+        model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict()), model_type=arch).items()}
     for hf_name, tensor in model.state_dict().items():
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
+        if hf_name.endswith("shared_expert_gate.weight"):
+            tensor = tensor[0]  # (1, H) in the model, (H,) in llama.cpp's files
         if match := _EXPERTS.fullmatch(hf_name):
             yield from _experts(match["module"], match["name"], tensor, experts)
             continue
@@ -95,12 +103,22 @@ def _tensors(model: PreTrainedModel, arch: str, experts: gguf.GGMLQuantizationTy
         yield _stored(names[hf_name], tuple(tensor.shape), weights, values)
 
 
-def _float(tensor: torch.Tensor) -> Callable[[], np.ndarray]:
-    return lambda: tensor.float().numpy()
+def _float(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
+    return lambda: tensor
 
 
-def _permuted(values: Callable[[], np.ndarray], heads: int) -> Callable[[], np.ndarray]:
-    return lambda: _llama_permute(values(), heads)
+def _permuted(values: Callable[[], torch.Tensor], heads: int) -> Callable[[], torch.Tensor]:
+    return lambda: torch.from_numpy(_llama_permute(values().float().numpy(), heads))
+
+
+def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
+    """The tensor's GGUF bytes, (…, row bytes), quantized a few thousand rows at a time: a float32 copy of a real
+    embedding or layer of experts (and the quantizer's temporaries) would be gigabytes."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    step = max(1, _VALUES_AT_ONCE // rows.shape[1])
+    parts = [gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
+             for i in range(0, len(rows), step)]
+    return np.concatenate(parts).reshape(*tensor.shape[:-1], -1)
 
 
 def _write_config(writer: gguf.GGUFWriter, arch: str, model: PreTrainedModel) -> None:
@@ -118,10 +136,14 @@ def _write_config(writer: gguf.GGUFWriter, arch: str, model: PreTrainedModel) ->
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     writer.add_vocab_size(config.vocab_size)
-    if arch == "qwen3moe":
-        writer.add_expert_count(config.num_experts)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:
+        writer.add_expert_count(experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
+    if hasattr(config, "moe_intermediate_size"):
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if hasattr(config, "shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -158,7 +180,7 @@ def _experts(module: str, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuant
 
 
 def _stored(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType,
-            values: Callable[[], np.ndarray]) -> _Tensor:
+            values: Callable[[], torch.Tensor]) -> _Tensor:
     """The tensor in `qtype`, or F32 when 1-D, or F16 when its rows are not whole blocks of `qtype`."""
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     if len(shape) < 2:

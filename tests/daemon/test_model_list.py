@@ -103,16 +103,17 @@ def test_a_listed_name_is_taken_by_the_commands_that_take_a_model(person):
     assert result.exit_code != 0 and "Ollama has no such model" in result.output
 
 
+@pytest.mark.parametrize("weights", ["fp32", "auto"])  # auto: the Q8_0 file's experts kept in int8
 def test_run_once_processes_a_document_with_a_name_model_list_printed(
     person: Path, home: Path, configure: Callable[[str], Path],
-    npumoed: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path,
+    npumoed: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path, weights: str,
 ) -> None:
     [name] = [row["name"] for row in json.loads(invoke("model", "list", "--json").output)["models"]
               if row["store"] == "ollama"]
     configure(f"""
 [model]
 name = "{name}"
-weights = "fp32"
+weights = "{weights}"
 chunk_tokens = 64
 summary_tokens = 8
 
@@ -133,3 +134,4 @@ background_priority = false  # at SCHED_IDLE on a busy shared machine the test c
     [output] = (home / "outbox").iterdir()
     meta = json.loads((output / "meta.json").read_text())
     assert meta["model"] == name and meta["model_key"].startswith(f"{name}@"), meta
+    assert meta["weights"] == {"fp32": "fp32", "auto": "int8"}[weights]

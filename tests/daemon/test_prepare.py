@@ -143,3 +143,19 @@ def test_status_says_when_coreml_graphs_run_through_torch() -> None:
     described = backend_description("coreml")
     assert described == ("coreml" if available else f"coreml (graphs through torch: {reason})")
     assert backend_description("torch-static") == "torch-static"
+
+
+def test_prepare_takes_a_gguf_file_and_reuses_its_stages(home: Path, tiny_gguf, document: Path,
+                                                         calibrations: list[str]) -> None:
+    from npumoe.engine.loading.resolve import model_key
+
+    file = tiny_gguf("qwen3_moe", "Q4_0")
+    args = ("--model", str(file), "--data", str(document), "--backend", "cpu", "--chunk", "128")
+    first = prepare(*args)
+    assert first.exit_code == 0, first.output
+    assert calibrations == [model_key(file)]
+    config = tomllib.loads((home / "config.toml").read_text())["model"]
+    assert config["name"] == str(file) and config["backend"] == "cpu"
+    assert ExpertPlan.load(Path(config["plan"])).model_key == model_key(file)
+    again = prepare(*args)
+    assert again.exit_code == 0 and calibrations == [model_key(file)]  # the file unchanged: nothing calibrated again

@@ -1,8 +1,10 @@
 """GGUF files: the model transformers reads from the same file, experts whose blocks the engine's formats express
-mapped into them with no float copy, other block types dequantized and quantized again, a stable key."""
+mapped into them with no float copy, other block types dequantized and quantized again, a stable key; qwen3moe,
+qwen2moe (with its shared expert), llama, and Mixtral's experts in a llama file."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import gguf
@@ -10,12 +12,15 @@ import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, get_gguf_hf_weights_map
 
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.errors import ModelError
 from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
 from npumoe.engine.formats.quantize import quantize
+from npumoe.engine.loading import gguf_load
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
@@ -134,3 +139,81 @@ def test_a_gguf_files_size_counts_the_same_parameters_and_experts_as_its_checkpo
     assert (from_file.parameters, from_file.expert_parameters) == (from_folder.parameters,
                                                                     from_folder.expert_parameters)
     assert from_file.formats["int4"].expert_bytes == from_folder.formats["int4"].expert_bytes
+
+
+@pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0])
+def test_a_qwen2_moe_gguf_with_its_shared_expert_loads_as_transformers_reads_it(tiny, tmp_path, qtype):
+    file = write_gguf(tiny("qwen2_moe"), tmp_path / "qwen2moe.gguf", experts=qtype, weights=qtype)
+    assert gguf.GGUFReader(file).fields["general.architecture"].contents() == "qwen2moe"
+    loaded = load_model(file)
+    config = loaded.model.config
+    assert loaded.family == "qwen2_moe" and (config.moe_intermediate_size, config.shared_expert_intermediate_size) \
+        == (32, 128)  # the widths transformers' mapping does not read, from the file
+    # the shared expert's gate, a 1-D tensor in the file, as the model holds it
+    assert loaded.model.model.layers[0].mlp.shared_expert_gate.weight.shape == (1, config.hidden_size)
+    assert (_logits(loaded.model) - _reference_logits(file)).abs().max() < 1e-4
+
+
+def _dequantized_mixtral(file: Path, folder: Path) -> torch.nn.Module:
+    """transformers' Mixtral with every weight of the file as gguf dequantizes it, mapped by transformers' llama
+    map and tensor processor: transformers' own GGUF load reads a llama file as a dense llama (its mapping has no
+    expert count), so it cannot be the reference here."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = LlamaTensorProcessor(config=model.config.to_dict())
+    names, state = get_gguf_hf_weights_map(model, processor, model_type="llama"), model.state_dict()
+    for tensor in gguf.GGUFReader(file).tensors:
+        values = torch.from_numpy(processor.process(weights=gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                                                    name=tensor.name).weights.copy())
+        if match := re.fullmatch(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight", tensor.name):
+            experts = f"model.layers.{match[1]}.mlp.experts."
+            if match[2] == "down":
+                state[experts + "down_proj"].copy_(values)
+            else:
+                state[experts + "gate_up_proj"].chunk(2, dim=1)[match[2] == "up"].copy_(values)
+        else:
+            state[names[tensor.name]].copy_(values.reshape(state[names[tensor.name]].shape))
+    return model
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.Q8_0, Q.Q4_0])
+def test_mixtral_experts_stored_in_a_llama_file_load_as_a_mixtral(tiny, tmp_path, qtype):
+    folder = tiny("mixtral")
+    file = write_gguf(folder, tmp_path / "mixtral.gguf", experts=qtype, weights=qtype)
+    fields = gguf.GGUFReader(file).fields
+    assert fields["general.architecture"].contents() == "llama" and fields["llama.expert_count"].contents() == 16
+    loaded = load_model(file)
+    assert loaded.family == "mixtral" and loaded.model.config.num_local_experts == 16
+    got = _logits(loaded.model)
+    assert (got - _logits(_dequantized_mixtral(file, folder))).abs().max() < 1e-4
+    if qtype == Q.F32:  # the file holds the checkpoint's weights exactly
+        assert (got - _logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))).abs().max() < 1e-5
+
+
+def test_the_other_weights_are_dequantized_a_few_rows_at_a_time_and_laid_out_in_any_dtype(tiny_llama, tmp_path,
+                                                                                         monkeypatch):
+    file = write_gguf(tiny_llama, tmp_path / "llama.gguf", weights=Q.Q8_0)
+    whole = gguf_model(file, torch.float32, experts_implementation="eager")
+    rows: list[int] = []
+    dequantized = gguf_load.dequantized
+    monkeypatch.setattr(gguf_load, "dequantized", lambda raw, kind: rows.append(len(raw)) or dequantized(raw, kind))
+    monkeypatch.setattr(gguf_load, "_FLOAT_VALUES_AT_ONCE", 4 * 64)  # four rows of the hidden width
+    in_rows = gguf_model(file, torch.float32, experts_implementation="eager")
+    assert max(rows) == 4 and len(rows) > len(list(whole.parameters()))  # every 2-D weight in several reads
+    assert torch.equal(_logits(in_rows), _logits(whole))
+    # llama's permuted query and key rows, laid out on the bits: bf16 holds the float32 load's values rounded
+    half = gguf_model(file, torch.bfloat16, experts_implementation="eager")
+    for name in ("q_proj", "k_proj"):
+        got = getattr(half.model.layers[0].self_attn, name).weight
+        assert torch.equal(got, getattr(whole.model.layers[0].self_attn, name).weight.to(torch.bfloat16))
+
+
+def test_a_gpt_oss_gguf_is_refused_with_the_reason_before_anything_is_read(tmp_path):
+    file = tmp_path / "gpt-oss.gguf"
+    writer = gguf.GGUFWriter(file, "gpt-oss")  # llama.cpp's name for it
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError, match=r"'gpt-oss' is not one the engine reads.*registered as 'gpt_oss'"):
+        load_model(file)
