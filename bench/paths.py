@@ -226,8 +226,8 @@ def quantized_parts(model: PreTrainedModel, runtime: MoeRuntime, impl: str) -> d
     with selected(model, impl, runtime):
         formats = [module.format for module in model.modules() if isinstance(module, ProjectionLinear)]
     projections = [format for format in formats if format is not None]
-    return {"quantized": f"{path.weights} experts" + (f" + {len(projections)} of {len(formats)} projections "
-                                                     f"{projections[0]}" if projections else "")}
+    return {"quantized": f"{path.weights} experts" + (f" + {projections[0]} projections ({len(projections)} of "
+                                                     f"{len(formats)})" if projections else "")}
 
 
 def _run_selected(model: PreTrainedModel, impl: str, runtime: MoeRuntime | None,

@@ -5,8 +5,17 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 MOST_REPEATS = 50  # rounds a short case is timed at most, however short
+
+
+@dataclass(frozen=True)
+class TimedElsewhere:
+    """What a fn returns when its work ran in another process that timed it: the seconds that process measured
+    stand for the call's (not the wall time around it, which would add the hand-over's latency)."""
+
+    seconds: float
 
 
 def interleaved_median_seconds(fns: Mapping[str, Callable[[], object]], *, warmup: int = 2,
@@ -22,7 +31,7 @@ def interleaved_seconds(fns: Mapping[str, Callable[[], object]], *, warmup: int 
     """Wall seconds of each fn in each timed round, in round order; a round runs every fn once, in an order that
     rotates from round to round: a slow spell on a shared machine then lands on all of them alike, so their ratios
     hold where their times drift (and the ratio of two fns within one round is a fair one). A fn that raises
-    leaves the rounds; its exception stands in for its times.
+    leaves the rounds; its exception stands in for its times. A fn that returns TimedElsewhere is timed by it.
 
     At least `repeats` rounds are timed, and more (up to `most_repeats`) until the timed rounds add up to
     `min_seconds`: a short case gets the rounds its spread needs, a long one is not made longer.
@@ -41,12 +50,13 @@ def interleaved_seconds(fns: Mapping[str, Callable[[], object]], *, warmup: int 
                 continue
             start = time.perf_counter()
             try:
-                fns[name]()
+                result = fns[name]()
             except Exception as e:  # a benchmark reports the one that broke and times the rest
                 failed[name] = e
                 continue
             if round_ >= warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(result.seconds if isinstance(result, TimedElsewhere)
+                                   else time.perf_counter() - start)
                 spent += times[name][-1]
         if round_ >= warmup:
             timed += 1

@@ -5,7 +5,8 @@ it runs transformers under the engine's setting too. Here the same work (workloa
 process whose environment has none of npumoed's settings (OMP_WAIT_POLICY unset, no NPUMOE_* variables); only the
 thread count is the benchmark's, as for every other row. The parent drives it one call at a time over a pipe, so
 its calls take their turn in the parent's rounds (timing.interleaved_seconds) and its ratios pair round by round
-like any other row's; a call's time includes the pipe's round trip (a line each way, well under a millisecond).
+like any other row's. A call's time is the child's own clock around its run (timing.TimedElsewhere), not the
+parent's around the hand-over, whose wake-up latency on a loaded machine would be counted against transformers.
 Its output is checked against the parent's reference like any other row's.
 """
 
@@ -16,6 +17,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..paths import TRANSFORMERS_IMPLS
+from ..timing import TimedElsewhere
 
 # What npumoed sets in its own environment before torch loads, left out of the child's.
 NPUMOED_SETTINGS = ("OMP_WAIT_POLICY",)
@@ -48,9 +51,9 @@ class OwnProcess:
                                        stdout=subprocess.PIPE, env=person_environment(), text=True)
         self.environment = self._ask({"build": spec})["environment"]
 
-    def call(self, impl: str) -> Callable[[], None]:
-        """One run of `impl` in the child, as a call the parent's rounds can time."""
-        return lambda: self._ask({"run": impl}) and None
+    def call(self, impl: str) -> Callable[[], TimedElsewhere]:
+        """One run of `impl` in the child, as a call the parent's rounds can time: the child's seconds."""
+        return lambda: TimedElsewhere(self._ask({"run": impl})["seconds"])
 
     def output(self, impl: str) -> tuple[torch.Tensor, ...]:
         """`impl`'s output in the child, for the parent's exactness check."""
@@ -130,10 +133,11 @@ def main() -> None:
                         raise ValueError("asked to run before anything was built")
                     model, run = built
                     model.set_experts_implementation(request["run"].removeprefix("transformers-"))
+                    start = time.perf_counter()
                     output = run()
+                    answer = {"seconds": time.perf_counter() - start}
                     if "save" in request:
                         torch.save(list(output), request["save"])
-                    answer = {"ok": True}
             except Exception as e:  # the parent reports it as the row's error
                 answer = {"error": f"{type(e).__name__}: {e}"}
             print(json.dumps(answer), flush=True)
