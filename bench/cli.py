@@ -588,10 +588,10 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
     console.print(f"{caption} {LEGEND}", style="dim", highlight=False)
 
 
-LEGEND = ("Ratios: of medians, with the lowest and highest of the ratio taken round by round in brackets. load s: from "
-          "the float weights in memory to the first chunk ready (packing, quantizing, kernel choice from this machine's "
-          "kernel cache, as a second run finds it). A quantized row's × roofline is against its format's roofline "
-          "row, priced at the format's bytes.")
+LEGEND = ("Ratios: of medians, with the lowest and highest of the ratio taken round by round in brackets. load s: "
+          "from the float weights in memory to the first chunk ready (packing, quantizing, kernel choice from this "
+          "machine's kernel cache, as a second run finds it). A quantized row's × roofline is against its format's "
+          "roofline row, priced at the format's bytes.")
 
 
 def results_table(rows: Sequence[dict], title: str, baseline: str | None = None) -> Table:

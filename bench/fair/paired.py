@@ -30,7 +30,10 @@ def ratio_range(row: dict, against: dict) -> tuple[float, float, float]:
 
 
 def clearly_faster(row: dict, against: dict) -> bool:
-    """Whether `row` beat `against` in more than three rounds in four, by its paired ratios."""
+    """Whether `row` beat `against` in more than three rounds in four, by its paired ratios (never where the two
+    were not timed in the same rounds: results written before rounds were kept)."""
+    if not row.get("round_seconds") or len(row["round_seconds"]) != len(against.get("round_seconds", ())):
+        return False
     each = sorted(round_ratios(row, against))
     return each[int(CLEARLY * (len(each) - 1))] > 1 and statistics.median(each) > 1
 
