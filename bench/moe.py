@@ -9,7 +9,8 @@ Before anything is timed, each implementation's output is checked against transf
 path that fails the check is refused and not timed. Paths that prune are approximate by design: they
 are timed and marked, with their error and dropped fraction. The engine's paths with quantized experts (`weights`)
 are approximate too: they are timed when their error is within the format's bound. A roofline row closes each
-case.
+case, and one per quantized format priced at that format's bytes (`roofline-<format>`), which the format's row
+is measured against.
 """
 
 from __future__ import annotations

@@ -7,8 +7,11 @@ prefill, once per implementation: transformers' own experts implementations, and
 with each backend, and (`weights`) the engine's CPU path with its experts, and its dense projections where that
 measures faster, quantized. The engine's plan is calibrated on other random documents.
 
-Before timing, each implementation's final hidden states for the whole document are checked against
-transformers-eager; an exact path that misses is refused, and pruning and quantized paths are marked approximate.
+Before timing, each implementation's hidden states after every decoder layer and at the end, for the whole
+document, are checked part by part (against the fp32 model where the dtype rounds: paths.Reference); an exact path
+that misses is refused, pruning and quantized paths are marked approximate; the last timed round is checked again.
+With `own_process`, transformers also runs in a process of its own under torch's OpenMP defaults
+(fair/own_process.py); `peers` add rows of their own (a C++ engine's) to each case.
 """
 
 from __future__ import annotations
