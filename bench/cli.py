@@ -546,9 +546,9 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
                   baseline: str | None = None) -> None:
     """One table per case (the values of `case_keys`), the engine's best exact path, what did another's work, and
     why any implementation was skipped or refused; a warning line above each table when the run was overloaded."""
-    from .fair.paired import best_engine_row, ratio_range
+    from .fair.paired import best_engine_row, clearly_faster, ratio_range
     from .machine import load_warning
-    from .paths import QUANTIZED_PATHS
+    from .paths import ENGINE_PATHS, QUANTIZED_PATHS
 
     console = _console()
     warning = load_warning(machine or {})
@@ -574,8 +574,13 @@ def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: st
                       else [])
             if f"vs_{baseline}" in best:
                 ratios.append(f"{best[f'vs_{baseline}']:.0%} of the {baseline}")
-            console.print(f"  engine's best exact path: {best['impl']} (clearly faster round by round than the "
-                          f"others, or where none is, the CPU path), {', '.join(ratios)}", highlight=False)
+            others = [r["impl"] for r in rows if r is not best and r["impl"] in ENGINE_PATHS
+                      and ENGINE_PATHS[r["impl"]].exact and "tokens_per_s" in r and "same_work_as" not in r]
+            why = (f"faster than {', '.join(others)} in more than three rounds in four"
+                   if others and all(clearly_faster(best, named[o]) for o in others)
+                   else "the CPU path: no other exact path was faster in more than three rounds in four" if others
+                   else "the only exact path of its own")
+            console.print(f"  engine's best exact path: {best['impl']} ({why}), {', '.join(ratios)}", highlight=False)
             for row in rows:
                 if row["impl"] in QUANTIZED_PATHS and "tokens_per_s" in row:
                     low, _, high = ratio_range(row, best)
