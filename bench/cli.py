@@ -24,6 +24,7 @@ from .service.foreground import foreground
 if TYPE_CHECKING:
     from npumoe.engine.loading.load import LoadedModel
 
+    from .prefill_bench import Peer
     from .real_fidelity import RealFidelitySettings
 from npumoe.engine.vocabulary import (
     AUTO,
@@ -52,7 +53,7 @@ _err = Console(stderr=True)
 
 # Rows from outside the engine and transformers that `bench prefill` adds to each case (prefill_bench.Peer): the
 # place a C++ peer's rows come in.
-PREFILL_PEERS: list = []
+PREFILL_PEERS: list[Peer] = []
 MIN_SECONDS = 30.0  # the timed rounds of a case add up to at least this by default (bench moe, bench prefill)
 
 
