@@ -118,7 +118,8 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, dtype_name: str, se
             "chunk_tokens": settings.chunk_tokens, "threads": settings.threads}
     with transformers_elsewhere(spec, settings.own_process) as elsewhere:
         run = partial(prefill_parts, model, ids, settings.chunk_tokens)
-        truth = None if model.dtype == torch.float32 else partial(in_float32, model, run)
+        # prefill runs the base model alone: the LM head need not be cast up for the truth
+        truth = None if model.dtype == torch.float32 else partial(in_float32, model.base_model, run)
         rows = measure_impls(model, plans, run, truth=truth,
                              first=lambda: next(iter(prefill(model, ids, settings.chunk_tokens, new_cache(model)))),
                              tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats,

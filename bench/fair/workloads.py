@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import chain
 
 import torch
+from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from npumoe.engine.generate.prefill import new_cache, prefill
@@ -32,8 +33,8 @@ def prefill_parts(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: int)
     return (*(torch.cat(chunks) for chunks in layers), final)
 
 
-def in_float32(model: PreTrainedModel, run: Callable[[], Output]) -> Output:
-    """`run()` with the model's floating-point weights in fp32, then each back in its own dtype (bf16 to fp32 and
+def in_float32(model: nn.Module, run: Callable[[], Output]) -> Output:
+    """`run()` with the module's floating-point weights in fp32, then each back in its own dtype (bf16 to fp32 and
     back is exact): the truth a bf16 run's rounding is measured from. `run` gives its inputs in fp32 itself."""
     dtypes = {name: tensor.dtype for name, tensor in _tensors(model)}
     model.float()
@@ -45,5 +46,5 @@ def in_float32(model: PreTrainedModel, run: Callable[[], Output]) -> Output:
                 tensor.data = tensor.data.to(dtypes[name])
 
 
-def _tensors(model: PreTrainedModel) -> Iterator[tuple[str, torch.Tensor]]:
+def _tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return chain(model.named_parameters(), model.named_buffers())
