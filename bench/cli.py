@@ -51,6 +51,8 @@ DTYPE_SPELLINGS = (AUTO, *DTYPES, *DTYPE_ALIASES)
 
 _err = Console(stderr=True)
 
+MIN_SECONDS = 30.0  # the timed rounds of a case add up to at least this by default (bench moe, bench prefill)
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def bench() -> None:
@@ -71,6 +73,15 @@ def _timing_options(f):
     f = click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True,
                      help="Untimed runs before timing.")(f)
     return click.option("--seed", type=int, default=0, show_default=True, help="Seed for weights and inputs.")(f)
+
+
+def _rounds_options(f):
+    f = click.option("--min-seconds", type=click.FloatRange(min=0), default=MIN_SECONDS, show_default=True,
+                     help="Time more rounds than --repeats (up to 50) until the timed ones add up to this: a short "
+                          "case gets the rounds its ratio ranges need.")(f)
+    return click.option("--own-process/--no-own-process", default=True, show_default=True,
+                        help="Also time transformers in a Python process of its own, under torch's OpenMP defaults "
+                             "(no OMP_WAIT_POLICY, none of npumoed's settings), in the same rounds.")(f)
 
 
 def _dtype_option(help_text: str):
@@ -100,30 +111,34 @@ def _json_option(f):
                    "approximate rows, timed when within the format's error bound.")
 @_threads_option
 @_timing_options
+@_rounds_options
 @_json_option
 def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str, ...], skew: float,
         calibration_chunks: int, weights: tuple[str, ...], threads: int, warmup: int, repeats: int, seed: int,
-        json_path: Path | None) -> None:
+        min_seconds: float, own_process: bool, json_path: Path | None) -> None:
     """MoE-layer prefill throughput on random weights: transformers' experts vs the engine vs the roofline."""
     parsed = _geometries(geometries)
     dtypes = _measured_dtypes(dtypes, parsed)
     import torch
 
-    from .machine import describe_machine
+    from .machine import describe_machine, sampled_load
     from .moe import MoeBenchSettings, run_moe_bench
     from .roofline import MODEL
 
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
     settings = MoeBenchSettings(threads=threads, warmup=warmup, repeats=repeats, seed=seed, skew=skew,
-                                calibration_chunks=calibration_chunks, weights=weights)
-    results = run_moe_bench(parsed, tokens, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
-                            on_result=_progress)
+                                calibration_chunks=calibration_chunks, weights=weights, min_seconds=min_seconds,
+                                own_process=own_process)
+    with sampled_load(machine):
+        results = run_moe_bench(parsed, tokens, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
+                                on_result=_progress)
     caption = (f"× transformers: against transformers' fastest implementation in the same case. {MODEL}. "
                f"{threads} threads, copy bandwidth {machine['copy_bandwidth_gbps']} GB/s, {machine['cpu']}; "
                f"routing Zipf skew {skew}.")
-    print_results(results, ("geometry", "tokens", "dtype"), caption, baseline="roofline")
-    _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "skew": skew,
+    print_results(results, ("geometry", "tokens", "dtype"), caption, machine, baseline="roofline")
+    _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "min_seconds": min_seconds,
+                                     "own_process": own_process, "seed": seed, "skew": skew,
                                      "calibration_chunks": calibration_chunks, "weights": list(weights),
                                      "roofline_model": MODEL}, results)
 
@@ -154,10 +169,12 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                    "Default: $NPUMOE_LLAMA_CPP.")
 @_threads_option
 @_timing_options
+@_rounds_options
 @_json_option
 def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
             dtypes: tuple[str, ...], calibration_documents: int, weights: tuple[str, ...], profile: bool,
-            peer_dir: Path | None, threads: int, warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
+            peer_dir: Path | None, threads: int, warmup: int, repeats: int, seed: int, min_seconds: float,
+            own_process: bool, json_path: Path | None) -> None:
     """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers (and llama.cpp)."""
     parsed = _geometries(geometries)
     dtypes = _measured_dtypes(dtypes, parsed)
@@ -165,7 +182,7 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
 
     import torch
 
-    from .machine import describe_machine
+    from .machine import describe_machine, sampled_load
     from .peer.llama_cpp import find_llama_cpp
     from .peer.prefill_peer import peer_lines, peer_rows
     from .prefill_bench import PrefillBenchSettings, run_prefill_bench
@@ -179,24 +196,26 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
         settings = PrefillBenchSettings(threads=threads, layers=layers, document_tokens=document_tokens,
                                         chunk_tokens=chunk_tokens, calibration_documents=calibration_documents,
                                         warmup=warmup, repeats=repeats, seed=seed, profile=profile,
-                                        weights=weights)
+                                        weights=weights, min_seconds=min_seconds, own_process=own_process)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
-    peer = None if peer_tool is None else partial(peer_rows, peer_tool, warmup=warmup, repeats=repeats)
-    results = run_prefill_bench(parsed, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
-                                on_result=_progress, peer=peer)
+    peers = [] if peer_tool is None else [partial(peer_rows, peer_tool, warmup=warmup, repeats=repeats)]
+    with sampled_load(machine):
+        results = run_prefill_bench(parsed, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
+                                    peers=peers, on_result=_progress)
     caption = (f"× transformers: against transformers' fastest implementation in the same case. Random weights, "
                f"random-token documents, chunked prefill with the KV cache carried. {threads} threads, "
                f"{machine['cpu']}.")
     case_keys = ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens")
-    print_results([row for row in results if row["impl"] != "profile"], case_keys, caption)
+    print_results([row for row in results if row["impl"] != "profile"], case_keys, caption, machine)
     for line in peer_lines(results):
         _console().print(line, highlight=False)
     if profile:
         print_profile([row for row in results if row["impl"] == "profile"], case_keys, machine)
-    _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "seed": seed, "layers": layers,
+    _write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "min_seconds": min_seconds,
+                                     "own_process": own_process, "seed": seed, "layers": layers,
                                      "calibration_documents": calibration_documents, "weights": list(weights),
                                      "peer": None if peer_tool is None else peer_tool.describe()}, results)
 
@@ -548,46 +567,72 @@ def print_fidelity(results: Sequence[dict], caption: str) -> None:
     _console().print(table)
 
 
-def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: str, *,
+def print_results(results: Sequence[dict], case_keys: Sequence[str], caption: str, machine: dict | None = None, *,
                   baseline: str | None = None) -> None:
-    """One table per case (the values of `case_keys`), the engine's best exact path, and why any
-    implementation was skipped or refused."""
-    from .paths import QUANTIZED_PATHS, best_engine_row, round_ratios
+    """One table per case (the values of `case_keys`), the engine's best exact path, what did another's work, and
+    why any implementation was skipped or refused; a warning line above each table when the run was overloaded."""
+    from .fair.paired import best_engine_row, clearly_faster, ratio_range
+    from .machine import load_warning
+    from .paths import ENGINE_PATHS, QUANTIZED_PATHS
 
     console = _console()
+    warning = load_warning(machine or {})
     cases: dict[tuple, list[dict]] = {}
     for row in results:
         cases.setdefault(tuple(row[key] for key in case_keys), []).append(row)
     for case, rows in cases.items():
         title = ", ".join(f"{key} {value}" for key, value in zip(case_keys, case, strict=True))
+        if warning:
+            console.print(warning, style="bold yellow", highlight=False)
         console.print(results_table(rows, title, baseline))
+        named = {row["impl"]: row for row in rows}
+        for row in rows:
+            twin = named.get(row.get("same_work_as", ""))
+            if twin is not None and "round_seconds" in row and "round_seconds" in twin:
+                low, _, high = ratio_range(row, twin)
+                console.print(f"  {row['impl']} ran {twin['impl']}'s code (nothing in graphs): not a path of its own; "
+                              f"their ratio ran {low:.2f}-{high:.2f} round by round, the noise of this run",
+                              highlight=False)
         best = best_engine_row(rows)
         if best is not None:
-            ratios = []
-            if "vs_transformers_best" in best:
-                ratios.append(f"{best['vs_transformers_best']:.2f}× transformers' best")
+            ratios = ([f"{best['vs_transformers_best']:.2f}× transformers' best"] if "vs_transformers_best" in best
+                      else [])
             if f"vs_{baseline}" in best:
                 ratios.append(f"{best[f'vs_{baseline}']:.0%} of the {baseline}")
-            console.print(f"  engine's best exact path: {best['impl']}, {', '.join(ratios)}", highlight=False)
+            others = [r["impl"] for r in rows if r is not best and r["impl"] in ENGINE_PATHS
+                      and ENGINE_PATHS[r["impl"]].exact and "tokens_per_s" in r and "same_work_as" not in r]
+            why = (f"faster than {', '.join(others)} in more than three rounds in four"
+                   if others and all(clearly_faster(best, named[o]) for o in others)
+                   else "the CPU path: no other exact path was faster in more than three rounds in four" if others
+                   else "the only exact path of its own")
+            console.print(f"  engine's best exact path: {best['impl']} ({why}), {', '.join(ratios)}", highlight=False)
             for row in rows:
                 if row["impl"] in QUANTIZED_PATHS and "tokens_per_s" in row:
-                    each = round_ratios(row, best)
-                    spread = f"{min(each):.2f}-{max(each):.2f} round by round, " if len(each) > 1 else ""
+                    low, _, high = ratio_range(row, best)
                     console.print(f"  {row['impl']}: {row['tokens_per_s'] / best['tokens_per_s']:.2f}× the engine's "
-                                  f"best exact path ({spread}relative error {row['rel_error']:.1%})", highlight=False)
+                                  f"best exact path ({low:.2f}-{high:.2f} round by round, relative error "
+                                  f"{row['rel_error']:.1%})", highlight=False)
         for row in rows:
             if "error" in row:
                 console.print(f"  {row['impl']} {row['status']}: {row['error']}", style="red", highlight=False)
-    console.print(caption, style="dim", highlight=False)
+    console.print(f"{caption} {LEGEND}", style="dim", highlight=False)
+
+
+LEGEND = ("Ratios: of medians, with the lowest and highest of the ratio taken round by round in brackets. load s: "
+          "from the float weights in memory to the first chunk ready (packing, quantizing, kernel choice from this "
+          "machine's kernel cache, as a second run finds it). A quantized row's × roofline is against its format's "
+          "roofline row, priced at the format's bytes.")
 
 
 def results_table(rows: Sequence[dict], title: str, baseline: str | None = None) -> Table:
-    """One line per implementation: speed, ratios, what the engine did with the assignments, its error."""
+    """One line per implementation: speed, ratios with their round-by-round ranges, load time, what the engine did
+    with the assignments, its error."""
     columns = {"tokens/s": lambda r: _number(r.get("tokens_per_s")),
-               "× transformers": lambda r: _ratio(r.get("vs_transformers_best"))}
+               "× transformers": lambda r: _ratio_range(r, "vs_transformers_best")}
     if baseline:
-        columns[f"× {baseline}"] = lambda r: _ratio(r.get(f"vs_{baseline}"))
-    columns |= {"in graphs": lambda r: _percent(r.get("static_fraction")),
+        columns[f"× {baseline}"] = lambda r: _ratio_range(r, f"vs_{baseline}")
+    columns |= {"load s": lambda r: _seconds(r.get("load_s")),
+                "in graphs": lambda r: _percent(r.get("static_fraction")),
                 "padding": lambda r: _percent(r.get("padding_fraction")),
                 "spilled": lambda r: _percent(r.get("spilled_fraction")),
                 "dropped": lambda r: _percent(r.get("dropped_fraction")),
@@ -599,9 +644,18 @@ def results_table(rows: Sequence[dict], title: str, baseline: str | None = None)
     return table
 
 
+def _ratio_range(row: dict, key: str) -> str:
+    """A ratio and, where it was paired round by round, its lowest and highest: 1.52 (1.40-1.61)."""
+    if key not in row:
+        return ""
+    spread = row.get(f"{key}_range")
+    return _ratio(row[key]) + (f" ({spread[0]:.2f}-{spread[2]:.2f})" if spread and len(row["round_seconds"]) > 1
+                               else "")
+
+
 def _console() -> Console:
     """Wide enough for the tables when the output is a file or a pipe (a terminal sets its own width)."""
-    return Console(width=None if sys.stdout.isatty() else 170)
+    return Console(width=None if sys.stdout.isatty() else 230)
 
 
 def _note(row: dict) -> str:
@@ -609,9 +663,10 @@ def _note(row: dict) -> str:
         return f"[red]{row['status']}[/red]"
     if "note" in row:  # a row that says what it is itself (bench/peer's)
         return row["note"]
+    if "same_work_as" in row:
+        return f"ran {row['same_work_as']}'s code"
     if row["status"] == "approximate":
-        quantized = next((f for f in QUANTIZED if row["impl"].endswith(f"-{f}")), None)
-        return f"approximate: {quantized} experts" if quantized else "approximate: prunes"
+        return f"approximate: {row['quantized']}" if "quantized" in row else "approximate: prunes"
     if "bound" not in row:
         return ""
     return f"{row['bound']}-bound" + (f" ({row['compute_kernel']})" if row["bound"] == "compute" else "")
@@ -622,6 +677,10 @@ def _number(value: float | None) -> str:
 
 
 def _ratio(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
+
+
+def _seconds(value: float | None) -> str:
     return "" if value is None else f"{value:.2f}"
 
 

@@ -9,14 +9,18 @@ Before anything is timed, each implementation's output is checked against transf
 path that fails the check is refused and not timed. Paths that prune are approximate by design: they
 are timed and marked, with their error and dropped fraction. The engine's paths with quantized experts (`weights`)
 are approximate too: they are timed when their error is within the format's bound. A roofline row closes each
-case.
+case, and one per quantized format priced at that format's bytes (`roofline-<format>`), which the format's row
+is measured against.
 """
 
 from __future__ import annotations
 
 import gc
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
@@ -24,11 +28,15 @@ from transformers import PreTrainedModel
 from npumoe.engine.loading.load import TORCH_DTYPES
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, routing_prior
-from npumoe.engine.vocabulary import QUANTIZED
+from npumoe.engine.vocabulary import CPU, QUANTIZED, SPILL
 
-from .paths import add_ratios, calibration_from_loads, measure_impls, static_plans
+from .fair.own_process import transformers_elsewhere
+from .fair.paired import add_ratios
+from .fair.workloads import in_float32
+from .paths import EnginePath, calibration_from_loads, measure_impls, static_plans
 from .roofline import dense_matmuls, moe_roofline
 
+ROOFLINE = "roofline"  # its row; a quantized path's own is "roofline-<format>", priced at the format's bytes
 DENSE = "roofline-dense-"  # the names the roofline's matmuls are timed under
 
 
@@ -37,14 +45,18 @@ class MoeBenchSettings:
     threads: int
     warmup: int = 2
     repeats: int = 5
+    min_seconds: float = 0.0  # more rounds than `repeats` until the timed ones add up to this
+    own_process: bool = False  # also transformers in a process of its own, under torch's OpenMP defaults
     seed: int = 0
     skew: float = 1.0  # Zipf exponent of expert popularity
     calibration_chunks: int = 8  # routing draws the plan is calibrated on
     weights: tuple[str, ...] = ()  # quantized formats the engine's CPU path also runs in (vocabulary.QUANTIZED)
 
     def __post_init__(self) -> None:
-        if self.threads < 1 or self.warmup < 0 or self.repeats < 1 or self.calibration_chunks < 1:
-            raise ValueError(f"need threads, repeats and calibration chunks >= 1 and warmup >= 0, got {self}")
+        if (self.threads < 1 or self.warmup < 0 or self.repeats < 1 or self.calibration_chunks < 1
+                or self.min_seconds < 0):
+            raise ValueError(f"need threads, repeats and calibration chunks >= 1 and warmup, min_seconds >= 0, "
+                             f"got {self}")
         if not set(self.weights) <= set(QUANTIZED):
             raise ValueError(f"quantized weights must be among {', '.join(QUANTIZED)}, got {list(self.weights)}")
 
@@ -70,7 +82,8 @@ def run_moe_bench(geometries: Sequence[Geometry], tokens: Sequence[int], dtypes:
                 for n_tokens in tokens:
                     case = {"geometry": geometry.name, "tokens": n_tokens, "dtype": dtype_name,
                             "threads": settings.threads}
-                    for row in _bench_case(model, geometry, prior, n_tokens, settings, generator, bandwidth):
+                    for row in _bench_case(model, geometry, dtype_name, prior, n_tokens, settings, generator,
+                                           bandwidth):
                         results.append({**case, **row})
                         if on_result is not None:
                             on_result(results[-1])
@@ -79,7 +92,7 @@ def run_moe_bench(geometries: Sequence[Geometry], tokens: Sequence[int], dtypes:
     return results
 
 
-def _bench_case(model: PreTrainedModel, geometry: Geometry, prior: torch.Tensor, tokens: int,
+def _bench_case(model: PreTrainedModel, geometry: Geometry, dtype_name: str, prior: torch.Tensor, tokens: int,
                 settings: MoeBenchSettings, generator: torch.Generator, bandwidth: float) -> list[dict]:
     """Rows for one chunk length: every implementation, then the roofline, with ratios filled in."""
     name, experts = moe_experts(model)[0]
@@ -97,21 +110,39 @@ def _bench_case(model: PreTrainedModel, geometry: Geometry, prior: torch.Tensor,
     def call() -> torch.Tensor:
         return experts(x, index, weights)
 
+    def call_fp32() -> torch.Tensor:
+        return experts(x.float(), index, weights.float())
+
     # The roofline's dense matmuls run in the same rounds as the implementations, so drift moves all alike.
     dense = dense_matmuls(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
                           dtype=dtype)
-    timed = measure_impls(model, plans, call, tokens=tokens, warmup=settings.warmup, repeats=settings.repeats,
-                          alongside={DENSE + kernel: matmul for kernel, matmul in dense.items()},
-                          weights=settings.weights)
+    with tempfile.TemporaryDirectory(prefix="npumoed-moe-") as folder:
+        inputs = Path(folder) / "inputs.pt"
+        torch.save((x, index, weights), inputs)
+        spec = {"kind": "moe", "geometry": geometry.name, "dtype": dtype_name, "seed": settings.seed,
+                "inputs": str(inputs), "threads": settings.threads}
+        with transformers_elsewhere(spec, settings.own_process) as elsewhere:
+            timed = measure_impls(model, plans, call, tokens=tokens, warmup=settings.warmup,
+                                  repeats=settings.repeats, min_seconds=settings.min_seconds, first=call,
+                                  truth=None if dtype == torch.float32 else partial(in_float32, model, call_fp32),
+                                  alongside={DENSE + kernel: matmul for kernel, matmul in dense.items()},
+                                  elsewhere=elsewhere, weights=settings.weights)
     rows = [row for row in timed if not row["impl"].startswith(DENSE)]
-    compute_times = {row["impl"].removeprefix(DENSE): row["seconds"] for row in timed
-                     if row["impl"].startswith(DENSE) and row["status"] == "ok"}
-    roofline = moe_roofline(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
-                            experts_touched=int(index.unique().numel()), dtype=dtype, bandwidth=bandwidth,
-                            compute_times=compute_times)
-    rows.append({"impl": "roofline", "status": "ok", "seconds": roofline.seconds,
-                 "tokens_per_s": tokens / roofline.seconds, "bound": roofline.bound,
-                 "compute_kernel": roofline.compute_kernel, "flops": roofline.flops,
-                 "weight_bytes": roofline.weight_bytes, "compute_s": roofline.compute_s,
-                 "memory_s": roofline.memory_s})
-    return add_ratios(rows, baseline="roofline")
+    dense_rows = {row["impl"].removeprefix(DENSE): row for row in timed
+                  if row["impl"].startswith(DENSE) and row["status"] == "ok"}
+    touched = int(index.unique().numel())
+    rooflines = {ROOFLINE: None, **{f"{ROOFLINE}-{format}": format for format in settings.weights}}
+    for name, format in rooflines.items():
+        roofline = moe_roofline(tokens=tokens, top_k=geometry.top_k, hidden=geometry.hidden, ffn=geometry.ffn,
+                                experts_touched=touched, dtype=dtype, bandwidth=bandwidth, weights_format=format,
+                                compute_times={kernel: row["seconds"] for kernel, row in dense_rows.items()})
+        compute_rounds = dense_rows[roofline.compute_kernel]["round_seconds"]
+        rows.append({"impl": name, "status": "ok", "seconds": roofline.seconds,
+                     "tokens_per_s": tokens / roofline.seconds, "bound": roofline.bound,
+                     "compute_kernel": roofline.compute_kernel, "flops": roofline.flops,
+                     "weight_bytes": roofline.weight_bytes, "compute_s": roofline.compute_s,
+                     "memory_s": roofline.memory_s,
+                     # each round's floor, from that round's dense matmul: the roofline's ratios pair too
+                     "round_seconds": [max(seconds, roofline.memory_s) for seconds in compute_rounds]})
+    priced = {EnginePath(CPU, SPILL, format).impl: name for name, format in rooflines.items() if format}
+    return add_ratios(rows, baseline=ROOFLINE, priced=priced)

@@ -7,8 +7,11 @@ prefill, once per implementation: transformers' own experts implementations, and
 with each backend, and (`weights`) the engine's CPU path with its experts, and its dense projections where that
 measures faster, quantized. The engine's plan is calibrated on other random documents.
 
-Before timing, each implementation's final hidden states for the whole document are checked against
-transformers-eager; an exact path that misses is refused, and pruning and quantized paths are marked approximate.
+Before timing, each implementation's hidden states after every decoder layer and at the end, for the whole
+document, are checked part by part (against the fp32 model where the dtype rounds: paths.Reference); an exact path
+that misses is refused, pruning and quantized paths are marked approximate; the last timed round is checked again.
+With `own_process`, transformers also runs in a process of its own under torch's OpenMP defaults
+(fair/own_process.py); `peers` add rows of their own (a C++ engine's) to each case.
 """
 
 from __future__ import annotations
@@ -16,20 +19,29 @@ from __future__ import annotations
 import gc
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.calibration.calibrate import Calibration
 from npumoe.engine.generate.prefill import new_cache, prefill
 from npumoe.engine.loading.load import TORCH_DTYPES
-from npumoe.engine.synthetic.geometry import Geometry, family_config
+from npumoe.engine.synthetic.geometry import Geometry
 from npumoe.engine.vocabulary import CHUNK_TOKENS, CPU, QUANTIZED, SPILL
 
-from .paths import EnginePath, add_ratios, calibration_from_loads, measure_impls, static_plans
+from .fair.own_process import transformers_elsewhere
+from .fair.paired import add_ratios
+from .fair.workloads import build_model, in_float32, prefill_parts
+from .paths import EnginePath, calibration_from_loads, measure_impls, static_plans
 from .profile import run_profile
+
+# More rows for a case, from outside the engine's and transformers' (a C++ peer's): given the case's model, the
+# case and the document's token ids, its rows ({"impl", "status", "tokens_per_s", ...}).
+# A peer takes the model and one case's timed rows and gives them back with its own rows beside them.
+Peer = Callable[[PreTrainedModel, dict, list[dict]], list[dict]]
 
 
 @dataclass(frozen=True)
@@ -41,7 +53,9 @@ class PrefillBenchSettings:
     calibration_documents: int = 2
     warmup: int = 1
     repeats: int = 3
+    min_seconds: float = 0.0  # more rounds than `repeats` until the timed ones add up to this
     seed: int = 0
+    own_process: bool = False  # also transformers in a process of its own, under torch's OpenMP defaults
     profile: bool = False  # also split the engine's CPU paths' time per part at each depth
     weights: tuple[str, ...] = ()  # quantized formats the engine's CPU path also runs in (vocabulary.QUANTIZED)
 
@@ -49,29 +63,19 @@ class PrefillBenchSettings:
         if not set(self.weights) <= set(QUANTIZED):
             raise ValueError(f"quantized weights must be among {', '.join(QUANTIZED)}, got {list(self.weights)}")
         if min(self.threads, self.layers, self.document_tokens, self.chunk_tokens, self.calibration_documents,
-               self.repeats) < 1 or self.warmup < 0:
-            raise ValueError(f"every size and count must be positive (warmup >= 0), got {self}")
+               self.repeats) < 1 or self.warmup < 0 or self.min_seconds < 0:
+            raise ValueError(f"every size and count must be positive (warmup, min_seconds >= 0), got {self}")
         if self.chunk_tokens > self.document_tokens:
             raise ValueError(f"chunk length {self.chunk_tokens} is longer than the document "
                              f"({self.document_tokens} tokens)")
 
 
-def build_model(geometry: Geometry, layers: int, dtype: torch.dtype, *, context: int, seed: int) -> PreTrainedModel:
-    """The family's causal LM with `layers` layers at this geometry, randomly initialised the family's way."""
-    config = family_config(geometry, layers=layers, experts_implementation="eager",
-                           max_position_embeddings=context)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-
-
 def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], settings: PrefillBenchSettings, *,
-                      bandwidth: float | None = None,
-                      on_result: Callable[[dict], None] | None = None,
-                      peer: Callable[[PreTrainedModel, dict, list[dict]], list[dict]] | None = None) -> list[dict]:
+                      bandwidth: float | None = None, peers: Sequence[Peer] = (),
+                      on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """One row per (geometry, dtype, implementation): document tokens/s and the ratio to transformers' best;
     with `settings.profile`, also one row per (depth, part) of the engine's CPU path (`impl` "profile"),
-    its rooflines priced at `bandwidth` (bytes/s). `peer(model, case, rows)`: the case's rows with another
-    engine's beside them on the same model (bench/peer), after the in-process rounds."""
+    its rooflines priced at `bandwidth` (bytes/s). Each of `peers` adds its rows to every case."""
     if settings.profile and bandwidth is None:
         raise ValueError("a profile needs the machine's measured bandwidth")
     unknown = [d for d in dtypes if d not in TORCH_DTYPES]
@@ -86,9 +90,7 @@ def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], set
                 case = {"geometry": geometry.name, "layers": settings.layers, "dtype": dtype_name,
                         "document_tokens": settings.document_tokens, "chunk_tokens": settings.chunk_tokens,
                         "threads": settings.threads}
-                rows = _bench_model(model, geometry, settings)
-                if peer is not None:
-                    rows = peer(model, case, rows)
+                rows = _bench_model(model, geometry, dtype_name, settings, case, peers)
                 if settings.profile:
                     rows += [{"impl": "profile", **row} for row in _profile(model, settings, bandwidth)]
                 for row in rows:
@@ -100,7 +102,8 @@ def run_prefill_bench(geometries: Sequence[Geometry], dtypes: Sequence[str], set
     return results
 
 
-def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBenchSettings) -> list[dict]:
+def _bench_model(model: PreTrainedModel, geometry: Geometry, dtype_name: str, settings: PrefillBenchSettings,
+                 case: dict, peers: Sequence[Peer]) -> list[dict]:
     generator = torch.Generator().manual_seed(settings.seed)
     vocab = model.config.vocab_size
 
@@ -111,12 +114,19 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, settings: PrefillBe
                                     settings.chunk_tokens),
                          model=geometry.name, hidden=geometry.hidden, ffn=geometry.ffn, dtype=model.dtype)
     ids = document()
-
-    def run() -> torch.Tensor:  # (T, H) final hidden states of the whole document
-        return torch.cat(list(prefill(model, ids, settings.chunk_tokens, new_cache(model))))
-
-    rows = measure_impls(model, plans, run, tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats,
-                         weights=settings.weights)
+    spec = {"kind": "prefill", "geometry": geometry.name, "layers": settings.layers, "dtype": dtype_name,
+            "context": settings.document_tokens, "seed": settings.seed, "ids": ids,
+            "chunk_tokens": settings.chunk_tokens, "threads": settings.threads}
+    with transformers_elsewhere(spec, settings.own_process) as elsewhere:
+        run = partial(prefill_parts, model, ids, settings.chunk_tokens)
+        # prefill runs the base model alone: the LM head need not be cast up for the truth
+        truth = None if model.dtype == torch.float32 else partial(in_float32, model.base_model, run)
+        rows = measure_impls(model, plans, run, truth=truth,
+                             first=lambda: next(iter(prefill(model, ids, settings.chunk_tokens, new_cache(model)))),
+                             tokens=len(ids), warmup=settings.warmup, repeats=settings.repeats,
+                             min_seconds=settings.min_seconds, elsewhere=elsewhere, weights=settings.weights)
+    for peer in peers:
+        rows = peer(model, case, rows)
     return add_ratios(rows)
 
 

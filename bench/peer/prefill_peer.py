@@ -22,7 +22,7 @@ from transformers import PreTrainedModel
 
 from npumoe.engine.synthetic.gguf_writer import write_model_gguf
 
-from ..paths import add_ratios, best_engine_row
+from ..fair.paired import add_ratios, best_engine_row
 from .llama_cpp import NO_REPACK, LlamaCpp, ToolCrashed, bench_command, quantize, run_bench
 
 PEER = "llama.cpp"

@@ -15,13 +15,16 @@ from npumoe.bench.cli import bench
 def test_bench_moe_prints_a_table_and_writes_machine_and_results(tmp_path):
     out = tmp_path / "results" / "moe.json"
     result = CliRunner().invoke(bench, ["moe", "--geometry", "64x8x2x32", "--tokens", "32", "--dtype", "fp32",
-                                        "--threads", "1", "--warmup", "0", "--repeats", "1", "--json", str(out)])
+                                        "--threads", "1", "--warmup", "0", "--repeats", "1", "--min-seconds", "0",
+                                        "--no-own-process", "--json", str(out)])
     assert result.exit_code == 0, result.output
     # "fp32" is the short spelling the option still takes; tables and results say "float32"
     assert "geometry 64x8x2x32, tokens 32, dtype float32" in result.output and "roofline" in result.output
     data = json.loads(out.read_text())
     assert data["machine"]["threads"] == 1 and data["machine"]["copy_bandwidth_gbps"] > 0
-    assert {"cpu", "torch", "torch_cpu_capability", "memory_gib"} <= data["machine"].keys()
+    assert {"cpu", "torch", "torch_cpu_capability", "memory_gib", "omp_wait_policy", "cpu_governor",
+            "load_average", "overloaded"} <= data["machine"].keys()
+    assert data["settings"]["min_seconds"] == 0 and data["settings"]["own_process"] is False
     for row in data["results"]:
         assert row["impl"] == "roofline" or row["impl"].startswith(("transformers-", "npumoe-"))
         assert {"impl", "geometry", "tokens", "dtype", "threads", "tokens_per_s"} <= row.keys()
@@ -36,7 +39,7 @@ def test_bench_moe_names_an_unknown_geometry():
 def test_bench_prefill_prints_one_table_per_case():
     result = CliRunner().invoke(bench, ["prefill", "--geometry", "64x8x2x32", "--document-tokens", "64", "--chunk",
                                         "32", "--calibration-documents", "1", "--dtype", "fp32", "--threads", "1",
-                                        "--warmup", "0", "--repeats", "1"])
+                                        "--warmup", "0", "--repeats", "1", "--min-seconds", "0", "--no-own-process"])
     assert result.exit_code == 0, result.output
     assert "geometry 64x8x2x32, layers 2, dtype float32, document_tokens 64, chunk_tokens 32" in result.output
     assert "npumoe-torch-static" in result.output
@@ -45,7 +48,7 @@ def test_bench_prefill_prints_one_table_per_case():
 def test_bench_prefill_weights_puts_the_quantized_path_beside_the_engines_best_float_one():
     result = CliRunner().invoke(bench, ["prefill", "--geometry", "64x8x2x32", "--document-tokens", "64", "--chunk",
                                         "32", "--calibration-documents", "1", "--weights", "int8", "--threads", "1",
-                                        "--warmup", "0", "--repeats", "3"])
+                                        "--warmup", "0", "--repeats", "3", "--min-seconds", "0", "--no-own-process"])
     assert result.exit_code == 0, result.output
     found = re.search(r"npumoe-cpu-int8: [0-9.]+× the engine's best exact path \(([0-9.]+)-([0-9.]+) round by round, "
                       r"relative error", result.output)

@@ -5,16 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npumoe.bench.fair.paired import best_engine_row, round_ratios
 from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
 from npumoe.bench.paths import (
     IMPLS,
     QUANTIZED_TOLERANCE,
     TOLERANCE,
-    best_engine_row,
     calibration_from_loads,
     gate,
     measure_impls,
-    round_ratios,
     static_plans,
 )
 from npumoe.bench.roofline import active_flops, moe_roofline
@@ -111,6 +110,10 @@ def test_one_run_reports_every_implementation_checked_and_timed_then_the_rooflin
     for row in rows:
         assert (row["geometry"], row["tokens"], row["dtype"], row["threads"]) == ("64x8x2x32", 32, "float32", 1)
         assert row["tokens_per_s"] > 0 and row["vs_roofline"] > 0
+        low, median, high = row["vs_roofline_range"]  # every row's ratio, round by round, the roofline's too
+        assert low <= median <= high
+    assert all(row["load_s"] == pytest.approx(row["prepare_s"] + row["first_chunk_s"]) and row["load_s"] > 0
+               for row in rows if row["impl"] != "roofline")
     exact = [row for row in rows if row["impl"] != "roofline" and not row["impl"].endswith("-prune")]
     assert all(row["status"] == "ok" and row["rel_error"] <= TOLERANCE[torch.float32] for row in exact)
     assert max(row["vs_transformers_best"] for row in rows if row["impl"].startswith("transformers-")) == 1.0
@@ -119,7 +122,7 @@ def test_one_run_reports_every_implementation_checked_and_timed_then_the_rooflin
     assert next(row for row in rows if row["impl"].endswith("-prune"))["status"] == "approximate"
 
 
-def _tiny_layer(dtype=torch.float32):
+def tiny_layer(dtype=torch.float32):
     generator = torch.Generator().manual_seed(0)
     model = build_layer_model(TINY, dtype, generator)
     prior = routing_prior(TINY, generator)
@@ -134,7 +137,7 @@ def _tiny_layer(dtype=torch.float32):
 
 
 def test_an_engine_path_whose_output_differs_is_refused_and_never_timed():
-    model, experts, plans, inputs = _tiny_layer()
+    model, experts, plans, inputs = tiny_layer()
 
     def run():  # a broken engine: right shape, wrong numbers
         y = experts(*inputs)
@@ -149,7 +152,7 @@ def test_an_engine_path_whose_output_differs_is_refused_and_never_timed():
 
 
 def test_quantized_engine_paths_run_quantized_and_are_timed_as_approximate_within_their_bound(monkeypatch):
-    model, experts, plans, inputs = _tiny_layer(torch.bfloat16)
+    model, experts, plans, inputs = tiny_layer(torch.bfloat16)
     calls = {"n": 0}
     call = QuantLinear.__call__
 
@@ -177,7 +180,7 @@ def test_quantized_engine_paths_run_quantized_and_are_timed_as_approximate_withi
 
 
 def test_a_quantized_path_beyond_its_error_bound_is_refused():
-    model, experts, plans, inputs = _tiny_layer(torch.bfloat16)
+    model, experts, plans, inputs = tiny_layer(torch.bfloat16)
 
     def run():
         y = experts(*inputs)
@@ -190,7 +193,7 @@ def test_a_quantized_path_beyond_its_error_bound_is_refused():
 
 
 def test_a_transformers_implementation_that_cannot_run_is_skipped_and_the_rest_still_run():
-    model, experts, plans, inputs = _tiny_layer()
+    model, experts, plans, inputs = tiny_layer()
 
     def run():
         if model.config._experts_implementation == "grouped_mm":
@@ -205,7 +208,7 @@ def test_a_transformers_implementation_that_cannot_run_is_skipped_and_the_rest_s
 
 
 def test_implementations_are_timed_in_alternating_rounds_after_each_is_checked():
-    model, experts, plans, inputs = _tiny_layer()
+    model, experts, plans, inputs = tiny_layer()
     ran: list[str] = []
 
     def run():
@@ -233,10 +236,10 @@ def test_round_ratios_pair_the_rounds_two_paths_shared():
 def test_the_gate_tolerates_bf16_rounding_but_not_a_wrong_answer():
     reference = torch.randn(16, 8, dtype=torch.bfloat16)
     rounded = (reference.double() * (1 + 1e-3)).to(torch.bfloat16)
-    assert gate("npumoe-cpu", rounded, reference, torch.bfloat16)["status"] == "ok"
-    assert gate("npumoe-cpu", reference * 1.1, reference, torch.bfloat16)["status"] == "refused"
-    assert gate("npumoe-cpu", reference * float("nan"), reference, torch.bfloat16)["status"] == "refused"
-    assert gate("npumoe-torch-static-prune", reference * 1.1, reference, torch.bfloat16)["status"] == "approximate"
+    assert gate("npumoe-cpu", rounded, reference)["status"] == "ok"
+    assert gate("npumoe-cpu", reference * 1.1, reference)["status"] == "refused"
+    assert gate("npumoe-cpu", reference * float("nan"), reference)["status"] == "refused"
+    assert gate("npumoe-torch-static-prune", reference * 1.1, reference)["status"] == "approximate"
 
 
 def test_bad_benchmark_settings_are_refused():
@@ -246,8 +249,8 @@ def test_bad_benchmark_settings_are_refused():
         MoeBenchSettings(threads=1, repeats=0)
 
 
-def test_the_engines_best_path_is_the_fastest_exact_one_that_passed_the_check():
-    rows = [{"impl": "npumoe-cpu", "status": "ok", "tokens_per_s": 10.0},
+def test_the_engines_best_path_is_an_exact_one_that_passed_the_check():
+    rows = [{"impl": "npumoe-cpu", "status": "ok", "tokens_per_s": 10.0, "round_seconds": [1.0]},
             {"impl": "npumoe-torch-static", "status": "refused", "error": "differs"},
             {"impl": "npumoe-torch-static-prune", "status": "approximate", "tokens_per_s": 99.0},
             {"impl": "transformers-grouped_mm", "status": "ok", "tokens_per_s": 50.0}]

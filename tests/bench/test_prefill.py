@@ -6,8 +6,9 @@ import pytest
 import torch
 from cpus import fake_projection_timings
 
+from npumoe.bench.fair.workloads import build_model
 from npumoe.bench.paths import IMPLS, QUANTIZED_TOLERANCE, TOLERANCE
-from npumoe.bench.prefill_bench import PrefillBenchSettings, build_model, run_prefill_bench
+from npumoe.bench.prefill_bench import PrefillBenchSettings, run_prefill_bench
 from npumoe.engine.attach import projections
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.synthetic.geometry import Geometry, parse_geometry

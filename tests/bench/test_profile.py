@@ -9,7 +9,7 @@ import pytest
 import torch
 from cpus import fake_projection_timings
 
-from npumoe.bench.prefill_bench import build_model
+from npumoe.bench.fair.workloads import build_model
 from npumoe.bench.profile import PARTS, depths_to_report, profile_prefill, profile_rows
 from npumoe.engine.attach.norms import EngineRMSNorm
 from npumoe.engine.attach.projections import ProjectionLinear

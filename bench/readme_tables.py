@@ -1,0 +1,89 @@
+"""The documentation's engine-against-transformers tables, rendered from the committed results files.
+
+A table in docs/benchmarks.md (or the README) that a results file backs sits between two markers:
+
+    <!-- rendered from bench/results/a.json bench/results/b.json | geometry=qwen3-30b-a3b dtype=bfloat16 -->
+    | ... |
+    <!-- end rendered -->
+
+and `python -m npumoe.bench.readme_tables [FILE ...]` rewrites every such table from the files its marker names,
+one line per matching case of each file (the filter after `|`: a case's keys and values, `a,b` for either).
+Every figure is a field of the file as the benchmark wrote it, rounded: nothing is computed here that the file
+does not hold, so a reader can find each number in the file (tests/bench/test_readme_numbers.py checks). The
+engine's best path is chosen from the file's rows by paired round-by-round ratios (fair/paired.py), as the
+benchmark's own table does. Rerun it after new results.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from .fair.paired import best_engine_row
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCUMENTS = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
+MARKED = re.compile(r"(?P<open><!-- rendered from (?P<files>[^|>]+?)(?: \| (?P<filter>[^>]*?))? -->\n)"
+                    r"(?P<table>.*?)(?P<close><!-- end rendered -->)", re.S)
+CASE_KEYS = ("geometry", "layers", "document_tokens", "tokens", "chunk_tokens", "dtype", "threads")
+HEADER = ("| results file | machine | case | engine's best exact path | tok/s | × transformers' best | round by round "
+          "| × roofline | load s | transformers' best | the run's load |")
+
+
+def render(text: str, root: Path = ROOT) -> str:
+    """`text` with every marked table rendered afresh from the results files its marker names."""
+    def table(match: re.Match) -> str:
+        files = match["files"].split()
+        wanted = dict(item.split("=", 1) for item in (match["filter"] or "").split())
+        lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+        for name in files:
+            lines += engine_lines(name, json.loads((root / name).read_text()), wanted)
+        return match["open"] + "\n".join(lines) + "\n" + match["close"]
+
+    return MARKED.sub(table, text)
+
+
+def engine_lines(name: str, data: dict, wanted: dict[str, str]) -> list[str]:
+    """One table line per case of a `bench moe` or `bench prefill` results file that matches `wanted`."""
+    cases: dict[tuple, list[dict]] = {}
+    for row in data["results"]:
+        if row["impl"] != "profile" and all(str(row.get(key)) in values.split(",") for key, values in wanted.items()):
+            cases.setdefault(tuple((key, row[key]) for key in CASE_KEYS if key in row), []).append(row)
+    machine = data["machine"]
+    load = machine.get("load_average")
+    run_load = (f"{load['median']:.1f} median, {load['highest']:.1f} highest"
+                + (" (above the cores)" if machine.get("overloaded") else "") if load else "not recorded")
+    lines = []
+    for case, rows in cases.items():
+        best = best_engine_row(rows)
+        if best is None:
+            continue
+        transformers = max((r for r in rows if r["impl"].startswith("transformers-") and "tokens_per_s" in r),
+                           key=lambda r: r["tokens_per_s"])
+        spread = best.get("vs_transformers_best_range")
+        cells = [name.removeprefix("bench/results/"), f"{machine['cpu']}, {machine['threads']} threads",
+                 ", ".join(f"{key} {value}" for key, value in case if key != "threads"), best["impl"],
+                 f"{best['tokens_per_s']:,.0f}", f"{best['vs_transformers_best']:.2f}",
+                 f"{spread[0]:.2f}-{spread[2]:.2f}" if spread else "not recorded",
+                 f"{best['vs_roofline']:.2f}" if "vs_roofline" in best else "",
+                 f"{best['load_s']:.1f}" if "load_s" in best else "not recorded",
+                 f"{transformers['impl']}, {transformers['tokens_per_s']:,.0f}", run_load]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def main(argv: Sequence[str] = ()) -> None:
+    """Rewrite the marked tables of the documents given (default: docs/benchmarks.md and the README)."""
+    for path in map(Path, argv) if argv else DOCUMENTS:
+        text = path.read_text()
+        rendered = render(text)
+        if rendered != text:
+            path.write_text(rendered)
+            print(f"rendered {path}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
