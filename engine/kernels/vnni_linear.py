@@ -18,8 +18,9 @@ one level would round them several times worse (tests/engine/test_vnni_linear.py
 rows). Only such rows pay for the second level's arithmetic.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
-quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with
-its own packing and the same `pack`/`linear` contract.
+quant_kernels chooses among its other kernels: on AVX2, avx2_linear reads this module's packing (`pack`) through the
+same checks (`check_rows`, `check_expert`) and weight struct (`native_weight`). An Arm analogue (NEON dotprod /
+i8mm) would be a sibling module with its own packing and the same `pack`/`linear` contract.
 """
 
 from __future__ import annotations
