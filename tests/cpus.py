@@ -18,7 +18,7 @@ import torch
 
 from npumoe.engine.formats.quantize import error_bound
 from npumoe.engine.kernels import choice as mechanism
-from npumoe.engine.kernels import float_kernels, native
+from npumoe.engine.kernels import float_kernels, host, native
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,7 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: cpu.avx512_vnni)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: cpu.onednn)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: cpu.onednn_bf16)
+    monkeypatch.delenv(host.MAX_ISA_VARIABLE, raising=False)  # a ceiling put on this machine's CPU, not on `cpu`
     fresh_process(monkeypatch)
 
 

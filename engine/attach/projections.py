@@ -14,8 +14,8 @@ the float64 product with the weight, or with the dequantized one for a quantized
 the Linear stays as it is. Choices are cached per machine like the experts'. Beside int4 experts the projections
 take int8 at most (`projection_format`).
 
-The engine's own kernels (bf16_linear, vnni_linear) run on one thread: a projection's rows are split over the
-experts' workers (kernels/workers.py). torch's and oneDNN's kernels use torch's threads themselves.
+The engine's own kernels (bf16_linear, vnni_linear, avx2_linear) run on one thread: a projection's rows are split
+over the experts' workers (kernels/workers.py). torch's and oneDNN's kernels use torch's threads themselves.
 
 With `release`, the Linear's own weight is freed once packed (a placeholder of its shape over one element, as
 for the experts: moe/release.py), so the packed weight is the one copy; the original module then computes nothing
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..formats.quantize import INT8, QuantizedWeight, error_bound, quantize, relative_error
-from ..kernels import bf16_linear, quant_kernels, vnni_linear
+from ..kernels import avx2_linear, bf16_linear, quant_kernels, vnni_linear
 from ..kernels.choice import Accuracy, Choice, Measured, time_in_turns
 from ..kernels.float_kernels import KERNELS as FLOAT_KERNELS
 from ..kernels.float_kernels import PackedLinear, unavailable_kernels
@@ -51,7 +51,7 @@ OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
 _NEVER_FASTER = "dequantize"
 _SPLIT_ROWS = 16  # rows split over workers in multiples of an AMX tile's height
 CHOICES = Measured("projections", (Path(__file__), bf16_linear.SOURCE, Path(quant_kernels.__file__),
-                                   vnni_linear.KERNEL.source))
+                                   vnni_linear.KERNEL.source, avx2_linear.KERNEL.source))
 
 Kernel = PackedLinear | QuantLinear
 

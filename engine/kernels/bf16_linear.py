@@ -17,6 +17,7 @@ import platform
 
 import torch
 
+from .host import isa_ceiling_refuses
 from .native import NativeKernel
 
 BLOCK = 64  # output columns per packed weight block, as in bf16_linear.c
@@ -62,7 +63,7 @@ def unsupported_cpu() -> str | None:
         return f"the bf16 kernel is for x86-64 CPUs, this is {platform.machine()}"
     if not torch.cpu._is_avx512_bf16_supported():
         return "this CPU lacks AVX512-BF16"
-    return None
+    return isa_ceiling_refuses("avx512_bf16")
 
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .host import cache_root
+from .host import cache_root, isa_ceiling_refuses
 
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 
@@ -38,7 +38,7 @@ def x86_avx512_missing(what: str) -> str | None:
         return f"{what} is for x86-64 CPUs, this is {platform.machine()}"
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return "this CPU lacks AVX-512"
-    return None
+    return isa_ceiling_refuses("avx512")
 
 
 @dataclass(frozen=True)

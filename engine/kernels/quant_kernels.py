@@ -4,14 +4,17 @@ int8 weights run through one of
 - "npumoe-int8-dynamic": the engine's own kernel (vnni_linear: x86-64 with AVX512-VNNI), which rounds each row
   of x to int8 inside the call and multiplies bytes with VNNI dot products over weights packed for it;
 - "npumoe-int8-amx-dynamic": the same on AMX-INT8 tiles, 16 rows at a time (Intel Xeons from Sapphire Rapids);
+- "npumoe-int8-avx2-dynamic": the engine's own for x86-64 with AVX2 but no VNNI (avx2_linear: the same rounding
+  and packed weights, byte products whose pair sums cannot saturate);
 - "onednn-dynamic": each row of x rounded to int8 with its own scale, times the int8 weights in oneDNN's
   prepacked layout (VNNI or AMX-INT8 dot products where the CPU has them; x86 with oneDNN only);
 - "int-mm-dynamic": the same rounding of x, through torch's `_int_mm` (int8 x int8 -> int32);
 - "int8pack": torch's weight-only `_weight_int8pack_mm` (x stays float; the weights widen inside the kernel);
 - "dequantize": the float weight rebuilt each call and a float matmul (runs anywhere, the slowest).
 int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x rounded to int8 as above, the
-4-bit codes widened to bytes in registers), torch's `_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked
-for it; output widths a multiple of 16) or "dequantize".
+4-bit codes widened to bytes in registers) or its AVX2 sibling "npumoe-int4-avx2-dynamic" (avx2_linear), torch's
+`_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked for it; output widths a multiple of 16) or
+"dequantize".
 
 The dynamic kernels round the activations too, so they sit further from the dequantized reference than the
 weight-only ones (`npumoed bench fidelity` measures both: bench/results/fidelity-weights-*).
@@ -47,20 +50,21 @@ from ..formats.quantize import (
     relative_error,
     unpack_int4,
 )
-from . import vnni_linear
+from . import avx2_linear, vnni_linear
 from .choice import Accuracy, Choice, Measured, time_in_turns
 from .float_kernels import ROWS, X86, expert_shape, rotated
 
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
 AMX = "npumoe-int8-amx-dynamic"
-FUSED = (*OWN.values(), AMX)  # the kernels that run a whole silu-gated expert in one call
+AVX2 = {INT8: "npumoe-int8-avx2-dynamic", INT4: "npumoe-int4-avx2-dynamic"}  # avx2_linear's, over vnni_linear.pack
+FUSED = (*OWN.values(), AMX, *AVX2.values())  # the kernels that run a whole silu-gated expert in one call
 SILU = ("silu", "swish")  # transformers' names (ACT2FN) for silu
-KERNELS = {INT8: (OWN[INT8], AMX, "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
-           INT4: (OWN[INT4], "int4pack", "dequantize")}
+KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
+           INT4: (OWN[INT4], AVX2[INT4], "int4pack", "dequantize")}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
-CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source))
+CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source, avx2_linear.KERNEL.source))
 
 
 def bound(kernel: str, dtype: torch.dtype) -> float:
@@ -75,10 +79,11 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
         raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
     reasons = {}
     cannot_take = {why for w in weights if (why := vnni_linear.unsupported(w)) is not None}
-    if cannot_take:
-        reasons[OWN[format]] = "; ".join(sorted(cannot_take))
-    elif (why := vnni_linear.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
-        reasons[OWN[format]] = why
+    for kernel, module in ((OWN[format], vnni_linear), (AVX2[format], avx2_linear)):  # one packing, one limit
+        if cannot_take:
+            reasons[kernel] = "; ".join(sorted(cannot_take))
+        elif (why := module.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
+            reasons[kernel] = why
     if format == INT8:
         if OWN[INT8] in reasons:
             reasons[AMX] = reasons[OWN[INT8]]
@@ -111,7 +116,7 @@ class QuantLinear:
             raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
         self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
         self.nbytes = weight.nbytes
-        if kernel in (OWN[weight.format], AMX):
+        if kernel in FUSED:
             self._packed = vnni_linear.pack(weight)
         elif kernel == "dequantize":
             self._weight = weight
@@ -138,6 +143,8 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, K) -> (n, N) in x's dtype, written into `out` when given."""
         self._check(x)
+        if self.kernel in AVX2.values():
+            return avx2_linear.linear(x, self._packed, out)
         if self.kernel in FUSED:
             return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
         y = self._product(x)
@@ -176,6 +183,8 @@ def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
         gate, up = gate_up(x).chunk(2, dim=-1)
         return down(F.silu(gate) * up, out)
     gate_up._check(x)
+    if gate_up.kernel in AVX2.values():
+        return avx2_linear.silu_glu_expert(x, gate_up._packed, down._packed, out)
     return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)
 
 

@@ -18,8 +18,9 @@ one level would round them several times worse (tests/engine/test_vnni_linear.py
 rows). Only such rows pay for the second level's arithmetic.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
-quant_kernels chooses among torch's kernels. An Arm analogue (NEON dotprod / i8mm) would be a sibling module with
-its own packing and the same `pack`/`linear` contract.
+quant_kernels chooses among its other kernels: on AVX2, avx2_linear reads this module's packing (`pack`) through the
+same checks (`check_rows`, `check_expert`) and weight struct (`native_weight`). An Arm analogue (NEON dotprod /
+i8mm) would be a sibling module with its own packing and the same `pack`/`linear` contract.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
+from .host import isa_ceiling_refuses
 from .native import NativeKernel
 
 BLOCK = 64  # output columns per packed weight block, as in vnni_linear.c
@@ -101,7 +103,7 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
     n = packed.shape[0]
     if out is None:
         out = x.new_empty(m, n)
-    _check_rows(f"{packed.format} linear", x, out, packed.shape)
+    check_rows(f"VNNI {packed.format} linear", x, out, packed.shape)
     if not m:
         return out
     bf16 = int(x.dtype == torch.bfloat16)
@@ -127,24 +129,30 @@ def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: 
                     amx: bool = False) -> torch.Tensor:
     """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
     packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given; int8 on AMX tiles with `amx`."""
+    check_expert(x, up, down)
     m, k = x.shape
-    n, inter = down.shape
-    if up.format != down.format or up.shape != (2 * inter, k):
-        raise ValueError(f"a gated expert needs gate-up (2I, K) and down (N, I) weights of one format, got "
-                         f"{up.format} {up.shape} and {down.format} {down.shape}")
+    n = down.shape[0]
     if out is None:
         out = x.new_empty(m, n)
-    _check_rows(f"{up.format} expert", x, out, (n, k))
+    check_rows(f"VNNI {up.format} expert", x, out, (n, k))
     if not m:
         return out
     library = KERNEL.library()
     kind = _kind(up.format, amx)
     failed = library.npumoe_silu_glu_expert(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), kind,
-                                            ctypes.byref(_native(up)), ctypes.byref(_native(down)), out.data_ptr(),
-                                            out.stride(0))
+                                            ctypes.byref(native_weight(up)), ctypes.byref(native_weight(down)),
+                                            out.data_ptr(), out.stride(0))
     if failed:
         raise MemoryError(f"the VNNI {up.format} expert could not allocate {m} rows of scratch")
     return out
+
+
+def check_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight) -> None:
+    """Refuse a gated expert's weights unless they are gate-up (2I, K) and down (N, I) of one format for x's K."""
+    inter = down.shape[1]
+    if up.format != down.format or up.shape != (2 * inter, x.shape[1]):
+        raise ValueError(f"a gated expert needs gate-up (2I, K) and down (N, I) weights of one format, got "
+                         f"{up.format} {up.shape} and {down.format} {down.shape}")
 
 
 class _Weight(ctypes.Structure):
@@ -154,7 +162,9 @@ class _Weight(ctypes.Structure):
                 ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
 
 
-def _native(packed: PackedWeight) -> _Weight:
+def native_weight(packed: PackedWeight) -> _Weight:
+    """The packed weight as the C kernels' struct npumoe_weight (its tensors' addresses: keep `packed` alive)."""
+
     def address(t: torch.Tensor | None) -> int | None:
         return None if t is None else t.data_ptr()
 
@@ -175,13 +185,13 @@ def _kind(format: str, amx: bool) -> int:
     return _INT8_VNNI if format == INT8 else _INT4_VNNI
 
 
-def _check_rows(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int]) -> None:
+def check_rows(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int]) -> None:
     """Refuse x and out unless they are (m, K) and (m, N) float32 or bf16 rows of one dtype, unit-stride, for a
     product of shape (N, K)."""
     m, k = x.shape
     if (x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype or k != shape[1]
             or out.shape != (m, shape[0]) or x.stride(1) != 1 or out.stride(1) != 1):
-        raise ValueError(f"VNNI {what}: x {x.dtype} {tuple(x.shape)}, weight {shape}, out {out.dtype} "
+        raise ValueError(f"{what}: x {x.dtype} {tuple(x.shape)}, weight {shape}, out {out.dtype} "
                          f"{tuple(out.shape)}; float32 or bf16 rows, unit-stride")
 
 
@@ -196,6 +206,8 @@ def amx_unavailable() -> str | None:
         return why
     if not torch.cpu._is_amx_tile_supported():
         return "this CPU lacks AMX-INT8 tiles"
+    if (why := isa_ceiling_refuses("amx")) is not None:
+        return why
     if not _amx_granted(KERNEL.library()):
         return "the operating system did not grant this process AMX tile state"
     return None
@@ -213,7 +225,7 @@ def unsupported_cpu() -> str | None:
         return f"the VNNI kernel is for x86-64 CPUs, this is {platform.machine()}"
     if not torch.cpu._is_vnni_supported():
         return "this CPU lacks AVX512-VNNI"
-    return None
+    return isa_ceiling_refuses("avx512_vnni")
 
 
 _POINTER, _SIZE, _FLAG = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

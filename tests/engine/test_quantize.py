@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from cpus import APPLE_SILICON, CPUS, INTEL_MAC, SAPPHIRE_RAPIDS, fresh_process, simulate
+from cpus import APPLE_SILICON, CPUS, SAPPHIRE_RAPIDS, fresh_process, simulate
 
 from npumoe.engine.formats import quantize as quantize_module
 from npumoe.engine.formats.quantize import (
@@ -25,8 +25,8 @@ from npumoe.engine.formats.quantize import (
     relative_error,
     unpack_int4,
 )
+from npumoe.engine.kernels import avx2_linear, quant_kernels, vnni_linear
 from npumoe.engine.kernels import choice as mechanism
-from npumoe.engine.kernels import quant_kernels
 from npumoe.engine.kernels.quant_kernels import (
     ACTIVATION_DTYPES,
     KERNELS,
@@ -202,7 +202,7 @@ def test_onednn_int8_runs_only_where_oneDNN_does_and_the_fallback_everywhere(mon
 
 
 def test_int4pack_needs_output_widths_in_sixteens(monkeypatch):
-    simulate(monkeypatch, INTEL_MAC)  # no VNNI, so no kernel of the engine's own either
+    simulate(monkeypatch, APPLE_SILICON)  # not x86, so no kernel of the engine's own either
     odd = quantize(randn(40, 64, seed=8), INT4)
     assert "multiple of 16" in unavailable_kernels(INT4, torch.float32, odd)["int4pack"]
     choice = choose_kernel([odd], [quantize(randn(64, 32, seed=9), INT4)], torch.float32)
@@ -286,7 +286,8 @@ def test_under_avx2_the_choice_takes_an_int8_kernel_within_its_bound(tmp_path):
                                   "timed": {kernel: [a.error, a.bound] for kernel, a in accuracy.items()}}
         print(json.dumps(result))
     """)
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "NPUMOE_CACHE": str(tmp_path)}
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "NPUMOE_MAX_CPU_ISA": "avx2",
+           "NPUMOE_CACHE": str(tmp_path)}
     run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     for dtype, choice in json.loads(run.stdout.splitlines()[-1]).items():
@@ -295,6 +296,9 @@ def test_under_avx2_the_choice_takes_an_int8_kernel_within_its_bound(tmp_path):
         assert all(error <= bound for error, bound in choice["timed"].values()), (dtype, choice)
         assert all("above its bound" in why for why in choice["refused"].values()), (dtype, choice)
         assert "onednn-dynamic" in choice["unavailable"] or "onednn-dynamic" in choice["refused"], (dtype, choice)
+        # the engine's own kernels narrowed too: the VNNI ones cannot run, the AVX2 one ran within its bound
+        assert vnni_linear.unavailable() or "excludes avx512_vnni" in choice["unavailable"][quant_kernels.OWN[INT8]]
+        assert avx2_linear.unavailable() is not None or quant_kernels.AVX2[INT8] in choice["timed"], (dtype, choice)
 
 
 def test_real_timing_runs_every_kernel_here_single_threaded(tmp_path, monkeypatch):

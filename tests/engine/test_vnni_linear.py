@@ -289,7 +289,8 @@ def test_without_vnni_the_compiler_is_never_called_and_the_choice_falls_back_to_
         assert unavailable_kernels(format, torch.float32, *weights)[OWN[format]] == reason
         choice = choose_kernel(weights, weights, torch.float32)
         assert OWN[format] not in choice.seconds and choice.winner != OWN[format]
-    assert build.runs == [] and build.loaded == []
+    # the AVX2 kernel (test_avx2_linear) is the only one built, where the CPU is x86
+    assert [run.rpartition("/")[2] for run in build.runs] == (["avx2_linear.c"] if cpu is INTEL_MAC else [])
     assert all(not {OWN[INT8], OWN[INT4], AMX} & set(kernels) for kernels in timed)
 
 

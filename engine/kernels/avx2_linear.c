@@ -1,0 +1,460 @@
+/* y = x · ŵᵀ for int8 and int4 quantized weights ŵ (quantize.py), for x86-64 CPUs with AVX2 and FMA but no
+ * AVX-512: the weights packed as vnni_linear.c packs them (vnni_linear.pack), read 32 bytes at a time, and the same
+ * results up to float rounding, without VNNI's int32 byte dot products.
+ *
+ * Each call rounds every row of x (float32 or bf16) to signed int8 codes with its own scale (absmax / 127, rounded
+ * to nearest even, as quant_kernels.quantize_rows does); for int8, a row that this rounds by more than
+ * ROUNDING_BOUND takes a second row of codes for what the first missed, as in vnni_linear.c.
+ *
+ * Byte products without saturation: AVX2's byte multiply, VPMADDUBSW (u8 x s8), adds each pair of products in
+ * int16 with saturation, which is what makes x86 int8 matmuls without VNNI wrong on the whole int8 range (255 · 127
+ * · 2 > 32767). Here no pair can reach it:
+ * int8: the unsigned operand is |x| (at most 127) and the signed one the weight with x's sign (VPSIGNB), so a pair
+ * sums to at most 2 · 127 · 128 = 32512; VPMADDWD with ones then adds the pairs into int32.
+ * int4: the unsigned operand is the weight code (0..15), x the signed one: a pair is at most 2 · 15 · 127 = 3810,
+ * so up to 8 of them (four octets of K) add in int16 before VPMADDWD widens them.
+ * A 32-byte load holds 8 columns x 4 K values (int8: one quad of a run; int4: one octet's low or high nibbles), so
+ * a column's sum lands in one int32 lane. A tile of up to 6 rows x 16 columns keeps its sums in 12 registers;
+ * the block's runs of 16 columns go one after another, the first pass asking for the block's bytes ahead.
+ * Built and loaded at run time by avx2_linear.py, which asks the CPU for AVX2 first.
+ */
+#include <float.h>
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TARGET __attribute__((target("avx2,fma")))
+#define INLINE __attribute__((always_inline))
+#define TILE_ROWS 6
+#define BLOCK 64
+#define AHEAD 16384          /* as in vnni_linear.c */
+#define ROUNDING_BOUND 0.03f /* as in vnni_linear.c: rows that lose more take a second level of codes */
+
+/* 8 activations from column i on as float32, zeros past k. */
+static inline TARGET INLINE __m256 load_x(const void *row, int bf16, int64_t k, int64_t i) {
+    if (i + 8 <= k) {
+        if (bf16) {
+            const __m128i half = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + i));
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+        }
+        return _mm256_loadu_ps((const float *)row + i);
+    }
+    float tail[8] = {0};
+    for (int64_t j = i; j < k; j++) {
+        if (bf16) {
+            const uint32_t bits = (uint32_t)((const uint16_t *)row)[j] << 16;
+            memcpy(tail + (j - i), &bits, sizeof bits);
+        } else {
+            tail[j - i] = ((const float *)row)[j];
+        }
+    }
+    return _mm256_loadu_ps(tail);
+}
+
+/* 8 results from column j on (the first `columns` of them), as float32 or bf16 rounded to nearest even. */
+static inline TARGET INLINE void store_y(void *row, int bf16, int64_t j, __m256 v, int64_t columns) {
+    const int64_t n = columns < 8 ? columns : 8;
+    if (n <= 0) return;
+    if (bf16) {
+        __m256i bits = _mm256_castps_si256(v);
+        const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        bits = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+        const __m128i halves = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+        if (n == 8) {
+            _mm_storeu_si128((__m128i *)((uint16_t *)row + j), halves);
+        } else {
+            uint16_t out[8];
+            _mm_storeu_si128((__m128i *)out, halves);
+            memcpy((uint16_t *)row + j, out, (size_t)n * sizeof *out);
+        }
+    } else if (n == 8) {
+        _mm256_storeu_ps((float *)row + j, v);
+    } else {
+        float out[8];
+        _mm256_storeu_ps(out, v);
+        memcpy((float *)row + j, out, (size_t)n * sizeof *out);
+    }
+}
+
+static inline TARGET INLINE float max_of(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline TARGET INLINE float sum_of(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+static inline TARGET INLINE int32_t sum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+/* 8 int32 codes (each within ±127) as 8 bytes at q. */
+static inline TARGET INLINE void store_codes(int8_t *q, __m256i codes) {
+    const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1));
+    _mm_storel_epi64((__m128i *)q, _mm_packs_epi16(words, words));
+}
+
+/* One row of k activations as int8 codes into q (room for k rounded up to 8; the caller zeroes the padding).
+ * Returns the row's scale. With `sums`, also each group of `group` (a multiple of 8) codes' sum; with `loss`, the
+ * share of the row's squared L2 norm that rounding lost. */
+static TARGET float quantize_row(const void *row, int bf16, int64_t k, int8_t *q, int64_t group, float *sums,
+                                 float *loss) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 top = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) top = _mm256_max_ps(top, _mm256_and_ps(load_x(row, bf16, k, i), magnitude));
+    float scale = max_of(top) / 127.0f;
+    if (scale < FLT_MIN) scale = FLT_MIN; /* an all-zero row: zero codes */
+    const __m256 step = _mm256_set1_ps(scale), inverse = _mm256_set1_ps(1.0f / scale);
+    __m256 lost = _mm256_setzero_ps(), whole = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+        const __m256 v = load_x(row, bf16, k, i);
+        const __m256i codes = _mm256_cvtps_epi32(_mm256_mul_ps(v, inverse)); /* nearest even */
+        if (sums) sums[i / group] += (float)sum_epi32(codes);
+        if (loss) {
+            const __m256 missed = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(codes), step, v);
+            lost = _mm256_fmadd_ps(missed, missed, lost);
+            whole = _mm256_fmadd_ps(v, v, whole);
+        }
+        store_codes(q + i, codes);
+    }
+    if (loss) {
+        const float norm = sum_of(whole);
+        *loss = norm > 0.0f ? sum_of(lost) / norm : 0.0f; /* an all-zero row loses nothing */
+    }
+    return scale;
+}
+
+/* x's m rows rounded for the int8 kernel: codes q and their magnitudes a (rows of `padded` bytes, padding 0), a
+ * scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1: one, or two where one loses more than
+ * ROUNDING_BOUND, the second what the first missed (x − s·code, at most s/2) at s/254. */
+struct codes {
+    int8_t *q;
+    uint8_t *a;
+    float *xs;
+    int64_t *first_row, rows;
+};
+
+static void free_codes(struct codes *codes) {
+    free(codes->q);
+    free(codes->a);
+    free(codes->xs);
+    free(codes->first_row);
+}
+
+/* Fills `codes` (0), or returns -1 when memory ran out (nothing left to free). */
+static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded,
+                             struct codes *codes) {
+    const int64_t most = 2 * m, size = bf16 ? 2 : 4;
+    codes->q = calloc((size_t)(most * padded), 1); /* the padding stays 0: codes past k round zeros */
+    codes->a = malloc((size_t)(most * padded));
+    codes->xs = malloc((size_t)most * sizeof *codes->xs);
+    codes->first_row = malloc((size_t)(m + 1) * sizeof *codes->first_row);
+    float *missed = malloc((size_t)((k + 7) / 8 * 8) * sizeof *missed);
+    if (!codes->q || !codes->a || !codes->xs || !codes->first_row || !missed) {
+        free(missed);
+        free_codes(codes);
+        return -1;
+    }
+    int64_t rows = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const char *row = (const char *)x + r * ldx * size;
+        int8_t *hi = codes->q + rows * padded;
+        float loss;
+        const float scale = quantize_row(row, bf16, k, hi, 8, NULL, &loss);
+        codes->first_row[r] = rows;
+        codes->xs[rows++] = scale;
+        if (loss > ROUNDING_BOUND * ROUNDING_BOUND) {
+            for (int64_t i = 0; i < k; i += 8) {
+                const __m256 coarse = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(hi + i))));
+                _mm256_storeu_ps(missed + i, _mm256_fnmadd_ps(coarse, _mm256_set1_ps(scale), load_x(row, bf16, k, i)));
+            }
+            /* rounded at the fine scale s/254 itself: quantize_row's absmax of what was missed can be below s/2 */
+            const __m256 inverse = _mm256_set1_ps(254.0f / scale);
+            int8_t *lo = codes->q + rows * padded;
+            for (int64_t i = 0; i < k; i += 8)
+                store_codes(lo + i, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(missed + i), inverse)));
+            codes->xs[rows++] = scale / 254.0f;
+        }
+    }
+    codes->first_row[m] = codes->rows = rows;
+    for (int64_t i = 0; i < rows * padded; i++) codes->a[i] = (uint8_t)abs(codes->q[i]);
+    free(missed);
+    return 0;
+}
+
+/* Asks for the 64-byte lines [p, p + bytes) + AHEAD. */
+static inline TARGET INLINE void fetch_ahead(const void *p, int bytes) {
+    for (int line = 0; line < bytes; line += 64) _mm_prefetch((const char *)p + AHEAD + line, _MM_HINT_T0);
+}
+
+static inline TARGET INLINE __m256i broadcast4(const void *p) {
+    int32_t four;
+    memcpy(&four, p, sizeof four);
+    return _mm256_set1_epi32(four);
+}
+
+/* `rows` rows of codes (row stride ldq) times one run of 16 columns (w: its first quad; quads `quads`, the run's quad
+ * q at int8_quad) -> their int32 sums, 16 a row, into raw (row stride BLOCK). With `fetch`, the block's bytes are
+ * asked for in order as the run streams. */
+static inline TARGET INLINE void tile_int8(const int rows, const int8_t *q, const uint8_t *a, int64_t ldq,
+                                           const int8_t *w, const int8_t *block, int64_t quads, int fetch,
+                                           int32_t *raw) {
+    __m256i acc[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t quad = 0; quad < quads; quad++) {
+        const int64_t at = quad / 16 * 16 * 4 * BLOCK + quad % 16 * 64; /* chunks of 16 quads x 4 runs */
+        if (fetch) fetch_ahead(block + quad * 4 * BLOCK, 4 * BLOCK);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + at));
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + at + 32));
+#pragma GCC unroll 6
+        for (int r = 0; r < TILE_ROWS; r++) {
+            if (r < rows) {
+                const __m256i xs = broadcast4(q + r * ldq + 4 * quad), xa = broadcast4(a + r * ldq + 4 * quad);
+                acc[r][0] = _mm256_add_epi32(acc[r][0],
+                                             _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs)), ones));
+                acc[r][1] = _mm256_add_epi32(acc[r][1],
+                                             _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs)), ones));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm256_storeu_si256((__m256i *)(raw + r * BLOCK), acc[r][0]);
+        _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 8), acc[r][1]);
+    }
+}
+
+/* npumoe_avx2_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const float *scale,
+                              int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
+    const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
+    struct codes codes;
+    if (round_rows(x, m, ldx, bf16, k, padded, &codes)) return -1;
+    const int64_t tiles = (codes.rows + TILE_ROWS - 1) / TILE_ROWS;
+    int32_t *raw = malloc((size_t)(codes.rows * BLOCK) * sizeof *raw); /* every row of codes' sums over a block */
+    if (!raw) {
+        free_codes(&codes);
+        return -1;
+    }
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const int8_t *wb = w + block * BLOCK * padded;
+        const int64_t columns = n - block * BLOCK;
+        for (int run = 0; run < 4 && 16 * run < columns; run++) {
+            for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+                const int64_t rows = (codes.rows - r0 + (tiles - t) - 1) / (tiles - t); /* tiles differ by a row at most */
+                const int8_t *qt = codes.q + r0 * padded, *wr = wb + run * 1024;
+                const uint8_t *at = codes.a + r0 * padded;
+                int32_t *rt = raw + r0 * BLOCK + 16 * run;
+                const int fetch = run == 0 && t == 0;
+                switch (rows) { /* a constant row count per call, so each loop unrolls fully */
+                case 1: tile_int8(1, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                case 2: tile_int8(2, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                case 3: tile_int8(3, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                case 4: tile_int8(4, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                case 5: tile_int8(5, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                default: tile_int8(6, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                }
+                r0 += rows;
+            }
+        }
+        const float *cb = scale + block * BLOCK;
+        for (int64_t r = 0; r < m; r++) { /* Σ over the token's levels of sums · x scale, times the column's scale */
+            const int64_t first = codes.first_row[r], last = codes.first_row[r + 1];
+            for (int c = 0; 8 * c < columns; c++) {
+                __m256 v = _mm256_setzero_ps();
+                for (int64_t level = first; level < last; level++)
+                    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(raw + level * BLOCK + 8 * c))),
+                                        _mm256_set1_ps(codes.xs[level]), v);
+                store_y((char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, 8 * c,
+                        _mm256_mul_ps(v, _mm256_loadu_ps(cb + 8 * c)), columns - 8 * c);
+            }
+        }
+    }
+    free(raw);
+    free_codes(&codes);
+    return 0;
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed as vnni_linear.c's int8 (n64/64, k64/64,
+ * 4, 16, 16, 4); scale: (n64,) float32; y: (m, n) in x's dtype with row stride ldy. Returns 0, or -1 when scratch
+ * memory ran out. */
+TARGET int npumoe_avx2_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w,
+                                   const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
+    return linear_int8(x, m, ldx, bf16, w, scale, n, k, y, ldy, bf16);
+}
+
+static inline TARGET INLINE __m256 bf16_to_ps(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+/* Rows of the int4 kernel over 16 columns: s8 codes q (row stride ldq), scales xs, group sums gs (row stride groups);
+ * w the block's (k/8, 64, 4) nibble pairs (`block`) from the 16 columns' first byte; s, z their (groups, 64) bf16
+ * scales and zeros from the same column. With `fetch`, the block's bytes are asked for in order as it streams. */
+static inline TARGET INLINE void tile_int4(const int rows, const int8_t *q, int64_t ldq, const float *xs,
+                                           const float *gs, const uint8_t *w, const uint8_t *block, int64_t groups,
+                                           int64_t octets,
+                                           const uint16_t *s, const uint16_t *z, void *y, int64_t ldy, int bf16,
+                                           int64_t columns, int fetch) {
+    __m256 total[TILE_ROWS][2];
+    for (int r = 0; r < TILE_ROWS; r++) total[r][0] = total[r][1] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < groups; g++) {
+        const __m256 gscale[2] = {bf16_to_ps(s + g * BLOCK), bf16_to_ps(s + g * BLOCK + 8)};
+        for (int64_t o0 = g * octets; o0 < (g + 1) * octets; o0 += 4) { /* 4 octets: 8 pair sums, within int16 */
+            __m256i acc[TILE_ROWS][2];
+            for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+            for (int64_t o = o0; o < o0 + 4 && o < (g + 1) * octets; o++) {
+                const uint8_t *wo = w + o * 4 * BLOCK;
+                if (fetch) fetch_ahead(block + o * 4 * BLOCK, 4 * BLOCK); /* the whole block's bytes, in order */
+                const __m256i b0 = _mm256_loadu_si256((const __m256i *)wo), b1 = _mm256_loadu_si256((const __m256i *)(wo + 32));
+                const __m256i lo0 = _mm256_and_si256(b0, low), lo1 = _mm256_and_si256(b1, low);
+                const __m256i hi0 = _mm256_and_si256(_mm256_srli_epi16(b0, 4), low);
+                const __m256i hi1 = _mm256_and_si256(_mm256_srli_epi16(b1, 4), low);
+#pragma GCC unroll 6
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    if (r < rows) {
+                        const __m256i xl = broadcast4(q + r * ldq + 8 * o), xh = broadcast4(q + r * ldq + 8 * o + 4);
+                        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_add_epi16(_mm256_maddubs_epi16(lo0, xl),
+                                                                                 _mm256_maddubs_epi16(hi0, xh)));
+                        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_add_epi16(_mm256_maddubs_epi16(lo1, xl),
+                                                                                 _mm256_maddubs_epi16(hi1, xh)));
+                    }
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                for (int c = 0; c < 2; c++)
+                    total[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[r][c], ones)), gscale[c],
+                                                  total[r][c]);
+        }
+        for (int c = 0; c < 2; c++) { /* w = (q − 8)·s + z: the zero's share is (z − 8s)·Σx */
+            const __m256 gzero = _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), gscale[c], bf16_to_ps(z + g * BLOCK + 8 * c));
+            for (int r = 0; r < rows; r++)
+                total[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(gs[r * groups + g]), gzero, total[r][c]);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < 2; c++)
+            store_y((char *)y + r * ldy, bf16, 8 * c, _mm256_mul_ps(total[r][c], _mm256_set1_ps(xs[r])),
+                    columns - 8 * c);
+}
+
+/* npumoe_avx2_linear_int4 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
+                              const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
+    const int64_t groups = k / group, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
+    int8_t *q = malloc((size_t)(m * k));
+    float *xs = malloc((size_t)m * sizeof *xs), *gs = calloc((size_t)(m * groups), sizeof *gs);
+    if (!q || !xs || !gs) {
+        free(q);
+        free(xs);
+        free(gs);
+        return -1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, q + r * k, group, gs + r * groups, NULL);
+    const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, octets = group / 8;
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const uint8_t *wb = w + block * BLOCK * k / 2;
+        for (int run = 0; run < 4; run++) {
+            const uint16_t *sb = s + block * groups * BLOCK + 16 * run, *zb = z + block * groups * BLOCK + 16 * run;
+            const int64_t columns = n - block * BLOCK - 16 * run;
+            if (columns <= 0) break;
+            for (int64_t t = 0, r0 = 0; t < tiles; t++) {
+                const int64_t rows = (m - r0 + (tiles - t) - 1) / (tiles - t);
+                const int8_t *qt = q + r0 * k;
+                const float *gt = gs + r0 * groups;
+                const uint8_t *wr = wb + 64 * run;
+                void *yt = (char *)y + (r0 * ldy + block * BLOCK + 16 * run) * ysize;
+                const int64_t ystride = ldy * ysize;
+                const int fetch = run == 0 && t == 0;
+                switch (rows) {
+                case 1: tile_int4(1, qt, k, xs + r0, gt, wr, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns, fetch); break;
+                case 2: tile_int4(2, qt, k, xs + r0, gt, wr, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns, fetch); break;
+                case 3: tile_int4(3, qt, k, xs + r0, gt, wr, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns, fetch); break;
+                case 4: tile_int4(4, qt, k, xs + r0, gt, wr, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns, fetch); break;
+                case 5: tile_int4(5, qt, k, xs + r0, gt, wr, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns, fetch); break;
+                default: tile_int4(6, qt, k, xs + r0, gt, wr, wb, groups, octets, sb, zb, yt, ystride, ybf16, columns, fetch); break;
+                }
+                r0 += rows;
+            }
+        }
+    }
+    free(q);
+    free(xs);
+    free(gs);
+    return 0;
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed as vnni_linear.c's int4 (n64/64, k/8, 64, 4) nibble
+ * pairs; s, z: (n64/64, k/group, 64) bf16; group a multiple of 16 dividing k; y: (m, n) in x's dtype with row stride
+ * ldy. Returns 0, or -1 when scratch memory ran out. */
+TARGET int npumoe_avx2_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w,
+                                   const uint16_t *s, const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y,
+                                   int64_t ldy) {
+    return linear_int4(x, m, ldx, bf16, w, s, z, group, n, k, y, ldy, bf16);
+}
+
+/* e^x for |x| up to 88 (clamped beyond), as vnni_linear.c's exp_ps: 2^n · 2^f, 2^f by its Taylor series to f^6,
+ * 2^n put in the exponent's bits. */
+static inline TARGET __m256 exp_ps(__m256 x) {
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    static const float terms[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f,
+                                  6.9314718e-1f, 1.0f};
+    __m256 p = _mm256_set1_ps(terms[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(terms[i]));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+/* Each of m rows of h (row stride ldh): the first `inter` values become silu(gate) · up, gate the first `inter`
+ * and up the next `inter`, in float32. */
+static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < m; r++) {
+        float *row = h + r * ldh;
+        for (int64_t j = 0; j < inter; j += 8) {
+            const __m256 gate = load_x(row, 0, inter, j), up = load_x(row + inter, 0, inter, j);
+            const __m256 decay = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), gate));
+            store_y(row, 0, j, _mm256_mul_ps(_mm256_div_ps(gate, _mm256_add_ps(one, decay)), up), inter - j);
+        }
+    }
+}
+
+/* vnni_linear.c's struct npumoe_weight, which vnni_linear.py fills for both kernels. */
+struct npumoe_weight {
+    const void *codes, *sums, *scale, *zero;
+    int64_t group, n, k;
+};
+
+static int run_linear(int int4, const struct npumoe_weight *w, const void *x, int64_t m, int64_t ldx, int bf16,
+                      void *y, int64_t ldy, int ybf16) {
+    if (int4) return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
+    return linear_int8(x, m, ldx, bf16, w->codes, w->scale, w->n, w->k, y, ldy, ybf16);
+}
+
+/* One expert's gated FFN in one call, as vnni_linear.c's npumoe_silu_glu_expert: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ with
+ * up = [G; U] packed (2I, K) and down packed (N, I), int4 when `int4`, else int8. Returns 0, or -1 when scratch
+ * memory ran out. */
+int npumoe_avx2_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int int4,
+                                const struct npumoe_weight *up, const struct npumoe_weight *down, void *y, int64_t ldy) {
+    const int64_t inter = down->k, width = up->n;
+    float *h = malloc((size_t)(m * width) * sizeof *h);
+    if (!h) return -1;
+    int failed = run_linear(int4, up, x, m, ldx, bf16, h, width, 0);
+    if (!failed) {
+        silu_glu_rows(h, m, width, inter);
+        failed = run_linear(int4, down, h, m, width, 0, y, ldy, bf16);
+    }
+    free(h);
+    return failed;
+}
