@@ -39,6 +39,7 @@ from .generate.summary import (
     answer_tokens,
     decode_from_cache,
     joined_lines,
+    outline,
     stop_ids,
     whole_sentences,
     without_thinking,
@@ -280,15 +281,18 @@ class Engine:
                 tick = time.perf_counter()
                 vectors = self._one_word_vectors(doc, sizes)
                 run.seconds[PREFILL] += time.perf_counter() - tick
-            summary, rounds = self._reduce(summaries, run)
+            summary, rounds, combined = self._reduce(summaries, run)
 
         run.seconds["total"] = time.perf_counter() - run.started
         stats = RunStats(tokens=len(doc), chunks=len(sizes), chunk_tokens=self.chunk_tokens,
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
-        said = joined_lines(tokenizer.decode(summary, skip_special_tokens=True))
-        return DocumentResult(summary=whole_sentences(said),
+        said = whole_sentences(joined_lines(tokenizer.decode(summary, skip_special_tokens=True)))
+        if rounds:  # and what each part that went into the last combine is about
+            said += "\n\n" + outline([joined_lines(tokenizer.decode(part, skip_special_tokens=True))
+                                       for part in combined])
+        return DocumentResult(summary=said,
                               embeddings=_rows(vectors, sizes), spans=self._spans(encoded, sizes), stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run,
@@ -400,12 +404,15 @@ class Engine:
             return _offset_spans(encoded["offset_mapping"], token_ends)
         return _decoded_spans(self.loaded.tokenizer, encoded["input_ids"], token_ends)
 
-    def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int]:
-        """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds)."""
+    def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int, list[list[int]]]:
+        """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds, the summaries
+        the last round combined: the sections' own when one round did)."""
         tick = time.perf_counter()
         rounds = 0
+        combined = summaries
         while len(summaries) > 1:
             rounds += 1
+            combined = summaries
             joined = [*summaries[0], *(t for s in summaries[1:] for t in (*self._separator, *s))]
             parts = windows(joined, self._reduce_tokens)
             summaries = []
@@ -415,7 +422,7 @@ class Engine:
                 summaries.append(self._decode(self._combine, part, cache, run))
                 run.report(REDUCE, len(summaries), len(parts))
         run.seconds[REDUCE] = time.perf_counter() - tick
-        return summaries[0], rounds
+        return summaries[0], rounds, combined
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:
         """Prefill without looking at the output (prompt prefixes, parts to combine)."""

@@ -28,6 +28,13 @@ NO_REPEAT = 4
 # short text), and never shorter than a few sentences' worth.
 SHARE, FEWEST = 3, 48
 
+# A long document's summary ends with one line per part it was cut into: the part's own summary's opening sentences,
+# at least a clause's worth of words (a log's part may open with "Night 3.") and at most a long sentence's. A small
+# model's combined summary may keep to one part; the lines still say what each is about.
+OUTLINE_WORDS = (8, 40)
+OUTLINE_HEADING = "By part:"
+
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
 # Chat-template switches that ask for an answer without reasoning first (Qwen3, GLM-4.5), or with the least of it
@@ -109,8 +116,27 @@ def whole_sentences(text: str) -> str:
     """`text` up to its last finished sentence, when the token budget cut it mid-sentence; as it is otherwise, or
     when it holds no finished sentence."""
     text = text.strip()
-    ends = [m.end() for m in re.finditer(r"[.!?][\"')\]]*(?=\s|$)", text)]
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
     return text[:ends[-1]] if ends and ends[-1] < len(text) else text
+
+
+def opening(text: str, words: tuple[int, int]) -> str:
+    """`text`'s first finished sentences, as few as hold at least words[0] words (all of it when they do not), on one
+    line, cut to words[1] words with an ellipsis when longer."""
+    least, most = words
+    text = text.strip()
+    said: list[str] = []
+    for end in [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]:
+        said = text[:end].split()
+        if len(said) >= least:
+            break
+    return " ".join(said[:most]) + (" …" if len(said) > most else "")
+
+
+def outline(parts: Sequence[str], words: tuple[int, int] = OUTLINE_WORDS) -> str:
+    """A numbered line per part, in order: each part's summary condensed to its opening."""
+    lines = [f"{i}. {opening(part, words)}" for i, part in enumerate(parts, 1) if part.strip()]
+    return "\n".join([OUTLINE_HEADING, *lines])
 
 
 def joined_lines(text: str) -> str:
