@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,11 +35,14 @@ from .generate.pooling import OneWordFrame, check_pooling, pooled, prefill_pooli
 from .generate.prefill import new_cache, prefill, windows
 from .generate.summary import (
     COMBINE,
+    OUTLINE_WORDS,
     SUMMARIZE,
     PromptFrame,
     answer_tokens,
     decode_from_cache,
+    echoes,
     joined_lines,
+    opening,
     outline,
     stop_ids,
     whole_sentences,
@@ -70,6 +74,8 @@ from .vocabulary import (
 )
 
 log = logging.getLogger(__name__)
+
+_SENTENCE_START = re.compile(r"(?:\A|(?<=[.!?]\s)|(?<=\n))[A-Z0-9\"']")
 
 
 @dataclass(frozen=True)
@@ -322,11 +328,23 @@ class Engine:
                 run.report(PREFILL, chunks_done, chunks_total)
             run.seconds[PREFILL] += time.perf_counter() - tick
             tick = time.perf_counter()
-            summaries.append(self._decode(self._summarize, section, cache, run))
+            summaries.append(self._section_summary(section, cache, run))
             run.seconds[SUMMARY] += time.perf_counter() - tick
             run.report(SUMMARY, len(summaries), len(sections))
         stacked = torch.stack(vectors)
         return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
+
+    def _section_summary(self, section: Sequence[int], cache: Any, run: _Run) -> list[int]:
+        """The section's summary decoded from `cache`; an answer that only says the instruction back gives way to the
+        section's own opening sentences, which say more of what it is about to a reader and to the combine."""
+        said = self._decode(self._summarize, section, cache, run)
+        tokenizer = self.loaded.tokenizer
+        if not echoes(tokenizer.decode(said, skip_special_tokens=True), SUMMARIZE):
+            return said
+        text = joined_lines(tokenizer.decode(section, skip_special_tokens=True))
+        start = _SENTENCE_START.search(text)  # the section's first whole sentence: a section may start mid-sentence
+        return tokenizer(opening(text[start.start() if start else 0:], OUTLINE_WORDS),
+                         add_special_tokens=False)["input_ids"]
 
     def _pool_chunks(self, section: Sequence[int], cache: Any,
                      pooling: str) -> Iterator[tuple[torch.Tensor, int] | None]:

@@ -34,6 +34,7 @@ SHARE, FEWEST = 3, 48
 OUTLINE_WORDS = (8, 40)
 OUTLINE_HEADING = "By part:"
 
+_STEM, _ECHO = 5, 0.8  # letters a word is known by; the share of an answer's words that makes it an echo
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
@@ -131,6 +132,15 @@ def opening(text: str, words: tuple[int, int]) -> str:
         if len(said) >= least:
             break
     return " ".join(said[:most]) + (" …" if len(said) > most else "")
+
+
+def echoes(answer: str, instruction: str) -> bool:
+    """Whether `answer` only says the instruction back ("A summary of the text above in plain English."): nearly all
+    its words are the instruction's (by their first letters, so "summary" is "Summarize"). A 135M model does this for
+    a section now and then; an answer that says anything of the text has words of its own."""
+    words = [w[:_STEM] for w in re.findall(r"[a-z]{3,}", answer.lower())]
+    said = {w[:_STEM] for w in re.findall(r"[a-z]{3,}", instruction.lower())}
+    return bool(words) and sum(w in said for w in words) >= _ECHO * len(words)
 
 
 def outline(parts: Sequence[str], words: tuple[int, int] = OUTLINE_WORDS) -> str:

@@ -25,6 +25,7 @@ from npumoe.engine.generate.summary import (
     NoRepeatInAnswer,
     PromptFrame,
     answer_tokens,
+    echoes,
     joined_lines,
     opening,
     stop_ids,
@@ -271,6 +272,23 @@ def test_a_parts_line_is_its_opening_sentences_on_one_line_within_its_length():
     assert opening("The queue was empty. Later", (2, 10)) == "The queue was empty."
     assert opening("The queue was\n\nempty by two", (2, 10)) == "The queue was empty by two"
     assert opening("one two three four. five", (2, 3)) == "one two three …"
+
+
+def test_an_answer_that_only_says_the_instruction_back_is_an_echo():
+    assert echoes("A summary of text above in plain English.", SUMMARIZE)
+    assert echoes("The text above is a summary of the text in plain English.", SUMMARIZE)
+    assert not echoes("A job that has failed too many times is set aside, not retried forever.", SUMMARIZE)
+    assert not echoes("", SUMMARIZE)
+
+
+def test_a_section_summary_that_echoes_the_instruction_gives_way_to_the_sections_opening(api, harbour, monkeypatch):
+    tokenizer = api.loaded.tokenizer
+    echo = tokenizer("A summary of the text above in plain English.", add_special_tokens=False)["input_ids"]
+    calls = []
+    monkeypatch.setattr(engine_module, "decode_from_cache", lambda *a: calls.append(1) or list(echo))
+    result = api.process(harbour[:300])
+    assert calls == [1] and result.stats.sections == 1
+    assert result.summary == opening(joined_lines(harbour[:300]), OUTLINE_WORDS) != ""
 
 
 def test_section_tokens_caps_each_section_and_each_is_prefilled_on_its_own(folder, api, harbour, prefix):
