@@ -98,9 +98,11 @@ def run_real_fidelity(loaded: LoadedModel, texts: Sequence[str], settings: RealF
         for variant in variants:
             if variant.exact_experts and dense is None:
                 continue  # the GGUF file is not at hand, or the model did not come from one
-            with rounded_experts(loaded.model, variant, dense) as originals, computed_in(loaded.model, variant.compute):
+            with (rounded_experts(loaded.model, variant, dense) as originals,
+                  computed_in(loaded.model, variant.compute) as kept):
                 logits = [document_logits(loaded, piece, settings.chunk_tokens) for piece in ids]
-                errors = weight_errors(loaded.model, originals, dense)
+                before = {name: kept.get(name, weight) for name, weight in originals.items()}  # before the cast too
+                errors = weight_errors(loaded.model, before, dense)
             reference = reference or logits
             row = {"variant": variant.name, "format": variant.format or "float",
                    "group": variant.group if variant.format == INT4 else None, "meaning": variant.meaning,
@@ -138,9 +140,11 @@ def rounded_experts(model: torch.nn.Module, variant: Variant,
                     dense: dict[str, torch.Tensor] | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """The model with its experts' weights rounded to `variant`'s format and back to their dtype (or, for a variant
     of exact experts, every expert given the dense model's `dense` weights), put back after; yields the float
-    originals (what the changed weights are compared with)."""
+    originals (what the changed weights are compared with; the weights themselves for a variant that leaves them:
+    a copy of every expert is the largest allocation of the run)."""
     weights = expert_weights(model)
-    originals = {name: weight.detach().clone() for name, weight in weights.items()}
+    changes = variant.exact_experts or variant.format is not None
+    originals = {name: weight.detach().clone() if changes else weight for name, weight in weights.items()}
     try:
         with torch.no_grad():
             for name, weight in weights.items():
@@ -152,22 +156,23 @@ def rounded_experts(model: torch.nn.Module, variant: Variant,
     finally:
         with torch.no_grad():
             for name, weight in weights.items():
-                weight.copy_(originals[name])
+                if changes:
+                    weight.copy_(originals[name])
 
 
 @contextmanager
-def computed_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
+def computed_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
     """The model cast to `dtype` and back after; what the cast would not give back exactly (a weight finer than
-    `dtype`, the rotary frequencies) is kept aside and put back as it was."""
+    `dtype`, the rotary frequencies) is kept aside and put back as it was. Yields what was kept, by name."""
     if dtype == model.dtype:
-        yield
+        yield {}
         return
     float_dtype = model.dtype
     kept = {name: tensor.detach().clone() for name, tensor in [*model.named_parameters(), *model.named_buffers()]
             if tensor.is_floating_point() and not torch.equal(tensor, tensor.to(dtype).to(tensor.dtype))}
     model.to(dtype)
     try:
-        yield
+        yield kept
     finally:
         model.to(float_dtype)
         with torch.no_grad():
