@@ -206,6 +206,7 @@ class Engine:
         self._combine = PromptFrame.build(tokenizer, COMBINE)
         self._one_word = OneWordFrame.build(tokenizer)
         self._separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        spacing = len(self._separator) + len(self._label(999))  # between two summaries in a combine's input
         self._stop = stop_ids(loaded.model, tokenizer)
         if not self._stop:
             raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
@@ -214,9 +215,9 @@ class Engine:
         self._section_tokens = min(fits, settings.section_tokens) if settings.section_tokens else fits
         self._reduce_tokens = context - self._combine.overhead - n
         # Each reduce round must at least halve the summaries, or a long document would never finish.
-        if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:
+        if self._reduce_tokens < 2 * (n + spacing) or self._section_tokens < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
-                             f"(at most {(context - self._combine.overhead - 2 * len(self._separator)) // 3})")
+                             f"(at most {(context - self._combine.overhead - 2 * spacing) // 3})")
         # how the chunk length was chosen: measured here (the timings), or given by the plan or the settings (None)
         self.chunk_choice: ChunkChoice | None = None
         if plan is not None:
@@ -431,7 +432,9 @@ class Engine:
         while len(summaries) > 1:
             rounds += 1
             combined = summaries
-            joined = [*summaries[0], *(t for s in summaries[1:] for t in (*self._separator, *s))]
+            # each summary labelled with its place: a small model then combines the parts instead of quoting one
+            labelled = [[*self._label(i), *summary] for i, summary in enumerate(summaries, 1)]
+            joined = [*labelled[0], *(t for s in labelled[1:] for t in (*self._separator, *s))]
             parts = windows(joined, self._reduce_tokens)
             summaries = []
             for part in parts:
@@ -441,6 +444,10 @@ class Engine:
                 run.report(REDUCE, len(summaries), len(parts))
         run.seconds[REDUCE] = time.perf_counter() - tick
         return summaries[0], rounds, combined
+
+    def _label(self, i: int) -> list[int]:
+        """What goes before the i-th summary in a combine's input."""
+        return self.loaded.tokenizer(f"Part {i}: ", add_special_tokens=False)["input_ids"]
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:
         """Prefill without looking at the output (prompt prefixes, parts to combine)."""

@@ -18,7 +18,10 @@ from transformers import (
 
 # Asked after the text, where a small model still sees it when it starts to answer.
 SUMMARIZE = "Summarize the text above in a few sentences of plain English."
-COMBINE = "These are summaries of consecutive parts of one document. Write one summary of the whole document."
+# Each summary it combines is labelled "Part i:". Asked to "write one summary", SmolLM2-135M wrote about summaries
+# (the night-shift log's own subject in one part); asked what the document is about, it takes from several parts.
+COMBINE = ("Each part above is the summary of one part of a long document, in order. In a few sentences, say what "
+           "the whole document is about.")
 
 # Greedy decoding falls into loops; a summary never needs to say the same NO_REPEAT words twice. Only the answer's
 # own n-grams count: transformers' no_repeat_ngram_size also counts the prompt's, which would forbid quoting it.

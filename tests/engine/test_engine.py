@@ -254,8 +254,11 @@ def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combi
 def test_a_combined_summary_ends_with_each_combined_parts_opening_one_line_each(api, harbour, orchard,
                                                                                        monkeypatch):
     answers: list[list[int]] = []
+    prompts: list[list[int]] = []
     decode = engine_module.decode_from_cache
-    monkeypatch.setattr(engine_module, "decode_from_cache", lambda *a: answers.append(decode(*a)) or answers[-1])
+    monkeypatch.setattr(engine_module, "decode_from_cache",
+                        lambda model, prompt, *a: prompts.append(prompt) or answers.append(decode(model, prompt, *a))
+                        or answers[-1])
     result = api.process(harbour + "\n\n" + orchard)
     sections = result.stats.sections
     assert result.stats.reduce_rounds == 1 and len(answers) == sections + 1  # the sections', then one combine
@@ -265,6 +268,9 @@ def test_a_combined_summary_ends_with_each_combined_parts_opening_one_line_each(
     assert lines.split("\n") == [f"{i}. {opening(p, OUTLINE_WORDS)}" for i, p in enumerate(parts, 1)
                                  if p.strip()]
     assert overview == whole_sentences(joined_lines(tokenizer.decode(answers[-1], skip_special_tokens=True)))
+    combine_input = tokenizer.decode(prompts[-1])  # each section's summary after its label, in order
+    labelled = [combine_input.find(f"Part {i}: {tokenizer.decode(a)}") for i, a in enumerate(answers[:sections], 1)]
+    assert -1 not in labelled and labelled == sorted(labelled)
 
 
 def test_a_parts_line_is_its_opening_sentences_on_one_line_within_its_length():
