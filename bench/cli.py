@@ -808,6 +808,23 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
                 [dataclasses.asdict(r) for r in results])
 
 
+@bench.command("query-latency")
+@click.option("--home", type=click.Path(file_okay=False, exists=True, path_type=Path), required=True,
+              help="A home whose documents are processed and indexed (e.g. the demo's: make demo).")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed searches each way.")
+@click.option("--query", default=None, help="The query (default: the README's example).")
+@_json_option
+def query_latency_bench(home: Path, runs: int, query: str | None, json_path: Path | None) -> None:
+    """Whole `npumoed search` commands without the daemon (they load the model) and with it running (they ask it)."""
+    from .machine import describe_machine
+    from .service.query_latency import QUERY, measure, summary_lines
+
+    result = measure(home, runs, query or QUERY)
+    for line in summary_lines(result):
+        click.echo(line)
+    _write_json(json_path, describe_machine(1), {"home": str(home), "runs": runs}, [result])
+
+
 @bench.command("retrieval")
 @click.option("--model", "model_name",
               help="Model: \"demo\", a checkpoint folder or a Hugging Face id (default: the home config's).")

@@ -12,6 +12,11 @@ almost exactly, which says nothing about how int4 does on a model trained in flo
 the file's blocks with their own scales and offsets, which one 16-level grid cannot follow: that row is what int4
 costs a float model. `weight_errors` says how far each format's expert weights sit from the checkpoint's and, where
 the GGUF file is at hand, from the file's own dequantized values.
+
+Two rows give the floor the formats are judged against, what moves the top-1 of this model without any integer
+format: the float model computed in bf16 (every activation and weight in bf16, as `weights = "bf16"` runs it), and,
+where the GGUF file is at hand, the experts given the file's exact values instead of the checkpoint's bf16 rounding of
+them (a 0.1 % weight change). A small model whose next token is often a near tie flips some of them under any change.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Variant:
     format: str | None = None
     group: int = INT4_GROUP
     meaning: str = ""
+    compute: torch.dtype = torch.float32  # the dtype the whole model runs in
+    exact_experts: bool = False  # the experts take the GGUF file's own values (needs the file)
 
 
 FLOAT = Variant("float", meaning="the checkpoint's own weights: the reference")
@@ -53,6 +60,12 @@ VARIANTS = (
             meaning="the engine's int4, its groups on the file's Q4_1 blocks: finds the file's grid again"),
     Variant(f"int4 g{2 * GGUF_BLOCK} not aligned", INT4, 2 * GGUF_BLOCK,
             meaning="two of the file's blocks a group: what int4 costs a model not already on a 4-bit grid"),
+)
+FLOORS = (
+    Variant("float in bf16", compute=torch.bfloat16,
+            meaning="the float weights, every activation in bf16: what bf16 rounding alone moves"),
+    Variant("experts as in the GGUF", exact_experts=True,
+            meaning="the file's exact values, not their bf16 rounding: a 0.1 % weight change"),
 )
 TARGETS = {INT8: {"top1": 0.99, "perplexity": 0.01}, INT4: {"top1": 0.95, "perplexity": 0.05}}  # issue #29
 
@@ -68,7 +81,7 @@ class RealFidelitySettings:
 
 
 def run_real_fidelity(loaded: LoadedModel, texts: Sequence[str], settings: RealFidelitySettings, *,
-                      variants: Sequence[Variant] = VARIANTS, dense: dict[str, torch.Tensor] | None = None,
+                      variants: Sequence[Variant] = VARIANTS + FLOORS, dense: dict[str, torch.Tensor] | None = None,
                       on_result: Callable[[dict], None] | None = None) -> list[dict]:
     """One row per variant (the first is the float reference): perplexity over `texts`' first tokens, its change
     against float, top-1 agreement and mean KL(float ‖ variant), and the experts' weight errors (`weight_errors`)."""
@@ -83,9 +96,13 @@ def run_real_fidelity(loaded: LoadedModel, texts: Sequence[str], settings: RealF
     reference: list[torch.Tensor] = []
     with torch.inference_mode():
         for variant in variants:
-            with rounded_experts(loaded.model, variant) as originals:
+            if variant.exact_experts and dense is None:
+                continue  # the GGUF file is not at hand, or the model did not come from one
+            with (rounded_experts(loaded.model, variant, dense) as originals,
+                  computed_in(loaded.model, variant.compute) as kept):
                 logits = [document_logits(loaded, piece, settings.chunk_tokens) for piece in ids]
-                errors = weight_errors(loaded.model, originals, dense)
+                before = {name: kept.get(name, weight) for name, weight in originals.items()}  # before the cast too
+                errors = weight_errors(loaded.model, before, dense)
             reference = reference or logits
             row = {"variant": variant.name, "format": variant.format or "float",
                    "group": variant.group if variant.format == INT4 else None, "meaning": variant.meaning,
@@ -119,21 +136,49 @@ def expert_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextmanager
-def rounded_experts(model: torch.nn.Module, variant: Variant) -> Iterator[dict[str, torch.Tensor]]:
-    """The model with its experts' weights rounded to `variant`'s format and back to their dtype, put back after;
-    yields the float originals (what the rounded weights are compared with)."""
+def rounded_experts(model: torch.nn.Module, variant: Variant,
+                    dense: dict[str, torch.Tensor] | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """The model with its experts' weights rounded to `variant`'s format and back to their dtype (or, for a variant
+    of exact experts, every expert given the dense model's `dense` weights), put back after; yields the float
+    originals (what the changed weights are compared with; the weights themselves for a variant that leaves them:
+    a copy of every expert is the largest allocation of the run)."""
     weights = expert_weights(model)
-    originals = {name: weight.detach().clone() for name, weight in weights.items()}
+    changes = variant.exact_experts or variant.format is not None
+    originals = {name: weight.detach().clone() if changes else weight for name, weight in weights.items()}
     try:
-        if variant.format is not None:
-            with torch.no_grad():
-                for weight in weights.values():
+        with torch.no_grad():
+            for name, weight in weights.items():
+                if variant.exact_experts:
+                    weight.copy_(dense[name].expand_as(weight))  # upcycled: every expert is the dense FFN
+                elif variant.format is not None:
                     _round(weight, variant)
         yield originals
     finally:
         with torch.no_grad():
             for name, weight in weights.items():
-                weight.copy_(originals[name])
+                if changes:
+                    weight.copy_(originals[name])
+
+
+@contextmanager
+def computed_in(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[dict[str, torch.Tensor]]:
+    """The model cast to `dtype` and back after; what the cast would not give back exactly (a weight finer than
+    `dtype`, the rotary frequencies) is kept aside and put back as it was. Yields what was kept, by name."""
+    if dtype == model.dtype:
+        yield {}
+        return
+    float_dtype = model.dtype
+    kept = {name: tensor.detach().clone() for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if tensor.is_floating_point() and not torch.equal(tensor, tensor.to(dtype).to(tensor.dtype))}
+    model.to(dtype)
+    try:
+        yield kept
+    finally:
+        model.to(float_dtype)
+        with torch.no_grad():
+            for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+                if name in kept:
+                    tensor.copy_(kept[name])
 
 
 def _round(weight: torch.Tensor, variant: Variant) -> None:

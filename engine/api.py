@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,11 +35,15 @@ from .generate.pooling import OneWordFrame, check_pooling, pooled, prefill_pooli
 from .generate.prefill import new_cache, prefill, windows
 from .generate.summary import (
     COMBINE,
+    OUTLINE_WORDS,
     SUMMARIZE,
     PromptFrame,
     answer_tokens,
     decode_from_cache,
+    echoes,
     joined_lines,
+    opening,
+    outline,
     stop_ids,
     whole_sentences,
     without_thinking,
@@ -69,6 +74,8 @@ from .vocabulary import (
 )
 
 log = logging.getLogger(__name__)
+
+_SENTENCE_START = re.compile(r"(?:\A|(?<=[.!?]\s)|(?<=\n))[A-Z0-9\"']")
 
 
 @dataclass(frozen=True)
@@ -199,6 +206,7 @@ class Engine:
         self._combine = PromptFrame.build(tokenizer, COMBINE)
         self._one_word = OneWordFrame.build(tokenizer)
         self._separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
+        spacing = len(self._separator) + len(self._label(999))  # between two summaries in a combine's input
         self._stop = stop_ids(loaded.model, tokenizer)
         if not self._stop:
             raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
@@ -207,9 +215,9 @@ class Engine:
         self._section_tokens = min(fits, settings.section_tokens) if settings.section_tokens else fits
         self._reduce_tokens = context - self._combine.overhead - n
         # Each reduce round must at least halve the summaries, or a long document would never finish.
-        if self._reduce_tokens < 2 * (n + len(self._separator)) or self._section_tokens < 1:
+        if self._reduce_tokens < 2 * (n + spacing) or self._section_tokens < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
-                             f"(at most {(context - self._combine.overhead - 2 * len(self._separator)) // 3})")
+                             f"(at most {(context - self._combine.overhead - 2 * spacing) // 3})")
         # how the chunk length was chosen: measured here (the timings), or given by the plan or the settings (None)
         self.chunk_choice: ChunkChoice | None = None
         if plan is not None:
@@ -280,15 +288,18 @@ class Engine:
                 tick = time.perf_counter()
                 vectors = self._one_word_vectors(doc, sizes)
                 run.seconds[PREFILL] += time.perf_counter() - tick
-            summary, rounds = self._reduce(summaries, run)
+            summary, rounds, combined = self._reduce(summaries, run)
 
         run.seconds["total"] = time.perf_counter() - run.started
         stats = RunStats(tokens=len(doc), chunks=len(sizes), chunk_tokens=self.chunk_tokens,
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
                          seconds=run.seconds,
                          dispatch=self.runtime.stats)
-        said = joined_lines(tokenizer.decode(summary, skip_special_tokens=True))
-        return DocumentResult(summary=whole_sentences(said),
+        said = whole_sentences(joined_lines(tokenizer.decode(summary, skip_special_tokens=True)))
+        if rounds:  # and what each part that went into the last combine is about
+            said += "\n\n" + outline([joined_lines(tokenizer.decode(part, skip_special_tokens=True))
+                                       for part in combined])
+        return DocumentResult(summary=said,
                               embeddings=_rows(vectors, sizes), spans=self._spans(encoded, sizes), stats=stats)
 
     def _map(self, sections: list[Sequence[int]], run: _Run,
@@ -318,11 +329,23 @@ class Engine:
                 run.report(PREFILL, chunks_done, chunks_total)
             run.seconds[PREFILL] += time.perf_counter() - tick
             tick = time.perf_counter()
-            summaries.append(self._decode(self._summarize, section, cache, run))
+            summaries.append(self._section_summary(section, cache, run))
             run.seconds[SUMMARY] += time.perf_counter() - tick
             run.report(SUMMARY, len(summaries), len(sections))
         stacked = torch.stack(vectors)
         return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
+
+    def _section_summary(self, section: Sequence[int], cache: Any, run: _Run) -> list[int]:
+        """The section's summary decoded from `cache`; an answer that only says the instruction back gives way to the
+        section's own opening sentences, which say more of what it is about to a reader and to the combine."""
+        said = self._decode(self._summarize, section, cache, run)
+        tokenizer = self.loaded.tokenizer
+        if not echoes(tokenizer.decode(said, skip_special_tokens=True), SUMMARIZE):
+            return said
+        text = joined_lines(tokenizer.decode(section, skip_special_tokens=True))
+        start = _SENTENCE_START.search(text)  # the section's first whole sentence: a section may start mid-sentence
+        return tokenizer(opening(text[start.start() if start else 0:], OUTLINE_WORDS),
+                         add_special_tokens=False)["input_ids"]
 
     def _pool_chunks(self, section: Sequence[int], cache: Any,
                      pooling: str) -> Iterator[tuple[torch.Tensor, int] | None]:
@@ -400,13 +423,18 @@ class Engine:
             return _offset_spans(encoded["offset_mapping"], token_ends)
         return _decoded_spans(self.loaded.tokenizer, encoded["input_ids"], token_ends)
 
-    def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int]:
-        """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds)."""
+    def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int, list[list[int]]]:
+        """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds, the summaries
+        the last round combined: the sections' own when one round did)."""
         tick = time.perf_counter()
         rounds = 0
+        combined = summaries
         while len(summaries) > 1:
             rounds += 1
-            joined = [*summaries[0], *(t for s in summaries[1:] for t in (*self._separator, *s))]
+            combined = summaries
+            # each summary labelled with its place: a small model then combines the parts instead of quoting one
+            labelled = [[*self._label(i), *summary] for i, summary in enumerate(summaries, 1)]
+            joined = [*labelled[0], *(t for s in labelled[1:] for t in (*self._separator, *s))]
             parts = windows(joined, self._reduce_tokens)
             summaries = []
             for part in parts:
@@ -415,7 +443,11 @@ class Engine:
                 summaries.append(self._decode(self._combine, part, cache, run))
                 run.report(REDUCE, len(summaries), len(parts))
         run.seconds[REDUCE] = time.perf_counter() - tick
-        return summaries[0], rounds
+        return summaries[0], rounds, combined
+
+    def _label(self, i: int) -> list[int]:
+        """What goes before the i-th summary in a combine's input."""
+        return self.loaded.tokenizer(f"Part {i}: ", add_special_tokens=False)["input_ids"]
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:
         """Prefill without looking at the output (prompt prefixes, parts to combine)."""

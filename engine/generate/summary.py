@@ -18,7 +18,10 @@ from transformers import (
 
 # Asked after the text, where a small model still sees it when it starts to answer.
 SUMMARIZE = "Summarize the text above in a few sentences of plain English."
-COMBINE = "These are summaries of consecutive parts of one document. Write one summary of the whole document."
+# Each summary it combines is labelled "Part i:". Asked to "write one summary", SmolLM2-135M wrote about summaries
+# (the night-shift log's own subject in one part); asked what the document is about, it takes from several parts.
+COMBINE = ("Each part above is the summary of one part of a long document, in order. In a few sentences, say what "
+           "the whole document is about.")
 
 # Greedy decoding falls into loops; a summary never needs to say the same NO_REPEAT words twice. Only the answer's
 # own n-grams count: transformers' no_repeat_ngram_size also counts the prompt's, which would forbid quoting it.
@@ -28,6 +31,14 @@ NO_REPEAT = 4
 # short text), and never shorter than a few sentences' worth.
 SHARE, FEWEST = 3, 48
 
+# A long document's summary ends with one line per part it was cut into: the part's own summary's opening sentences,
+# at least a clause's worth of words (a log's part may open with "Night 3.") and at most a long sentence's. A small
+# model's combined summary may keep to one part; the lines still say what each is about.
+OUTLINE_WORDS = (8, 40)
+OUTLINE_HEADING = "By part:"
+
+_STEM, _ECHO = 5, 0.8  # letters a word is known by; the share of an answer's words that makes it an echo
+_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
 # Chat-template switches that ask for an answer without reasoning first (Qwen3, GLM-4.5), or with the least of it
@@ -109,8 +120,36 @@ def whole_sentences(text: str) -> str:
     """`text` up to its last finished sentence, when the token budget cut it mid-sentence; as it is otherwise, or
     when it holds no finished sentence."""
     text = text.strip()
-    ends = [m.end() for m in re.finditer(r"[.!?][\"')\]]*(?=\s|$)", text)]
+    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
     return text[:ends[-1]] if ends and ends[-1] < len(text) else text
+
+
+def opening(text: str, words: tuple[int, int]) -> str:
+    """`text`'s first finished sentences, as few as hold at least words[0] words (all of it when they do not), on one
+    line, cut to words[1] words with an ellipsis when longer."""
+    least, most = words
+    text = text.strip()
+    said: list[str] = []
+    for end in [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]:
+        said = text[:end].split()
+        if len(said) >= least:
+            break
+    return " ".join(said[:most]) + (" …" if len(said) > most else "")
+
+
+def echoes(answer: str, instruction: str) -> bool:
+    """Whether `answer` only says the instruction back ("A summary of the text above in plain English."): nearly all
+    its words are the instruction's (by their first letters, so "summary" is "Summarize"). A 135M model does this for
+    a section now and then; an answer that says anything of the text has words of its own."""
+    words = [w[:_STEM] for w in re.findall(r"[a-z]{3,}", answer.lower())]
+    said = {w[:_STEM] for w in re.findall(r"[a-z]{3,}", instruction.lower())}
+    return bool(words) and sum(w in said for w in words) >= _ECHO * len(words)
+
+
+def outline(parts: Sequence[str], words: tuple[int, int] = OUTLINE_WORDS) -> str:
+    """A numbered line per part, in order: each part's summary condensed to its opening."""
+    lines = [f"{i}. {opening(part, words)}" for i, part in enumerate(parts, 1) if part.strip()]
+    return "\n".join([OUTLINE_HEADING, *lines])
 
 
 def joined_lines(text: str) -> str:

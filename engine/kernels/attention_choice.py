@@ -18,6 +18,7 @@ from ..formats.quantize import error_bound, relative_error
 from ..vocabulary import CHUNK_TOKENS
 from . import attention_kernel
 from .choice import Accuracy, Choice, Measured, time_in_turns
+from .host import cache_root
 
 KERNELS = ("npumoe", "torch")
 CHUNK, DEPTH = CHUNK_TOKENS, 1024  # what a timing run attends: a default prefill chunk against a cache this deep
@@ -25,12 +26,27 @@ PROBE_CHUNK, PROBE_DEPTH = 64, 128  # what the probe attends: the same kernels' 
 
 CHOICES = Measured("attention", (attention_kernel.SOURCE,))
 
+# This process's choices by everything a choice depends on. Every layer's attention asks, in every decode step: the
+# measured-choice lookup (its key, the user cache's path) was ~8 % of a 135M model's decode step, a dict look-up is not.
+_made: dict[tuple[object, ...], Choice] = {}
+
 
 def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Choice:
     """The faster kernel here for attention of these (B, H, n, d) tensors' dtype and head layout."""
+    if query.device.type == "cpu" and not attention_kernel.supports(query, key, value):  # strides: asked every call
+        return Choice("torch", {}, {"npumoe": "it needs one dtype, a head size that is a multiple of 64 up to 256 "
+                                              "and unit-stride rows"})
+    held = (query.device.type, query.dtype, query.shape[1], key.shape[1], query.shape[-1], torch.get_num_threads(),
+            cache_root())
+    choice = _made.get(held)
+    if choice is None:
+        choice = _made[held] = _looked_up(query, key)
+    return choice
+
+
+def _looked_up(query: torch.Tensor, key: torch.Tensor) -> Choice:
+    """The choice for this dtype and head layout from the measured-choice mechanism: cached, or measured now."""
     why = attention_kernel.unavailable(query.dtype) if query.device.type == "cpu" else "the tensors are not on the CPU"
-    if why is None and not attention_kernel.supports(query, key, value):
-        why = "it needs one dtype, a head size that is a multiple of 64 up to 256 and unit-stride rows"
     if why is not None:
         return Choice("torch", {}, {"npumoe": why})
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]

@@ -40,7 +40,13 @@ def isa_ceiling_refuses(level: str) -> str | None:
 
 def cache_root() -> Path:
     """`$NPUMOE_CACHE`, else the platform's user cache folder for npumoe (it may not exist yet)."""
-    return Path(os.environ.get("NPUMOE_CACHE") or platformdirs.user_cache_dir("npumoe"))
+    return Path(os.environ.get("NPUMOE_CACHE") or _platform_cache(os.environ.get("XDG_CACHE_HOME"),
+                                                                   os.environ.get("HOME")))
+
+
+@cache  # platformdirs costs a tenth of a millisecond, asked per kernel call; keyed by what it reads
+def _platform_cache(xdg_cache_home: str | None, home: str | None) -> str:
+    return platformdirs.user_cache_dir("npumoe")
 
 
 @cache  # the processor does not change under a running process; reading it costs a file read or a process

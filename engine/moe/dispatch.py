@@ -182,6 +182,8 @@ class MoeLayer:
     def exact(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
               counts: torch.Tensor | None = None) -> torch.Tensor:
         """Every assignment on the exact CPU path (decode steps, and layers without a plan)."""
+        if top_k_index.shape[0] == 1:
+            return self._one_token(x, top_k_index, top_k_weights)
         expert = top_k_index.reshape(-1)  # (S,)
         if counts is None:
             counts = torch.bincount(expert, minlength=self.num_experts)
@@ -190,6 +192,17 @@ class MoeLayer:
         run_tasks(self._cpu_tasks(out, x, routed, skip=[0] * self.num_experts))
         self._normalise(out)
         return combine(out, routed.order, top_k_weights)
+
+    def _one_token(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """A decode step's token: its k experts in the order it chose them, with nothing to sort or share out among
+        workers (the sort, the task list and the gather are Python and small-tensor overhead one token does not
+        need). The combine sums the same rows in the same order as the sorted path: the result is the same."""
+        k, x = top_k_index.shape[1], x.contiguous()
+        out = _workspace.get("out", k, x)  # (k, H): row j is the token's j-th choice
+        for j, e in enumerate(top_k_index[0].tolist()):
+            self.experts(e, x, out=out[j:j + 1])
+        self._normalise(out)
+        return combine(out, torch.arange(k, device=x.device), top_k_weights)
 
     def _planned(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:

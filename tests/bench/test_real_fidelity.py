@@ -9,6 +9,7 @@ import torch
 
 from npumoe.bench.real_fidelity import (
     FLOAT,
+    FLOORS,
     RealFidelitySettings,
     Variant,
     expert_weights,
@@ -75,3 +76,29 @@ def test_int4_aligned_with_a_q4_1_grid_reproduces_it_and_a_wider_group_does_not(
 
     assert error(32) < 0.01
     assert error(64) > 4 * error(32)
+
+
+def test_the_floor_rows_move_the_output_without_a_format_and_give_the_model_back(tiny, harbour, orchard):
+    """bf16 compute, and experts given other exact values (here: the tiny experts' first expert, a little moved, as
+    the dense FFN a GGUF would hold), each against the float model; every weight and buffer is as it was after."""
+    loaded = load_model(tiny("mixtral"))
+    state = {name: tensor.clone() for name, tensor in loaded.model.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    dense = {name: weight[0] * (1 + 1e-3 * torch.randn(weight.shape[1:], generator=generator))
+             for name, weight in expert_weights(loaded.model).items()}
+    rows = {row["variant"]: row for row in run_real_fidelity(
+        loaded, [harbour, orchard], RealFidelitySettings(chunk_tokens=32, tokens_per_document=64),
+        variants=(FLOAT, *FLOORS), dense=dense)}
+    in_bf16, exact = (rows[variant.name] for variant in FLOORS)
+    assert in_bf16["mean_kl"] > 0 and 0 < in_bf16["weight_error"] < 4e-3  # the random fp32 experts rounded to bf16
+    assert exact["mean_kl"] > 0 and exact["weight_error"] > 0 and exact["weight_error_vs_gguf"] == 0
+    assert loaded.model.dtype == torch.float32
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
+def test_without_the_gguf_file_the_exact_experts_row_is_left_out(tiny, harbour):
+    loaded = load_model(tiny("mixtral"))
+    rows = run_real_fidelity(loaded, [harbour], RealFidelitySettings(chunk_tokens=32, tokens_per_document=32),
+                             variants=(FLOAT, *FLOORS))
+    assert [row["variant"] for row in rows] == ["float", FLOORS[0].name]

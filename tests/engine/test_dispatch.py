@@ -207,3 +207,25 @@ def test_an_expert_with_more_than_a_workers_share_of_the_rows_is_split_between_w
     recorded.rows.clear()
     moe(tokens, *route(routing, [(0.7, 0.3)] * 40))
     assert sorted(n for e, n in recorded.rows if e == 0) == [13, 27]
+
+
+def test_one_token_skips_the_sort_and_gives_what_the_sorted_path_gives(monkeypatch):
+    """A decode step's token runs its experts in the order it chose them; each expert sees one row either way, so
+    the output is the same to the bit as the sorted path's for a token routed alongside another."""
+    g = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(E, 2 * FFN, H, generator=g) / H**0.5).to(torch.bfloat16)
+    down = (torch.randn(E, H, FFN, generator=g) / FFN**0.5).to(torch.bfloat16)
+    moe = MoeLayer(ExpertWeights(gate_up, down))
+    x = torch.randn(2, H, generator=g).to(torch.bfloat16)
+    index = torch.tensor([[3, 0], [1, 2]])  # not sorted, and no expert shared: one row per expert in both paths
+    weights = torch.softmax(torch.randn(2, 2, generator=g), -1)
+    one_token = MoeLayer._one_token
+    calls = []
+    monkeypatch.setattr(MoeLayer, "_one_token", lambda self, *a: calls.append(1) or one_token(self, *a))
+    sorted_path = moe.exact(x, index, weights)
+    assert calls == []
+    alone = moe.exact(x[:1], index[:1], weights[:1])
+    assert calls == [1]
+    assert torch.equal(alone, sorted_path[:1])
+    want = reference(x.float(), (gate_up.float(), down.float()), index.tolist(), weights.tolist())
+    torch.testing.assert_close(alone.float(), want[:1], rtol=2e-2, atol=2e-2)

@@ -19,11 +19,15 @@ from npumoe.engine import api as engine_module
 from npumoe.engine.generate.summary import (
     FEWEST,
     NO_REPEAT,
+    OUTLINE_HEADING,
+    OUTLINE_WORDS,
     SUMMARIZE,
     NoRepeatInAnswer,
     PromptFrame,
     answer_tokens,
+    echoes,
     joined_lines,
+    opening,
     stop_ids,
     whole_sentences,
 )
@@ -245,6 +249,52 @@ def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combi
     assert {p.phase for p in seen} == {"prefill", "summary", "reduce"}
     assert result.embeddings.shape[0] == stats.chunks + 1
     assert max(p.tokens_done for p in seen) == stats.tokens
+
+
+def test_a_combined_summary_ends_with_each_combined_parts_opening_one_line_each(api, harbour, orchard,
+                                                                                       monkeypatch):
+    answers: list[list[int]] = []
+    prompts: list[list[int]] = []
+    decode = engine_module.decode_from_cache
+    monkeypatch.setattr(engine_module, "decode_from_cache",
+                        lambda model, prompt, *a: prompts.append(prompt) or answers.append(decode(model, prompt, *a))
+                        or answers[-1])
+    result = api.process(harbour + "\n\n" + orchard)
+    sections = result.stats.sections
+    assert result.stats.reduce_rounds == 1 and len(answers) == sections + 1  # the sections', then one combine
+    overview, _, lines = result.summary.partition(f"\n\n{OUTLINE_HEADING}\n")
+    tokenizer = api.loaded.tokenizer
+    parts = [joined_lines(tokenizer.decode(a, skip_special_tokens=True)) for a in answers[:sections]]
+    assert lines.split("\n") == [f"{i}. {opening(p, OUTLINE_WORDS)}" for i, p in enumerate(parts, 1)
+                                 if p.strip()]
+    assert overview == whole_sentences(joined_lines(tokenizer.decode(answers[-1], skip_special_tokens=True)))
+    combine_input = tokenizer.decode(prompts[-1])  # each section's summary after its label, in order
+    labelled = [combine_input.find(f"Part {i}: {tokenizer.decode(a)}") for i, a in enumerate(answers[:sections], 1)]
+    assert -1 not in labelled and labelled == sorted(labelled)
+
+
+def test_a_parts_line_is_its_opening_sentences_on_one_line_within_its_length():
+    assert opening("Night 3. The queue\nwas empty. Later more.", (4, 10)) == "Night 3. The queue was empty."
+    assert opening("The queue was empty. Later", (2, 10)) == "The queue was empty."
+    assert opening("The queue was\n\nempty by two", (2, 10)) == "The queue was empty by two"
+    assert opening("one two three four. five", (2, 3)) == "one two three …"
+
+
+def test_an_answer_that_only_says_the_instruction_back_is_an_echo():
+    assert echoes("A summary of text above in plain English.", SUMMARIZE)
+    assert echoes("The text above is a summary of the text in plain English.", SUMMARIZE)
+    assert not echoes("A job that has failed too many times is set aside, not retried forever.", SUMMARIZE)
+    assert not echoes("", SUMMARIZE)
+
+
+def test_a_section_summary_that_echoes_the_instruction_gives_way_to_the_sections_opening(api, harbour, monkeypatch):
+    tokenizer = api.loaded.tokenizer
+    echo = tokenizer("A summary of the text above in plain English.", add_special_tokens=False)["input_ids"]
+    calls = []
+    monkeypatch.setattr(engine_module, "decode_from_cache", lambda *a: calls.append(1) or list(echo))
+    result = api.process(harbour[:300])
+    assert calls == [1] and result.stats.sections == 1
+    assert result.summary == opening(joined_lines(harbour[:300]), OUTLINE_WORDS) != ""
 
 
 def test_section_tokens_caps_each_section_and_each_is_prefilled_on_its_own(folder, api, harbour, prefix):
