@@ -18,7 +18,7 @@ import torch
 
 from npumoe.engine.formats.quantize import error_bound
 from npumoe.engine.kernels import choice as mechanism
-from npumoe.engine.kernels import float_kernels, native
+from npumoe.engine.kernels import float_kernels, host, native
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Cpu:
     avx512_vnni: bool
     onednn: bool  # torch.backends.mkldnn.is_available()
     onednn_bf16: bool
+    arm_features: frozenset[str] = frozenset()  # host.arm_features(): asimddp, i8mm, bf16
 
 
 ZEN4 = Cpu("AMD Zen 4", "x86_64", "AVX512", avx512_bf16=True, amx=False, avx512_vnni=True, onednn=True,
@@ -41,6 +42,8 @@ ICE_LAKE = Cpu("Intel Xeon with AVX-512 VNNI, no BF16 or AMX", "x86_64", "AVX512
                avx512_vnni=True, onednn=True, onednn_bf16=True)
 INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=False, avx512_vnni=False, onednn=True,
                 onednn_bf16=False)
+# Its features say no dot product, as an Armv8.0 core's would: the NEON kernel, whose build a simulation cannot run
+# (its compiler is this machine's), is left out; tests/arm64 runs it on an arm64 CPU (emulated by make test-arm64).
 APPLE_SILICON = Cpu("Apple silicon", "arm64", "DEFAULT", avx512_bf16=False, amx=False, avx512_vnni=False,
                     onednn=False, onednn_bf16=False)
 CPUS = (ZEN4, SAPPHIRE_RAPIDS, ICE_LAKE, INTEL_MAC, APPLE_SILICON)
@@ -56,6 +59,7 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: cpu.avx512_vnni)
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: cpu.onednn)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: cpu.onednn_bf16)
+    monkeypatch.setattr(host, "arm_features", lambda: cpu.arm_features)
     fresh_process(monkeypatch)
 
 
