@@ -91,6 +91,11 @@ in_root() {
         mount --bind -o ro "$2" "$0/opt/site"
         mount --bind "$3" "$0/root/.cache/npumoe/models"
         mount -t proc proc "$0/proc"
+        chroot "$0" python3 /repo/tests/arm64/cpuinfo.py >"$0/run/cpuinfo"  # what qemu 7.2 does not show
+        mount --bind "$0/run/cpuinfo" "$0/proc/cpuinfo"
+        mount -t tmpfs sys "$0/sys"  # not the host sysfs (oneDNN crashes on its x86 CPUs): the CPU lists alone
+        mkdir -p "$0/sys/devices/system/cpu"
+        for list in possible present online; do echo "0-$(($(nproc) - 1))" >"$0/sys/devices/system/cpu/$list"; done
         mount --rbind /dev "$0/dev"
         shift 3; exec chroot "$0" /usr/bin/env -i HOME=/root PATH=/opt/venv/bin:/usr/bin:/bin LANG=C.UTF-8 "$@"' \
         "$ROOT" "$REPO" "$SITE" "$models" "$@"

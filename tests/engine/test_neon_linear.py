@@ -152,7 +152,7 @@ def test_rows_with_outliers_are_rounded_in_two_levels(i8mm):
 def test_inputs_the_kernel_cannot_read_are_refused_before_it_runs(bad):
     packed = neon_linear.pack(quantize(randn(32, 64, seed=6), INT8))
     x, out = randn(3, 64, seed=7), torch.empty(3, 32)
-    x = {"dtype": x.half(), "width": x[:, :60], "stride": randn(64, 3, seed=7).T}.get(bad, x)
+    x = {"dtype": x.double(), "width": x[:, :60], "stride": randn(64, 3, seed=7).T}.get(bad, x)
     out = torch.empty(3, 32, dtype=torch.bfloat16) if bad == "out" else out
     with pytest.raises(ValueError, match="NEON int8 linear"):
         neon_linear.linear(x, packed, out)
