@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint chaos clean
+.PHONY: setup demo test lint chaos test-arm64 clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,12 @@ test: lint
 # Every test marked slow: the chaos and load runs, and the default suite's tests that are slow by nature.
 chaos: setup
 	$(BIN)/pytest -m slow -p no:cacheprovider
+
+# The engine's tests in an arm64 Debian root under qemu-user emulation (needs root; the root and the aarch64
+# wheels are cached in ~/.cache/npumoe/arm64). PYTEST_ARGS replaces the default paths and marker:
+#   make test-arm64 PYTEST_ARGS="-q tests/engine/test_neon_linear.py"
+test-arm64: setup
+	tests/arm64/run.sh $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-home .pytest_cache .ruff_cache

@@ -31,6 +31,8 @@ class Cpu:
     avx512_vnni: bool
     onednn: bool  # torch.backends.mkldnn.is_available()
     onednn_bf16: bool
+    arm_features: frozenset[str] = frozenset()  # host.arm_features(): asimddp, i8mm, bf16
+    kleidiai: bool = False  # torch.backends.kleidiai.is_available()
 
 
 ZEN4 = Cpu("AMD Zen 4", "x86_64", "AVX512", avx512_bf16=True, amx=False, avx512_vnni=True, onednn=True,
@@ -41,6 +43,9 @@ ICE_LAKE = Cpu("Intel Xeon with AVX-512 VNNI, no BF16 or AMX", "x86_64", "AVX512
                avx512_vnni=True, onednn=True, onednn_bf16=True)
 INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=False, avx512_vnni=False, onednn=True,
                 onednn_bf16=False)
+# Its features say no dot product, as an Armv8.0 core's would, and its torch no KleidiAI: the Arm kernels, which a
+# simulation cannot run (its compiler and torch are this machine's), are left out; the tests marked arm64 run them
+# on an arm64 CPU (emulated by make test-arm64).
 APPLE_SILICON = Cpu("Apple silicon", "arm64", "DEFAULT", avx512_bf16=False, amx=False, avx512_vnni=False,
                     onednn=False, onednn_bf16=False)
 CPUS = (ZEN4, SAPPHIRE_RAPIDS, ICE_LAKE, INTEL_MAC, APPLE_SILICON)
@@ -57,6 +62,8 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: cpu.onednn)
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: cpu.onednn_bf16)
     monkeypatch.delenv(host.MAX_ISA_VARIABLE, raising=False)  # a ceiling put on this machine's CPU, not on `cpu`
+    monkeypatch.setattr(host, "arm_features", lambda: cpu.arm_features)
+    monkeypatch.setattr(torch.backends.kleidiai, "is_available", lambda: cpu.kleidiai)
     fresh_process(monkeypatch)
 
 

@@ -9,6 +9,7 @@ on the machine changes (pgserver's own launcher would create a system user and o
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import pwd
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 
+@functools.cache  # asked at first use, not import: where pgserver has no wheel (arm64 Linux) the rest still runs
 def _binaries() -> Path:
     """The wheel's bin folder, found without importing pgserver (its import sets up a launcher we do not use)."""
     spec = importlib.util.find_spec("pgserver")
@@ -30,7 +32,6 @@ def _binaries() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "pginstall" / "bin"
 
 
-BIN = _binaries()
 SUPERUSER = "postgres"
 
 
@@ -63,7 +64,7 @@ class PostgresServer:
         return server
 
     def _pg(self, program: str, *args: str) -> None:
-        subprocess.run([str(BIN / program), *args], check=True, capture_output=True, text=True, timeout=120,
+        subprocess.run([str(_binaries() / program), *args], check=True, capture_output=True, text=True, timeout=120,
                        **_as_server_account())
 
     def start(self) -> None:
@@ -85,7 +86,7 @@ class PostgresServer:
     def new_database(self) -> str:
         """A fresh, empty database; returns its URL."""
         name = f"test_{os.getpid()}_{next(self._numbers)}"
-        psql = [str(BIN / "psql"), "-q", "-v", "ON_ERROR_STOP=1", self.url(), "-c", f"CREATE DATABASE {name}"]
+        psql = [str(_binaries() / "psql"), "-q", "-v", "ON_ERROR_STOP=1", self.url(), "-c", f"CREATE DATABASE {name}"]
         subprocess.run(psql, check=True, capture_output=True, text=True, timeout=60)
         return self.url(name)
 

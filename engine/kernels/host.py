@@ -1,7 +1,11 @@
 """The processor the engine runs on: its name and feature flags, the ceiling a person may put on the instruction sets
 the engine's own kernels use, and the user cache where what the engine builds or measures for this machine is kept.
 
-`NPUMOE_MAX_CPU_ISA` narrows the engine's own kernels as `ATEN_CPU_CAPABILITY` narrows torch's and
+x86 flags come from /proc/cpuinfo's "flags"; Arm's from its "Features" on Linux (where that line is missing, as
+under qemu-user, which shows the host's cpuinfo, from the kernel's hardware capabilities, getauxval) and from
+sysctl's hw.optional.arm.FEAT_* on macOS.
+
+`NPUMOE_MAX_CPU_ISA` narrows the engine's own x86 kernels as `ATEN_CPU_CAPABILITY` narrows torch's and
 `ONEDNN_MAX_CPU_ISA` oneDNN's: every kernel that needs an instruction set above it reports itself unavailable (so
 an AVX2-only CPU's choices can be made and tested on a CPU with more). Its levels run in oneDNN's order, each
 implying those before it.
@@ -9,6 +13,7 @@ implying those before it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import re
@@ -64,9 +69,45 @@ def cpu_model() -> str:
 
 @cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU feature flags Linux reports (empty elsewhere)."""
+    """The x86 CPU feature flags Linux reports (empty elsewhere; qemu-user shows an Arm process the host's)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
     match = re.search(r"^flags\s*:\s*(.+)$", _cpuinfo(), re.MULTILINE)
     return frozenset(match.group(1).split()) if match else frozenset()
+
+
+# Arm features the engine's kernels use, by Linux's names in cpuinfo, with macOS's sysctl name and Linux's
+# hardware capability bit (AT_HWCAP or AT_HWCAP2, arch/arm64/include/uapi/asm/hwcap.h) for each.
+ARM_FEATURES = {"asimddp": ("FEAT_DotProd", 16, 1 << 20), "i8mm": ("FEAT_I8MM", 26, 1 << 13),
+                "bf16": ("FEAT_BF16", 26, 1 << 14)}
+
+
+@cache
+def arm_features() -> frozenset[str]:
+    """Which of ARM_FEATURES this arm64 CPU has (empty on other CPUs)."""
+    if platform.machine().lower() not in ("arm64", "aarch64"):
+        return frozenset()
+    if platform.system() == "Darwin":
+        return frozenset(name for name, (sysctl, _, _) in ARM_FEATURES.items() if _sysctl_flag(sysctl))
+    listed = arm_features_listed(_cpuinfo())
+    return listed if listed is not None else _hardware_capabilities()
+
+
+def arm_features_listed(cpuinfo: str) -> frozenset[str] | None:
+    """ARM_FEATURES in a Linux cpuinfo's "Features" line, or None where it has none."""
+    match = re.search(r"^Features\s*:\s*(.+)$", cpuinfo, re.MULTILINE)
+    return frozenset(match.group(1).split()) & ARM_FEATURES.keys() if match else None
+
+
+def _sysctl_flag(name: str) -> bool:
+    found = subprocess.run(["sysctl", "-n", f"hw.optional.arm.{name}"], capture_output=True, text=True)
+    return found.returncode == 0 and found.stdout.strip() == "1"
+
+
+def _hardware_capabilities() -> frozenset[str]:
+    getauxval = ctypes.CDLL(None).getauxval
+    getauxval.argtypes, getauxval.restype = [ctypes.c_ulong], ctypes.c_ulong
+    return frozenset(name for name, (_, word, bit) in ARM_FEATURES.items() if getauxval(word) & bit)
 
 
 def _cpuinfo() -> str:

@@ -6,6 +6,8 @@ int8 weights run through one of
 - "npumoe-int8-amx-dynamic": the same on AMX-INT8 tiles, 16 rows at a time (Intel Xeons from Sapphire Rapids);
 - "npumoe-int8-avx2-dynamic": the engine's own for x86-64 with AVX2 but no VNNI (avx2_linear: the same rounding
   and packed weights, byte products whose pair sums cannot saturate);
+- "npumoe-int8-sdot-dynamic" and "npumoe-int8-i8mm-dynamic": the engine's own kernel for arm64 (neon_linear), with
+  SDOT dot products, or SMMLA 2x8 matrix products where the CPU has i8mm;
 - "onednn-dynamic": each row of x rounded to int8 with its own scale, times the int8 weights in oneDNN's
   prepacked layout (VNNI or AMX-INT8 dot products where the CPU has them; x86 with oneDNN only);
 - "int-mm-dynamic": the same rounding of x, through torch's `_int_mm` (int8 x int8 -> int32);
@@ -13,7 +15,10 @@ int8 weights run through one of
 - "dequantize": the float weight rebuilt each call and a float matmul (runs anywhere, the slowest).
 int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x rounded to int8 as above, the
 4-bit codes widened to bytes in registers) or its AVX2 sibling "npumoe-int4-avx2-dynamic" (avx2_linear), torch's
-`_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked for it; output widths a multiple of 16) or
+`_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked for it; output widths a multiple of 16), torch's
+KleidiAI-backed `_dyn_quant_matmul_4bit` ("kleidiai-int4-dynamic", Arm builds of torch: x rounded to int8 per row
+inside the call; its weights are symmetric, code − 8 times a bf16 scale per group of 32s, so the engine's zero
+points are added after, as each group's sum of x times its zero) or
 "dequantize".
 
 The dynamic kernels round the activations too, so they sit further from the dequantized reference than the
@@ -50,21 +55,25 @@ from ..formats.quantize import (
     relative_error,
     unpack_int4,
 )
-from . import avx2_linear, vnni_linear
+from . import avx2_linear, neon_linear, vnni_linear
 from .choice import Accuracy, Choice, Measured, time_in_turns
 from .float_kernels import ROWS, X86, expert_shape, rotated
 
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
 AMX = "npumoe-int8-amx-dynamic"
 AVX2 = {INT8: "npumoe-int8-avx2-dynamic", INT4: "npumoe-int4-avx2-dynamic"}  # avx2_linear's, over vnni_linear.pack
-FUSED = (*OWN.values(), AMX, *AVX2.values())  # the kernels that run a whole silu-gated expert in one call
+NEON = {"npumoe-int8-sdot-dynamic": False, "npumoe-int8-i8mm-dynamic": True}  # neon_linear's kernels: i8mm or not
+KLEIDIAI = "kleidiai-int4-dynamic"
+_KLEIDIAI_GROUP = 32  # KleidiAI's 4-bit kernels take groups that are multiples of this
+FUSED = (*OWN.values(), AMX, *AVX2.values(), *NEON)  # the kernels that run a whole silu-gated expert in one call
 SILU = ("silu", "swish")  # transformers' names (ACT2FN) for silu
-KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
-           INT4: (OWN[INT4], AVX2[INT4], "int4pack", "dequantize")}
+KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], *NEON, "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
+           INT4: (OWN[INT4], AVX2[INT4], KLEIDIAI, "int4pack", "dequantize")}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
-CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source, avx2_linear.KERNEL.source))
+CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source, avx2_linear.KERNEL.source,
+                                         neon_linear.KERNEL.source))
 
 
 def bound(kernel: str, dtype: torch.dtype) -> float:
@@ -91,10 +100,35 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
             reasons[AMX] = why
         if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
-    elif any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
-        reasons["int4pack"] = (f"it needs output widths that are a multiple of {_INT4PACK_WIDTH} and groups of "
-                               f"{', '.join(map(str, _INT4PACK_GROUPS))}")
+        reasons.update(_neon_unavailable(weights))
+    else:
+        if (why := _kleidiai_unavailable(weights)) is not None:
+            reasons[KLEIDIAI] = why
+        if any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
+            reasons["int4pack"] = (f"it needs output widths that are a multiple of {_INT4PACK_WIDTH} and groups of "
+                                   f"{', '.join(map(str, _INT4PACK_GROUPS))}")
     return reasons
+
+
+def _neon_unavailable(weights: Sequence[QuantizedWeight]) -> dict[str, str]:
+    """Why each of neon_linear's kernels cannot run these weights here."""
+    cannot_take = {why for w in weights if (why := neon_linear.unsupported(w)) is not None}
+    if cannot_take:
+        return dict.fromkeys(NEON, "; ".join(sorted(cannot_take)))
+    if (why := neon_linear.unavailable()) is not None:
+        return dict.fromkeys(NEON, why)
+    why = neon_linear.i8mm_unavailable()
+    return {} if why is None else {kernel: why for kernel, i8mm in NEON.items() if i8mm}
+
+
+def _kleidiai_unavailable(weights: Sequence[QuantizedWeight]) -> str | None:
+    """Why torch's KleidiAI 4-bit kernel cannot run these weights here, or None. Off Arm, torch has the op too, as a
+    reference loop (no use to the choice, but it lets x86 test the mapping of the engine's int4 onto it)."""
+    if not torch.backends.kleidiai.is_available():
+        return "this torch build has no KleidiAI kernels (Arm builds do)"
+    if any(w.group % _KLEIDIAI_GROUP for w in weights):
+        return f"it needs int4 groups that are a multiple of {_KLEIDIAI_GROUP}"
+    return None
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +150,14 @@ class QuantLinear:
             raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
         self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
         self.nbytes = weight.nbytes
-        if kernel in FUSED:
+        if kernel in NEON:  # before FUSED, which holds them too: their packing is their own
+            self._packed = neon_linear.pack(weight)
+        elif kernel in FUSED:
             self._packed = vnni_linear.pack(weight)
+        elif kernel == KLEIDIAI:
+            self._codes = torch.ops.aten._dyn_quant_pack_4bit_weight(weight.codes, weight.scale, None, weight.group,
+                                                                     *reversed(self.shape))
+            self._group, self._zero = weight.group, weight.zero.float().T.contiguous()  # (K/group, N)
         elif kernel == "dequantize":
             self._weight = weight
         elif kernel == "onednn-dynamic":
@@ -145,6 +185,8 @@ class QuantLinear:
         self._check(x)
         if self.kernel in AVX2.values():
             return avx2_linear.linear(x, self._packed, out)
+        if self.kernel in NEON:
+            return neon_linear.linear(x, self._packed, out, i8mm=NEON[self.kernel])
         if self.kernel in FUSED:
             return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
         y = self._product(x)
@@ -163,6 +205,10 @@ class QuantLinear:
         if self.kernel == "int4pack":
             return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self._codes, self._group,
                                                               self._scales_zeros)
+        if self.kernel == KLEIDIAI:  # float32 rows: what every build of the op takes
+            rows = x.float().contiguous()
+            y = torch.ops.aten._dyn_quant_matmul_4bit(rows, self._codes, self._group, *reversed(self.shape))
+            return y.addmm_(rows.reshape(len(rows), -1, self._group).sum(dim=2), self._zero).to(self.dtype)
         codes, row_scale = quantize_rows(x)
         if self.kernel == "onednn-dynamic":
             y = torch.ops.onednn.qlinear_pointwise(codes, 1.0, 0, self._codes, self._scale, self._zeros, None, 1.0, 0,
@@ -185,6 +231,8 @@ def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
     gate_up._check(x)
     if gate_up.kernel in AVX2.values():
         return avx2_linear.silu_glu_expert(x, gate_up._packed, down._packed, out)
+    if gate_up.kernel in NEON:
+        return neon_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, i8mm=NEON[gate_up.kernel])
     return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)
 
 

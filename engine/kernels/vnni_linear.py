@@ -19,8 +19,8 @@ rows). Only such rows pay for the second level's arithmetic.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
 quant_kernels chooses among its other kernels: on AVX2, avx2_linear reads this module's packing (`pack`) through the
-same checks (`check_rows`, `check_expert`) and weight struct (`native_weight`). An Arm analogue (NEON dotprod /
-i8mm) would be a sibling module with its own packing and the same `pack`/`linear` contract.
+same checks (`check_rows`, `check_expert`) and weight struct (`native_weight`); on arm64 its sibling neon_linear
+(SDOT / SMMLA) keeps the same `pack`/`linear`/`silu_glu_expert` contract with a packing of its own.
 """
 
 from __future__ import annotations

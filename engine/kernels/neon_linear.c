@@ -1,0 +1,245 @@
+/* y = x · ŵᵀ for int8 quantized weights ŵ (quantize.py), for arm64 CPUs with the dot-product instructions.
+ *
+ * Each call rounds every row of x (float32 or bf16) to signed int8 codes with its own scale (absmax / 127, rounded
+ * to nearest even, as quant_kernels.quantize_rows does); a row that this rounds by more than ROUNDING_BOUND
+ * (relative L2, as outlier features make it) takes a second row of codes for what the first missed, at 1/254 of its
+ * scale, as vnni_linear.c does. Codes and weights are both signed, so SDOT (vdotq_s32) and SMMLA (vmmlaq_s32, i8mm)
+ * multiply them as they are: no offset to take back out.
+ *
+ * Weights are packed in blocks of 16 output columns, each one in-order stream along K of octets (8 K values): an
+ * octet is 8 pairs of columns, 16 bytes a pair, a column's 8 K values then its neighbour's. That is SMMLA's 2x8
+ * operand as it stands; SDOT reads the same 16 bytes against a row's 8 codes twice over and a pairwise add at the
+ * end folds its four lanes (two a column) into two columns.
+ * SDOT tiles are 2 rows x 16 columns, SMMLA's 4 rows (two pairs) x 16 columns: the sums stay in registers.
+ * Built and loaded at run time by neon_linear.py, which asks the CPU for asimddp (and i8mm) first.
+ */
+#include <arm_neon.h>
+#include <float.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__clang__)
+#define DOTPROD __attribute__((target("dotprod")))
+#define I8MM __attribute__((target("dotprod,i8mm")))
+#else
+#define DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#define I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
+#endif
+#define BLOCK 16
+#define OCTET_BYTES (BLOCK * 8)
+/* As in vnni_linear.c: a Gaussian row of thousands of values loses about 0.9 % to rounding; 3 % means outliers. */
+#define ROUNDING_BOUND 0.03f
+
+static inline float load_x(const void *row, int bf16, int64_t i) {
+    if (!bf16) return ((const float *)row)[i];
+    const uint32_t bits = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+/* v as float32, or as bf16 rounded to nearest even. */
+static inline void store_y(void *row, int bf16, int64_t j, float v) {
+    if (!bf16) {
+        ((float *)row)[j] = v;
+        return;
+    }
+    uint32_t bits;
+    memcpy(&bits, &v, sizeof bits);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    ((uint16_t *)row)[j] = (uint16_t)(bits >> 16);
+}
+
+/* 4 activations from column i on as float32 (those at k or past it 0). */
+static inline float32x4_t load4(const void *row, int bf16, int64_t i, int64_t k) {
+    if (i + 4 <= k)
+        return bf16 ? vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)row + i), 16))
+                    : vld1q_f32((const float *)row + i);
+    float v[4] = {0.0f};
+    for (int j = 0; i + j < k; j++) v[j] = load_x(row, bf16, i + j);
+    return vld1q_f32(v);
+}
+
+/* 4 values times `inverse`, rounded to nearest even and clamped to ±127, into q[i..] (those below k). */
+static inline int32x4_t store_codes(float32x4_t v, float32x4_t inverse, int8_t *q, int64_t i, int64_t k) {
+    const int32x4_t codes = vmaxq_s32(vminq_s32(vcvtnq_s32_f32(vmulq_f32(v, inverse)), vdupq_n_s32(127)),
+                                      vdupq_n_s32(-127));
+    int32_t four[4];
+    vst1q_s32(four, codes);
+    for (int j = 0; j < 4 && i + j < k; j++) q[i + j] = (int8_t)four[j];
+    return codes;
+}
+
+/* x's m rows as codes: `rows` rows of `padded` codes (zeros past k, and a zero row to make the count even), a scale
+ * each; token r's rows are first_row[r] .. first_row[r + 1] - 1. */
+struct codes {
+    int8_t *q;
+    float *xs;
+    int64_t *first_row, rows;
+};
+
+static void free_codes(struct codes *c) {
+    free(c->q);
+    free(c->xs);
+    free(c->first_row);
+}
+
+static int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, struct codes *c) {
+    const int64_t size = bf16 ? 2 : 4;
+    c->q = calloc((size_t)((2 * m + 2) * padded), 1);
+    c->xs = malloc((size_t)(2 * m + 2) * sizeof *c->xs);
+    c->first_row = malloc((size_t)(m + 1) * sizeof *c->first_row);
+    if (!c->q || !c->xs || !c->first_row) {
+        free_codes(c);
+        return -1;
+    }
+    int64_t rows = 0;
+    for (int64_t r = 0; r < m; r++) {
+        const char *row = (const char *)x + r * ldx * size;
+        float32x4_t top = vdupq_n_f32(0.0f);
+        for (int64_t i = 0; i < k; i += 4) top = vmaxq_f32(top, vabsq_f32(load4(row, bf16, i, k)));
+        float scale = vmaxvq_f32(top) / 127.0f;
+        if (scale < FLT_MIN) scale = FLT_MIN;  /* an all-zero row: zero codes */
+        const float32x4_t step = vdupq_n_f32(scale), inverse = vdupq_n_f32(1.0f / scale);
+        int8_t *hi = c->q + rows * padded;
+        float32x4_t lost = vdupq_n_f32(0.0f), whole = vdupq_n_f32(0.0f);
+        for (int64_t i = 0; i < k; i += 4) {
+            const float32x4_t v = load4(row, bf16, i, k);
+            const float32x4_t missed = vfmsq_f32(v, vcvtq_f32_s32(store_codes(v, inverse, hi, i, k)), step);
+            lost = vfmaq_f32(lost, missed, missed);
+            whole = vfmaq_f32(whole, v, v);
+        }
+        c->first_row[r] = rows;
+        c->xs[rows++] = scale;
+        const float norm = vaddvq_f32(whole);
+        if (norm > 0.0f && vaddvq_f32(lost) > ROUNDING_BOUND * ROUNDING_BOUND * norm) {
+            const float fine = scale / 254.0f;
+            const float32x4_t finer = vdupq_n_f32(1.0f / fine);
+            int8_t *lo = c->q + rows * padded;
+            for (int64_t i = 0; i < k; i += 4) {
+                int32_t four;  /* codes i..i+3 (those past k are 0) */
+                memcpy(&four, hi + i, sizeof four);
+                const int8x8_t eight = vreinterpret_s8_s32(vdup_n_s32(four));
+                const float32x4_t coarse = vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(eight))));
+                store_codes(vfmsq_f32(load4(row, bf16, i, k), coarse, step), finer, lo, i, k);
+            }
+            c->xs[rows++] = fine;
+        }
+    }
+    c->first_row[m] = c->rows = rows;
+    c->xs[rows] = 0.0f;  /* the zero row that makes the count even */
+    return 0;
+}
+
+/* Up to 2 code rows (row stride ldq) times one block (K8/8 octets) -> their int32 sums, 16 a row, into raw. */
+static DOTPROD void tile_sdot(int rows, const int8_t *q, int64_t ldq, const int8_t *w, int64_t octets, int32_t *raw) {
+    int32x4_t acc[2][8];
+    for (int r = 0; r < 2; r++)
+        for (int p = 0; p < 8; p++) acc[r][p] = vdupq_n_s32(0);
+    for (int64_t o = 0; o < octets; o++) {
+        const int8_t *wo = w + o * OCTET_BYTES;
+        int8x16_t wp[8];
+        for (int p = 0; p < 8; p++) wp[p] = vld1q_s8(wo + 16 * p);
+        for (int r = 0; r < 2; r++) {
+            if (r < rows) {
+                const int8x8_t x8 = vld1_s8(q + r * ldq + 8 * o);
+                const int8x16_t twice = vcombine_s8(x8, x8);
+                for (int p = 0; p < 8; p++) acc[r][p] = vdotq_s32(acc[r][p], wp[p], twice);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < 4; j++) vst1q_s32(raw + r * BLOCK + 4 * j, vpaddq_s32(acc[r][2 * j], acc[r][2 * j + 1]));
+}
+
+/* Up to 4 code rows (an even count; row stride ldq) times one block -> their int32 sums, 16 a row, into raw. */
+static I8MM void tile_smmla(int rows, const int8_t *q, int64_t ldq, const int8_t *w, int64_t octets, int32_t *raw) {
+    int32x4_t acc[2][8];  /* per pair of rows and pair of columns: (row 0, row 1) x (column 0, column 1) */
+    for (int r = 0; r < 2; r++)
+        for (int p = 0; p < 8; p++) acc[r][p] = vdupq_n_s32(0);
+    for (int64_t o = 0; o < octets; o++) {
+        const int8_t *wo = w + o * OCTET_BYTES;
+        int8x16_t wp[8];
+        for (int p = 0; p < 8; p++) wp[p] = vld1q_s8(wo + 16 * p);
+        for (int pair = 0; pair < 2; pair++) {
+            if (2 * pair < rows) {
+                const int8_t *row = q + 2 * pair * ldq + 8 * o;
+                const int8x16_t two = vcombine_s8(vld1_s8(row), vld1_s8(row + ldq));
+                for (int p = 0; p < 8; p++) acc[pair][p] = vmmlaq_s32(acc[pair][p], two, wp[p]);
+            }
+        }
+    }
+    for (int pair = 0; 2 * pair < rows; pair++)
+        for (int j = 0; j < 4; j++) {
+            const int32x4_t a = acc[pair][2 * j], b = acc[pair][2 * j + 1];
+            vst1q_s32(raw + 2 * pair * BLOCK + 4 * j, vcombine_s32(vget_low_s32(a), vget_low_s32(b)));
+            vst1q_s32(raw + (2 * pair + 1) * BLOCK + 4 * j, vcombine_s32(vget_high_s32(a), vget_high_s32(b)));
+        }
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed (n16/16, k8/8, 8, 2, 8) int8; scale: (n16,) float32;
+ * y: (m, n) float32, or bf16 when ybf16, with row stride ldy; SMMLA tiles with i8mm, else SDOT. Returns 0, or -1
+ * when scratch memory ran out. */
+static int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const float *scale, int64_t n,
+                       int64_t k, void *y, int64_t ldy, int ybf16, int i8mm) {
+    const int64_t padded = (k + 7) / 8 * 8, octets = padded / 8, ysize = ybf16 ? 2 : 4;
+    struct codes c;
+    if (round_rows(x, m, ldx, bf16, k, padded, &c)) return -1;
+    float *partial = malloc((size_t)(c.rows + 4) * BLOCK * sizeof *partial);  /* each code row's scaled sums */
+    if (!partial) {
+        free_codes(&c);
+        return -1;
+    }
+    const int step = i8mm ? 4 : 2;
+    int32_t raw[4 * BLOCK];
+    for (int64_t block = 0; block * BLOCK < n; block++) {
+        const int8_t *wb = w + block * octets * OCTET_BYTES;
+        for (int64_t r0 = 0; r0 < c.rows; r0 += step) {
+            const int64_t left = c.rows - r0;
+            const int rows = (int)(left < step ? left : step);
+            if (i8mm)
+                tile_smmla(rows + (rows & 1), c.q + r0 * padded, padded, wb, octets, raw);  /* + the zero row */
+            else
+                tile_sdot(rows, c.q + r0 * padded, padded, wb, octets, raw);
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < BLOCK; j++) partial[(r0 + r) * BLOCK + j] = (float)raw[r * BLOCK + j] * c.xs[r0 + r];
+        }
+        const int64_t columns = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK;
+        for (int64_t t = 0; t < m; t++) {
+            const float *hi = partial + c.first_row[t] * BLOCK;
+            const int two = c.first_row[t + 1] - c.first_row[t] == 2;
+            void *row = (char *)y + t * ldy * ysize;
+            for (int64_t j = 0; j < columns; j++)
+                store_y(row, ybf16, block * BLOCK + j, (hi[j] + (two ? hi[BLOCK + j] : 0.0f)) * scale[block * BLOCK + j]);
+        }
+    }
+    free(partial);
+    free_codes(&c);
+    return 0;
+}
+
+int npumoe_neon_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const float *scale,
+                            int64_t n, int64_t k, void *y, int64_t ldy, int i8mm) {
+    return linear_int8(x, m, ldx, bf16, w, scale, n, k, y, ldy, bf16, i8mm);
+}
+
+/* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K) with up_scale, down
+ * packed (N, I) with down_scale; the intermediate stays float32. x and y as in npumoe_neon_linear_int8. */
+int npumoe_neon_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *up, const float *up_scale,
+                                int64_t k, const int8_t *down, const float *down_scale, int64_t n, int64_t inter,
+                                void *y, int64_t ldy, int i8mm) {
+    float *h = malloc((size_t)(m * 2 * inter) * sizeof *h);
+    if (!h) return -1;
+    int failed = linear_int8(x, m, ldx, bf16, up, up_scale, 2 * inter, k, h, 2 * inter, 0, i8mm);
+    if (!failed) {
+        for (int64_t r = 0; r < m; r++) {
+            float *row = h + r * 2 * inter;
+            for (int64_t j = 0; j < inter; j++) row[j] = row[j] / (1.0f + expf(-row[j])) * row[inter + j];
+        }
+        failed = linear_int8(h, m, 2 * inter, 0, down, down_scale, n, inter, y, ldy, bf16, i8mm);
+    }
+    free(h);
+    return failed;
+}
