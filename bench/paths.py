@@ -41,8 +41,10 @@ PricedPlan = tuple[ExpertPlan, Residency]  # a plan and where its groups run on 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 
 # Largest relative L2 error a quantized path may have and still be timed: what rounding the weights (and, in the
-# int8 kernels, the activations) costs on random Gaussian weights (2 % and 14-16 % measured), with room.
-QUANTIZED_TOLERANCE = {"int8": 0.03, "int4": 0.2}
+# int8 kernels, the activations) costs on random Gaussian weights, with room. Prefill's int8 path rounds attention's
+# projections as well as the experts, and each layer is checked on its own: 3.1 % measured after the first layer of
+# qwen3-30b-a3b (experts alone 2.65 %, bench/results/fidelity-weights-*); int4's experts 14-16 %.
+QUANTIZED_TOLERANCE = {"int8": 0.04, "int4": 0.2}
 
 # A bf16 exact path may be this many times as far from the fp32 model as transformers-eager is (eager even
 # accumulates in bf16), but is never held closer than one bf16 rounding.
