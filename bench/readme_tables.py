@@ -8,6 +8,8 @@ A table in docs/benchmarks.md (or the README) that a results file backs sits bet
 
 and `python -m npumoe.bench.readme_tables [FILE ...]` rewrites every such table from the files its marker names,
 one line per matching case of each file (the filter after `|`: a case's keys and values, `a,b` for either).
+A `<!-- rows from FILE | filter -->` marker (closed the same way) renders every row of one file's matching cases
+instead: each path, transformers' and the peer's beside the engine's.
 Every figure is a field of the file as the benchmark wrote it, rounded: nothing is computed here that the file
 does not hold, so a reader can find each number in the file (tests/bench/test_readme_numbers.py checks). The
 engine's best path is chosen from the file's rows by paired round-by-round ratios (fair/paired.py), as the
@@ -26,9 +28,11 @@ from .fair.paired import best_engine_row
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
-MARKED = re.compile(r"(?P<open><!-- rendered from (?P<files>[^|>]+?)(?: \| (?P<filter>[^>]*?))? -->\n)"
+MARKED = re.compile(r"(?P<open><!-- (?P<kind>rendered|rows) from (?P<files>[^|>]+?)(?: \| (?P<filter>[^>]*?))? -->\n)"
                     r"(?P<table>.*?)(?P<close><!-- end rendered -->)", re.S)
 CASE_KEYS = ("geometry", "layers", "document_tokens", "tokens", "chunk_tokens", "dtype", "threads")
+ROWS_HEADER = ("| path | tok/s | × transformers' best | round by round | × the engine's best exact path | load s "
+               "| rel. error | what |")
 HEADER = ("| results file | machine | case | engine's best exact path | tok/s | × transformers' best | round by round "
           "| × roofline | load s | transformers' best | the run's load |")
 
@@ -38,20 +42,49 @@ def render(text: str, root: Path = ROOT) -> str:
     def table(match: re.Match) -> str:
         files = match["files"].split()
         wanted = dict(item.split("=", 1) for item in (match["filter"] or "").split())
-        lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+        header, lines_of = (HEADER, engine_lines) if match["kind"] == "rendered" else (ROWS_HEADER, every_row)
+        lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
         for name in files:
-            lines += engine_lines(name, json.loads((root / name).read_text()), wanted)
+            lines += lines_of(name, json.loads((root / name).read_text()), wanted)
         return match["open"] + "\n".join(lines) + "\n" + match["close"]
 
     return MARKED.sub(table, text)
 
 
-def engine_lines(name: str, data: dict, wanted: dict[str, str]) -> list[str]:
-    """One table line per case of a `bench moe` or `bench prefill` results file that matches `wanted`."""
+def matching_cases(data: dict, wanted: dict[str, str]) -> dict[tuple, list[dict]]:
+    """A results file's timed rows by case, the cases that match `wanted`."""
     cases: dict[tuple, list[dict]] = {}
     for row in data["results"]:
         if row["impl"] != "profile" and all(str(row.get(key)) in values.split(",") for key, values in wanted.items()):
             cases.setdefault(tuple((key, row[key]) for key in CASE_KEYS if key in row), []).append(row)
+    return cases
+
+
+def every_row(name: str, data: dict, wanted: dict[str, str]) -> list[str]:
+    """One table line per row of each matching case: its speed, ratios with their round-by-round range (a peer's
+    are unpaired), load time, error and what it is."""
+    lines = []
+    for rows in matching_cases(data, wanted).values():
+        for row in rows:
+            if "tokens_per_s" not in row and row.get("status") != "refused":
+                continue
+            spread = row.get("vs_transformers_best_range")
+            engine = row.get("vs_engine_best_range")
+            what = (row.get("note") or (f"ran {row['same_work_as']}'s code" if "same_work_as" in row else "")
+                    or row.get("quantized") or ("approximate: prunes" if row.get("status") == "approximate" else ""))
+            cells = [row["impl"], f"{row['tokens_per_s']:,.0f}" if "tokens_per_s" in row else row["status"],
+                     f"{row['vs_transformers_best']:.2f}" if "vs_transformers_best" in row else "",
+                     f"{spread[0]:.2f}-{spread[2]:.2f}" if spread else "",
+                     f"{row['vs_engine_best']:.2f} ({engine[0]:.2f}-{engine[1]:.2f} unpaired)" if engine else "",
+                     f"{row['load_s']:.1f}" if "load_s" in row else "",
+                     f"{row['rel_error']:.1e}" if "rel_error" in row else "", what]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def engine_lines(name: str, data: dict, wanted: dict[str, str]) -> list[str]:
+    """One table line per case of a `bench moe` or `bench prefill` results file that matches `wanted`."""
+    cases = matching_cases(data, wanted)
     machine = data["machine"]
     load = machine.get("load_average")
     run_load = (f"{load['median']:.1f} median, {load['highest']:.1f} highest"

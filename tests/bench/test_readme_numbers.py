@@ -54,6 +54,8 @@ def occurs(figure: str, values: list[float]) -> bool:
     of the file's, rounded as the figure is."""
     text = figure.replace(",", "").lstrip("+")
     value = float(text)
+    if "e" in text.lower() and value == 0:  # 0.0e+00: no significant digit to round to, so exactly zero
+        return 0.0 in values
     if "e" in text.lower():  # as many significant digits as written
         mantissa = text.lower().split("e")[0]
         digits = len(mantissa.replace("-", "").replace(".", "").lstrip("0")) or 1
