@@ -47,7 +47,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
 QUANTIZED_TOLERANCE = {"int8": 0.04, "int4": 0.2}
 
 # A bf16 exact path may be this many times as far from the fp32 model as transformers-eager is (eager even
-# accumulates in bf16), but is never held closer than one bf16 rounding.
+# accumulates in bf16), but is never held closer than one bf16 rounding. No fixed ceiling: eager's own error grows
+# with the context (3.5 % after the first layer at 16,384 tokens, where a 2 % ceiling refused eager itself).
 OWN_FACTOR = 2.0
 ROUNDING = {torch.bfloat16: 2**-8}
 
@@ -292,8 +293,18 @@ class Reference:
         fixed = TOLERANCE[self.dtype]
         if self.own is None or not any(self.own):
             return [fixed] * len(self.eager), "fixed"
-        return ([min(fixed, max(ROUNDING[self.dtype], OWN_FACTOR * e)) for e in self.own],
+        return ([max(ROUNDING[self.dtype], OWN_FACTOR * e) for e in self.own],
                 f"{OWN_FACTOR:g} × eager's error from fp32")
+
+    def quantized_tolerances(self, format: str) -> tuple[list[float], str]:
+        """A quantized path's tolerance from eager for each part: its format's bound, plus what an exact path may be
+        off (OWN_FACTOR × eager's error from the fp32 model, where there is one): a quantized path's error from eager
+        holds its float arithmetic's as well as its rounding."""
+        bound = QUANTIZED_TOLERANCE[format]
+        if self.own is None:
+            return [bound] * len(self.eager), "format's bound"
+        return ([bound + OWN_FACTOR * e for e in self.own],
+                f"format's bound + {OWN_FACTOR:g} × eager's error from fp32")
 
 
 def gate(impl: str, output: Output, reference: Reference | Output) -> dict:
@@ -308,7 +319,8 @@ def gate(impl: str, output: Output, reference: Reference | Output) -> dict:
     from_eager = [relative_error(o, r) for o, r in zip(output, reference.eager, strict=True)]
     path = ENGINE_PATHS.get(impl)
     if path is not None and path.weights:
-        errors, tolerances, source = from_eager, [QUANTIZED_TOLERANCE[path.weights]] * len(output), "format's bound"
+        errors = from_eager
+        tolerances, source = reference.quantized_tolerances(path.weights)
     else:
         tolerances, source = reference.tolerances()
         errors = (from_eager if reference.truth is None or source == "fixed" else

@@ -19,7 +19,7 @@ from npumoe.bench.fair.paired import add_ratios, best_engine_row, clearly_faster
 from npumoe.bench.fair.workloads import build_model, in_float32, prefill_parts
 from npumoe.bench.machine import governor, load_warning, sampled_load
 from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
-from npumoe.bench.paths import Reference, gate, measure_impls
+from npumoe.bench.paths import QUANTIZED_TOLERANCE, Reference, gate, measure_impls
 from npumoe.bench.roofline import expert_bytes
 from npumoe.bench.timing import TimedElsewhere, interleaved_seconds
 from npumoe.engine.moe.model_experts import moe_experts
@@ -117,6 +117,18 @@ def test_a_bf16_path_is_held_to_twice_eagers_own_error_from_the_fp32_model():
     assert gate("npumoe-cpu", closer, reference)["status"] == "ok"
     refused = gate("npumoe-cpu", farther, reference)
     assert refused["status"] == "refused" and "fp32 model" in refused["error"]
+
+
+def test_at_long_context_eager_itself_passes_and_a_quantized_path_is_allowed_the_float_error_too():
+    truth = torch.randn(64, 32, dtype=torch.float64)
+    eager = (truth * (1 + 4e-2 * torch.randn(64, 32, dtype=torch.float64))).to(torch.bfloat16)  # ~4 % off, as at 16k
+    reference = Reference.of(eager, truth)
+    own = reference.own[0]
+    assert own > 2e-2  # above the old fixed ceiling, which refused eager itself
+    assert gate("transformers-eager", eager, reference)["status"] == "ok"
+    tolerances, source = reference.quantized_tolerances("int8")
+    assert tolerances == [pytest.approx(QUANTIZED_TOLERANCE["int8"] + 2 * own)] and "format's bound +" in source
+    assert Reference.of(eager).quantized_tolerances("int8") == ([QUANTIZED_TOLERANCE["int8"]], "format's bound")
 
 
 def test_the_fp32_truth_leaves_the_model_in_its_own_dtype():
