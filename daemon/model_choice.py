@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
-from npumoe.engine.vocabulary import COREML
+from npumoe.engine.vocabulary import AUTO, COREML, FP32
 from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.outputs import temporary_path
 
@@ -37,6 +37,11 @@ DEMO_BUILD = "demo-smollm2-135m-moe-8x1-bf16-v2"  # a new name whenever the reci
 # attention, which grows with the section, cheap. Wherever the demo model runs (demo, daemon, search, bench), unless
 # `section_tokens` is configured.
 DEMO_SECTION_TOKENS = 1536
+# At 135M parameters, bf16 compute changes greedy summaries, and differently on each CPU (AMX, AVX512-BF16 and the
+# emulated path round differently): on a Zen 4 the expert-committee sample's bf16 summary was under half its
+# document's words, its fp32 one held to the document. fp32 costs the demo about a quarter more time. Wherever the
+# demo model runs, unless `weights` is configured.
+DEMO_WEIGHTS = FP32
 
 
 class ModelNotFound(ValueError):
@@ -107,7 +112,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         plan=Path(m.plan).expanduser() if m.plan else None,
         chunk_tokens=m.chunk_tokens,
         overflow=m.overflow,
-        weights=m.weights,
+        weights=DEMO_WEIGHTS if m.name == DEMO and m.weights == AUTO else m.weights,
         threads=threads,
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,

@@ -36,21 +36,20 @@ class DemoRun:
 
 
 def process_samples(models: Path) -> DemoRun:
-    """Each sample's text as the daemon extracts it, processed by the demo model: in the float format `auto` measures
-    fastest here (bf16 where the CPU has it natively, fp32 where bf16 is emulated); the demo's section length; a
-    fixed chunk length (none measured). One thread: on a 2-core machine other work shares, a second thread mostly
-    waits for the first (a 10x slower decode step).
+    """Each sample's text as the daemon extracts it, processed by the demo model: in the demo's weights (fp32) and
+    section length; a fixed chunk length (none measured). One thread: on a 2-core machine other work shares, a
+    second thread mostly waits for the first (a 10x slower decode step).
     Summaries of SUMMARY_TOKENS, well under the product's, since decoding is most of the cost."""
     from npumoe.bench.service.retrieval import sample_texts
-    from npumoe.daemon.model_choice import DEMO_SECTION_TOKENS, demo_model
+    from npumoe.daemon.model_choice import DEMO_SECTION_TOKENS, DEMO_WEIGHTS, demo_model
     from npumoe.engine import Engine, EngineSettings
     from npumoe.engine.synthetic.smollm2 import GGUF
-    from npumoe.engine.vocabulary import AUTO, CHUNK_TOKENS
+    from npumoe.engine.vocabulary import CHUNK_TOKENS
 
     with pytest.MonkeyPatch.context() as env:  # every other test sees an empty models cache (conftest)
         env.setenv("NPUMOE_MODELS", str(models))
         model = demo_model()
-    engine = Engine.load(EngineSettings(model=str(model), weights=AUTO, chunk_tokens=CHUNK_TOKENS,
+    engine = Engine.load(EngineSettings(model=str(model), weights=DEMO_WEIGHTS, chunk_tokens=CHUNK_TOKENS,
                                         section_tokens=DEMO_SECTION_TOKENS, summary_tokens=SUMMARY_TOKENS,
                                         threads=1))
     texts = sample_texts()

@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import replace
 
 import pytest
 import torch
 from demo_run import LONG, SUMMARY_TOKENS
 
-from npumoe.engine import Engine
 from npumoe.engine.generate.summary import OUTLINE_HEADING
 from npumoe.engine.synthetic.upcycle import DTYPE
-from npumoe.engine.vocabulary import FP32
 
 # The first test to ask for the shared demo run waits for it: minutes on a busy 2-core machine.
 pytestmark = pytest.mark.timeout(600)
@@ -48,7 +45,8 @@ def test_the_upcycled_moe_computes_what_the_dense_model_does(demo_run) -> None:
     fp32 compute, so the tolerance is float32's."""
     from transformers import AutoModelForCausalLM
 
-    engine = Engine.load(replace(demo_run.engine.settings, weights=FP32, dtype=None))
+    engine = demo_run.engine
+    assert engine.loaded.model.dtype == torch.float32  # the demo's weights (DEMO_WEIGHTS)
     dense = AutoModelForCausalLM.from_pretrained(demo_run.gguf.parent, gguf_file=demo_run.gguf.name,
                                                  dtype=torch.float32).eval()
     with torch.no_grad():
