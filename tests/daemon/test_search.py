@@ -76,7 +76,9 @@ def home(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
 
 
 def npumoed(home: Path, *args: str) -> Any:
-    result = CliRunner().invoke(main, list(args), env={"NPUMOED_HOME": str(home)}, catch_exceptions=False)
+    # A wide terminal: rich folds a path longer than the line (a worker's temporary folder) onto a line of its own.
+    result = CliRunner().invoke(main, list(args), env={"NPUMOED_HOME": str(home), "COLUMNS": "200"},
+                                catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout) if "--json" in args else result.stdout
 
