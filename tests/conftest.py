@@ -35,13 +35,12 @@ def pytest_configure(config: pytest.Config) -> None:
 SHARED_AT_A_COST = ("demo_run", "hostile")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_itemcollected(item: pytest.Item) -> None:
     """The suite runs on two workers (pytest-xdist, `--dist loadgroup`): a file's tests stay together, so its
-    module fixtures are made once, and so do all the tests of a costly session fixture."""
-    for item in items:
-        costly = [name for name in SHARED_AT_A_COST if name in getattr(item, "fixturenames", ())]
-        item.add_marker(pytest.mark.xdist_group(costly[0] if costly else item.nodeid.split("::")[0]))
+    module fixtures are made once, and so do all the tests of a costly session fixture. Marked as each test is
+    collected, before xdist reads the groups."""
+    costly = [name for name in SHARED_AT_A_COST if name in getattr(item, "fixturenames", ())]
+    item.add_marker(pytest.mark.xdist_group(costly[0] if costly else item.nodeid.split("::")[0]))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

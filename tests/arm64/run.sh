@@ -119,4 +119,6 @@ install_wheels
 make_venv
 (($#)) || set -- -m "not slow" "${DEFAULT_TESTS[@]}"
 say "running pytest $* under emulation"
-in_root /bin/sh -c 'cd /repo && exec python -m pytest -p no:cacheprovider "$@"' pytest "$@"
+# Emulated, a test takes 5 to 10 times as long as on the host (the demo run's set-up over 10 minutes): each may
+# take 30 minutes before pytest-timeout calls it hung.
+in_root /bin/sh -c 'cd /repo && exec python -m pytest -p no:cacheprovider --timeout=1800 "$@"' pytest "$@"
