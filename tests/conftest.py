@@ -31,18 +31,6 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["NPUMOE_MODELS"] = tempfile.mkdtemp(prefix="npumoe-test-models-")
 
 
-# Session fixtures that take a minute or more to make: the tests that use one run in one worker, which makes it once.
-SHARED_AT_A_COST = ("demo_run", "hostile")
-
-
-def pytest_itemcollected(item: pytest.Item) -> None:
-    """The suite runs on two workers (pytest-xdist, `--dist loadgroup`): a file's tests stay together, so its
-    module fixtures are made once, and so do all the tests of a costly session fixture. Marked as each test is
-    collected, before xdist reads the groups."""
-    costly = [name for name in SHARED_AT_A_COST if name in getattr(item, "fixturenames", ())]
-    item.add_marker(pytest.mark.xdist_group(costly[0] if costly else item.nodeid.split("::")[0]))
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     for variable in ("NPUMOE_CACHE", "NPUMOE_MODELS"):
         shutil.rmtree(os.environ.pop(variable, ""), ignore_errors=True)
