@@ -1,5 +1,6 @@
 """The demo model (SmolLM2-135M-Instruct upcycled to an 8-expert top-1 MoE) on the sample documents: an MoE that
-computes what the dense model does, and summaries a person can use.
+computes what the dense model does, summaries a person can use, and vectors that find the answers to questions
+about the samples (`bench retrieval`'s, measured on the shared run's vectors).
 
 `make setup` fetched the weights and built the MoE in the models cache; a missing model is built here, not skipped.
 """
@@ -11,10 +12,14 @@ from collections import Counter
 
 import pytest
 import torch
-from demo_run import LONG, SUMMARY_TOKENS
+from demo_run import DOCUMENT_RECALL_BAR, LONG, PASSAGE_RECALL_BAR, SUMMARY_TOKENS, Processed
 
+from npumoe.bench.service.questions import QUESTIONS
+from npumoe.bench.service.retrieval import measure
 from npumoe.engine.generate.summary import OUTLINE_HEADING
 from npumoe.engine.synthetic.upcycle import DTYPE
+from npumoe.engine.vocabulary import MEAN
+from npumoe.jobs.search.index import WEIGHTS
 
 # The first test to ask for the shared demo run waits for it: minutes on a busy 2-core machine.
 pytestmark = pytest.mark.timeout(600)
@@ -117,3 +122,10 @@ def test_the_long_samples_summary_is_combined_from_its_sections_and_names_their_
     # the words most sections share are what the document is about; the summary names some of them
     common = {w for w, n in subjects.items() if n >= result.stats.sections // 2}
     assert len(said & common) >= 3, (sorted(common), result.summary)
+
+
+def test_the_demo_model_finds_the_answers_at_least_as_often_as_reported(demo_run) -> None:
+    (default,) = [r for r in measure(Processed(demo_run), demo_run.texts, [MEAN]) if r.weights == WEIGHTS]
+    assert default.questions == len(QUESTIONS)
+    assert default.passage_recall_at_1 >= PASSAGE_RECALL_BAR > default.passage_chance
+    assert default.document_recall_at_1 >= DOCUMENT_RECALL_BAR > default.document_chance
