@@ -19,19 +19,23 @@ from postgres_server import PostgresServer
 
 from npumoe.engine.synthetic.smollm2 import models_cache
 
-# The models cache `make setup` filled (the demo model), read before the run points NPUMOE_MODELS elsewhere.
-SETUP_MODELS = models_cache()
+# The models cache `make setup` filled (the demo model), read before the run points NPUMOE_MODELS elsewhere. xdist's
+# workers start after that, with the run's environment: the run passes them the folder (pytest_configure).
+SETUP_MODELS_VARIABLE = "NPUMOE_TEST_SETUP_MODELS"
+SETUP_MODELS = Path(os.environ.get(SETUP_MODELS_VARIABLE) or models_cache())
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Compiled kernels go to a folder of this run's, not the user's cache; set before collection, which
     asks whether the kernel builds, and inherited by every child process. Likewise an empty models cache: no
     test sees the demo model `make setup` made unless it asks for it (`demo_run`)."""
+    os.environ.setdefault(SETUP_MODELS_VARIABLE, str(SETUP_MODELS))  # for the workers
     os.environ["NPUMOE_CACHE"] = tempfile.mkdtemp(prefix="npumoe-test-cache-")
     os.environ["NPUMOE_MODELS"] = tempfile.mkdtemp(prefix="npumoe-test-models-")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    os.environ.pop(SETUP_MODELS_VARIABLE, None)
     for variable in ("NPUMOE_CACHE", "NPUMOE_MODELS"):
         shutil.rmtree(os.environ.pop(variable, ""), ignore_errors=True)
 
