@@ -34,6 +34,16 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ["NPUMOE_MODELS"] = tempfile.mkdtemp(prefix="npumoe-test-models-")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test's own timeout mark is a floor, not a ceiling: a run given a longer `--timeout` (make test-arm64's,
+    under emulation) gives it to every test."""
+    run_timeout = float(config.getoption("timeout", None) or 0)
+    for item in items:
+        mark = item.get_closest_marker("timeout")
+        if mark is not None and mark.args and float(mark.args[0]) < run_timeout:
+            item.add_marker(pytest.mark.timeout(run_timeout))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     os.environ.pop(SETUP_MODELS_VARIABLE, None)
     for variable in ("NPUMOE_CACHE", "NPUMOE_MODELS"):
