@@ -14,8 +14,9 @@
  * int4: the unsigned operand is the weight code (0..15), x the signed one: a pair is at most 2 · 15 · 127 = 3810,
  * so up to 8 of them (four octets of K) add in int16 before VPMADDWD widens them.
  * A 32-byte load holds 8 columns x 4 K values (int8: one quad of a run; int4: one octet's low or high nibbles), so
- * a column's sum lands in one int32 lane. A tile of up to 6 rows x 16 columns keeps its sums in 12 registers;
- * the block's runs of 16 columns go one after another, the first pass asking for the block's bytes ahead.
+ * a column's sum lands in one int32 lane. int4: a tile of up to 6 rows x 16 columns keeps its sums in 12 registers;
+ * the block's runs of 16 columns go one after another, the first pass asking for the block's bytes ahead. int8: a
+ * tile of up to 4 rows takes a whole block, read in its stored order; rows go in panels whose codes stay in L2.
  * Built and loaded at run time by avx2_linear.py, which asks the CPU for AVX2 first.
  */
 #include <float.h>
@@ -27,7 +28,9 @@
 #define TARGET __attribute__((target("avx2,fma")))
 #define INLINE __attribute__((always_inline))
 #define TILE_ROWS 6
+#define INT8_TILE_ROWS 4 /* its 8 sums, 2 weight registers and their operands fit AVX2's 16 registers; 6 rows spill */
 #define BLOCK 64
+#define PANEL_BYTES 262144 /* int8: x codes a panel of rows keeps in L2 (Zen 3's is 512 KB) */
 #define AHEAD 16384          /* as in vnni_linear.c */
 #define ROUNDING_BOUND 0.03f /* as in vnni_linear.c: rows that lose more take a second level of codes */
 
@@ -131,19 +134,17 @@ static TARGET float quantize_row(const void *row, int bf16, int64_t k, int8_t *q
     return scale;
 }
 
-/* x's m rows rounded for the int8 kernel: codes q and their magnitudes a (rows of `padded` bytes, padding 0), a
- * scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1: one, or two where one loses more than
+/* x's m rows rounded for the int8 kernel: in each row of q (stride ldq), `padded` bytes of codes (padding 0) and then
+ * their magnitudes, a row a little longer than the two so that a tile's rows do not share L1 sets; a scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1: one, or two where one loses more than
  * ROUNDING_BOUND, the second what the first missed (x − s·code, at most s/2) at s/254. */
 struct codes {
     int8_t *q;
-    uint8_t *a;
     float *xs;
-    int64_t *first_row, rows;
+    int64_t *first_row, rows, ldq;
 };
 
 static void free_codes(struct codes *codes) {
     free(codes->q);
-    free(codes->a);
     free(codes->xs);
     free(codes->first_row);
 }
@@ -151,13 +152,12 @@ static void free_codes(struct codes *codes) {
 /* Fills `codes` (0), or returns -1 when memory ran out (nothing left to free). */
 static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded,
                              struct codes *codes) {
-    const int64_t most = 2 * m, size = bf16 ? 2 : 4;
-    codes->q = calloc((size_t)(most * padded), 1); /* the padding stays 0: codes past k round zeros */
-    codes->a = malloc((size_t)(most * padded));
+    const int64_t most = 2 * m, size = bf16 ? 2 : 4, ldq = codes->ldq = 2 * padded + 64;
+    codes->q = calloc((size_t)(most * ldq), 1); /* the padding stays 0: codes past k round zeros */
     codes->xs = malloc((size_t)most * sizeof *codes->xs);
     codes->first_row = malloc((size_t)(m + 1) * sizeof *codes->first_row);
     float *missed = malloc((size_t)((k + 7) / 8 * 8) * sizeof *missed);
-    if (!codes->q || !codes->a || !codes->xs || !codes->first_row || !missed) {
+    if (!codes->q || !codes->xs || !codes->first_row || !missed) {
         free(missed);
         free_codes(codes);
         return -1;
@@ -165,7 +165,7 @@ static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, in
     int64_t rows = 0;
     for (int64_t r = 0; r < m; r++) {
         const char *row = (const char *)x + r * ldx * size;
-        int8_t *hi = codes->q + rows * padded;
+        int8_t *hi = codes->q + rows * ldq;
         float loss;
         const float scale = quantize_row(row, bf16, k, hi, 8, NULL, &loss);
         codes->first_row[r] = rows;
@@ -177,14 +177,15 @@ static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, in
             }
             /* rounded at the fine scale s/254 itself: quantize_row's absmax of what was missed can be below s/2 */
             const __m256 inverse = _mm256_set1_ps(254.0f / scale);
-            int8_t *lo = codes->q + rows * padded;
+            int8_t *lo = codes->q + rows * ldq;
             for (int64_t i = 0; i < k; i += 8)
                 store_codes(lo + i, _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(missed + i), inverse)));
             codes->xs[rows++] = scale / 254.0f;
         }
     }
     codes->first_row[m] = codes->rows = rows;
-    for (int64_t i = 0; i < rows * padded; i++) codes->a[i] = (uint8_t)abs(codes->q[i]);
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < padded; i++) codes->q[r * ldq + padded + i] = (int8_t)abs(codes->q[r * ldq + i]);
     free(missed);
     return 0;
 }
@@ -200,34 +201,45 @@ static inline TARGET INLINE __m256i broadcast4(const void *p) {
     return _mm256_set1_epi32(four);
 }
 
-/* `rows` rows of codes (row stride ldq) times one run of 16 columns (w: its first quad; quads `quads`, the run's quad
- * q at int8_quad) -> their int32 sums, 16 a row, into raw (row stride BLOCK). With `fetch`, the block's bytes are
- * asked for in order as the run streams. */
+/* `rows` rows of codes (row stride ldq; their magnitudes at a) times one block's 64 columns (w: its first byte; inputs
+ * in `chunks` chunks of 64) -> their int32 sums, 64 a row, into raw (row stride BLOCK). The block is read in the
+ * order it is stored, a chunk (16 quads x 4 runs of 16 columns, 4 KB) at a time, each run's sums taken from raw and
+ * put back around it: the weights stream in order (the hardware prefetchers follow), and a chunk's codes stay in L1
+ * for its four runs. With `fetch`, the block's bytes are asked for ahead as they stream. */
 static inline TARGET INLINE void tile_int8(const int rows, const int8_t *q, const uint8_t *a, int64_t ldq,
-                                           const int8_t *w, const int8_t *block, int64_t quads, int fetch,
-                                           int32_t *raw) {
-    __m256i acc[TILE_ROWS][2];
-    for (int r = 0; r < TILE_ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+                                           const int8_t *w, int64_t chunks, int fetch, int32_t *raw) {
     const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t quad = 0; quad < quads; quad++) {
-        const int64_t at = quad / 16 * 16 * 4 * BLOCK + quad % 16 * 64; /* chunks of 16 quads x 4 runs */
-        if (fetch) fetch_ahead(block + quad * 4 * BLOCK, 4 * BLOCK);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)(w + at));
-        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + at + 32));
-#pragma GCC unroll 6
-        for (int r = 0; r < TILE_ROWS; r++) {
-            if (r < rows) {
-                const __m256i xs = broadcast4(q + r * ldq + 4 * quad), xa = broadcast4(a + r * ldq + 4 * quad);
-                acc[r][0] = _mm256_add_epi32(acc[r][0],
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs)), ones));
-                acc[r][1] = _mm256_add_epi32(acc[r][1],
-                                             _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs)), ones));
+    for (int r = 0; r < rows; r++) memset(raw + r * BLOCK, 0, BLOCK * sizeof *raw);
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int8_t *wc = w + chunk * 16 * 4 * BLOCK;
+        if (fetch) fetch_ahead(wc, 16 * 4 * BLOCK);
+        for (int run = 0; run < 4; run++) {
+            __m256i acc[INT8_TILE_ROWS][2];
+            for (int r = 0; r < rows; r++) {
+                acc[r][0] = _mm256_loadu_si256((const __m256i *)(raw + r * BLOCK + 16 * run));
+                acc[r][1] = _mm256_loadu_si256((const __m256i *)(raw + r * BLOCK + 16 * run + 8));
+            }
+            for (int quad = 0; quad < 16; quad++) {
+                const int8_t *wq = wc + run * 1024 + quad * 64;
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wq);
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wq + 32));
+                const int64_t at = 64 * chunk + 4 * quad;
+#pragma GCC unroll 4
+                for (int r = 0; r < INT8_TILE_ROWS; r++) {
+                    if (r < rows) {
+                        const __m256i xs = broadcast4(q + r * ldq + at), xa = broadcast4(a + r * ldq + at);
+                        acc[r][0] = _mm256_add_epi32(
+                            acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs)), ones));
+                        acc[r][1] = _mm256_add_epi32(
+                            acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs)), ones));
+                    }
+                }
+            }
+            for (int r = 0; r < rows; r++) {
+                _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 16 * run), acc[r][0]);
+                _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 16 * run + 8), acc[r][1]);
             }
         }
-    }
-    for (int r = 0; r < rows; r++) {
-        _mm256_storeu_si256((__m256i *)(raw + r * BLOCK), acc[r][0]);
-        _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 8), acc[r][1]);
     }
 }
 
@@ -237,43 +249,44 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
     struct codes codes;
     if (round_rows(x, m, ldx, bf16, k, padded, &codes)) return -1;
-    const int64_t tiles = (codes.rows + TILE_ROWS - 1) / TILE_ROWS;
-    int32_t *raw = malloc((size_t)(codes.rows * BLOCK) * sizeof *raw); /* every row of codes' sums over a block */
+    /* tokens a panel takes: its codes stay in L2 while every block of weights streams past them */
+    const int64_t panel = codes.ldq < PANEL_BYTES ? PANEL_BYTES / codes.ldq : 1;
+    int32_t *raw = malloc((size_t)(codes.rows * BLOCK) * sizeof *raw); /* a panel's rows of codes' sums over a block */
     if (!raw) {
         free_codes(&codes);
         return -1;
     }
-    for (int64_t block = 0; block * BLOCK < n; block++) {
-        const int8_t *wb = w + block * BLOCK * padded;
-        const int64_t columns = n - block * BLOCK;
-        for (int run = 0; run < 4 && 16 * run < columns; run++) {
+    for (int64_t t0 = 0; t0 < m; t0 += panel) {
+        const int64_t t1 = t0 + panel < m ? t0 + panel : m, first = codes.first_row[t0];
+        const int64_t panel_rows = codes.first_row[t1] - first;
+        const int64_t tiles = (panel_rows + INT8_TILE_ROWS - 1) / INT8_TILE_ROWS;
+        for (int64_t block = 0; block * BLOCK < n; block++) {
+            const int8_t *wb = w + block * BLOCK * padded;
+            const int64_t columns = n - block * BLOCK;
             for (int64_t t = 0, r0 = 0; t < tiles; t++) {
-                const int64_t rows = (codes.rows - r0 + (tiles - t) - 1) / (tiles - t); /* tiles differ by a row at most */
-                const int8_t *qt = codes.q + r0 * padded, *wr = wb + run * 1024;
-                const uint8_t *at = codes.a + r0 * padded;
-                int32_t *rt = raw + r0 * BLOCK + 16 * run;
-                const int fetch = run == 0 && t == 0;
+                const int64_t rows = (panel_rows - r0 + (tiles - t) - 1) / (tiles - t); /* tiles differ by a row at most */
+                const int8_t *qt = codes.q + (first + r0) * codes.ldq;
+                const uint8_t *at = (const uint8_t *)qt + padded;
+                int32_t *rt = raw + r0 * BLOCK;
                 switch (rows) { /* a constant row count per call, so each loop unrolls fully */
-                case 1: tile_int8(1, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
-                case 2: tile_int8(2, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
-                case 3: tile_int8(3, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
-                case 4: tile_int8(4, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
-                case 5: tile_int8(5, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
-                default: tile_int8(6, qt, at, padded, wr, wb, padded / 4, fetch, rt); break;
+                case 1: tile_int8(1, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
+                case 2: tile_int8(2, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
+                case 3: tile_int8(3, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
+                default: tile_int8(4, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
                 }
                 r0 += rows;
             }
-        }
-        const float *cb = scale + block * BLOCK;
-        for (int64_t r = 0; r < m; r++) { /* Σ over the token's levels of sums · x scale, times the column's scale */
-            const int64_t first = codes.first_row[r], last = codes.first_row[r + 1];
-            for (int c = 0; 8 * c < columns; c++) {
-                __m256 v = _mm256_setzero_ps();
-                for (int64_t level = first; level < last; level++)
-                    v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(raw + level * BLOCK + 8 * c))),
-                                        _mm256_set1_ps(codes.xs[level]), v);
-                store_y((char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, 8 * c,
-                        _mm256_mul_ps(v, _mm256_loadu_ps(cb + 8 * c)), columns - 8 * c);
+            const float *cb = scale + block * BLOCK;
+            for (int64_t r = t0; r < t1; r++) { /* Σ over the token's levels of sums · x scale, times the column's scale */
+                for (int c = 0; 8 * c < columns; c++) {
+                    __m256 v = _mm256_setzero_ps();
+                    for (int64_t level = codes.first_row[r]; level < codes.first_row[r + 1]; level++)
+                        v = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(raw + (level - first) * BLOCK + 8 * c))),
+                            _mm256_set1_ps(codes.xs[level]), v);
+                    store_y((char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, 8 * c,
+                            _mm256_mul_ps(v, _mm256_loadu_ps(cb + 8 * c)), columns - 8 * c);
+                }
             }
         }
     }

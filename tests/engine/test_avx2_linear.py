@@ -68,9 +68,10 @@ def test_a_gated_expert_in_one_call_is_its_two_matmuls_with_silu_between(format,
 
 
 @needs_kernel
-def test_an_int8_linear_rounds_rows_with_outliers_in_two_levels():
-    weight = quantize(randn(192, 1024, seed=1), INT8)
-    x = randn(20, 1024, seed=2)
+@pytest.mark.parametrize(("rows", "k"), [(20, 1024), (75, 8192)])  # the second: five panels of rows (avx2_linear.c)
+def test_an_int8_linear_rounds_rows_with_outliers_in_two_levels(rows, k):
+    weight = quantize(randn(192, k, seed=1), INT8)
+    x = randn(rows, k, seed=2)
     x[::2, :2] = 50.0  # one level would lose 4.7 % of such a row (bound: 3 %)
     got = avx2_linear.linear(x, vnni_linear.pack(weight))
     exact = x.double() @ weight.dequantize().double().T
