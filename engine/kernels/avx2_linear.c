@@ -135,7 +135,8 @@ static TARGET float quantize_row(const void *row, int bf16, int64_t k, int8_t *q
 }
 
 /* x's m rows rounded for the int8 kernel: in each row of q (stride ldq), `padded` bytes of codes (padding 0) and then
- * their magnitudes, a row a little longer than the two so that a tile's rows do not share L1 sets; a scale each in xs; token r's rows are first_row[r] .. first_row[r + 1] - 1: one, or two where one loses more than
+ * their magnitudes, a row a little longer than the two so that a tile's rows do not share L1 sets; a scale each in
+ * xs; token r's rows are first_row[r] .. first_row[r + 1] - 1: one, or two where one loses more than
  * ROUNDING_BOUND, the second what the first missed (x − s·code, at most s/2) at s/254. */
 struct codes {
     int8_t *q;
@@ -251,7 +252,8 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     if (round_rows(x, m, ldx, bf16, k, padded, &codes)) return -1;
     /* tokens a panel takes: its codes stay in L2 while every block of weights streams past them */
     const int64_t panel = codes.ldq < PANEL_BYTES ? PANEL_BYTES / codes.ldq : 1;
-    int32_t *raw = malloc((size_t)(codes.rows * BLOCK) * sizeof *raw); /* a panel's rows of codes' sums over a block */
+    const int64_t most = codes.rows < 2 * panel ? codes.rows : 2 * panel; /* two a token at most */
+    int32_t *raw = malloc((size_t)(most * BLOCK) * sizeof *raw); /* a panel's rows of codes' sums over a block */
     if (!raw) {
         free_codes(&codes);
         return -1;
