@@ -101,11 +101,12 @@ ARCHITECTURES: dict[str, tuple[type[PretrainedConfig], dict]] = {
     "lfm2_moe": (Lfm2MoeConfig, dict(num_experts=16, num_experts_per_tok=4, num_dense_layers=0,
                                      layer_types=["conv", "full_attention", "conv"], **MOE_FFN)),
     # hybrid Mamba-attention, experts without a gate (squared ReLU); its layers listed by kind, three of them MoE
-    # (its experts twice as wide, so that the up projection fills the bf16 kernel's 64-row blocks)
+    # (its experts twice as wide, so that the up projection fills the bf16 kernel's 64-row blocks), Mamba first
+    # as in NVIDIA's checkpoints (transformers 5.25 reads the cache's length off the first layer's)
     "nemotron_h": (NemotronHConfig, dict(n_routed_experts=16, num_experts_per_tok=2,
                                          moe_intermediate_size=2 * EXPERT_FFN,
                                          moe_shared_expert_intermediate_size=2 * HIDDEN, intermediate_size=4 * HIDDEN,
-                                         layers_block_type=["moe", "mamba", "moe", "attention", "moe"],
+                                         layers_block_type=["mamba", "moe", "attention", "moe", "moe"],
                                          mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
                                          head_dim=HIDDEN // 4, use_mamba_kernels=False)),
 }
