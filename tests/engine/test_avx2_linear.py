@@ -4,6 +4,10 @@ NPUMOE_MAX_CPU_ISA ceiling that narrows the engine's own kernels to it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from cpus import APPLE_SILICON, INTEL_MAC, SAPPHIRE_RAPIDS, fake_build, fresh_process, simulate
@@ -77,6 +81,34 @@ def test_an_int8_linear_rounds_rows_with_outliers_in_two_levels(rows, k):
     exact = x.double() @ weight.dequantize().double().T
     assert relative_error(got[1::2], reference(x[1::2], weight)) < 1e-5
     assert relative_error(got[::2], exact[::2]) < 1e-3 < 1e-2 < relative_error(reference(x[::2], weight), exact[::2])
+
+
+@needs_kernel
+def test_each_block_of_a_wide_int8_weight_reads_only_its_own_sums_on_the_workers():
+    """Each block of 64 columns once finished every column after it too, reading its rows' sums past their end:
+    in the worker threads' malloc arenas, whose ends are unmapped, 16 rows of two levels against a 4096-wide
+    projection (the choice's probe for Qwen3-30B-A3B's q_proj) crashed the process. In a process of its own, so
+    a crash fails this test, not the suite."""
+    script = textwrap.dedent("""
+        from functools import partial
+        import torch
+        from npumoe.engine.formats.quantize import INT8, quantize
+        from npumoe.engine.kernels import avx2_linear, vnni_linear
+        from npumoe.engine.kernels.workers import run_tasks
+        torch.set_num_threads(2)
+        generator = torch.Generator().manual_seed(0)
+        weight = quantize(torch.randn(4096, 2048, generator=generator), INT8)
+        x = torch.randn(32, 2048, generator=generator)
+        x[:, :2] = 50.0  # every row takes two levels of codes
+        out = torch.full((32, 4096), float("nan"))
+        packed = vnni_linear.pack(weight)
+        run_tasks([partial(avx2_linear.linear, x[s:s + 16], packed, out[s:s + 16]) for s in (0, 16)])
+        exact = x.double() @ weight.dequantize().double().T
+        print(float((out.double() - exact).norm() / exact.norm()))
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert float(run.stdout.splitlines()[-1]) < 1e-3
 
 
 @needs_kernel
