@@ -264,7 +264,7 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
         const int64_t tiles = (panel_rows + INT8_TILE_ROWS - 1) / INT8_TILE_ROWS;
         for (int64_t block = 0; block * BLOCK < n; block++) {
             const int8_t *wb = w + block * BLOCK * padded;
-            const int64_t columns = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK; /* this block's, not the rest of y's */
+            const int64_t columns = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK; /* this block's alone */
             for (int64_t t = 0, r0 = 0; t < tiles; t++) {
                 const int64_t rows = (panel_rows - r0 + (tiles - t) - 1) / (tiles - t); /* tiles differ by a row at most */
                 const int8_t *qt = codes.q + (first + r0) * codes.ldq;
