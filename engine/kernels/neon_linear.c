@@ -1,4 +1,4 @@
-/* y = x · ŵᵀ for int8 quantized weights ŵ (quantize.py), for arm64 CPUs with the dot-product instructions.
+/* y = x · ŵᵀ for int8 and int4 quantized weights ŵ (quantize.py), for arm64 CPUs with the dot-product instructions.
  *
  * Each call rounds every row of x (float32 or bf16) to signed int8 codes with its own scale (absmax / 127, rounded
  * to nearest even, as quant_kernels.quantize_rows does); a row that this rounds by more than ROUNDING_BOUND
@@ -6,11 +6,15 @@
  * scale, as vnni_linear.c does. Codes and weights are both signed, so SDOT (vdotq_s32) and SMMLA (vmmlaq_s32, i8mm)
  * multiply them as they are: no offset to take back out.
  *
- * Weights are packed in blocks of 16 output columns, each one in-order stream along K of octets (8 K values): an
+ * int8 weights are packed in blocks of 16 output columns, each one in-order stream along K of octets (8 K values): an
  * octet is 8 pairs of columns, 16 bytes a pair, a column's 8 K values then its neighbour's. That is SMMLA's 2x8
  * operand as it stands; SDOT reads the same 16 bytes against a row's 8 codes twice over and a pairwise add at the
  * end folds its four lanes (two a column) into two columns.
- * SDOT tiles are 2 rows x 16 columns, SMMLA's 4 rows (two pairs) x 16 columns: the sums stay in registers.
+ * int4 weights keep that layout two octets at a time: a hexadecet (16 K values) is 8 pairs of columns, 16 bytes a
+ * pair, the first octet in the low nibbles and the second in the high ones, so an AND and a shift give two int8
+ * octets (codes 0..15 are non-negative int8) for the same SDOT and SMMLA. Each group of K values keeps its int32 sums
+ * apart and adds them in float at its end: Σ w·x = s·Σ q·x + (z − 8s)·Σ x, w = (q − 8)·s + z (quantize.py).
+ * Tiles are 2 rows x 16 columns with SDOT, 4 rows (two pairs) x 16 columns with SMMLA: the sums stay in registers.
  * Built and loaded at run time by neon_linear.py, which asks the CPU for asimddp (and i8mm) first.
  */
 #include <arm_neon.h>
@@ -179,66 +183,211 @@ static I8MM void tile_smmla(int rows, const int8_t *q, int64_t ldq, const int8_t
         }
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed (n16/16, k8/8, 8, 2, 8) int8; scale: (n16,) float32;
- * y: (m, n) float32, or bf16 when ybf16, with row stride ldy; SMMLA tiles with i8mm, else SDOT. Returns 0, or -1
- * when scratch memory ran out. */
-static int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const float *scale, int64_t n,
-                       int64_t k, void *y, int64_t ldy, int ybf16, int i8mm) {
-    const int64_t padded = (k + 7) / 8 * 8, octets = padded / 8, ysize = ybf16 ? 2 : 4;
+/* The float work at the end of an int4 group, for one code row: its 16 columns' int32 sums (four vectors of four) times
+ * the group's scales (sc), plus its zero shares (zc: z − 8s) times the row's sum of codes over the group, into part.
+ * One function for both tiles, so that they round alike. */
+static inline void group_end(const int32x4_t sums[4], const float32x4_t sc[4], const float32x4_t zc[4], int32_t codes,
+                             float *part) {
+    const float32x4_t total = vdupq_n_f32((float)codes);
+    for (int j = 0; j < 4; j++)
+        vst1q_f32(part + 4 * j, vfmaq_f32(vfmaq_f32(vld1q_f32(part + 4 * j), vcvtq_f32_s32(sums[j]), sc[j]), zc[j], total));
+}
+
+/* A group's bf16 scales and zeros for 16 columns as float32: sc = s, zc = z − 8s. */
+static inline void group_scales(const uint16_t *s, const uint16_t *z, float32x4_t sc[4], float32x4_t zc[4]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(s + 4 * j), 16));
+        zc[j] = vfmsq_f32(vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(z + 4 * j), 16)), vdupq_n_f32(8.0f), sc[j]);
+    }
+}
+
+/* One int4 weight block as the tiles read it: nibble pairs (K/16 hexadecets of 8 pairs x 16 bytes), its (groups, 16)
+ * bf16 scales and zeros, and `hexes` hexadecets a group. */
+struct int4_block {
+    const uint8_t *w;
+    const uint16_t *s, *z;
+    int64_t groups, hexes;
+};
+
+/* The two int8 octets a pair's 16 bytes of nibbles hold: low nibbles the first, high nibbles the second. */
+static inline void octets_of(const uint8_t *pair, int8x16_t *first, int8x16_t *second) {
+    const uint8x16_t b = vld1q_u8(pair);
+    *first = vreinterpretq_s8_u8(vandq_u8(b, vdupq_n_u8(0x0F)));
+    *second = vreinterpretq_s8_u8(vshrq_n_u8(b, 4));
+}
+
+/* Up to 2 code rows (row stride ldq; each group's sum of codes in codes, row stride groups) times one int4 block ->
+ * Σ over groups of (s·Σ q·x + (z − 8s)·Σ x) in code units, 16 a row, into part (row stride BLOCK). */
+static DOTPROD void tile4_sdot(int rows, const int8_t *q, int64_t ldq, const int32_t *codes, const struct int4_block *b,
+                               float *part) {
+    memset(part, 0, (size_t)rows * BLOCK * sizeof *part);
+    for (int64_t g = 0; g < b->groups; g++) {
+        int32x4_t acc[2][8];
+        for (int r = 0; r < 2; r++)
+            for (int p = 0; p < 8; p++) acc[r][p] = vdupq_n_s32(0);
+        for (int64_t h = g * b->hexes; h < (g + 1) * b->hexes; h++) {
+            const uint8_t *wh = b->w + h * OCTET_BYTES;  /* 16 columns x 16 nibbles */
+            int8x16_t first[2], second[2];  /* each row's codes for the hexadecet's two octets, twice over */
+            for (int r = 0; r < rows; r++) {
+                const int8x8_t a = vld1_s8(q + r * ldq + 16 * h), c = vld1_s8(q + r * ldq + 16 * h + 8);
+                first[r] = vcombine_s8(a, a);
+                second[r] = vcombine_s8(c, c);
+            }
+            for (int p = 0; p < 8; p++) {
+                int8x16_t lo, hi;
+                octets_of(wh + 16 * p, &lo, &hi);
+                for (int r = 0; r < 2; r++)
+                    if (r < rows) acc[r][p] = vdotq_s32(vdotq_s32(acc[r][p], lo, first[r]), hi, second[r]);
+            }
+        }
+        float32x4_t sc[4], zc[4];
+        group_scales(b->s + g * BLOCK, b->z + g * BLOCK, sc, zc);
+        for (int r = 0; r < rows; r++) {
+            int32x4_t sums[4];
+            for (int j = 0; j < 4; j++) sums[j] = vpaddq_s32(acc[r][2 * j], acc[r][2 * j + 1]);
+            group_end(sums, sc, zc, codes[r * b->groups + g], part + r * BLOCK);
+        }
+    }
+}
+
+/* tile4_sdot with SMMLA: up to 4 code rows, an even count. */
+static I8MM void tile4_smmla(int rows, const int8_t *q, int64_t ldq, const int32_t *codes, const struct int4_block *b,
+                             float *part) {
+    memset(part, 0, (size_t)rows * BLOCK * sizeof *part);
+    for (int64_t g = 0; g < b->groups; g++) {
+        int32x4_t acc[2][8];  /* per pair of rows and pair of columns: (row 0, row 1) x (column 0, column 1) */
+        for (int r = 0; r < 2; r++)
+            for (int p = 0; p < 8; p++) acc[r][p] = vdupq_n_s32(0);
+        for (int64_t h = g * b->hexes; h < (g + 1) * b->hexes; h++) {
+            const uint8_t *wh = b->w + h * OCTET_BYTES;  /* 16 columns x 16 nibbles */
+            int8x16_t first[2], second[2];  /* each pair of rows' codes for the hexadecet's two octets */
+            for (int pair = 0; 2 * pair < rows; pair++) {
+                const int8_t *row = q + 2 * pair * ldq + 16 * h;
+                first[pair] = vcombine_s8(vld1_s8(row), vld1_s8(row + ldq));
+                second[pair] = vcombine_s8(vld1_s8(row + 8), vld1_s8(row + ldq + 8));
+            }
+            for (int p = 0; p < 8; p++) {
+                int8x16_t lo, hi;
+                octets_of(wh + 16 * p, &lo, &hi);
+                for (int pair = 0; pair < 2; pair++)
+                    if (2 * pair < rows)
+                        acc[pair][p] = vmmlaq_s32(vmmlaq_s32(acc[pair][p], first[pair], lo), second[pair], hi);
+            }
+        }
+        float32x4_t sc[4], zc[4];
+        group_scales(b->s + g * BLOCK, b->z + g * BLOCK, sc, zc);
+        for (int pair = 0; 2 * pair < rows; pair++) {
+            int32x4_t top[4], bottom[4];
+            for (int j = 0; j < 4; j++) {
+                const int32x4_t a = acc[pair][2 * j], c = acc[pair][2 * j + 1];
+                top[j] = vcombine_s32(vget_low_s32(a), vget_low_s32(c));
+                bottom[j] = vcombine_s32(vget_high_s32(a), vget_high_s32(c));
+            }
+            group_end(top, sc, zc, codes[2 * pair * b->groups + g], part + 2 * pair * BLOCK);
+            group_end(bottom, sc, zc, codes[(2 * pair + 1) * b->groups + g], part + (2 * pair + 1) * BLOCK);
+        }
+    }
+}
+
+/* The C kernels' weight: vnni_linear.c's struct npumoe_weight, which vnni_linear.py fills. int8: codes packed
+ * (n16/16, k8/8, 8, 2, 8), scale (n16,) float32; int4: codes (n16/16, k/16, 8, 2, 8) nibble pairs, scale and zero
+ * (n16/16, k/group, 16) bf16, group a multiple of 16 dividing k. */
+struct npumoe_weight {
+    const void *codes, *sums, *scale, *zero;
+    int64_t group, n, k;
+};
+
+/* Each code row's sum of codes over each group of K values (row stride groups), the zero row's too; NULL when memory
+ * ran out. */
+static int32_t *group_sums(const struct codes *c, int64_t padded, int64_t group, int64_t groups) {
+    int32_t *sums = calloc((size_t)((c->rows + 1) * groups), sizeof *sums);
+    if (!sums) return NULL;
+    for (int64_t r = 0; r < c->rows; r++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t i = g * group; i < (g + 1) * group; i += 16)
+                sums[r * groups + g] += vaddlvq_s8(vld1q_s8(c->q + r * padded + i));
+    return sums;
+}
+
+/* x: (m, k) float32 or bf16 rows with row stride ldx; w: int4 when int4, else int8; y: (m, n) float32, or bf16 when
+ * ybf16, with row stride ldy; SMMLA tiles with i8mm, else SDOT. Returns 0, or -1 when scratch memory ran out. */
+static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, const struct npumoe_weight *w, void *y,
+                  int64_t ldy, int ybf16, int i8mm) {
+    const int64_t n = w->n, k = w->k, padded = (k + 7) / 8 * 8, octets = padded / 8, ysize = ybf16 ? 2 : 4;
+    const int64_t groups = int4 ? k / w->group : 0;
     struct codes c;
     if (round_rows(x, m, ldx, bf16, k, padded, &c)) return -1;
     float *partial = malloc((size_t)(c.rows + 4) * BLOCK * sizeof *partial);  /* each code row's scaled sums */
-    if (!partial) {
+    int32_t *sums = int4 ? group_sums(&c, padded, w->group, groups) : NULL;
+    if (!partial || (int4 && !sums)) {
+        free(partial);
+        free(sums);
         free_codes(&c);
         return -1;
     }
     const int step = i8mm ? 4 : 2;
     int32_t raw[4 * BLOCK];
     for (int64_t block = 0; block * BLOCK < n; block++) {
-        const int8_t *wb = w + block * octets * OCTET_BYTES;
+        const struct int4_block b4 = {(const uint8_t *)w->codes + block * octets * OCTET_BYTES / 2,
+                                      (const uint16_t *)w->scale + block * groups * BLOCK,
+                                      (const uint16_t *)w->zero + block * groups * BLOCK, groups,
+                                      int4 ? w->group / 16 : 0};
+        const int8_t *wb = (const int8_t *)w->codes + block * octets * OCTET_BYTES;
         for (int64_t r0 = 0; r0 < c.rows; r0 += step) {
             const int64_t left = c.rows - r0;
-            const int rows = (int)(left < step ? left : step);
-            if (i8mm)
-                tile_smmla(rows + (rows & 1), c.q + r0 * padded, padded, wb, octets, raw);  /* + the zero row */
+            const int rows = (int)(left < step ? left : step), even = rows + (rows & 1);  /* + the zero row */
+            const int8_t *qt = c.q + r0 * padded;
+            float *part = partial + r0 * BLOCK;
+            if (int4 && i8mm)
+                tile4_smmla(even, qt, padded, sums + r0 * groups, &b4, part);
+            else if (int4)
+                tile4_sdot(rows, qt, padded, sums + r0 * groups, &b4, part);
+            else if (i8mm)
+                tile_smmla(even, qt, padded, wb, octets, raw);
             else
-                tile_sdot(rows, c.q + r0 * padded, padded, wb, octets, raw);
-            for (int r = 0; r < rows; r++)
-                for (int j = 0; j < BLOCK; j++) partial[(r0 + r) * BLOCK + j] = (float)raw[r * BLOCK + j] * c.xs[r0 + r];
+                tile_sdot(rows, qt, padded, wb, octets, raw);
+            for (int r = 0; r < rows; r++)  /* times the row's scale: int8's from its int32 sums */
+                for (int j = 0; j < BLOCK; j++)
+                    part[r * BLOCK + j] = (int4 ? part[r * BLOCK + j] : (float)raw[r * BLOCK + j]) * c.xs[r0 + r];
         }
+        const float *scale = int4 ? NULL : (const float *)w->scale + block * BLOCK;  /* int4's are in the groups */
         const int64_t columns = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK;
         for (int64_t t = 0; t < m; t++) {
             const float *hi = partial + c.first_row[t] * BLOCK;
             const int two = c.first_row[t + 1] - c.first_row[t] == 2;
             void *row = (char *)y + t * ldy * ysize;
-            for (int64_t j = 0; j < columns; j++)
-                store_y(row, ybf16, block * BLOCK + j, (hi[j] + (two ? hi[BLOCK + j] : 0.0f)) * scale[block * BLOCK + j]);
+            for (int64_t j = 0; j < columns; j++) {
+                const float v = hi[j] + (two ? hi[BLOCK + j] : 0.0f);
+                store_y(row, ybf16, block * BLOCK + j, scale ? v * scale[j] : v);
+            }
         }
     }
     free(partial);
+    free(sums);
     free_codes(&c);
     return 0;
 }
 
-int npumoe_neon_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const float *scale,
-                            int64_t n, int64_t k, void *y, int64_t ldy, int i8mm) {
-    return linear_int8(x, m, ldx, bf16, w, scale, n, k, y, ldy, bf16, i8mm);
+int npumoe_neon_linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, const struct npumoe_weight *w,
+                       void *y, int64_t ldy, int i8mm) {
+    return linear(x, m, ldx, bf16, int4, w, y, ldy, bf16, i8mm);
 }
 
-/* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K) with up_scale, down
- * packed (N, I) with down_scale; the intermediate stays float32. x and y as in npumoe_neon_linear_int8. */
-int npumoe_neon_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *up, const float *up_scale,
-                                int64_t k, const int8_t *down, const float *down_scale, int64_t n, int64_t inter,
-                                void *y, int64_t ldy, int i8mm) {
+/* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ with up = [G; U] packed (2I, K) and down packed
+ * (N, I), int4 when `int4`, else int8; the intermediate stays float32. x and y as in npumoe_neon_linear. */
+int npumoe_neon_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int int4,
+                                const struct npumoe_weight *up, const struct npumoe_weight *down, void *y, int64_t ldy,
+                                int i8mm) {
+    const int64_t inter = down->k;
     float *h = malloc((size_t)(m * 2 * inter) * sizeof *h);
     if (!h) return -1;
-    int failed = linear_int8(x, m, ldx, bf16, up, up_scale, 2 * inter, k, h, 2 * inter, 0, i8mm);
+    int failed = linear(x, m, ldx, bf16, int4, up, h, 2 * inter, 0, i8mm);
     if (!failed) {
         for (int64_t r = 0; r < m; r++) {
             float *row = h + r * 2 * inter;
             for (int64_t j = 0; j < inter; j++) row[j] = row[j] / (1.0f + expf(-row[j])) * row[inter + j];
         }
-        failed = linear_int8(h, m, 2 * inter, 0, down, down_scale, n, inter, y, ldy, bf16, i8mm);
+        failed = linear(h, m, 2 * inter, 0, int4, down, y, ldy, bf16, i8mm);
     }
     free(h);
     return failed;

@@ -1,12 +1,18 @@
-"""The engine's own int8 matmul for arm64 CPUs with the dot-product instructions, built from neon_linear.c at first
-use: vnni_linear's contract (`pack`, `linear`, `silu_glu_expert`) on Arm, which runs it either with SDOT
+"""The engine's own int8 and int4 matmuls for arm64 CPUs with the dot-product instructions, built from neon_linear.c
+at first use: vnni_linear's contract (`pack`, `linear`, `silu_glu_expert`) on Arm, which runs them either with SDOT
 (asimddp: every Armv8.2-A core on, Apple's M1 included) or with SMMLA (i8mm: Apple M2 on, Graviton 3, Neoverse V1/N2),
 both over the same packed weights; quant_kernels offers each as a candidate and the choice measures them.
 
+Why an int4 kernel of its own beside torch's KleidiAI one: KleidiAI rounds each row of x asymmetrically, and on
+rows that use the whole int8 range its error adds up along K against the engine's int4 codes (about 2.5 % at
+Qwen3-30B-A3B's width of 2,048, over the dynamic bound, so the choice refused it and int4 experts fell back to
+dequantizing). Here int4 runs as int8 does: the 4-bit codes are widened to bytes in registers.
+
 Activations are rounded per row to int8 (absmax / 127), with vnni_linear's second level of codes for rows with
 outliers, so results are the dequantized reference's up to that rounding. Weights of any shape are padded to whole
-blocks of 16 outputs and octets of 8 inputs (the padding's codes and scale are 0). Where the CPU is not arm64 with
-asimddp, `unavailable()` says why and quant_kernels chooses among the other kernels.
+blocks of 16 outputs (the padding's codes and scales are 0), int8's inputs to whole octets of 8; int4 takes groups of
+a multiple of 16 inputs. Where the CPU is not arm64 with asimddp, `unavailable()` says why and quant_kernels chooses
+among the other kernels.
 """
 
 from __future__ import annotations
@@ -17,37 +23,53 @@ import platform
 import torch
 import torch.nn.functional as F
 
-from ..formats.quantize import INT8, QuantizedWeight
+from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
 from . import host
 from .native import NativeKernel
-from .vnni_linear import PackedWeight
+from .vnni_linear import PackedWeight, check_expert, check_rows, native_weight
 
 BLOCK = 16  # output columns per packed weight block, as in neon_linear.c
 OCTET = 8  # inputs per SMMLA operand row
+HEXADECET = 16  # int4: inputs per 16 bytes of a pair of columns' nibbles (two octets)
 # int32 sums of products of two codes of at most 127 each: K up to 2^31 / 127² = 133,144 inputs cannot overflow
 MAX_IN_FEATURES = 131072
 
 
 def unsupported(weight: QuantizedWeight) -> str | None:
     """Why the kernel cannot take this weight, or None."""
-    if weight.format != INT8:
-        return f"the NEON kernel takes int8 weights, not {weight.format}"
     if weight.shape[1] > MAX_IN_FEATURES:
         return f"its int32 sums need inputs of at most {MAX_IN_FEATURES}, not {weight.shape[1]}"
+    if weight.format == INT4 and weight.group % HEXADECET:
+        return f"it needs int4 groups that are a multiple of {HEXADECET}, not {weight.group}"
     return None
 
 
 def pack(weight: QuantizedWeight) -> PackedWeight:
-    """The weight in the kernel's layout (neon_linear.c): codes (N16/16, K8/8, 8, 2, 8) int8 (per block, octet of
-    inputs, pair of columns: each column's 8 codes), scale (N16,) float32."""
+    """The weight in the kernel's layout (neon_linear.c), per block of 16 columns, run of inputs and pair of columns:
+    int8: codes (N16/16, K8/8, 8, 2, 8), each column's 8 codes of an octet, and scale (N16,) float32;
+    int4: codes (N16/16, K/16, 8, 2, 8), each column's 8 codes of a hexadecet's first octet in low nibbles and of its
+    second in high ones, and scale and zero (N16/16, K/group, 16) bfloat16."""
     if (why := unsupported(weight)) is not None:
         raise ValueError(f"the NEON kernel cannot take this {weight.format} weight {weight.shape}: {why}")
     n, k = weight.shape
-    codes = F.pad(weight.codes, (0, -k % OCTET, 0, -n % BLOCK))
-    blocks, octets = codes.shape[0] // BLOCK, codes.shape[1] // OCTET
-    # (block, pair, column of the pair, octet, 8) -> (block, octet, pair, column of the pair, 8)
-    packed = codes.reshape(blocks, BLOCK // 2, 2, octets, OCTET).permute(0, 3, 1, 2, 4).contiguous()
-    return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, -n % BLOCK)).contiguous())
+    pad_n = -n % BLOCK
+    if weight.format == INT8:
+        codes = F.pad(weight.codes, (0, -k % OCTET, 0, pad_n))
+        blocks, octets = codes.shape[0] // BLOCK, codes.shape[1] // OCTET
+        # (block, pair, column of the pair, octet, 8) -> (block, octet, pair, column of the pair, 8)
+        packed = codes.reshape(blocks, BLOCK // 2, 2, octets, OCTET).permute(0, 3, 1, 2, 4).contiguous()
+        return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, pad_n)).contiguous())
+    codes = F.pad(unpack_int4(weight.codes), (0, 0, 0, pad_n))  # (N16, K) codes 0..15
+    blocks = codes.shape[0] // BLOCK
+    # (block, pair, column of the pair, hexadecet, octet of it, 8): the first octet low, the second high
+    octets = codes.reshape(blocks, BLOCK // 2, 2, k // HEXADECET, 2, OCTET)
+    nibbles = (octets[..., 0, :] | (octets[..., 1, :] << 4)).permute(0, 3, 1, 2, 4).contiguous()
+
+    def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N16/16, G, 16)
+        return F.pad(t.to(torch.bfloat16), (0, 0, 0, pad_n)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
+
+    return PackedWeight(INT4, (n, k), nibbles, per_block(weight.scale), zero=per_block(weight.zero),
+                        group=weight.group)
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None, *,
@@ -55,47 +77,37 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
     """(m, K) float32 or bf16 rows times a packed (N, K) weight -> (m, N) in x's dtype, into `out` when given (rows
     may be strided); SMMLA with `i8mm`, else SDOT."""
     m = x.shape[0]
-    n, k = packed.shape
-    out = _checked("linear", x, out, packed.shape)
-    if m and _library(i8mm).npumoe_neon_linear_int8(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16),
-                                                    packed.codes.data_ptr(), packed.scale.data_ptr(), n, k,
-                                                    out.data_ptr(), out.stride(0), int(i8mm)):
-        raise MemoryError(f"the NEON int8 kernel could not allocate {m} rows of scratch")
+    if out is None:
+        out = x.new_empty(m, packed.shape[0])
+    check_rows(f"NEON {packed.format} linear", x, out, packed.shape)
+    if m and _library(i8mm).npumoe_neon_linear(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16),
+                                               int(packed.format == INT4), ctypes.byref(native_weight(packed)),
+                                               out.data_ptr(), out.stride(0), int(i8mm)):
+        raise MemoryError(f"the NEON {packed.format} kernel could not allocate {m} rows of scratch")
     return out
 
 
 def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: torch.Tensor | None = None, *,
                     i8mm: bool = False) -> torch.Tensor:
     """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
-    packed (N, I) -> (m, N) in x's dtype, into `out` when given; SMMLA with `i8mm`, else SDOT."""
+    packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given; SMMLA with `i8mm`, else SDOT."""
+    check_expert(x, up, down)
     m, k = x.shape
-    n, inter = down.shape
-    if up.shape != (2 * inter, k):
-        raise ValueError(f"a gated expert needs gate-up (2I, K) and down (N, I) weights, got {up.shape} and "
-                         f"{down.shape} for rows of width {k}")
-    out = _checked("expert", x, out, (n, k))
-    if m and _library(i8mm).npumoe_neon_silu_glu_expert(
-            x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), up.codes.data_ptr(), up.scale.data_ptr(), k,
-            down.codes.data_ptr(), down.scale.data_ptr(), n, inter, out.data_ptr(), out.stride(0), int(i8mm)):
-        raise MemoryError(f"the NEON int8 expert could not allocate {m} rows of scratch")
-    return out
-
-
-def _checked(what: str, x: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, int]) -> torch.Tensor:
-    """`out`, or a new (m, N) tensor, once x and it are (m, K) and (m, N) float32 or bf16 unit-stride rows."""
     if out is None:
-        out = x.new_empty(x.shape[0], shape[0])
-    if (x.ndim != 2 or x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype or x.shape[1] != shape[1]
-            or out.shape != (x.shape[0], shape[0]) or x.stride(1) != 1 or out.stride(1) != 1):
-        raise ValueError(f"NEON int8 {what}: x {x.dtype} {tuple(x.shape)}, weight {shape}, out {out.dtype} "
-                         f"{tuple(out.shape)}; float32 or bf16 rows, unit-stride")
+        out = x.new_empty(m, down.shape[0])
+    check_rows(f"NEON {up.format} expert", x, out, (down.shape[0], k))
+    if m and _library(i8mm).npumoe_neon_silu_glu_expert(
+            x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), int(up.format == INT4),
+            ctypes.byref(native_weight(up)), ctypes.byref(native_weight(down)), out.data_ptr(), out.stride(0),
+            int(i8mm)):
+        raise MemoryError(f"the NEON {up.format} expert could not allocate {m} rows of scratch")
     return out
 
 
 def _library(i8mm: bool) -> ctypes.CDLL:
     why = i8mm_unavailable() if i8mm else unavailable()
     if why is not None:
-        raise ValueError(f"the NEON int8 kernel cannot run here: {why}")
+        raise ValueError(f"the NEON kernel cannot run here: {why}")
     return KERNEL.library()
 
 
@@ -122,9 +134,8 @@ def unsupported_cpu() -> str | None:
 
 _POINTER, _SIZE, _FLAG = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 KERNEL = NativeKernel(
-    "neon_linear", "the NEON int8 kernel",
-    {"npumoe_neon_linear_int8": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _SIZE, _SIZE, _POINTER, _SIZE,
-                                 _FLAG),
-     "npumoe_neon_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _SIZE, _POINTER, _POINTER,
-                                     _SIZE, _SIZE, _POINTER, _SIZE, _FLAG)},
+    "neon_linear", "the NEON int8/int4 kernel",
+    {"npumoe_neon_linear": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _SIZE, _FLAG),
+     "npumoe_neon_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE,
+                                     _FLAG)},
     unsupported_cpu, restype=ctypes.c_int)

@@ -7,14 +7,15 @@ int8 weights run through one of
 - "npumoe-int8-avx2-dynamic": the engine's own for x86-64 with AVX2 but no VNNI (avx2_linear: the same rounding
   and packed weights, byte products whose pair sums cannot saturate);
 - "npumoe-int8-sdot-dynamic" and "npumoe-int8-i8mm-dynamic": the engine's own kernel for arm64 (neon_linear), with
-  SDOT dot products, or SMMLA 2x8 matrix products where the CPU has i8mm;
+  SDOT dot products, or SMMLA 2x8 matrix products where the CPU has i8mm (int4: "npumoe-int4-sdot-dynamic" and
+  "npumoe-int4-i8mm-dynamic", the same with the 4-bit codes widened to bytes in registers);
 - "onednn-dynamic": each row of x rounded to int8 with its own scale, times the int8 weights in oneDNN's
   prepacked layout (VNNI or AMX-INT8 dot products where the CPU has them; x86 with oneDNN only);
 - "int-mm-dynamic": the same rounding of x, through torch's `_int_mm` (int8 x int8 -> int32);
 - "int8pack": torch's weight-only `_weight_int8pack_mm` (x stays float; the weights widen inside the kernel);
 - "dequantize": the float weight rebuilt each call and a float matmul (runs anywhere, the slowest).
 int4 weights run through the engine's own "npumoe-int4-dynamic" (vnni_linear: x rounded to int8 as above, the
-4-bit codes widened to bytes in registers) or its AVX2 sibling "npumoe-int4-avx2-dynamic" (avx2_linear), torch's
+4-bit codes widened to bytes in registers), its AVX2 and NEON siblings (avx2_linear, neon_linear), torch's
 `_weight_int4pack_mm_for_cpu` ("int4pack", weights repacked for it; output widths a multiple of 16), torch's
 KleidiAI-backed `_dyn_quant_matmul_4bit` ("kleidiai-int4-dynamic", Arm builds of torch: x rounded to int8 per row
 inside the call; its weights are symmetric, code − 8 times a bf16 scale per group of 32s, so the engine's zero
@@ -62,13 +63,17 @@ from .float_kernels import ROWS, X86, expert_shape, rotated
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
 AMX = "npumoe-int8-amx-dynamic"
 AVX2 = {INT8: "npumoe-int8-avx2-dynamic", INT4: "npumoe-int4-avx2-dynamic"}  # avx2_linear's, over vnni_linear.pack
-NEON = {"npumoe-int8-sdot-dynamic": False, "npumoe-int8-i8mm-dynamic": True}  # neon_linear's kernels: i8mm or not
+# neon_linear's kernels of each format: i8mm or not
+NEON = {INT8: {"npumoe-int8-sdot-dynamic": False, "npumoe-int8-i8mm-dynamic": True},
+        INT4: {"npumoe-int4-sdot-dynamic": False, "npumoe-int4-i8mm-dynamic": True}}
+I8MM = {kernel: i8mm for kernels in NEON.values() for kernel, i8mm in kernels.items()}  # every NEON kernel: i8mm?
 KLEIDIAI = "kleidiai-int4-dynamic"
 _KLEIDIAI_GROUP = 32  # KleidiAI's 4-bit kernels take groups that are multiples of this
-FUSED = (*OWN.values(), AMX, *AVX2.values(), *NEON)  # the kernels that run a whole silu-gated expert in one call
+FUSED = (*OWN.values(), AMX, *AVX2.values(), *I8MM)  # the kernels that run a whole silu-gated expert in one call
 SILU = ("silu", "swish")  # transformers' names (ACT2FN) for silu
-KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], *NEON, "onednn-dynamic", "int-mm-dynamic", "int8pack", "dequantize"),
-           INT4: (OWN[INT4], AVX2[INT4], KLEIDIAI, "int4pack", "dequantize")}
+KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], *NEON[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack",
+                  "dequantize"),
+           INT4: (OWN[INT4], AVX2[INT4], *NEON[INT4], KLEIDIAI, "int4pack", "dequantize")}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
@@ -100,25 +105,25 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
             reasons[AMX] = why
         if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
-        reasons.update(_neon_unavailable(weights))
     else:
         if (why := _kleidiai_unavailable(weights)) is not None:
             reasons[KLEIDIAI] = why
         if any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
             reasons["int4pack"] = (f"it needs output widths that are a multiple of {_INT4PACK_WIDTH} and groups of "
                                    f"{', '.join(map(str, _INT4PACK_GROUPS))}")
+    reasons.update(_neon_unavailable(NEON[format], weights))
     return reasons
 
 
-def _neon_unavailable(weights: Sequence[QuantizedWeight]) -> dict[str, str]:
-    """Why each of neon_linear's kernels cannot run these weights here."""
+def _neon_unavailable(kernels: dict[str, bool], weights: Sequence[QuantizedWeight]) -> dict[str, str]:
+    """Why each of these neon_linear kernels (name: i8mm or not) cannot run these weights here."""
     cannot_take = {why for w in weights if (why := neon_linear.unsupported(w)) is not None}
     if cannot_take:
-        return dict.fromkeys(NEON, "; ".join(sorted(cannot_take)))
+        return dict.fromkeys(kernels, "; ".join(sorted(cannot_take)))
     if (why := neon_linear.unavailable()) is not None:
-        return dict.fromkeys(NEON, why)
+        return dict.fromkeys(kernels, why)
     why = neon_linear.i8mm_unavailable()
-    return {} if why is None else {kernel: why for kernel, i8mm in NEON.items() if i8mm}
+    return {} if why is None else {kernel: why for kernel, i8mm in kernels.items() if i8mm}
 
 
 def _kleidiai_unavailable(weights: Sequence[QuantizedWeight]) -> str | None:
@@ -150,7 +155,7 @@ class QuantLinear:
             raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
         self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
         self.nbytes = weight.nbytes
-        if kernel in NEON:  # before FUSED, which holds them too: their packing is their own
+        if kernel in I8MM:  # before FUSED, which holds them too: their packing is their own
             self._packed = neon_linear.pack(weight)
         elif kernel in FUSED:
             self._packed = vnni_linear.pack(weight)
@@ -185,8 +190,8 @@ class QuantLinear:
         self._check(x)
         if self.kernel in AVX2.values():
             return avx2_linear.linear(x, self._packed, out)
-        if self.kernel in NEON:
-            return neon_linear.linear(x, self._packed, out, i8mm=NEON[self.kernel])
+        if self.kernel in I8MM:
+            return neon_linear.linear(x, self._packed, out, i8mm=I8MM[self.kernel])
         if self.kernel in FUSED:
             return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
         y = self._product(x)
@@ -231,8 +236,8 @@ def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
     gate_up._check(x)
     if gate_up.kernel in AVX2.values():
         return avx2_linear.silu_glu_expert(x, gate_up._packed, down._packed, out)
-    if gate_up.kernel in NEON:
-        return neon_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, i8mm=NEON[gate_up.kernel])
+    if gate_up.kernel in I8MM:
+        return neon_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, i8mm=I8MM[gate_up.kernel])
     return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)
 
 
