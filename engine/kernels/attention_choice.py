@@ -50,7 +50,8 @@ def _looked_up(query: torch.Tensor, key: torch.Tensor) -> Choice:
     if why is not None:
         return Choice("torch", {}, {"npumoe": why})
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
-    return CHOICES.choose(query.dtype, {"heads": heads, "kv_heads": kv_heads, "head_dim": dim}, KERNELS,
+    shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "body": attention_kernel.body(query.dtype)}
+    return CHOICES.choose(query.dtype, shape, KERNELS,
                           lambda accepted: time_kernels(accepted, query.dtype, heads, kv_heads, dim),
                           threads=torch.get_num_threads(),
                           probe=lambda kernels: probe_kernels(kernels, query.dtype, heads, kv_heads, dim))

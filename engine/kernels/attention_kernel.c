@@ -1,5 +1,5 @@
-/* Exact flash attention of a prefill chunk against its KV cache, for x86-64 CPUs with AVX-512, with grouped
- * KV heads read once for every query head they serve.
+/* Exact flash attention of a prefill chunk against its KV cache, for x86-64 CPUs with AVX-512 or AVX2, with
+ * grouped KV heads read once for every query head they serve.
  *
  * A unit of work is one KV head and a run of query positions: its rows are every (position, query head of the
  * group), so the keys and values of a block are packed once and used by all of them (torch's CPU flash kernel
@@ -7,9 +7,10 @@
  * outside take no weight. The softmax is online and in float32; with sinks, each head's sink logit joins the
  * denominator and adds no value (gpt-oss).
  *
- * Two bodies: bfloat16 on AMX tiles (QK and PV as tile products with float32 accumulation, the weights rounded
- * to bf16 for PV as torch's bf16 kernel does), and float32 with AVX-512 FMA. Units are shared out to `threads`
- * POSIX threads (the caller's thread is one of them) by an atomic counter.
+ * Three bodies: bfloat16 on AMX tiles (QK and PV as tile products with float32 accumulation, the weights rounded
+ * to bf16 for PV as torch's bf16 kernel does), and float32 with AVX-512 FMA or with AVX2 FMA (one body written
+ * once over each one's vectors, UNIT_F32). Units are shared out to `threads` POSIX threads (the caller's thread is
+ * one of them) by an atomic counter.
  * Built and loaded at run time by attention_kernel.py, which checks the CPU first.
  */
 #define _GNU_SOURCE
@@ -22,14 +23,17 @@
 #include <unistd.h>
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX2 __attribute__((target("avx2,fma")))
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16")))
 #define NK 128       /* keys per block */
 #define TR 16        /* rows per row tile */
 #define MAX_DIM 256
 #ifndef MR
-#define MR 8        /* float32: rows x 16·MC keys or columns per register tile */
+#define MR 8        /* float32 on AVX-512: rows x 16·MC keys or columns per register tile */
 #define MC 2
 #endif
+#define MR2 4       /* on AVX2: its 8 sums, 2 loads and a broadcast fit the 16 registers */
+#define MC2 2
 
 typedef struct {
     const void *q, *k, *v;
@@ -109,8 +113,10 @@ static inline __attribute__((always_inline)) target float name(float *s, uint16_
 
 SOFTMAX_ROW(softmax_row_f32, AVX512, 0)
 
-/* The final output row's factor: 1 / l, with the sink's share of the denominator when there is one. */
-static inline AVX512 float final_factor(float m, float l, const float *sink, float scale) {
+/* The final output row's factor: 1 / l, with the sink's share of the denominator when there is one; exp2_1 is the
+ * body's 2^y. */
+static inline __attribute__((always_inline)) float final_factor(float m, float l, const float *sink, float scale,
+                                                                float (*exp2_1)(float)) {
     if (sink == NULL) return l > 0 ? 1.0f / l : 0.0f;
     const float own = m == -__builtin_inff() ? -__builtin_inff() : m * scale * LOG2E, theirs = *sink * LOG2E;
     const float top = own > theirs ? own : theirs, kept = own == -__builtin_inff() ? 0.0f : exp2_1(own - top);
@@ -258,7 +264,7 @@ static AMX void unit_bf16(const job_t *job, const unit_t *unit, bf16_buffers *b)
     }
     for (int64_t r = 0; r < unit->rows; r++) {
         int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
-        const float f = final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL, job->scale);
+        const float f = final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL, job->scale, exp2_1);
         float *o = b->o + r * d;
         for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(o + c, _mm512_mul_ps(_mm512_loadu_ps(o + c), _mm512_set1_ps(f)));
         to_bf16_row((uint16_t *)job->out + head * job->o_head + pos * job->o_row, o, d);
@@ -295,88 +301,156 @@ static AMX void *worker_bf16(void *arg) {
     return NULL;
 }
 
-/* ---------------------------------------------------------------- float32 with AVX-512 FMA */
+/* ---------------------------------------------------------------- float32 with AVX2 FMA: its softmax */
+
+/* 2^y for y <= 0 as exp2_512 computes it, 2^n put in the exponent's bits (AVX2 has no scalef); below -126 it is
+ * 2^-126 times p, not 0, which no row's sum (at least 1, its maximum's weight) can notice. */
+static inline AVX2 __m256 exp2_256(__m256 y) {
+    y = _mm256_max_ps(y, _mm256_set1_ps(-126.0f));
+    const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(y, n), _mm256_set1_ps(0.693147180559945309f));
+    static const float terms[] = {1.0f / 5040, 1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+    __m256 p = _mm256_set1_ps(terms[0]);
+    for (int i = 1; i < 8; i++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(terms[i]));
+    const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
+}
+
+static inline AVX2 float exp2_1_avx2(float y) { return _mm256_cvtss_f32(exp2_256(_mm256_set1_ps(y))); }
+
+static inline AVX2 float max_256(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline AVX2 float sum_256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* softmax_row_f32 in 8 lanes: the lanes of keys outside [lo, hi) are hidden by compare masks. */
+static inline AVX2 float softmax_row_avx2(float *s, uint16_t *pb, float *m, float *l, int64_t lo, int64_t hi,
+                                          int64_t j0, float scale) {
+    (void)pb;
+    __m256 k[NK / 8];
+    const __m256i step = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i first = _mm256_set1_epi32((int32_t)(lo - j0 - 1)), end = _mm256_set1_epi32((int32_t)(hi - j0));
+    const __m256 hidden = _mm256_set1_ps(-__builtin_inff());
+    __m256 vmax = hidden;
+    for (int c = 0; c < NK / 8; c++) { /* key j0 + i is seen when lo - 1 < i - j0 < hi (j0, lo, hi within 2^31) */
+        const __m256i at = _mm256_add_epi32(step, _mm256_set1_epi32(8 * c));
+        k[c] = _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(at, first), _mm256_cmpgt_epi32(end, at)));
+        vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(hidden, _mm256_loadu_ps(s + 8 * c), k[c]));
+    }
+    const float block_max = max_256(vmax);
+    if (block_max == -__builtin_inff()) { /* nothing visible */
+        memset(s, 0, NK * sizeof(float));
+        return 1.0f;
+    }
+    const float m_new = block_max > *m ? block_max : *m, c2 = scale * LOG2E;
+    const float alpha = *m == m_new ? 1.0f : *m == -__builtin_inff() ? 0.0f : exp2_1_avx2((*m - m_new) * c2);
+    const __m256 vc = _mm256_set1_ps(c2), vmc = _mm256_set1_ps(m_new * c2);
+    __m256 sum = _mm256_setzero_ps();
+    for (int c = 0; c < NK / 8; c++) {
+        const __m256 p = _mm256_and_ps(k[c], exp2_256(_mm256_fmsub_ps(_mm256_loadu_ps(s + 8 * c), vc, vmc)));
+        sum = _mm256_add_ps(sum, p);
+        _mm256_storeu_ps(s + 8 * c, p);
+    }
+    *l = *l * alpha + sum_256(sum);
+    *m = m_new;
+    return alpha;
+}
+
+/* ---------------------------------------------------------------- float32 with AVX-512 or AVX2 FMA */
 
 typedef struct {
     float *q, *o, *m, *l, *s, *kt; /* kt: dim x NK, the block's keys transposed */
     int64_t *tlo, *thi;
 } f32_buffers;
 
-static AVX512 void unit_f32(const job_t *job, const unit_t *unit, f32_buffers *b) {
-    const int64_t d = job->dim, per_group = job->heads / job->groups;
-    const int64_t tiles = (unit->rows + TR - 1) / TR;
-    const float *k = (const float *)job->k + unit->g * job->k_head, *v = (const float *)job->v + unit->g * job->v_head;
-    int64_t first, last;
-    start_unit(job, unit, tiles, sizeof(float), b->q, b->o, b->m, b->l, b->tlo, b->thi, &first, &last);
-    for (int64_t j0 = first; j0 < last; j0 += NK) {
-        const int64_t keys = last - j0 < NK ? last - j0 : NK;
-        for (int64_t j = 0; j < NK; j++) {
-            const float *kj = k + (j0 + j) * job->k_row;
-            for (int64_t c = 0; c < d; c++) b->kt[c * NK + j] = j < keys ? kj[c] : 0.0f;
-        }
-        for (int64_t t = 0; t < tiles; t++) {
-            if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;
-            /* S = Q Kᵀ, MR rows x 16·MC keys at a time */
-            for (int64_t r0 = t * TR; r0 < t * TR + TR; r0 += MR) {
-                for (int64_t j1 = 0; j1 < NK; j1 += 16 * MC) {
-                    __m512 acc[MR][MC];
-                    for (int i = 0; i < MR; i++)
-                        for (int c = 0; c < MC; c++) acc[i][c] = _mm512_setzero_ps();
-                    for (int64_t e = 0; e < d; e++) {
-                        __m512 kt[MC];
-                        for (int c = 0; c < MC; c++) kt[c] = _mm512_loadu_ps(b->kt + e * NK + j1 + 16 * c);
-#pragma GCC unroll 8
-                        for (int i = 0; i < MR; i++) {
-                            const __m512 x = _mm512_set1_ps(b->q[(r0 + i) * d + e]);
-                            for (int c = 0; c < MC; c++) acc[i][c] = _mm512_fmadd_ps(x, kt[c], acc[i][c]);
-                        }
-                    }
-                    for (int i = 0; i < MR; i++)
-                        for (int c = 0; c < MC; c++)
-                            _mm512_storeu_ps(b->s + (r0 - t * TR + i) * NK + j1 + 16 * c, acc[i][c]);
-                }
-            }
-            float alpha[TR];
-            for (int64_t i = 0; i < TR; i++) {
-                int64_t r = t * TR + i, lo = 0, hi = 0;
-                if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];
-                alpha[i] = softmax_row_f32(b->s + i * NK, NULL, b->m + r, b->l + r, lo, hi, j0, job->scale);
-            }
-            /* O = O·alpha + P V, MR rows x 16·MC columns at a time */
-            for (int64_t r0 = 0; r0 < TR; r0 += MR) {
-                for (int64_t c0 = 0; c0 < d; c0 += 16 * MC) {
-                    __m512 acc[MR][MC];
-                    for (int i = 0; i < MR; i++) {
-                        const __m512 a = _mm512_set1_ps(alpha[r0 + i]);
-                        for (int c = 0; c < MC; c++)
-                            acc[i][c] = _mm512_mul_ps(_mm512_loadu_ps(b->o + (t * TR + r0 + i) * d + c0 + 16 * c), a);
-                    }
-                    for (int64_t j = 0; j < keys; j++) {
-                        __m512 vj[MC];
-                        for (int c = 0; c < MC; c++) vj[c] = _mm512_loadu_ps(v + (j0 + j) * job->v_row + c0 + 16 * c);
-#pragma GCC unroll 8
-                        for (int i = 0; i < MR; i++) {
-                            const __m512 x = _mm512_set1_ps(b->s[(r0 + i) * NK + j]);
-                            for (int c = 0; c < MC; c++) acc[i][c] = _mm512_fmadd_ps(x, vj[c], acc[i][c]);
-                        }
-                    }
-                    for (int i = 0; i < MR; i++)
-                        for (int c = 0; c < MC; c++)
-                            _mm512_storeu_ps(b->o + (t * TR + r0 + i) * d + c0 + 16 * c, acc[i][c]);
-                }
-            }
-        }
-    }
-    for (int64_t r = 0; r < unit->rows; r++) {
-        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;
-        const __m512 f = _mm512_set1_ps(final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL, job->scale));
-        float *out = (float *)job->out + head * job->o_head + pos * job->o_row;
-        for (int64_t c = 0; c < d; c += 16) _mm512_storeu_ps(out + c, _mm512_mul_ps(_mm512_loadu_ps(b->o + r * d + c), f));
-    }
+/* A unit in float32 on vectors of type V (W lanes: load, store, set1, zero, fma, mul), SOFTMAX and EXP2_1 the
+ * ISA's own, R rows x W·C keys or columns per register tile. */
+#define UNIT_F32(name, target, V, W, load, store, set1, zero, fma, mul, SOFTMAX, EXP2_1, R, C)                          \
+static target void name(const job_t *job, const unit_t *unit, f32_buffers *b) {                                        \
+    const int64_t d = job->dim, per_group = job->heads / job->groups;                                                  \
+    const int64_t tiles = (unit->rows + TR - 1) / TR;                                                                  \
+    const float *k = (const float *)job->k + unit->g * job->k_head, *v = (const float *)job->v + unit->g * job->v_head; \
+    int64_t first, last;                                                                                               \
+    start_unit(job, unit, tiles, sizeof(float), b->q, b->o, b->m, b->l, b->tlo, b->thi, &first, &last);               \
+    for (int64_t j0 = first; j0 < last; j0 += NK) {                                                                    \
+        const int64_t keys = last - j0 < NK ? last - j0 : NK;                                                          \
+        for (int64_t j = 0; j < NK; j++) {                                                                             \
+            const float *kj = k + (j0 + j) * job->k_row;                                                               \
+            for (int64_t c = 0; c < d; c++) b->kt[c * NK + j] = j < keys ? kj[c] : 0.0f;                               \
+        }                                                                                                              \
+        for (int64_t t = 0; t < tiles; t++) {                                                                          \
+            if (b->thi[t] <= j0 || b->tlo[t] >= j0 + NK) continue;                                                     \
+            /* S = Q Kᵀ, R rows x W·C keys at a time */                                                                \
+            for (int64_t r0 = t * TR; r0 < t * TR + TR; r0 += R) {                                                     \
+                for (int64_t j1 = 0; j1 < NK; j1 += W * C) {                                                           \
+                    V acc[R][C];                                                                                       \
+                    for (int i = 0; i < R; i++)                                                                        \
+                        for (int c = 0; c < C; c++) acc[i][c] = zero();                                                \
+                    for (int64_t e = 0; e < d; e++) {                                                                  \
+                        V kt[C];                                                                                       \
+                        for (int c = 0; c < C; c++) kt[c] = load(b->kt + e * NK + j1 + W * c);                         \
+                        _Pragma("GCC unroll 8")                                                                        \
+                        for (int i = 0; i < R; i++) {                                                                  \
+                            const V x = set1(b->q[(r0 + i) * d + e]);                                                  \
+                            for (int c = 0; c < C; c++) acc[i][c] = fma(x, kt[c], acc[i][c]);                          \
+                        }                                                                                              \
+                    }                                                                                                  \
+                    for (int i = 0; i < R; i++)                                                                        \
+                        for (int c = 0; c < C; c++) store(b->s + (r0 - t * TR + i) * NK + j1 + W * c, acc[i][c]);      \
+                }                                                                                                      \
+            }                                                                                                          \
+            float alpha[TR];                                                                                           \
+            for (int64_t i = 0; i < TR; i++) {                                                                         \
+                int64_t r = t * TR + i, lo = 0, hi = 0;                                                                \
+                if (r < unit->rows) lo = job->lo[unit->p0 + r / per_group], hi = job->hi[unit->p0 + r / per_group];    \
+                alpha[i] = SOFTMAX(b->s + i * NK, NULL, b->m + r, b->l + r, lo, hi, j0, job->scale);                   \
+            }                                                                                                          \
+            /* O = O·alpha + P V, R rows x W·C columns at a time */                                                    \
+            for (int64_t r0 = 0; r0 < TR; r0 += R) {                                                                   \
+                for (int64_t c0 = 0; c0 < d; c0 += W * C) {                                                            \
+                    V acc[R][C];                                                                                       \
+                    for (int i = 0; i < R; i++) {                                                                      \
+                        const V a = set1(alpha[r0 + i]);                                                               \
+                        for (int c = 0; c < C; c++)                                                                    \
+                            acc[i][c] = mul(load(b->o + (t * TR + r0 + i) * d + c0 + W * c), a);                       \
+                    }                                                                                                  \
+                    for (int64_t j = 0; j < keys; j++) {                                                               \
+                        V vj[C];                                                                                       \
+                        for (int c = 0; c < C; c++) vj[c] = load(v + (j0 + j) * job->v_row + c0 + W * c);              \
+                        _Pragma("GCC unroll 8")                                                                        \
+                        for (int i = 0; i < R; i++) {                                                                  \
+                            const V x = set1(b->s[(r0 + i) * NK + j]);                                                 \
+                            for (int c = 0; c < C; c++) acc[i][c] = fma(x, vj[c], acc[i][c]);                          \
+                        }                                                                                              \
+                    }                                                                                                  \
+                    for (int i = 0; i < R; i++)                                                                        \
+                        for (int c = 0; c < C; c++) store(b->o + (t * TR + r0 + i) * d + c0 + W * c, acc[i][c]);      \
+                }                                                                                                      \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
+    for (int64_t r = 0; r < unit->rows; r++) {                                                                         \
+        int64_t pos = unit->p0 + r / per_group, head = unit->g * per_group + r % per_group;                            \
+        const V f = set1(final_factor(b->m[r], b->l[r], job->sinks ? job->sinks + head : NULL, job->scale, EXP2_1));   \
+        float *out = (float *)job->out + head * job->o_head + pos * job->o_row;                                        \
+        for (int64_t c = 0; c < d; c += W) store(out + c, mul(load(b->o + r * d + c), f));                             \
+    }                                                                                                                  \
 }
 
-static AVX512 void *worker_f32(void *arg) {
-    job_t *job = arg;
+UNIT_F32(unit_f32, AVX512, __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps, _mm512_setzero_ps,
+         _mm512_fmadd_ps, _mm512_mul_ps, softmax_row_f32, exp2_1, MR, MC)
+UNIT_F32(unit_f32_avx2, AVX2, __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps, _mm256_setzero_ps,
+         _mm256_fmadd_ps, _mm256_mul_ps, softmax_row_avx2, exp2_1_avx2, MR2, MC2)
+
+/* A float32 thread: its buffers, then units until none is left, each run by `unit`. */
+static void *work_f32(job_t *job, void (*unit_body)(const job_t *, const unit_t *, f32_buffers *)) {
     const int64_t d = job->dim, rows = job->positions * (job->heads / job->groups) + TR;
     f32_buffers b;
     char *memory = aligned_alloc(64, (rows * d * 8 + rows * 8 + TR * NK * 4 + NK * d * 4 + (rows / TR + 1) * 16 + 64 * 8)
@@ -392,11 +466,14 @@ static AVX512 void *worker_f32(void *arg) {
 #undef TAKE
     for (int64_t u; (u = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->units;) {
         unit_t unit = unit_of(job, u);
-        unit_f32(job, &unit, &b);
+        unit_body(job, &unit, &b);
     }
     free(memory);
     return NULL;
 }
+
+static void *worker_f32(void *arg) { return work_f32(arg, unit_f32); }
+static void *worker_f32_avx2(void *arg) { return work_f32(arg, unit_f32_avx2); }
 
 /* ---------------------------------------------------------------- entry points */
 
@@ -432,6 +509,7 @@ static int run(job_t *job, void *(*worker)(void *), int64_t threads) {
     }
 ENTRY(npumoe_attention_bf16_amx, worker_bf16)
 ENTRY(npumoe_attention_f32, worker_f32)
+ENTRY(npumoe_attention_f32_avx2, worker_f32_avx2)
 
 /* Each row of a (rows, keys) boolean mask as the one run of keys it shows: lo, hi per row (0, 0 for none).
  * Returns 0, or -1 when a row shows keys apart from each other (the mask is not ranges). */

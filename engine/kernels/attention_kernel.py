@@ -3,7 +3,8 @@
 Why its own: torch's CPU flash kernel reads a KV head's keys and values once per query head, and a grouped
 model has 4 to 16 query heads per KV head; at depth that traffic, not arithmetic, sets its speed. This kernel
 packs each block of keys and values once for all the query rows of a KV head, runs bf16 on AMX tiles and
-float32 on AVX-512, and shares the work out to the torch thread count's POSIX threads.
+float32 on AVX-512 or, on x86 without it (AMD Zen 3, an Intel Mac), on AVX2 (`body` says which), and shares the
+work out to the torch thread count's POSIX threads.
 
 Which rows see which keys is given as one range [lo, hi) per query position (causal, sliding window); any
 other mask stays with torch. Whether it is faster on this machine is measured, not assumed (attention.py).
@@ -12,10 +13,11 @@ other mask stays with torch. Whether it is faster on this machine is measured, n
 from __future__ import annotations
 
 import ctypes
+import platform
 
 import torch
 
-from .host import cpu_flags
+from .host import cpu_flags, isa_ceiling_refuses
 from .native import NativeKernel, x86_avx512_missing
 
 # Query positions per unit of work: its rows (positions x query heads per KV head) share each packed block of
@@ -25,8 +27,21 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def unsupported_cpu() -> str | None:
-    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    return x86_avx512_missing("the attention kernel")
+    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can: x86-64 with AVX2 and FMA
+    (torch's AVX2 level), which its float32 body needs at the least."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"the attention kernel is for x86-64 CPUs, this is {platform.machine()}"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return "this CPU lacks AVX2 and FMA"
+    return isa_ceiling_refuses("avx2")
+
+
+def body(dtype: torch.dtype) -> str:
+    """Which of the kernel's bodies runs attention in `dtype` here, once `unavailable(dtype)` is None: "amx" (bf16),
+    "avx512" or "avx2" (float32; the widest this CPU and `$NPUMOE_MAX_CPU_ISA` allow)."""
+    if dtype == torch.bfloat16:
+        return "amx"
+    return "avx512" if x86_avx512_missing("the attention kernel") is None else "avx2"
 
 
 _amx: str | bool | None = False  # False: not asked yet
@@ -40,6 +55,8 @@ def unavailable(dtype: torch.dtype) -> str | None:
     if (why := KERNEL.unavailable()) is not None:
         return why
     if dtype == torch.bfloat16:
+        if (why := x86_avx512_missing("the bf16 attention kernel")) is not None:
+            return why
         if _amx is False:
             if not {"amx_tile", "amx_bf16"} <= cpu_flags():
                 _amx = "this CPU lacks AMX-BF16 tiles"
@@ -75,8 +92,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, lo: torc
     out = query.new_empty(batch, rows, heads, dim)
     threads = threads or torch.get_num_threads()
     positions = max(1, min(MAX_POSITIONS, -(-rows * key.shape[1] // (threads * UNITS_PER_THREAD))))
-    function = getattr(KERNEL.library(), "npumoe_attention_bf16_amx" if query.dtype == torch.bfloat16
-                       else "npumoe_attention_f32")
+    function = getattr(KERNEL.library(), _ENTRIES[body(query.dtype)])
     for b in range(batch):
         q, k, v, o = query[b], key[b], value[b], out[b]
         status = function(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
@@ -102,12 +118,13 @@ def mask_ranges(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | No
     return (lo, hi) if status == 0 else None
 
 
+_ENTRIES = {"amx": "npumoe_attention_bf16_amx", "avx512": "npumoe_attention_f32", "avx2": "npumoe_attention_f32_avx2"}
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64
 _ARGUMENTS = (_POINTER, _SIZE, _SIZE) * 4 + (_POINTER, _POINTER, _POINTER) + (_SIZE,) * 4 + (ctypes.c_float,
                                                                                               _SIZE, _SIZE)
 KERNEL = NativeKernel("attention_kernel", "the attention kernel",
                       {"npumoe_attention_amx_init": (), "npumoe_attention_bf16_amx": _ARGUMENTS,
-                       "npumoe_attention_f32": _ARGUMENTS,
+                       "npumoe_attention_f32": _ARGUMENTS, "npumoe_attention_f32_avx2": _ARGUMENTS,
                        "npumoe_mask_ranges": (_POINTER, _SIZE, _SIZE, _SIZE, _POINTER, _POINTER)},
                       unsupported_cpu, restype=ctypes.c_int)
 SOURCE = KERNEL.source

@@ -63,6 +63,25 @@ def test_the_kernel_equals_eager_attention_in_float32(name):
     assert _relative(out, _eager(query, key, value, lo, hi, sinks)) < 1e-5
 
 
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_avx2_body_equals_eager_attention_in_float32_where_avx512_is_not_allowed(name, monkeypatch):
+    """What an AVX2-only x86 (AMD Zen 3, an Intel Mac) runs; here under the engine's instruction set ceiling."""
+    widest = attention_kernel.body(torch.float32)
+    query, key, value, lo, hi, sinks = _case(name, torch.float32)
+    scale = query.shape[-1] ** -0.5
+    wide = attention_kernel.attend(query, key, value, lo, hi, scale=scale, sinks=sinks)
+    monkeypatch.setenv("NPUMOE_MAX_CPU_ISA", "avx2")
+    assert attention_kernel.body(torch.float32) == "avx2"
+    library, calls = attention_kernel.KERNEL.library(), []
+    avx2 = library.npumoe_attention_f32_avx2
+    monkeypatch.setattr(library, "npumoe_attention_f32_avx2", lambda *a: calls.append(1) or avx2(*a))
+    out = attention_kernel.attend(query, key, value, lo, hi, scale=scale, sinks=sinks)
+    assert len(calls) == query.shape[0]  # one call per document
+    assert _relative(out, _eager(query, key, value, lo, hi, sinks)) < 1e-5
+    if widest == "avx512":  # the two bodies differ only in float rounding
+        assert _relative(out, wide) < 1e-6
+
+
 @pytest.mark.skipif(attention_kernel.unavailable(torch.bfloat16) is not None, reason="no bf16 attention kernel here")
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_kernel_in_bf16_is_as_close_to_exact_as_torchs_bf16_attention(name):
@@ -150,7 +169,7 @@ def test_the_choice_is_timed_once_per_machine_and_kept(monkeypatch, tmp_path):
     assert first.winner == min(first.seconds, key=first.seconds.__getitem__)
     monkeypatch.setattr(mechanism, "_chosen", {})  # a new process: read from the machine's cache
     assert attention_choice.choose(query, key, value) == first and len(timed) == 1
-    shape = {"heads": 8, "kv_heads": 2, "head_dim": 64}
+    shape = {"heads": 8, "kv_heads": 2, "head_dim": 64, "body": attention_kernel.body(torch.float32)}
     key = mechanism.Measured.key(torch.float32, shape, torch.get_num_threads())
     assert attention_choice.CHOICES.cached()[key] == first
 
