@@ -5,7 +5,10 @@ kernels, the attention kernel, `auto` weights and the prefill chunk length).
 - The key: the choice's dtype, its sizes and the torch thread count its candidates were timed with (a kernel
   fastest on one thread need not be on sixteen), built by `Measured.key` and nowhere else.
 - The statistic: `time_in_turns`, the median of each candidate's seconds over rounds that interleave the
-  candidates (so the machine's drift moves all alike), after a warm-up.
+  candidates (so the machine's drift moves all alike), after a warm-up; one that the first round finds LAGGARD
+  times slower than the fastest keeps that one figure and is not timed again (torch's weight-only int8 matmul
+  took 1.5 s a run of a projection where the others took 24 to 47 ms, and six such runs were the bulk of a first
+  load's choices).
 - Accuracy before speed: a choice with an accuracy notion passes a probe, each candidate's relative error on it
   against the reference computed here (`Accuracy`); a candidate above its format's bound is refused with its
   figures and not timed, so a fast wrong kernel is never chosen.
@@ -37,6 +40,7 @@ import torch
 from .host import cache_root, cpu_model
 
 T = TypeVar("T")
+LAGGARD = 5.0  # how many times the fastest's first figure takes a candidate out of the rounds that follow
 
 
 @dataclass(frozen=True)
@@ -93,21 +97,25 @@ def time_in_turns(candidates: Sequence[str], count: int, run: Callable[[str, int
                   rounds: Rounds = Rounds(), prepare: Callable[[str, int], object] | None = None) -> dict[str, float]:
     """Median seconds of `run(candidate, item)` for each candidate: `rounds.warmup` untimed runs of every candidate
     on each of `count` items, then rounds in which every candidate runs once, in alternating order, rotating over
-    the items; `prepare(candidate, item)`, when given, runs untimed before each timed run."""
+    the items (after the first, only those within LAGGARD times the fastest); `prepare(candidate, item)`, when
+    given, runs untimed before each timed run."""
     for _ in range(rounds.warmup):
         for candidate in candidates:
             for item in range(count):
                 run(candidate, item)
     samples: dict[str, list[float]] = {candidate: [] for candidate in candidates}
     deadline = time.perf_counter() + rounds.budget_s * len(candidates)
-    turn = 0
+    turn, timed = 0, list(candidates)
     while turn < rounds.least or (turn < rounds.most and time.perf_counter() < deadline):
-        for candidate in candidates if turn % 2 else reversed(candidates):
+        for candidate in timed if turn % 2 else reversed(timed):
             if prepare is not None:
                 prepare(candidate, turn % count)
             start = time.perf_counter()
             run(candidate, turn % count)
             samples[candidate].append(time.perf_counter() - start)
+        if turn == 0:
+            fastest = min(times[0] for times in samples.values())
+            timed = [candidate for candidate in timed if samples[candidate][0] <= LAGGARD * fastest]
         turn += 1
     return {candidate: statistics.median(times) for candidate, times in samples.items()}
 

@@ -1,0 +1,37 @@
+"""The measured-choice mechanism's statistic: candidates timed in turns, and a laggard timed no more than it must."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from npumoe.engine.kernels import choice
+from npumoe.engine.kernels.choice import Rounds, time_in_turns
+
+
+def test_a_candidate_many_times_slower_than_the_fastest_is_timed_once_and_keeps_its_figure(monkeypatch):
+    clock = [0.0]
+    cost = {"fast": 1.0, "close": 1.5, "laggard": 1.0 + choice.LAGGARD}  # the laggard just past the line
+    monkeypatch.setattr(choice.time, "perf_counter", lambda: clock[0])
+    runs: Counter[str] = Counter()
+
+    def run(candidate: str, item: int) -> None:
+        runs[candidate] += 1
+        clock[0] += cost[candidate]
+
+    seconds = time_in_turns(list(cost), 1, run, rounds=Rounds(least=5, most=5, budget_s=0.0, warmup=1))
+    assert seconds == cost  # every candidate has its figure
+    assert runs == {"fast": 6, "close": 6, "laggard": 2}  # a warm-up and one timed round for the laggard
+
+
+def test_every_candidate_within_the_line_runs_every_round(monkeypatch):
+    clock = [0.0]
+    cost = {"a": 1.0, "b": choice.LAGGARD}
+    monkeypatch.setattr(choice.time, "perf_counter", lambda: clock[0])
+    runs: Counter[str] = Counter()
+
+    def run(candidate: str, item: int) -> None:
+        runs[candidate] += 1
+        clock[0] += cost[candidate]
+
+    time_in_turns(list(cost), 1, run, rounds=Rounds(least=3, most=3, budget_s=0.0, warmup=0))
+    assert runs == {"a": 3, "b": 3}
