@@ -33,12 +33,13 @@ class Cpu:
     onednn_bf16: bool
     arm_features: frozenset[str] = frozenset()  # host.arm_features(): asimddp, i8mm, bf16
     kleidiai: bool = False  # torch.backends.kleidiai.is_available()
+    avx_vnni: bool = False  # "avx_vnni" in host.cpu_flags(): AVX-VNNI, the VEX form of the byte dot products
 
 
 ZEN4 = Cpu("AMD Zen 4", "x86_64", "AVX512", avx512_bf16=True, amx=False, avx512_vnni=True, onednn=True,
            onednn_bf16=True)
 SAPPHIRE_RAPIDS = Cpu("Intel Xeon with AMX", "x86_64", "AVX512", avx512_bf16=True, amx=True, avx512_vnni=True,
-                      onednn=True, onednn_bf16=True)
+                      onednn=True, onednn_bf16=True, avx_vnni=True)
 ICE_LAKE = Cpu("Intel Xeon with AVX-512 VNNI, no BF16 or AMX", "x86_64", "AVX512", avx512_bf16=False, amx=False,
                avx512_vnni=True, onednn=True, onednn_bf16=True)
 INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=False, avx512_vnni=False, onednn=True,
@@ -63,6 +64,7 @@ def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: cpu.onednn_bf16)
     monkeypatch.delenv(host.MAX_ISA_VARIABLE, raising=False)  # a ceiling put on this machine's CPU, not on `cpu`
     monkeypatch.setattr(host, "arm_features", lambda: cpu.arm_features)
+    monkeypatch.setattr(host, "cpu_flags", lambda: frozenset({"avx_vnni"} if cpu.avx_vnni else ()))
     monkeypatch.setattr(torch.backends.kleidiai, "is_available", lambda: cpu.kleidiai)
     fresh_process(monkeypatch)
 

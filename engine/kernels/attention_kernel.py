@@ -52,11 +52,11 @@ def unavailable(dtype: torch.dtype) -> str | None:
     global _amx
     if dtype not in DTYPES:
         return f"the attention kernel reads float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if dtype == torch.bfloat16 and (why := x86_avx512_missing("the bf16 attention kernel")) is not None:
+        return why  # before the build: AMX tiles come with AVX-512
     if (why := KERNEL.unavailable()) is not None:
         return why
     if dtype == torch.bfloat16:
-        if (why := x86_avx512_missing("the bf16 attention kernel")) is not None:
-            return why
         if _amx is False:
             if not {"amx_tile", "amx_bf16"} <= cpu_flags():
                 _amx = "this CPU lacks AMX-BF16 tiles"

@@ -17,7 +17,12 @@
  * a column's sum lands in one int32 lane. int4: a tile of up to 6 rows x 16 columns keeps its sums in 12 registers;
  * the block's runs of 16 columns go one after another, the first pass asking for the block's bytes ahead. int8: a
  * tile of up to 4 rows takes a whole block, read in its stored order; rows go in panels whose codes stay in L2.
- * Built and loaded at run time by avx2_linear.py, which asks the CPU for AVX2 first.
+ * AVX-VNNI (Intel's client cores from Alder Lake, AMD's from Zen 5; the VEX form of AVX512-VNNI's dot products):
+ * VPDPBUSD adds each four u8 x s8 products into int32 itself, without int16 pair sums, so x goes in as its codes
+ * + 128 (u8) times the weights as stored, and 128 times each column's sum of codes (vnni_linear.pack's sums) comes
+ * off at the end, as in vnni_linear.c: one instruction a quad of K where AVX2 takes four, with no second broadcast,
+ * which frees the registers for tiles of 6 rows (int8 only; int4's products are already cheap).
+ * Built and loaded at run time by avx2_linear.py, which asks the CPU for AVX2 (and AVX-VNNI) first.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -26,9 +31,16 @@
 #include <string.h>
 
 #define TARGET __attribute__((target("avx2,fma")))
+#if defined(__has_include) && __has_include(<avxvnniintrin.h>) /* GCC 11 and clang 12 on */
+#define HAS_AVX_VNNI 1
+#define TARGET_VNNI __attribute__((target("avx2,fma,avxvnni")))
+#else
+#define HAS_AVX_VNNI 0
+#endif
 #define INLINE __attribute__((always_inline))
 #define TILE_ROWS 6
 #define INT8_TILE_ROWS 4 /* its 8 sums, 2 weight registers and their operands fit AVX2's 16 registers; 6 rows spill */
+#define VNNI_TILE_ROWS 6 /* its 12 sums, 2 weight registers and a broadcast fit them */
 #define BLOCK 64
 #define PANEL_BYTES 262144 /* int8: x codes a panel of rows keeps in L2 (Zen 3's is 512 KB) */
 #define AHEAD 16384          /* as in vnni_linear.c */
@@ -135,7 +147,8 @@ static TARGET float quantize_row(const void *row, int bf16, int64_t k, int8_t *q
 }
 
 /* x's m rows rounded for the int8 kernel: in each row of q (stride ldq), `padded` bytes of codes (padding 0) and then
- * their magnitudes, a row a little longer than the two so that a tile's rows do not share L1 sets; a scale each in
+ * their magnitudes (with `offset`: the codes + 128, as u8), a row a little longer than the two so that a tile's rows
+ * do not share L1 sets; a scale each in
  * xs; token r's rows are first_row[r] .. first_row[r + 1] - 1: one, or two where one loses more than
  * ROUNDING_BOUND, the second what the first missed (x − s·code, at most s/2) at s/254. */
 struct codes {
@@ -151,7 +164,7 @@ static void free_codes(struct codes *codes) {
 }
 
 /* Fills `codes` (0), or returns -1 when memory ran out (nothing left to free). */
-static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded,
+static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, int64_t k, int64_t padded, int offset,
                              struct codes *codes) {
     const int64_t most = 2 * m, size = bf16 ? 2 : 4, ldq = codes->ldq = 2 * padded + 64;
     codes->q = calloc((size_t)(most * ldq), 1); /* the padding stays 0: codes past k round zeros */
@@ -186,7 +199,10 @@ static TARGET int round_rows(const void *x, int64_t m, int64_t ldx, int bf16, in
     }
     codes->first_row[m] = codes->rows = rows;
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < padded; i++) codes->q[r * ldq + padded + i] = (int8_t)abs(codes->q[r * ldq + i]);
+        for (int64_t i = 0; i < padded; i++) {
+            const int code = codes->q[r * ldq + i];
+            ((uint8_t *)codes->q)[r * ldq + padded + i] = (uint8_t)(offset ? code + 128 : abs(code));
+        }
     free(missed);
     return 0;
 }
@@ -202,54 +218,92 @@ static inline TARGET INLINE __m256i broadcast4(const void *p) {
     return _mm256_set1_epi32(four);
 }
 
+/* One quad of K's products of a row's codes with 8 columns' weights w, added into their int32 sums: AVX2 multiplies
+ * the row's magnitudes (xa) by the weights with the row's signs (xs), VPMADDUBSW's pair sums widened by VPMADDWD with
+ * ones; AVX-VNNI the row's codes + 128 (xa) by the weights, in VPDPBUSD. */
+#define PRODUCTS_AVX2(acc, q, xa, w) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w, broadcast4(q))), ones))
+#define PRODUCTS_VNNI(acc, q, xa, w) _mm256_dpbusd_avx_epi32(acc, xa, w)
+
 /* `rows` rows of codes (row stride ldq; their magnitudes at a) times one block's 64 columns (w: its first byte; inputs
  * in `chunks` chunks of 64) -> their int32 sums, 64 a row, into raw (row stride BLOCK). The block is read in the
  * order it is stored, a chunk (16 quads x 4 runs of 16 columns, 4 KB) at a time, each run's sums taken from raw and
  * put back around it: the weights stream in order (the hardware prefetchers follow), and a chunk's codes stay in L1
  * for its four runs. With `fetch`, the block's bytes are asked for ahead as they stream. */
-static inline TARGET INLINE void tile_int8(const int rows, const int8_t *q, const uint8_t *a, int64_t ldq,
-                                           const int8_t *w, int64_t chunks, int fetch, int32_t *raw) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int r = 0; r < rows; r++) memset(raw + r * BLOCK, 0, BLOCK * sizeof *raw);
-    for (int64_t chunk = 0; chunk < chunks; chunk++) {
-        const int8_t *wc = w + chunk * 16 * 4 * BLOCK;
-        if (fetch) fetch_ahead(wc, 16 * 4 * BLOCK);
-        for (int run = 0; run < 4; run++) {
-            __m256i acc[INT8_TILE_ROWS][2];
-            for (int r = 0; r < rows; r++) {
-                acc[r][0] = _mm256_loadu_si256((const __m256i *)(raw + r * BLOCK + 16 * run));
-                acc[r][1] = _mm256_loadu_si256((const __m256i *)(raw + r * BLOCK + 16 * run + 8));
-            }
-            for (int quad = 0; quad < 16; quad++) {
-                const int8_t *wq = wc + run * 1024 + quad * 64;
-                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wq);
-                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wq + 32));
-                const int64_t at = 64 * chunk + 4 * quad;
-#pragma GCC unroll 4
-                for (int r = 0; r < INT8_TILE_ROWS; r++) {
-                    if (r < rows) {
-                        const __m256i xs = broadcast4(q + r * ldq + at), xa = broadcast4(a + r * ldq + at);
-                        acc[r][0] = _mm256_add_epi32(
-                            acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w0, xs)), ones));
-                        acc[r][1] = _mm256_add_epi32(
-                            acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xa, _mm256_sign_epi8(w1, xs)), ones));
-                    }
-                }
-            }
-            for (int r = 0; r < rows; r++) {
-                _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 16 * run), acc[r][0]);
-                _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 16 * run + 8), acc[r][1]);
-            }
-        }
-    }
+#define TILE_INT8(name, target, PRODUCTS, HEIGHT)                                                                      \
+static inline target INLINE void name(const int rows, const int8_t *q, const uint8_t *a, int64_t ldq,                  \
+                                      const int8_t *w, int64_t chunks, int fetch, int32_t *raw) {                      \
+    const __m256i ones = _mm256_set1_epi16(1);                                                                         \
+    (void)ones, (void)q; /* what AVX-VNNI's products do not read */                                                   \
+    for (int r = 0; r < rows; r++) memset(raw + r * BLOCK, 0, BLOCK * sizeof *raw);                                    \
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {                                                                 \
+        const int8_t *wc = w + chunk * 16 * 4 * BLOCK;                                                                 \
+        if (fetch) fetch_ahead(wc, 16 * 4 * BLOCK);                                                                    \
+        for (int run = 0; run < 4; run++) {                                                                            \
+            __m256i acc[HEIGHT][2];                                                                                    \
+            for (int r = 0; r < rows; r++) {                                                                           \
+                acc[r][0] = _mm256_loadu_si256((const __m256i *)(raw + r * BLOCK + 16 * run));                         \
+                acc[r][1] = _mm256_loadu_si256((const __m256i *)(raw + r * BLOCK + 16 * run + 8));                     \
+            }                                                                                                          \
+            for (int quad = 0; quad < 16; quad++) {                                                                    \
+                const int8_t *wq = wc + run * 1024 + quad * 64;                                                        \
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)wq);                                            \
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wq + 32));                                     \
+                const int64_t at = 64 * chunk + 4 * quad;                                                              \
+                _Pragma("GCC unroll 6")                                                                                \
+                for (int r = 0; r < HEIGHT; r++) {                                                                     \
+                    if (r < rows) {                                                                                    \
+                        const __m256i xa = broadcast4(a + r * ldq + at);                                               \
+                        acc[r][0] = PRODUCTS(acc[r][0], q + r * ldq + at, xa, w0);                                     \
+                        acc[r][1] = PRODUCTS(acc[r][1], q + r * ldq + at, xa, w1);                                     \
+                    }                                                                                                  \
+                }                                                                                                      \
+            }                                                                                                          \
+            for (int r = 0; r < rows; r++) {                                                                           \
+                _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 16 * run), acc[r][0]);                               \
+                _mm256_storeu_si256((__m256i *)(raw + r * BLOCK + 16 * run + 8), acc[r][1]);                           \
+            }                                                                                                          \
+        }                                                                                                              \
+    }                                                                                                                  \
 }
 
-/* npumoe_avx2_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. */
-static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const float *scale,
-                              int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
+/* A tile of 1 to HEIGHT rows through `tile`, its row count a constant in each call so its loops unroll (a count past
+ * HEIGHT never comes: those cases are HEIGHT's). */
+#define ROWS_CASE(tile, n, HEIGHT) \
+    case n: tile((n) < (HEIGHT) ? (n) : (HEIGHT), q, a, ldq, w, chunks, fetch, raw); break;
+#define TILES_INT8(name, target, tile, HEIGHT)                                                                         \
+static target void name(int rows, const int8_t *q, const uint8_t *a, int64_t ldq, const int8_t *w, int64_t chunks,    \
+                        int fetch, int32_t *raw) {                                                                     \
+    switch (rows) {                                                                                                    \
+    ROWS_CASE(tile, 1, HEIGHT) ROWS_CASE(tile, 2, HEIGHT) ROWS_CASE(tile, 3, HEIGHT) ROWS_CASE(tile, 4, HEIGHT)        \
+    ROWS_CASE(tile, 5, HEIGHT)                                                                                         \
+    default: tile(HEIGHT, q, a, ldq, w, chunks, fetch, raw); break;                                                    \
+    }                                                                                                                  \
+}
+
+/* How an int8 product runs: its tiles, their height, and whether x goes in as codes + 128 (see round_rows). */
+struct int8_way {
+    void (*tiles)(int rows, const int8_t *q, const uint8_t *a, int64_t ldq, const int8_t *w, int64_t chunks, int fetch,
+                  int32_t *raw);
+    int height, offset;
+};
+
+TILE_INT8(tile_int8, TARGET, PRODUCTS_AVX2, INT8_TILE_ROWS)
+TILES_INT8(tiles_int8, TARGET, tile_int8, INT8_TILE_ROWS)
+static const struct int8_way AVX2_WAY = {tiles_int8, INT8_TILE_ROWS, 0};
+#if HAS_AVX_VNNI
+TILE_INT8(tile_int8_vnni, TARGET_VNNI, PRODUCTS_VNNI, VNNI_TILE_ROWS)
+TILES_INT8(tiles_int8_vnni, TARGET_VNNI, tile_int8_vnni, VNNI_TILE_ROWS)
+static const struct int8_way VNNI_WAY = {tiles_int8_vnni, VNNI_TILE_ROWS, 1};
+#endif
+
+/* npumoe_avx2_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype, the `way` it says. */
+static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
+                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16,
+                              const struct int8_way *way) {
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
     struct codes codes;
-    if (round_rows(x, m, ldx, bf16, k, padded, &codes)) return -1;
+    if (round_rows(x, m, ldx, bf16, k, padded, way->offset, &codes)) return -1;
     /* tokens a panel takes: its codes stay in L2 while every block of weights streams past them */
     const int64_t panel = codes.ldq < PANEL_BYTES ? PANEL_BYTES / codes.ldq : 1;
     const int64_t most = codes.rows < 2 * panel ? codes.rows : 2 * panel; /* two a token at most */
@@ -261,7 +315,7 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     for (int64_t t0 = 0; t0 < m; t0 += panel) {
         const int64_t t1 = t0 + panel < m ? t0 + panel : m, first = codes.first_row[t0];
         const int64_t panel_rows = codes.first_row[t1] - first;
-        const int64_t tiles = (panel_rows + INT8_TILE_ROWS - 1) / INT8_TILE_ROWS;
+        const int64_t tiles = (panel_rows + way->height - 1) / way->height;
         for (int64_t block = 0; block * BLOCK < n; block++) {
             const int8_t *wb = w + block * BLOCK * padded;
             const int64_t columns = n - block * BLOCK < BLOCK ? n - block * BLOCK : BLOCK; /* this block's alone */
@@ -270,22 +324,21 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
                 const int8_t *qt = codes.q + (first + r0) * codes.ldq;
                 const uint8_t *at = (const uint8_t *)qt + padded;
                 int32_t *rt = raw + r0 * BLOCK;
-                switch (rows) { /* a constant row count per call, so each loop unrolls fully */
-                case 1: tile_int8(1, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
-                case 2: tile_int8(2, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
-                case 3: tile_int8(3, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
-                default: tile_int8(4, qt, at, codes.ldq, wb, padded / 64, t == 0, rt); break;
-                }
+                way->tiles((int)rows, qt, at, codes.ldq, wb, padded / 64, t == 0, rt);
                 r0 += rows;
             }
             const float *cb = scale + block * BLOCK;
             for (int64_t r = t0; r < t1; r++) { /* Σ over the token's levels of sums · x scale, times the column's scale */
                 for (int c = 0; 8 * c < columns; c++) {
                     __m256 v = _mm256_setzero_ps();
-                    for (int64_t level = codes.first_row[r]; level < codes.first_row[r + 1]; level++)
-                        v = _mm256_fmadd_ps(
-                            _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(raw + (level - first) * BLOCK + 8 * c))),
-                            _mm256_set1_ps(codes.xs[level]), v);
+                    const __m256i shift = way->offset /* 128 · the columns' sums of codes */
+                        ? _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(sums + block * BLOCK + 8 * c)), 7)
+                        : _mm256_setzero_si256();
+                    for (int64_t level = codes.first_row[r]; level < codes.first_row[r + 1]; level++) {
+                        const __m256i dot = _mm256_sub_epi32(
+                            _mm256_loadu_si256((const __m256i *)(raw + (level - first) * BLOCK + 8 * c)), shift);
+                        v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(codes.xs[level]), v);
+                    }
                     store_y((char *)y + (r * ldy + block * BLOCK) * ysize, ybf16, 8 * c,
                             _mm256_mul_ps(v, _mm256_loadu_ps(cb + 8 * c)), columns - 8 * c);
                 }
@@ -297,12 +350,28 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     return 0;
 }
 
+/* The int8 way of `vnni` (AVX-VNNI's, else AVX2's); NULL where this build has no AVX-VNNI. */
+static const struct int8_way *int8_way(int vnni) {
+#if HAS_AVX_VNNI
+    if (vnni) return &VNNI_WAY;
+#else
+    if (vnni) return NULL;
+#endif
+    return &AVX2_WAY;
+}
+
+/* Whether this build has the AVX-VNNI int8 tiles (the compiler knew the instructions). */
+int npumoe_avx2_has_vnni(void) { return HAS_AVX_VNNI; }
+
 /* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed as vnni_linear.c's int8 (n64/64, k64/64,
- * 4, 16, 16, 4); scale: (n64,) float32; y: (m, n) in x's dtype with row stride ldy. Returns 0, or -1 when scratch
- * memory ran out. */
+ * 4, 16, 16, 4), sums its (n64,) int32 columns' sums of codes; scale: (n64,) float32; y: (m, n) in x's dtype with
+ * row stride ldy; AVX-VNNI's dot products with `vnni`. Returns 0, -1 when scratch memory ran out, or -2 when this
+ * build has no AVX-VNNI. */
 TARGET int npumoe_avx2_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w,
-                                   const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8(x, m, ldx, bf16, w, scale, n, k, y, ldy, bf16);
+                                   const int32_t *sums, const float *scale, int64_t n, int64_t k, void *y, int64_t ldy,
+                                   int vnni) {
+    const struct int8_way *way = int8_way(vnni);
+    return way ? linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16, way) : -2;
 }
 
 static inline TARGET INLINE __m256 bf16_to_ps(const uint16_t *p) {
@@ -451,24 +520,26 @@ struct npumoe_weight {
     int64_t group, n, k;
 };
 
-static int run_linear(int int4, const struct npumoe_weight *w, const void *x, int64_t m, int64_t ldx, int bf16,
-                      void *y, int64_t ldy, int ybf16) {
+static int run_linear(int int4, const struct int8_way *way, const struct npumoe_weight *w, const void *x, int64_t m,
+                      int64_t ldx, int bf16, void *y, int64_t ldy, int ybf16) {
     if (int4) return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
-    return linear_int8(x, m, ldx, bf16, w->codes, w->scale, w->n, w->k, y, ldy, ybf16);
+    return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, way);
 }
 
 /* One expert's gated FFN in one call, as vnni_linear.c's npumoe_silu_glu_expert: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ with
- * up = [G; U] packed (2I, K) and down packed (N, I), int4 when `int4`, else int8. Returns 0, or -1 when scratch
- * memory ran out. */
-int npumoe_avx2_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int int4,
+ * up = [G; U] packed (2I, K) and down packed (N, I), int4 when `int4`, else int8 (on AVX-VNNI with `vnni`).
+ * Returns 0, -1 when scratch memory ran out, or -2 when this build has no AVX-VNNI. */
+int npumoe_avx2_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int int4, int vnni,
                                 const struct npumoe_weight *up, const struct npumoe_weight *down, void *y, int64_t ldy) {
     const int64_t inter = down->k, width = up->n;
+    const struct int8_way *way = int8_way(vnni && !int4);
+    if (!way) return -2;
     float *h = malloc((size_t)(m * width) * sizeof *h);
     if (!h) return -1;
-    int failed = run_linear(int4, up, x, m, ldx, bf16, h, width, 0);
+    int failed = run_linear(int4, way, up, x, m, ldx, bf16, h, width, 0);
     if (!failed) {
         silu_glu_rows(h, m, width, inter);
-        failed = run_linear(int4, down, h, m, width, 0, y, ldy, bf16);
+        failed = run_linear(int4, way, down, h, m, width, 0, y, ldy, bf16);
     }
     free(h);
     return failed;

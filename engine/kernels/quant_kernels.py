@@ -5,7 +5,8 @@ int8 weights run through one of
   of x to int8 inside the call and multiplies bytes with VNNI dot products over weights packed for it;
 - "npumoe-int8-amx-dynamic": the same on AMX-INT8 tiles, 16 rows at a time (Intel Xeons from Sapphire Rapids);
 - "npumoe-int8-avx2-dynamic": the engine's own for x86-64 with AVX2 but no VNNI (avx2_linear: the same rounding
-  and packed weights, byte products whose pair sums cannot saturate);
+  and packed weights, byte products whose pair sums cannot saturate), and "npumoe-int8-avxvnni-dynamic", the same
+  on AVX-VNNI's dot products (Intel's client cores from Alder Lake, AMD's from Zen 5);
 - "npumoe-int8-sdot-dynamic" and "npumoe-int8-i8mm-dynamic": the engine's own kernel for arm64 (neon_linear), with
   SDOT dot products, or SMMLA 2x8 matrix products where the CPU has i8mm (int4: "npumoe-int4-sdot-dynamic" and
   "npumoe-int4-i8mm-dynamic", the same with the 4-bit codes widened to bytes in registers);
@@ -63,15 +64,17 @@ from .float_kernels import ROWS, X86, expert_shape, rotated
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
 AMX = "npumoe-int8-amx-dynamic"
 AVX2 = {INT8: "npumoe-int8-avx2-dynamic", INT4: "npumoe-int4-avx2-dynamic"}  # avx2_linear's, over vnni_linear.pack
+AVX_VNNI = "npumoe-int8-avxvnni-dynamic"  # avx2_linear's int8 on AVX-VNNI
 # neon_linear's kernels of each format: i8mm or not
 NEON = {INT8: {"npumoe-int8-sdot-dynamic": False, "npumoe-int8-i8mm-dynamic": True},
         INT4: {"npumoe-int4-sdot-dynamic": False, "npumoe-int4-i8mm-dynamic": True}}
 I8MM = {kernel: i8mm for kernels in NEON.values() for kernel, i8mm in kernels.items()}  # every NEON kernel: i8mm?
 KLEIDIAI = "kleidiai-int4-dynamic"
 _KLEIDIAI_GROUP = 32  # KleidiAI's 4-bit kernels take groups that are multiples of this
-FUSED = (*OWN.values(), AMX, *AVX2.values(), *I8MM)  # the kernels that run a whole silu-gated expert in one call
+# the kernels that run a whole silu-gated expert in one call
+FUSED = (*OWN.values(), AMX, *AVX2.values(), AVX_VNNI, *I8MM)
 SILU = ("silu", "swish")  # transformers' names (ACT2FN) for silu
-KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], *NEON[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack",
+KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], AVX_VNNI, *NEON[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack",
                   "dequantize"),
            INT4: (OWN[INT4], AVX2[INT4], *NEON[INT4], KLEIDIAI, "int4pack", "dequantize")}
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
@@ -103,6 +106,10 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
             reasons[AMX] = reasons[OWN[INT8]]
         elif (why := vnni_linear.amx_unavailable()) is not None:
             reasons[AMX] = why
+        if AVX2[INT8] in reasons:
+            reasons[AVX_VNNI] = reasons[AVX2[INT8]]
+        elif (why := avx2_linear.vnni_unavailable()) is not None:
+            reasons[AVX_VNNI] = why
         if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
     else:
@@ -188,8 +195,8 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, K) -> (n, N) in x's dtype, written into `out` when given."""
         self._check(x)
-        if self.kernel in AVX2.values():
-            return avx2_linear.linear(x, self._packed, out)
+        if self.kernel in (*AVX2.values(), AVX_VNNI):
+            return avx2_linear.linear(x, self._packed, out, vnni=self.kernel == AVX_VNNI)
         if self.kernel in I8MM:
             return neon_linear.linear(x, self._packed, out, i8mm=I8MM[self.kernel])
         if self.kernel in FUSED:
@@ -234,8 +241,8 @@ def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
         gate, up = gate_up(x).chunk(2, dim=-1)
         return down(F.silu(gate) * up, out)
     gate_up._check(x)
-    if gate_up.kernel in AVX2.values():
-        return avx2_linear.silu_glu_expert(x, gate_up._packed, down._packed, out)
+    if gate_up.kernel in (*AVX2.values(), AVX_VNNI):
+        return avx2_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, vnni=gate_up.kernel == AVX_VNNI)
     if gate_up.kernel in I8MM:
         return neon_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, i8mm=I8MM[gate_up.kernel])
     return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)

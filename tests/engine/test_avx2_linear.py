@@ -13,7 +13,7 @@ import torch
 from cpus import APPLE_SILICON, INTEL_MAC, SAPPHIRE_RAPIDS, fake_build, fresh_process, simulate
 from test_vnni_linear import EXPERT_SHAPES, ROW_COUNTS, SHAPES, assert_matches, randn, reference, silu_glu_reference
 
-from npumoe.engine.formats.quantize import FORMATS, INT8, quantize, relative_error
+from npumoe.engine.formats.quantize import FORMATS, INT4, INT8, quantize, relative_error
 from npumoe.engine.kernels import (
     attention_kernel,
     avx2_linear,
@@ -24,10 +24,20 @@ from npumoe.engine.kernels import (
     vnni_linear,
 )
 from npumoe.engine.kernels.choice import Accuracy
-from npumoe.engine.kernels.quant_kernels import AMX, AVX2, OWN, QuantLinear, choose_kernel, unavailable_kernels
+from npumoe.engine.kernels.quant_kernels import (
+    AMX,
+    AVX2,
+    AVX_VNNI,
+    OWN,
+    QuantLinear,
+    choose_kernel,
+    unavailable_kernels,
+)
 
 needs_kernel = pytest.mark.skipif(avx2_linear.unavailable() is not None,
                                   reason=f"no AVX2 kernel here: {avx2_linear.unavailable()}")
+needs_vnni = pytest.mark.skipif(avx2_linear.vnni_unavailable() is not None,
+                                reason=f"no AVX-VNNI here: {avx2_linear.vnni_unavailable()}")
 
 
 @needs_kernel
@@ -69,6 +79,43 @@ def test_a_gated_expert_in_one_call_is_its_two_matmuls_with_silu_between(format,
             assert avx2_linear.silu_glu_expert(x, packed_up, packed_down, out) is out
             error = relative_error(out, silu_glu_reference(x, up, down))
             assert error <= (1e-3 if dtype == torch.float32 else 4e-3), (hidden, inter, rows, error)
+
+
+@needs_vnni
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_avx_vnni_int8_gives_the_avx2_tiles_results_bit_for_bit(dtype):
+    """The same int32 sums by other instructions: every float after them is computed alike."""
+    for n, k in SHAPES[INT8]:
+        packed = vnni_linear.pack(quantize(randn(n, k, seed=n + k), INT8))
+        for rows in ROW_COUNTS:
+            x = randn(rows, k, seed=rows)
+            x[::3, :2] *= 50  # rows with outliers: two levels of codes
+            x = x.to(dtype)
+            assert torch.equal(avx2_linear.linear(x, packed, vnni=True), avx2_linear.linear(x, packed))
+    for hidden, inter in EXPERT_SHAPES[INT8]:
+        up = vnni_linear.pack(quantize(randn(2 * inter, hidden, seed=hidden) / 4, INT8))
+        down = vnni_linear.pack(quantize(randn(hidden, inter, seed=inter), INT8))
+        x = randn(70, hidden, seed=5).to(dtype)
+        expert = avx2_linear.silu_glu_expert(x, up, down, vnni=True)
+        assert torch.equal(expert, avx2_linear.silu_glu_expert(x, up, down))
+
+
+@needs_vnni
+def test_the_avx_vnni_kernel_runs_where_it_is_chosen_and_takes_int8_only(monkeypatch):
+    calls = []
+    real_linear, real_expert = avx2_linear.linear, avx2_linear.silu_glu_expert
+    monkeypatch.setattr(avx2_linear, "linear", lambda *a, **kw: calls.append(("linear", kw)) or real_linear(*a, **kw))
+    monkeypatch.setattr(avx2_linear, "silu_glu_expert", lambda *a, **kw: calls.append(("expert", kw)) or
+                        real_expert(*a, **kw))
+    up, down = quantize(randn(256, 128, seed=6), INT8), quantize(randn(128, 128, seed=7), INT8)
+    gate_up, project_down = QuantLinear(up, AVX_VNNI, torch.float32), QuantLinear(down, AVX_VNNI, torch.float32)
+    x = randn(9, 128, seed=8)
+    assert_matches(gate_up(x), reference(x, up))
+    assert relative_error(quant_kernels.silu_glu_ffn(gate_up, project_down, x), silu_glu_reference(x, up, down)) < 1e-3
+    assert calls == [("linear", {"vnni": True}), ("expert", {"vnni": True})]
+    int4 = vnni_linear.pack(quantize(randn(64, 64, seed=9), INT4))
+    with pytest.raises(ValueError, match="AVX-VNNI kernel cannot run this: it takes int8 weights"):
+        avx2_linear.linear(randn(2, 64, seed=1), int4, vnni=True)
 
 
 @needs_kernel
@@ -128,10 +175,10 @@ def test_on_the_probes_rows_of_the_whole_int8_range_it_stays_within_the_dynamic_
 def test_the_quantized_linear_and_the_expert_run_the_avx2_kernel(monkeypatch, format):
     calls = []
     real_linear, real_expert = avx2_linear.linear, avx2_linear.silu_glu_expert
-    monkeypatch.setattr(avx2_linear, "linear", lambda x, *rest: calls.append(("linear", len(x))) or
-                        real_linear(x, *rest))
-    monkeypatch.setattr(avx2_linear, "silu_glu_expert", lambda x, *rest: calls.append(("expert", len(x))) or
-                        real_expert(x, *rest))
+    monkeypatch.setattr(avx2_linear, "linear", lambda x, *rest, **kw: calls.append(("linear", len(x))) or
+                        real_linear(x, *rest, **kw))
+    monkeypatch.setattr(avx2_linear, "silu_glu_expert", lambda x, *rest, **kw: calls.append(("expert", len(x))) or
+                        real_expert(x, *rest, **kw))
     up, down = quantize(randn(256, 128, seed=6), format), quantize(randn(128, 128, seed=7), format)
     gate_up, project_down = QuantLinear(up, AVX2[format], torch.float32), QuantLinear(down, AVX2[format],
                                                                                        torch.float32)
@@ -164,6 +211,7 @@ def test_it_is_built_where_avx2_is_and_the_vnni_kernels_are_not(fresh_build, mon
     simulate(monkeypatch, cpu)
     build = fake_build(monkeypatch, fresh_build)
     assert avx2_linear.unavailable() == reason
+    assert avx2_linear.vnni_unavailable() == (reason or "this CPU lacks AVX-VNNI")
     for format in FORMATS:
         unavailable = unavailable_kernels(format, torch.float32, quantize(randn(64, 64, seed=11), format))
         assert unavailable.get(AVX2[format]) == reason and OWN[format] in unavailable
@@ -183,7 +231,9 @@ def test_under_the_isa_ceiling_every_own_kernel_above_avx2_says_so_and_the_choic
     assert vnni_linear.unavailable() == vnni_linear.amx_unavailable() == "NPUMOE_MAX_CPU_ISA=avx2 excludes avx512_vnni"
     assert bf16_linear.unavailable() == "NPUMOE_MAX_CPU_ISA=avx2 excludes avx512_bf16"
     avx512 = "NPUMOE_MAX_CPU_ISA=avx2 excludes avx512"
-    assert attention_kernel.unavailable(torch.float32) == norm_kernel.unavailable() == avx512
+    assert attention_kernel.unavailable(torch.bfloat16) == norm_kernel.unavailable() == avx512
+    assert attention_kernel.body(torch.float32) == "avx2"  # float32 attention has an AVX2 body
+    assert avx2_linear.vnni_unavailable() == "NPUMOE_MAX_CPU_ISA=avx2 excludes avx2_vnni"
     timed = []
 
     def fake_timing(kernels, gate_up, down, dtype):
