@@ -5,10 +5,10 @@ kernels, the attention kernel, `auto` weights and the prefill chunk length).
 - The key: the choice's dtype, its sizes and the torch thread count its candidates were timed with (a kernel
   fastest on one thread need not be on sixteen), built by `Measured.key` and nowhere else.
 - The statistic: `time_in_turns`, the median of each candidate's seconds over rounds that interleave the
-  candidates (so the machine's drift moves all alike), after a warm-up; one that the first round finds LAGGARD
-  times slower than the fastest keeps that one figure and is not timed again (torch's weight-only int8 matmul
-  took 1.5 s a run of a projection where the others took 24 to 47 ms, and six such runs were the bulk of a first
-  load's choices).
+  candidates (so the machine's drift moves all alike), after a warm-up; one that the warm-up finds WARM_LAGGARD
+  times slower than the fastest, or the first round LAGGARD times, keeps that figure and is not timed again
+  (narrowed to AVX2 with AVX-VNNI, oneDNN's dynamic int8 took 37 s a run of a projection where the others took 15
+  to 45 ms, and torch's weight-only int8 1.5 s: their runs were most of a first load's choices).
 - Accuracy before speed: a choice with an accuracy notion passes a probe, each candidate's relative error on it
   against the reference computed here (`Accuracy`); a candidate above its format's bound is refused with its
   figures and not timed, so a fast wrong kernel is never chosen.
@@ -41,6 +41,7 @@ from .host import cache_root, cpu_model
 
 T = TypeVar("T")
 LAGGARD = 5.0  # how many times the fastest's first figure takes a candidate out of the rounds that follow
+WARM_LAGGARD = 20.0  # the same for the warm-up's, whose runs may build what they time (a packed weight)
 
 
 @dataclass(frozen=True)
@@ -97,15 +98,23 @@ def time_in_turns(candidates: Sequence[str], count: int, run: Callable[[str, int
                   rounds: Rounds = Rounds(), prepare: Callable[[str, int], object] | None = None) -> dict[str, float]:
     """Median seconds of `run(candidate, item)` for each candidate: `rounds.warmup` untimed runs of every candidate
     on each of `count` items, then rounds in which every candidate runs once, in alternating order, rotating over
-    the items (after the first, only those within LAGGARD times the fastest); `prepare(candidate, item)`, when
-    given, runs untimed before each timed run."""
+    the items (only those within WARM_LAGGARD times the fastest on the warm-up's first item, and after the first
+    round within LAGGARD times; one left out keeps that figure); `prepare(candidate, item)`, when given, runs
+    untimed before each timed run."""
+    warm: dict[str, float] = {}  # each candidate's first warm-up run
+    timed = list(candidates)
     for _ in range(rounds.warmup):
-        for candidate in candidates:
-            for item in range(count):
+        for item in range(count):
+            for candidate in timed:
+                start = time.perf_counter()
                 run(candidate, item)
-    samples: dict[str, list[float]] = {candidate: [] for candidate in candidates}
+                warm.setdefault(candidate, time.perf_counter() - start)
+            fastest = min(warm.values())  # after the first item, a hopeless candidate warms up no further
+            timed = [candidate for candidate in timed if warm[candidate] <= WARM_LAGGARD * fastest]
+    samples: dict[str, list[float]] = {candidate: [] if candidate in timed else [warm[candidate]]
+                                       for candidate in candidates}
     deadline = time.perf_counter() + rounds.budget_s * len(candidates)
-    turn, timed = 0, list(candidates)
+    turn = 0
     while turn < rounds.least or (turn < rounds.most and time.perf_counter() < deadline):
         for candidate in timed if turn % 2 else reversed(timed):
             if prepare is not None:
@@ -114,7 +123,7 @@ def time_in_turns(candidates: Sequence[str], count: int, run: Callable[[str, int
             run(candidate, turn % count)
             samples[candidate].append(time.perf_counter() - start)
         if turn == 0:
-            fastest = min(times[0] for times in samples.values())
+            fastest = min(samples[candidate][0] for candidate in timed)
             timed = [candidate for candidate in timed if samples[candidate][0] <= LAGGARD * fastest]
         turn += 1
     return {candidate: statistics.median(times) for candidate, times in samples.items()}
