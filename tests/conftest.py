@@ -58,8 +58,18 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def npumoed_argv(*args: str) -> list[str]:
-    """`npumoed ARGS…` with this interpreter (the console script may not be on PATH)."""
+# Starts npumoed with SIGINT at its default, as a terminal's shell does. A child inherits an ignored SIGINT, and this
+# process ignores SIGINT and SIGQUIT for as long as any of its threads is inside C's system() (glibc does so for the
+# whole process; libtorch_cpu calls it): a status --watch started then printed on for 30 s after its SIGINT.
+_AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                       "os.execv(sys.executable, [sys.executable, '-m', 'npumoe.daemon', *sys.argv[1:]])")
+
+
+def npumoed_argv(*args: str, terminal: bool = False) -> list[str]:
+    """`npumoed ARGS…` with this interpreter (the console script may not be on PATH); with `terminal`, SIGINT at
+    its default whatever this process does with it at the moment (Ctrl-C reaches it as it would a person's)."""
+    if terminal:
+        return [sys.executable, "-c", _AS_FROM_A_TERMINAL, *args]
     return [sys.executable, "-m", "npumoe.daemon", *args]
 
 
@@ -89,10 +99,10 @@ def start_npumoed(home: Path, tmp_path: Path) -> Iterator[Callable[..., Backgrou
     """Start `npumoed ARGS…` in the background; whatever is still running when the test ends is killed."""
     started: list[Background] = []
 
-    def start(*args: str) -> Background:
+    def start(*args: str, terminal: bool = False) -> Background:
         log = tmp_path / f"npumoed-{len(started)}.log"
         with log.open("wb") as sink:
-            process = subprocess.Popen(npumoed_argv(*args), stdout=sink, stderr=subprocess.STDOUT)
+            process = subprocess.Popen(npumoed_argv(*args, terminal=terminal), stdout=sink, stderr=subprocess.STDOUT)
         started.append(Background(process, log))
         return started[-1]
 

@@ -8,11 +8,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -179,39 +176,17 @@ def _show(home: Home, url: str) -> None:
 
 
 def _watch(home: Home, interval: float, url: str) -> None:
-    with until_ctrl_c() as interrupted:
+    try:
         if not sys.stdout.isatty():
-            while not interrupted:
+            while True:
                 click.echo(f"{_draw(read_status(home, url), home, rich=False)}\n")
                 time.sleep(interval)
-            return
         with Live(_draw(read_status(home, url), home, rich=True), auto_refresh=False) as live:
-            while not interrupted:
+            while True:
                 time.sleep(interval)
                 live.update(_draw(read_status(home, url), home, rich=True), refresh=True)
-
-
-@contextmanager
-def until_ctrl_c() -> Iterator[list[int]]:
-    """A block that Ctrl-C ends: its KeyboardInterrupt, and a list that the signal fills, for a loop to check. The
-    list keeps a Ctrl-C that Python lost: one that lands while a finalizer runs (a database connection's, between
-    two views) is printed as 'Exception ignored' and goes no further. Where SIGINT was not Python's default (a
-    job started with it ignored), it is left as it was."""
-    interrupted: list[int] = []
-
-    def interrupt(signum: int, _frame: object) -> None:
-        interrupted.append(signum)
-        raise KeyboardInterrupt
-
-    ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    previous = signal.signal(signal.SIGINT, interrupt) if ours else None
-    try:
-        yield interrupted
     except KeyboardInterrupt:
         pass
-    finally:
-        if ours:
-            signal.signal(signal.SIGINT, previous)
 
 
 def _draw(snap: dict[str, Any] | None, home: Home, *, rich: bool) -> RenderableType:
