@@ -58,9 +58,10 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-# Starts npumoed with SIGINT at its default, as a terminal's shell does. A child inherits an ignored SIGINT, and this
-# process ignores SIGINT and SIGQUIT for as long as any of its threads is inside C's system() (glibc does so for the
-# whole process; libtorch_cpu calls it): a status --watch started then printed on for 30 s after its SIGINT.
+# Starts npumoed with SIGINT at its default, as a terminal's shell does. A child inherits an ignored SIGINT, and in
+# some full-suite runs the child of this process had SIGINT and SIGQUIT ignored, the pair that glibc's system()
+# ignores process-wide while any thread is inside it (libtorch_cpu links it): a status --watch started then printed
+# on for 30 s after its SIGINT.
 _AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
                        "os.execv(sys.executable, [sys.executable, '-m', 'npumoe.daemon', *sys.argv[1:]])")
 
