@@ -104,7 +104,7 @@ def report_skipped(enqueued: Enqueued) -> None:
         raise SystemExit(1)
 
 
-FOLDER_CHARS = 32  # of a job's folder, `npumoed jobs` shows the end: the part nearest the file
+FOLDER_CHARS = 20  # of a job's folder, `npumoed jobs` shows the end: the part nearest the file
 
 
 @main.command("jobs")
