@@ -133,7 +133,7 @@ class Summarizer:
         summaries: list[list[int]] = []
         for section in sections:
             tick = time.perf_counter()
-            cache = new_cache(self.loaded.model)
+            cache = self._cache_for(self.prompts.summarize, section)
             for chunk in self.embedder.chunks(section, cache, pooling):
                 chunks_done += 1
                 if chunk is not None:
@@ -165,7 +165,7 @@ class Summarizer:
             parts = windows(joined, self.prompts.combine_tokens)
             summaries = []
             for part in parts:
-                cache = new_cache(self.loaded.model)
+                cache = self._cache_for(self.prompts.combine, part)
                 self._prefill([*self.prompts.combine.prefix, *part], cache)
                 summaries.append(self._decode(self.prompts.combine, part, cache, run))
                 run.report(REDUCE, len(summaries), len(parts))
@@ -190,6 +190,10 @@ class Summarizer:
                                      answer_tokens(len(text), self.summary_tokens), self.prompts.stop)
         run.generated_tokens += len(said)
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
+
+    def _cache_for(self, frame: PromptFrame, text: Sequence[int]) -> Any:
+        """A cache made once for the prompt around `text` and its answer, written in place as they run."""
+        return new_cache(self.loaded.model, capacity=frame.overhead + len(text) + self.summary_tokens)
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:
         """Prefill without looking at the output (a combine's prompt and parts)."""

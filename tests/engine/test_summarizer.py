@@ -13,6 +13,7 @@ import torch
 
 from npumoe.engine import Engine, load_model
 from npumoe.engine.generate import summarizer as summarizer_module
+from npumoe.engine.generate.section_cache import PreallocatedLayer
 from npumoe.engine.generate.sentences import finished_sentences
 from npumoe.engine.generate.summarizer import SummaryPrompts
 from npumoe.engine.generate.summary import (
@@ -74,6 +75,20 @@ def test_a_document_longer_than_the_context_is_summarised_in_sections_then_combi
     assert {p.phase for p in seen} == {"prefill", "summary", "reduce"}
     assert result.embeddings.shape[0] == stats.chunks + 1
     assert max(p.tokens_done for p in seen) == stats.tokens
+
+
+def test_every_section_and_combine_decodes_into_a_cache_made_once_at_its_size(engine, harbour, orchard,
+                                                                             monkeypatch):
+    made: list[PreallocatedLayer] = []
+    grown = []
+    lazy, grow = PreallocatedLayer.lazy_initialization, PreallocatedLayer._grow
+    monkeypatch.setattr(PreallocatedLayer, "lazy_initialization",
+                        lambda self, *a: made.append(self) or lazy(self, *a))
+    monkeypatch.setattr(PreallocatedLayer, "_grow", lambda self, needed: grown.append(needed) or grow(self, needed))
+    result = engine.process(harbour + "\n\n" + orchard)
+    caches = result.stats.sections + result.stats.reduce_rounds  # one combine a round here
+    assert len(made) == caches * engine.loaded.model.config.num_hidden_layers
+    assert grown == []  # each was made large enough for its prompt, text and answer
 
 
 def test_a_combined_summary_ends_with_each_combined_parts_opening_one_line_each(engine, harbour, orchard,
