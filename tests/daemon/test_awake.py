@@ -217,16 +217,16 @@ def test_the_worker_holds_it_while_batch_work_waits_in_an_open_window_and_status
     queue.add("/docs/a.txt", "a" * 64, model_key="m", settings_key="s", priority=BATCH, batch_window=WINDOW)
 
     queue.daemons.write(pid=os.getpid(), started_at=time.time(), stopped_at=None, model="demo", backend="cpu")
-    worker._decide()
+    worker.gate.decide()
     assert awake.asked == [f"batch window {WINDOW}"]
-    worker._write_row()
+    worker.row.write()
     shown = snapshot(queue)
     assert shown["daemon"]["power"]["awake"] == f"batch window {WINDOW} (stand-in)"
     assert f"keeping the computer awake: batch window {WINDOW} (stand-in)" in render_text(shown)
     assert json.loads(json.dumps(shown, default=str))["daemon"]["power"]["awake"]  # in `status --json` too
 
     now[0] = datetime(2026, 11, 30, 6, 30)  # the window closed
-    worker._decide()
+    worker.gate.decide()
     assert awake.asked[-1] == "release"
-    worker._write_row()
+    worker.row.write()
     assert "keeping the computer awake" not in render_text(snapshot(queue))

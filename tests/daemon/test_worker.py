@@ -120,7 +120,7 @@ def test_a_job_a_killed_daemon_left_running_is_finished_by_the_next_start(
     doc = home.inbox / "report.md"
     doc.write_text(PARAGRAPH * 3)
     worker = make_worker()
-    worker._take(doc)  # queued as the watcher would
+    worker.intake.take(doc)  # queued as the watcher would
     claimed = queue.claim(os.getpid(), lease_seconds=3600)  # "running", by a worker that will never return
     assert claimed is not None
     (home.outbox / ".tmp-job1-deadbeef").mkdir()  # and its scratch folder

@@ -17,10 +17,10 @@ from npumoe.daemon import intake
 from npumoe.daemon.cli.status_view import render_text, snapshot
 from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
 from npumoe.daemon.energy.power import UnknownPowerSource
+from npumoe.daemon.heartbeat import StallWatch
 from npumoe.daemon.home import Home
 from npumoe.daemon.model_choice import ModelSlot, load_engine
 from npumoe.daemon.scheduler import Scheduler
-from npumoe.daemon.stall import StallWatch
 from npumoe.daemon.worker import Worker
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.jobs import outputs
