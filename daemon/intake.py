@@ -20,7 +20,7 @@ from npumoe.jobs.queue.schema import DONE
 from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
 
 from .config import Config
-from .model_choice import DEMO
+from .model_choice import DEMO, output_settings
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,9 @@ def job_keys(config: Config) -> tuple[str, str]:
     m = config.model
     folder = Path(m.name).expanduser()
     model = str(folder.resolve()) if m.name != DEMO and folder.is_dir() else m.name
-    settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
-                "overflow": m.overflow, "weights": m.weights, "summary_tokens": m.summary_tokens,
-                "section_tokens": m.section_tokens}
-    if m.pooling != MEAN:  # only then: the jobs of every config from before there was a choice keep their keys
-        settings["pooling"] = m.pooling
+    settings = {**output_settings(config), "plan": _file_digest(m.plan)}  # a plan by its content, not its name
+    if m.pooling == MEAN:  # left out: the jobs of every config from before there was a choice keep their keys
+        del settings["pooling"]
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest
 
