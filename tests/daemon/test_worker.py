@@ -13,48 +13,14 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
-from npumoe.daemon.energy.power import UnknownPowerSource
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import sha256_of
-from npumoe.daemon.model_choice import ModelSlot, engine_settings
-from npumoe.daemon.scheduler import Scheduler
 from npumoe.daemon.worker import AlreadyRunning, Worker
 from npumoe.jobs import files
 from npumoe.jobs.errors import ModelUnavailable
 from npumoe.jobs.queue.store import BATCH, Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "home").ensure()
-
-
-@pytest.fixture
-def queue(home: Home) -> Queue:
-    return Queue(home.database)
-
-
-@pytest.fixture
-def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
-    """A `--once` worker on the tiny model; `loader` stands in for loading the engine."""
-
-    def make(originals: str = "keep", loader: Callable[..., object] | None = None,
-             clock: Callable[[], datetime] | None = None) -> Worker:
-        config = Config(
-            inbox=InboxConfig(stable_seconds=0.1, originals=originals),
-            model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
-            scheduler=SchedulerConfig(poll_seconds=0.1),
-            cpu=CpuConfig(threads=1, background_priority=False),  # never lower the test runner's own priority
-        )
-        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0,
-                              clock=clock)
-        model = ModelSlot(config, home, loader=loader) if loader else None  # type: ignore[arg-type]
-        return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
-
-    return make
 
 
 def test_run_once_processes_the_inbox_and_sets_aside_what_cannot_be_queued(
@@ -219,39 +185,6 @@ def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
     assert [p.name for p in home.reports.iterdir()] == ["batch-20261130-0100-0600.json"]
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class LoadedEngine:
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def test_the_model_is_loaded_once_and_unloaded_after_the_idle_timeout(tmp_path: Path) -> None:
-    loads: list[LoadedEngine] = []
-    clock = FakeClock()
-    config = Config(model=ModelConfig(name=str(tmp_path), idle_unload_seconds=300))
-    slot = ModelSlot(config, Home(tmp_path), loader=lambda settings: loads.append(LoadedEngine()) or loads[-1],
-                     clock=clock)
-    first = slot.load()
-    clock.now += 200
-    assert slot.load() is first and len(loads) == 1
-    clock.now += 299
-    assert not slot.unload_if_idle() and slot.loaded
-    clock.now += 2
-    assert slot.unload_if_idle() and not slot.loaded and first.closed
-    slot.load()
-    assert len(loads) == 2
-
-
 def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
     home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
@@ -265,23 +198,3 @@ def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
         worker.run()
     [job] = queue.list()
     assert (job.state, job.attempts, job.last_error) == ("queued", 0, None)
-
-
-def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
-    from npumoe.daemon.model_choice import ModelNotFound, resolve_model
-
-    with pytest.raises(ModelNotFound, match="does not exist"):
-        resolve_model(str(tmp_path / "missing"))
-    assert resolve_model("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"  # for the engine's HF cache lookup
-
-
-def test_the_coreml_backend_finds_the_graphs_npumoed_compile_built(tmp_path: Path) -> None:
-    config = Config(model=ModelConfig(name=str(tmp_path), backend="coreml", coreml_compute_units="all"))
-    settings = engine_settings(config, Home(tmp_path), threads=1)
-    assert (settings.compiled_dir, settings.coreml_compute_units) == (Home(tmp_path).compiled, "all")
-
-
-def test_the_section_and_chunk_lengths_reach_the_engine(tmp_path: Path) -> None:
-    config = Config(model=ModelConfig(name=str(tmp_path), section_tokens=4096, chunk_tokens=256))
-    settings = engine_settings(config, Home(tmp_path), threads=1)
-    assert (settings.section_tokens, settings.chunk_tokens) == (4096, 256)

@@ -15,47 +15,14 @@ from sqlite_errors import as_sqlalchemy_raises_it, locked
 
 from npumoe.daemon import intake
 from npumoe.daemon.cli.status_view import render_text, snapshot
-from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
-from npumoe.daemon.energy.power import UnknownPowerSource
-from npumoe.daemon.heartbeat import StallWatch
 from npumoe.daemon.home import Home
-from npumoe.daemon.model_choice import ModelSlot, load_engine
-from npumoe.daemon.scheduler import Scheduler
+from npumoe.daemon.model_choice import load_engine
 from npumoe.daemon.worker import Worker
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.jobs import outputs
-from npumoe.jobs.pipeline import LOADING
 from npumoe.jobs.queue.store import Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "home").ensure()
-
-
-@pytest.fixture
-def queue(home: Home) -> Queue:
-    return Queue(home.database)
-
-
-@pytest.fixture
-def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
-    """A `--once` worker on the tiny model; `loader` stands in for loading the engine."""
-
-    def make(originals: str = "keep", loader: Callable[..., Any] | None = None) -> Worker:
-        config = Config(
-            inbox=InboxConfig(stable_seconds=0.1, originals=originals),
-            model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
-            scheduler=SchedulerConfig(poll_seconds=0.1),
-            cpu=CpuConfig(threads=1, background_priority=False),
-        )
-        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0)
-        model = ModelSlot(config, home, loader=loader) if loader else None
-        return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
-
-    return make
 
 
 def in_background(action: Callable[[], None]) -> threading.Thread:
@@ -186,24 +153,3 @@ def test_a_restart_does_not_hash_an_unchanged_inbox_again(
     kept.unlink()
     make_worker().run()
     assert queue.handed.all() == {}  # a file that left the inbox is forgotten
-
-
-def test_the_watchdog_counts_time_without_progress_but_not_while_the_model_loads() -> None:
-    now = [0.0]
-    watch = StallWatch(10.0, clock=lambda: now[0])
-    assert watch.stalled_for() is None  # no job
-    watch.start()
-    now[0] = 9.0
-    assert watch.stalled_for() is None
-    watch.moved(LOADING)
-    now[0] = 100.0
-    assert watch.stalled_for() is None  # a slow load is not a hang
-    watch.moved("prefill")
-    now[0] = 110.5
-    assert watch.stalled_for() == 10.5
-    watch.finish()
-    assert watch.stalled_for() is None
-    off = StallWatch(0.0, clock=lambda: now[0])  # 0: the watchdog is off
-    off.start()
-    now[0] = 1e6
-    assert off.stalled_for() is None
