@@ -1,4 +1,5 @@
-"""Fixtures the daemon's tests share: a fresh home, its queue, and a `--once` worker on the tiny model."""
+"""Fixtures the daemon's tests share: the test's home as the daemon sees it, its queue, and a `--once` worker on the
+tiny model."""
 
 from __future__ import annotations
 
@@ -19,17 +20,18 @@ from npumoe.jobs.queue.store import Queue
 
 
 @pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "home").ensure()
+def npumoed_home(home: Path) -> Home:
+    """The test's NPUMOED_HOME (the `home` folder of tests/conftest.py), its folders made."""
+    return Home(home).ensure()
 
 
 @pytest.fixture
-def queue(home: Home) -> Queue:
-    return Queue(home.database)
+def queue(npumoed_home: Home) -> Queue:
+    return Queue(npumoed_home.database)
 
 
 @pytest.fixture
-def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
+def make_worker(npumoed_home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
     """A `--once` worker on the tiny model; `loader` stands in for loading the engine, `clock` for the scheduler's."""
 
     def make(originals: str = "keep", loader: Callable[..., Any] | None = None,
@@ -42,7 +44,7 @@ def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Wor
         )
         scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0,
                               clock=clock)
-        model = ModelSlot(config, home, loader=loader) if loader else None
-        return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
+        model = ModelSlot(config, npumoed_home, loader=loader) if loader else None
+        return Worker(config, npumoed_home, queue, once=True, scheduler=scheduler, model=model)
 
     return make

@@ -9,7 +9,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
@@ -62,17 +61,15 @@ class World:
 
 
 @pytest.fixture
-def world(tmp_path: Path) -> World:
+def world(npumoed_home: Home, queue: Queue) -> World:
     """A gate on a real queue and scheduler at 02:00, on AC, with its status row and heartbeat (not beating)."""
-    home = Home(tmp_path / "home").ensure()
-    queue = Queue(home.database)
     now = [datetime(2026, 11, 30, 2, 0)]
     scheduler = Scheduler(SchedulerConfig(), queue, power=Power(), clock=lambda: now[0], foreground_load=lambda: 0.0)
     awake = Recorder()
     row = StatusRow(queue, power=lambda: {**scheduler.power_state(), "awake": awake.holding}, counters=dict)
     stopping = threading.Event()
     heartbeat = Heartbeat(queue, row, StallWatch(0.0), pid=os.getpid(), lease_seconds=60, stopping=stopping)
-    gate = JobGate(scheduler, queue, home, awake, row=row, heartbeat=heartbeat, stopping=stopping,
+    gate = JobGate(scheduler, queue, npumoed_home, awake, row=row, heartbeat=heartbeat, stopping=stopping,
                    poll_seconds=0.01, obey_schedule=True)
     row.open(pid=os.getpid(), model="demo", backend="cpu")
     return World(queue, gate, awake, now, stopping)

@@ -1,4 +1,4 @@
-"""The worker loop in this process, on the tiny model: intake, one daemon per home, recovery, pause, stop."""
+"""The worker loop in this process, on the tiny model: intake, one daemon per npumoed_home, recovery, pause, stop."""
 
 from __future__ import annotations
 
@@ -28,18 +28,18 @@ PARAGRAPH = "The night shift files each report, checks the queue, and writes dow
 
 
 def test_run_once_processes_the_inbox_and_sets_aside_what_cannot_be_queued(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
-    os.mkfifo(home.inbox / "pipe.txt")
+    (npumoed_home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
+    os.mkfifo(npumoed_home.inbox / "pipe.txt")
     (tmp_path / "secret.txt").write_text("outside the inbox")
-    (home.inbox / "link.txt").symlink_to(tmp_path / "secret.txt")
+    (npumoed_home.inbox / "link.txt").symlink_to(tmp_path / "secret.txt")
     summary = make_worker().run()
     assert dict(summary.outcomes) == {"done": 1} and summary.rejected == 2
     [job] = queue.list()
     assert job.state == "done" and (Path(job.output_dir or "") / "embeddings.npy").exists()
-    assert "FIFO" in (home.failed / "pipe.txt.error.txt").read_text()
-    assert "symbolic link" in (home.failed / "link.txt.error.txt").read_text()
+    assert "FIFO" in (npumoed_home.failed / "pipe.txt.error.txt").read_text()
+    assert "symbolic link" in (npumoed_home.failed / "link.txt.error.txt").read_text()
     assert (tmp_path / "secret.txt").read_text() == "outside the inbox"
     row = queue.daemons.read()
     assert row is not None and row["stopped_at"] is not None and row["counters"]["done"] == 1
@@ -63,60 +63,60 @@ class Locked:
 
 
 def test_a_file_refused_for_permission_stays_in_the_inbox_and_is_queued_once_it_can_be_read(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    locked_path = home.inbox / "locked.md"
+    locked_path = npumoed_home.inbox / "locked.md"
     locked_path.write_text("# Locked\n\n" + PARAGRAPH * 3)
-    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
+    (npumoed_home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
     locked = Locked(locked_path)
     monkeypatch.setattr(files, "os", locked)
     summary = make_worker().run()
     assert dict(summary.outcomes) == {"done": 1} and summary.rejected == 0
-    assert locked_path.exists() and list(home.failed.iterdir()) == []  # not set aside: a person may put it right
+    assert locked_path.exists() and list(npumoed_home.failed.iterdir()) == []  # not set aside: a person may fix it
     assert [Path(job.path).name for job in queue.list()] == ["report.md"]
     locked.locked = False  # the person gave read permission back
     assert dict(make_worker().run().outcomes) == {"done": 1}
     assert sorted(Path(job.path).name for job in queue.list("done")) == ["locked.md", "report.md"]
 
 
-def test_only_one_daemon_runs_per_home(home: Home, make_worker: Callable[..., Worker]) -> None:
-    with FileLock(home.root / "npumoed.lock"), pytest.raises(AlreadyRunning, match="already running"):
+def test_only_one_daemon_runs_per_home(npumoed_home: Home, make_worker: Callable[..., Worker]) -> None:
+    with FileLock(npumoed_home.root / "npumoed.lock"), pytest.raises(AlreadyRunning, match="already running"):
         make_worker().run()
 
 
 def test_a_job_a_killed_daemon_left_running_is_finished_by_the_next_start(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
 ) -> None:
-    doc = home.inbox / "report.md"
+    doc = npumoed_home.inbox / "report.md"
     doc.write_text(PARAGRAPH * 3)
     worker = make_worker()
     worker.intake.take(doc)  # queued as the watcher would
     claimed = queue.claim(os.getpid(), lease_seconds=3600)  # "running", by a worker that will never return
     assert claimed is not None
-    (home.outbox / ".tmp-job1-deadbeef").mkdir()  # and its scratch folder
+    (npumoed_home.outbox / ".tmp-job1-deadbeef").mkdir()  # and its scratch folder
     worker.run()
     job = queue.get(claimed.id)
     assert job is not None and job.state == "done" and job.attempts == 2
-    assert [p.name for p in home.outbox.iterdir()] == [Path(job.output_dir or "").name]
+    assert [p.name for p in npumoed_home.outbox.iterdir()] == [Path(job.output_dir or "").name]
 
 
 def test_a_finished_document_seen_again_is_moved_by_policy_not_processed_again(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
 ) -> None:
     text = PARAGRAPH * 3
-    (home.inbox / "report.md").write_text(text)
+    (npumoed_home.inbox / "report.md").write_text(text)
     make_worker("move").run()
-    assert (home.processed / "report.md").exists()
-    (home.inbox / "report.md").write_text(text)  # the same content, dropped in again
+    assert (npumoed_home.processed / "report.md").exists()
+    (npumoed_home.inbox / "report.md").write_text(text)  # the same content, dropped in again
     summary = make_worker("move").run()
     assert dict(summary.outcomes) == {} and len(queue.list()) == 1
-    assert sorted(p.name for p in home.processed.iterdir()) == ["report (2).md", "report.md"]
+    assert sorted(p.name for p in npumoed_home.processed.iterdir()) == ["report (2).md", "report.md"]
 
 
 def test_a_pause_holds_the_work_and_says_why_until_resumed(
-    queue: Queue, home: Home, make_worker: Callable[..., Worker]
+    queue: Queue, npumoed_home: Home, make_worker: Callable[..., Worker]
 ) -> None:
-    (home.inbox / "report.md").write_text(PARAGRAPH * 3)
+    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH * 3)
     queue.controls.set("paused", {"since": time.time()})
     seen: list[str] = []
 
@@ -155,8 +155,10 @@ def mid_document(queue: Queue, action: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_worker: Callable[..., Worker]) -> None:
-    (home.inbox / "long.md").write_text(PARAGRAPH * 40)
+def test_stopping_hands_the_running_job_back(
+    queue: Queue, npumoed_home: Home, make_worker: Callable[..., Worker]
+) -> None:
+    (npumoed_home.inbox / "long.md").write_text(PARAGRAPH * 40)
     worker = make_worker()
 
     stopper = mid_document(queue, worker.stop)
@@ -165,11 +167,11 @@ def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_work
     [job] = queue.list()
     assert dict(summary.outcomes) == {"queued": 1}
     assert (job.state, job.attempts) == ("queued", 0)
-    assert list(home.outbox.iterdir()) == []
+    assert list(npumoed_home.outbox.iterdir()) == []
 
 
 def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
-    queue: Queue, home: Home, make_worker: Callable[..., Worker], tmp_path: Path
+    queue: Queue, npumoed_home: Home, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
     document = tmp_path / "archive.md"
     document.write_text(PARAGRAPH * 40)
@@ -184,15 +186,15 @@ def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
     assert dict(summary.outcomes) == {"queued": 1}
     after = queue.get(job.id)
     assert (after.state, after.attempts) == ("queued", 0)
-    assert list(home.outbox.iterdir()) == []
+    assert list(npumoed_home.outbox.iterdir()) == []
     # the check only handed the job back; the loop wrote the window's report
-    assert [p.name for p in home.reports.iterdir()] == ["batch-20261130-0100-0600.json"]
+    assert [p.name for p in npumoed_home.reports.iterdir()] == ["batch-20261130-0100-0600.json"]
 
 
 def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    (home.inbox / "report.md").write_text(PARAGRAPH)
+    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH)
 
     def no_weights(settings: object) -> object:
         raise OSError("no weights here")
@@ -205,9 +207,9 @@ def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
 
 
 def test_a_search_asked_mid_document_is_answered_between_chunks_and_leaves_the_documents_counts_alone(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
 ) -> None:
-    (home.inbox / "report.md").write_text(PARAGRAPH * 12)
+    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH * 12)
     query = "who writes down what could not be finished"
     asked: dict[str, Any] = {}
     searched = threading.Event()  # the query is waiting for the worker
@@ -220,7 +222,7 @@ def test_a_search_asked_mid_document_is_answered_between_chunks_and_leaves_the_d
             def progress(step: Any) -> None:
                 if "asker" not in asked:  # the first chunk is done: a search arrives before the worker hears so
                     asked["asker"] = threading.Thread(
-                        target=lambda: asked.update(reply=ask_daemon(home.socket, query)))
+                        target=lambda: asked.update(reply=ask_daemon(npumoed_home.socket, query)))
                     asked["asker"].start()
                     assert searched.wait(30)
                 on_progress(step)
