@@ -27,6 +27,7 @@ from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
 from .generate.embedder import Embedder, rows
 from .generate.pooling import check_pooling, prefill_pooling
 from .generate.prefill import new_cache, prefill, windows
+from .generate.quality import CheckedText
 from .generate.summarizer import Progress, Run, Summarizer, SummaryPrompts
 from .loading.load import LoadedModel, load_model
 from .moe.dispatch import DispatchStats
@@ -129,6 +130,7 @@ class RunStats:
     generated_tokens: int  # tokens the model wrote for summaries and combines, thinking it was not asked for included
     seconds: dict[str, float]  # wall seconds: "prefill", "summary", "reduce", and "total" for the whole call
     dispatch: DispatchStats  # the MoE layer calls of this run's prefill (decode steps are not counted)
+    quality: tuple[CheckedText, ...]  # each section summary and combine, in the order written: how it passed the check
 
 
 @dataclass
@@ -232,7 +234,7 @@ class Engine:
         run.seconds["total"] = time.perf_counter() - run.started
         stats = RunStats(tokens=len(doc), chunks=len(sizes), chunk_tokens=self.chunk_tokens,
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
-                         seconds=run.seconds, dispatch=self._dispatch)
+                         seconds=run.seconds, dispatch=self._dispatch, quality=tuple(run.quality))
         return DocumentResult(summary=summary, embeddings=rows(vectors, sizes),
                               spans=self.embedder.spans(encoded, sizes), stats=stats)
 

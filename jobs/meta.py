@@ -17,6 +17,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from npumoe.engine.generate.quality import EXTRACTIVE, FAULTS, FIRST, RETRY, CheckedText
 from npumoe.engine.vocabulary import MEAN
 
 from .outputs import META_FILE
@@ -66,6 +67,32 @@ class Residency:
     fallback: str | None  # why the backend's graphs ran through torch instead of its device; None when they did not
 
 
+@dataclass(frozen=True)
+class SummaryCheck:
+    """How the texts the model wrote (section summaries, combines) passed the quality check before summary.md."""
+
+    texts: int
+    first: int  # kept as the model first wrote them
+    retried: int  # failed, then kept when asked again another way
+    extractive: int  # failed twice: the source's own most central sentences instead
+    faults: dict[str, int]  # each failed answer under its fault (quality.FAULTS), every kind named
+    why: str | None  # each text that failed, its faults in order: "section 2: echo (…); loop (…)"; None: none failed
+
+    @classmethod
+    def of(cls, checked: tuple[CheckedText, ...]) -> SummaryCheck:
+        paths = [c.path for c in checked]
+        faults = dict.fromkeys(FAULTS, 0)
+        for c in checked:
+            for f in c.faults:
+                faults[f.kind] += 1
+        numbered = [(f"{c.kind} {n}", c) for kind in dict.fromkeys(c.kind for c in checked)
+                    for n, c in enumerate((c for c in checked if c.kind == kind), 1)]
+        failed = [f"{name}: " + "; ".join(f"{f.kind} ({f.detail})" for f in c.faults) + f" -> {c.path}"
+                  for name, c in numbered if c.faults]
+        return cls(texts=len(checked), first=paths.count(FIRST), retried=paths.count(RETRY),
+                   extractive=paths.count(EXTRACTIVE), faults=faults, why=" | ".join(failed) or None)
+
+
 @dataclass(frozen=True, kw_only=True)
 class DocumentMeta:
     schema_version: int = SCHEMA_VERSION
@@ -87,6 +114,7 @@ class DocumentMeta:
     sections: int
     reduce_rounds: int
     generated_tokens: int  # summary and combine tokens the model wrote, thinking removed from summary.md included
+    summary_check: SummaryCheck
     embeddings: Embeddings
     seconds: Seconds
     # The daemon's process (all threads) and its reaped children, e.g. the extractor, over `seconds.total`.

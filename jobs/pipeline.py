@@ -37,7 +37,7 @@ from .errors import ExtractionError, Failure, FileRefused, Lost, ModelUnavailabl
 from .extract.isolated import ExtractedText, ExtractLimits, extract_text
 from .faults import READ_FAULTS, MachineFault, blamed_on, machine_fault
 from .files import CHANGED, KEEP, ORIGINALS, Folders, Version, identify, set_aside, settle_original, snapshot
-from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, read_meta
+from .meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, SummaryCheck, read_meta
 from .outputs import (
     EMBEDDINGS_FILE,
     META_FILE,
@@ -438,6 +438,7 @@ class Pipeline:
             sections=stats.sections,
             reduce_rounds=stats.reduce_rounds,
             generated_tokens=stats.generated_tokens,
+            summary_check=SummaryCheck.of(stats.quality),
             embeddings=Embeddings(dim=int(result.embeddings.shape[1]), pooling=engine.settings.pooling),
             seconds=Seconds(extract=round(extract_s, 4), prefill=engine_s["prefill"], summary=engine_s["summary"],
                             reduce=engine_s["reduce"], engine=engine_s["total"], total=round(meter.wall_seconds, 4)),

@@ -11,6 +11,7 @@ context, round after round until one is left: a long document is never silently 
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,17 +24,19 @@ from ..loading.load import LoadedModel
 from ..vocabulary import PHASES, PREFILL, REDUCE, SUMMARY
 from .embedder import Embedder
 from .prefill import new_cache, prefill, windows
-from .sentences import finished_sentences, from_first_sentence
+from .quality import COMBINED, EXTRACTIVE, FIRST, RETRY, SECTION, CheckedText, Fault, extractive, fault
+from .sentences import finished_sentences
 from .summary import (
     COMBINE,
-    OUTLINE_WORDS,
+    COMBINE_AGAIN,
+    NO_REPEAT,
+    NO_REPEAT_AGAIN,
     SUMMARIZE,
+    SUMMARIZE_AGAIN,
     PromptFrame,
     answer_tokens,
     decode_from_cache,
-    echoes,
     joined_lines,
-    opening,
     outline,
     stop_ids,
     text_tokens,
@@ -43,6 +46,7 @@ from .summary import (
 # What goes before the i-th summary in a combine's input: labelled with its place, a small model combines the
 # parts instead of quoting one.
 LABEL = "Part {}: "
+_LABELS = re.compile(re.escape(LABEL).replace(r"\{\}", r"\d+"))
 SEPARATOR = "\n\n"  # between two labelled summaries
 
 
@@ -66,6 +70,7 @@ class Run:
     generated_tokens: int = 0
     started: float = field(default_factory=time.perf_counter)
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    quality: list[CheckedText] = field(default_factory=list)  # each text the model wrote, as it passed the check
 
     def report(self, phase: str, done: int, total: int) -> None:
         if self.on_progress is not None:
@@ -80,6 +85,8 @@ class SummaryPrompts:
 
     summarize: PromptFrame
     combine: PromptFrame
+    summarize_again: PromptFrame  # asked when the first answer fails the check; the same prefix as the first
+    combine_again: PromptFrame
     stop: list[int]  # the tokens that end an answer
     section_tokens: int  # the longest section summarised on its own
     combine_tokens: int  # the longest input of one combine
@@ -92,16 +99,18 @@ class SummaryPrompts:
         if not stop:
             raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
         summarize, combine = PromptFrame.build(tokenizer, SUMMARIZE), PromptFrame.build(tokenizer, COMBINE)
+        summarize_again, combine_again = (PromptFrame.build(tokenizer, SUMMARIZE_AGAIN),
+                                          PromptFrame.build(tokenizer, COMBINE_AGAIN))
         spacing = len(text_tokens(tokenizer, SEPARATOR)) + len(text_tokens(tokenizer, LABEL.format(999)))
         context, n = loaded.context_tokens, summary_tokens
-        fits = context - summarize.overhead - n
+        fits = context - max(summarize.overhead, summarize_again.overhead) - n
         sections = min(fits, section_tokens) if section_tokens else fits
-        combined = context - combine.overhead - n
+        combined = context - max(combine.overhead, combine_again.overhead) - n
         # Each reduce round must at least halve the summaries, or a long document would never finish.
         if combined < 2 * (n + spacing) or sections < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
                              f"(at most {(context - combine.overhead - 2 * spacing) // 3})")
-        return cls(summarize, combine, stop, sections, combined)
+        return cls(summarize, combine, summarize_again, combine_again, stop, sections, combined)
 
 
 class Summarizer:
@@ -133,7 +142,7 @@ class Summarizer:
         summaries: list[list[int]] = []
         for section in sections:
             tick = time.perf_counter()
-            cache = self._cache_for(self.prompts.summarize, section)
+            cache = self._cache_for(SECTION, section)
             for chunk in self.embedder.chunks(section, cache, pooling):
                 chunks_done += 1
                 if chunk is not None:
@@ -144,7 +153,7 @@ class Summarizer:
                 run.report(PREFILL, chunks_done, chunks_total)
             run.seconds[PREFILL] += time.perf_counter() - tick
             tick = time.perf_counter()
-            summaries.append(self._section_summary(section, cache, run))
+            summaries.append(self._checked(SECTION, section, cache, run))
             run.seconds[SUMMARY] += time.perf_counter() - tick
             run.report(SUMMARY, len(summaries), len(sections))
         stacked = torch.stack(vectors)
@@ -165,9 +174,9 @@ class Summarizer:
             parts = windows(joined, self.prompts.combine_tokens)
             summaries = []
             for part in parts:
-                cache = self._cache_for(self.prompts.combine, part)
+                cache = self._cache_for(COMBINED, part)
                 self._prefill([*self.prompts.combine.prefix, *part], cache)
-                summaries.append(self._decode(self.prompts.combine, part, cache, run))
+                summaries.append(self._checked(COMBINED, part, cache, run))
                 run.report(REDUCE, len(summaries), len(parts))
         run.seconds[REDUCE] = time.perf_counter() - tick
         said = finished_sentences(self._written(summaries[0]))
@@ -175,25 +184,57 @@ class Summarizer:
             said += "\n\n" + outline([self._written(part) for part in combined])
         return said, rounds
 
-    def _section_summary(self, section: Sequence[int], cache: Any, run: Run) -> list[int]:
-        """The section's summary decoded from `cache`; an answer that only says the instruction back gives way to the
-        section's own opening sentences, which say more of what it is about to a reader and to the combine."""
-        said = self._decode(self.prompts.summarize, section, cache, run)
-        if not echoes(self.loaded.tokenizer.decode(said, skip_special_tokens=True), SUMMARIZE):
-            return said
-        text = from_first_sentence(self._written(section))  # a section may start mid-sentence
-        return text_tokens(self.loaded.tokenizer, opening(text, OUTLINE_WORDS))
+    def _checked(self, kind: str, text: Sequence[int], cache: Any, run: Run) -> list[int]:
+        """The answer decoded from `cache` (prefilled with the prompt's prefix and `text`) when it passes the quality
+        check; else, once, the answer to the other instruction with a stricter no-repeat, decoded from the same
+        cache rewound; else `text`'s own most central sentences. Each path taken is recorded in `run`."""
+        first, again = self._frames(kind)
+        source = _LABELS.sub("", self._written(text))  # a combine's parts without their labels
+        asked = f"{first.instruction} {again.instruction}"  # an echo of either is an echo
+        faults: list[Fault] = []
+        for path, frame, no_repeat in ((FIRST, first, NO_REPEAT), (RETRY, again, NO_REPEAT_AGAIN)):
+            if faults:
+                cache = self._rewound(cache, kind, text)
+            said = self._decode(frame, text, cache, run, no_repeat)
+            found = fault(finished_sentences(self._written(said)), source, asked)
+            if found is None:
+                run.quality.append(CheckedText(kind, path, tuple(faults)))
+                return said
+            faults.append(found)
+        run.quality.append(CheckedText(kind, EXTRACTIVE, tuple(faults)))
+        budget = answer_tokens(len(text), self.summary_tokens)
+        tokenizer = self.loaded.tokenizer
+        return text_tokens(tokenizer, extractive(source, lambda s: len(text_tokens(tokenizer, s)) <= budget))
 
-    def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any, run: Run) -> list[int]:
+    def _rewound(self, cache: Any, kind: str, text: Sequence[int]) -> Any:
+        """`cache` holding the prompt's prefix and `text` again, without the answer decoded after them: cut back
+        where every layer's cache can be, else a new one prefilled again (linear attention keeps no history)."""
+        prefix = self._frames(kind)[0].prefix
+        if cache.is_croppable:
+            cache.crop(len(prefix) + len(text) - cache.get_seq_length())
+            return cache
+        fresh = self._cache_for(kind, text)
+        self._prefill([*prefix, *text], fresh)
+        return fresh
+
+    def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any, run: Run,
+                no_repeat: int = NO_REPEAT) -> list[int]:
         with self.runtime.decoding():
             said = decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
-                                     answer_tokens(len(text), self.summary_tokens), self.prompts.stop)
+                                     answer_tokens(len(text), self.summary_tokens), self.prompts.stop, no_repeat)
         run.generated_tokens += len(said)
         return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
 
-    def _cache_for(self, frame: PromptFrame, text: Sequence[int]) -> Any:
-        """A cache made once for the prompt around `text` and its answer, written in place as they run."""
-        return new_cache(self.loaded.model, capacity=frame.overhead + len(text) + self.summary_tokens)
+    def _frames(self, kind: str) -> tuple[PromptFrame, PromptFrame]:
+        """The prompt asked first for a text of `kind`, and the one asked when its answer fails the check."""
+        if kind == SECTION:
+            return self.prompts.summarize, self.prompts.summarize_again
+        return self.prompts.combine, self.prompts.combine_again
+
+    def _cache_for(self, kind: str, text: Sequence[int]) -> Any:
+        """A cache made once for either prompt around `text` and its answer, written in place as they run."""
+        overhead = max(frame.overhead for frame in self._frames(kind))
+        return new_cache(self.loaded.model, capacity=overhead + len(text) + self.summary_tokens)
 
     def _prefill(self, ids: Sequence[int], cache: Any) -> None:
         """Prefill without looking at the output (a combine's prompt and parts)."""

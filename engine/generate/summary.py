@@ -24,10 +24,15 @@ SUMMARIZE = "Summarize the text above in a few sentences of plain English."
 # (the night-shift log's own subject in one part); asked what the document is about, it takes from several parts.
 COMBINE = ("Each part above is the summary of one part of a long document, in order. In a few sentences, say what "
            "the whole document is about.")
+# Asked instead when the first answer fails the quality check (quality.py): other words, so the model is not led
+# back into the answer it gave, and a stricter no-repeat.
+SUMMARIZE_AGAIN = "In three sentences, say what the text above is about."
+COMBINE_AGAIN = "The parts above summarize one long document. In three sentences, say what it is about."
 
 # Greedy decoding falls into loops; a summary never needs to say the same NO_REPEAT words twice. Only the answer's
 # own n-grams count: transformers' no_repeat_ngram_size also counts the prompt's, which would forbid quoting it.
 NO_REPEAT = 4
+NO_REPEAT_AGAIN = 3  # on the second try
 
 # A summary at most a third as long as its text (one as long is a copy, which is what a small model writes for a
 # short text), and never shorter than a few sentences' worth.
@@ -39,7 +44,6 @@ SHARE, FEWEST = 3, 48
 OUTLINE_WORDS = (8, 40)
 OUTLINE_HEADING = "By part:"
 
-_STEM, _ECHO = 5, 0.8  # letters a word is known by; the share of an answer's words that makes it an echo
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
 # Chat-template switches that ask for an answer without reasoning first (Qwen3, GLM-4.5), or with the least of it
@@ -59,6 +63,7 @@ class PromptFrame:
 
     prefix: list[int]
     suffix: list[int]
+    instruction: str
 
     @classmethod
     def build(cls, tokenizer: PreTrainedTokenizerBase, instruction: str) -> PromptFrame:
@@ -72,7 +77,7 @@ class PromptFrame:
             before, after = _render(tokenizer, instruction, **switches).split(_MARK)
         else:
             before, after = "", f"\n\n{instruction}\n\nSummary:\n"
-        return cls(prefix=text_tokens(tokenizer, before), suffix=text_tokens(tokenizer, after))
+        return cls(prefix=text_tokens(tokenizer, before), suffix=text_tokens(tokenizer, after), instruction=instruction)
 
     @property
     def overhead(self) -> int:
@@ -81,12 +86,13 @@ class PromptFrame:
 
 @torch.inference_mode()
 def decode_from_cache(model: PreTrainedModel, prompt: Sequence[int], cache: DynamicCache, max_new_tokens: int,
-                      stop_ids: Sequence[int]) -> list[int]:
-    """Greedy continuation of `prompt`, whose first tokens `cache` already holds; without the stop token."""
+                      stop_ids: Sequence[int], no_repeat: int = NO_REPEAT) -> list[int]:
+    """Greedy continuation of `prompt`, whose first tokens `cache` already holds, never repeating `no_repeat` tokens
+    of its own; without the stop token."""
     ids = torch.tensor([list(prompt)], dtype=torch.long, device=model.device)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=list(stop_ids),
                               pad_token_id=stop_ids[0])
-    no_repeat = LogitsProcessorList([NoRepeatInAnswer(ids.shape[1], NO_REPEAT)])
+    no_repeat = LogitsProcessorList([NoRepeatInAnswer(ids.shape[1], no_repeat)])
     out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), cache=cache,
                          generation_config=config, logits_processor=no_repeat)
     new = out[0, ids.shape[1]:].tolist()
@@ -128,15 +134,6 @@ def opening(text: str, words: tuple[int, int]) -> str:
         if len(said) >= least:
             break
     return " ".join(said[:most]) + (" …" if len(said) > most else "")
-
-
-def echoes(answer: str, instruction: str) -> bool:
-    """Whether `answer` only says the instruction back ("A summary of the text above in plain English."): nearly all
-    its words are the instruction's (by their first letters, so "summary" is "Summarize"). A 135M model does this for
-    a section now and then; an answer that says anything of the text has words of its own."""
-    words = [w[:_STEM] for w in re.findall(r"[a-z]{3,}", answer.lower())]
-    said = {w[:_STEM] for w in re.findall(r"[a-z]{3,}", instruction.lower())}
-    return bool(words) and sum(w in said for w in words) >= _ECHO * len(words)
 
 
 def outline(parts: Sequence[str], words: tuple[int, int] = OUTLINE_WORDS) -> str:
