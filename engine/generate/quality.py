@@ -31,7 +31,7 @@ FEWEST_WORDS = 3  # in a line: fewer is a fragment ("A", "A good summary"), not 
 LOOP_RUN = 5  # words: the same five words twice in one answer is a loop
 SUPPORTED = 0.5  # of a sentence's content words that its source holds, at least
 CLAIM_WORDS = 3  # content words a sentence needs before it counts as a claim to check
-LANGUAGE_WORDS = 8  # function words a text needs before its language is judged
+LANGUAGE_WORDS = 5  # function words a text needs before its language is judged
 
 _WORD = re.compile(r"\w+")
 _LETTERS = re.compile(r"[^\W\d_]{3,}")
@@ -43,7 +43,7 @@ where which what who whom how why all any one two three other same just text doc
 _FUNCTION_WORDS: dict[str, frozenset[str]] = {  # the commonest words of each language
     name: frozenset(words.split()) for name, words in {
         "en": "the and of to is in that it was for on are with as be this by not from at or have an which",
-        "fr": "le la les et des est une que qui dans pour pas sur au aux du ce il elle sont avec ne se",
+        "fr": "le la les et de des est un une que qui dans pour pas sur au aux du ce il elle sont avec ne se",
         "de": "der die das und ist nicht ein eine zu den mit sich auf dem des auch es für von sie im",
         "es": "el la los las y es que en un una por con para del se al no su lo como más",
         "it": "il la che di e è un una per non sono con del della le gli si al nel anche",

@@ -196,7 +196,7 @@ class Summarizer:
             if faults:
                 cache = self._rewound(cache, kind, text)
             said = self._decode(frame, text, cache, run, no_repeat)
-            found = fault(finished_sentences(self._written(said)), source, asked)
+            found = fault(self._written(said), source, asked)
             if found is None:
                 run.quality.append(CheckedText(kind, path, tuple(faults)))
                 return said

@@ -13,23 +13,41 @@ import torch
 
 from npumoe.engine import Engine, load_model
 from npumoe.engine.generate import summarizer as summarizer_module
+from npumoe.engine.generate.quality import (
+    COMBINED,
+    ECHO,
+    EXTRACTIVE,
+    FIRST,
+    LANGUAGE,
+    LOOP,
+    RETRY,
+    SECTION,
+    SHORT_LINE,
+    UNSUPPORTED,
+)
 from npumoe.engine.generate.section_cache import PreallocatedLayer
 from npumoe.engine.generate.sentences import finished_sentences
 from npumoe.engine.generate.summarizer import SummaryPrompts
 from npumoe.engine.generate.summary import (
+    COMBINE,
+    COMBINE_AGAIN,
     NO_REPEAT,
+    NO_REPEAT_AGAIN,
     OUTLINE_HEADING,
     OUTLINE_WORDS,
     SUMMARIZE,
+    SUMMARIZE_AGAIN,
     NoRepeatInAnswer,
     PromptFrame,
     joined_lines,
     opening,
     stop_ids,
+    text_tokens,
 )
+from npumoe.jobs.meta import SummaryCheck
 
 
-def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine, reference, orchard):
+def test_the_summary_is_what_greedy_generation_on_the_whole_prompt_gives(engine, reference, orchard, unchecked):
     text = orchard[:700]
     result = engine.process(text)
     assert result.summary == greedy_summary(reference, text, engine.settings.summary_tokens)
@@ -51,7 +69,8 @@ def greedy_summary(loaded, text: str, summary_tokens: int) -> str:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "lfm2_moe", "gpt_oss"])
-def test_models_whose_cache_is_more_than_attention_prefill_in_chunks_into_their_own_cache(engine, tiny, orchard, arch):
+def test_models_whose_cache_is_more_than_attention_prefill_in_chunks_into_their_own_cache(engine, tiny, orchard, arch,
+                                                                                         unchecked):
     """Linear attention (Qwen3-Next), Mamba (Nemotron-H), short convolutions (LFM2) and sliding windows (gpt-oss)
     keep state the chunks must carry: the summary decoded from the chunk-prefilled cache is what greedy
     generation on the whole prompt gives."""
@@ -92,7 +111,7 @@ def test_every_section_and_combine_decodes_into_a_cache_made_once_at_its_size(en
 
 
 def test_a_combined_summary_ends_with_each_combined_parts_opening_one_line_each(engine, harbour, orchard,
-                                                                                monkeypatch):
+                                                                                monkeypatch, unchecked):
     answers: list[list[int]] = []
     prompts: list[list[int]] = []
     decode = summarizer_module.decode_from_cache
@@ -113,15 +132,86 @@ def test_a_combined_summary_ends_with_each_combined_parts_opening_one_line_each(
     assert -1 not in labelled and labelled == sorted(labelled)
 
 
-def test_a_section_summary_that_echoes_the_instruction_gives_way_to_the_sections_opening(engine, harbour,
-                                                                                         monkeypatch):
-    tokenizer = engine.loaded.tokenizer
-    echo = tokenizer("A summary of the text above in plain English.", add_special_tokens=False)["input_ids"]
-    calls = []
-    monkeypatch.setattr(summarizer_module, "decode_from_cache", lambda *a: calls.append(1) or list(echo))
+# Answers with each fault the check looks for, about the harbour text's opening (harbour[:300]), and one without.
+FAULTY = {
+    ECHO: "A summary of the text above in plain English.",
+    SHORT_LINE: "The boats leave the quay before the sun.\n\nA\n\nA",
+    LOOP: "The boats leave the stone quay. The boats leave the stone quay.",
+    LANGUAGE: "La ville du port se réveille avant le soleil et les bateaux de pêche quittent le quai de pierre.",
+    UNSUPPORTED: "A magician shuffled a stack of cards on the table and pulled out the ace of spades.",
+}
+FAITHFUL = "The harbour town wakes before the sun, and the fishing boats leave the stone quay for the horizon."
+
+
+class Scripted:
+    """Stands in for decoding: answers in turn from `answers`, and notes each prompt and no-repeat it was given."""
+
+    def __init__(self, tokenizer, answers: list[str]) -> None:
+        self.tokenizer, self.answers = tokenizer, list(answers)
+        self.asked: list[tuple[str, int]] = []  # (the prompt as text, no_repeat)
+
+    def __call__(self, model, prompt, cache, max_new_tokens, stop, no_repeat) -> list[int]:
+        self.asked.append((self.tokenizer.decode(prompt), no_repeat))
+        return text_tokens(self.tokenizer, self.answers.pop(0))
+
+
+@pytest.fixture
+def extracted(monkeypatch) -> list[str]:
+    """Each extractive summary the summarizer made, in order."""
+    made: list[str] = []
+    extract = summarizer_module.extractive
+    monkeypatch.setattr(summarizer_module, "extractive", lambda *a: made.append(extract(*a)) or made[-1])
+    return made
+
+
+@pytest.mark.parametrize("kind", list(FAULTY))
+def test_an_answer_that_fails_the_check_is_asked_again_another_way_and_the_retry_recorded(
+        engine, harbour, monkeypatch, extracted, kind):
+    decode = Scripted(engine.loaded.tokenizer, [FAULTY[kind], FAITHFUL])
+    monkeypatch.setattr(summarizer_module, "decode_from_cache", decode)
     result = engine.process(harbour[:300])
-    assert calls == [1] and result.stats.sections == 1
-    assert result.summary == opening(joined_lines(harbour[:300]), OUTLINE_WORDS) != ""
+    (first, first_no_repeat), (again, again_no_repeat) = decode.asked
+    assert SUMMARIZE in first and first_no_repeat == NO_REPEAT
+    assert SUMMARIZE_AGAIN in again and SUMMARIZE not in again and again_no_repeat == NO_REPEAT_AGAIN
+    assert first.rpartition(SUMMARIZE)[0] == again.rpartition(SUMMARIZE_AGAIN)[0]  # the same text, then the other
+    assert extracted == [] and result.summary == FAITHFUL
+    (checked,) = result.stats.quality
+    assert (checked.kind, checked.path, [f.kind for f in checked.faults]) == (SECTION, RETRY, [kind])
+    meta = SummaryCheck.of(result.stats.quality)
+    assert (meta.texts, meta.first, meta.retried, meta.extractive) == (1, 0, 1, 0)
+    assert meta.faults == {**dict.fromkeys(FAULTY, 0), kind: 1}
+    assert meta.why.startswith(f"section 1: {kind} (") and meta.why.endswith("-> retry")
+
+
+@pytest.mark.parametrize("kind", list(FAULTY))
+def test_an_answer_that_fails_twice_gives_way_to_the_sources_most_central_sentences(engine, harbour, monkeypatch,
+                                                                                   extracted, kind):
+    decode = Scripted(engine.loaded.tokenizer, [FAULTY[kind], FAULTY[kind]])
+    monkeypatch.setattr(summarizer_module, "decode_from_cache", decode)
+    result = engine.process(harbour[:300])
+    assert len(decode.asked) == 2  # retried once, not more
+    assert len(extracted) == 1 and result.summary == extracted[0]
+    assert harbour.startswith(extracted[0].removesuffix(" …").rstrip())  # the text's own words
+    (checked,) = result.stats.quality
+    assert (checked.path, [f.kind for f in checked.faults]) == (EXTRACTIVE, [kind, kind])
+    meta = SummaryCheck.of(result.stats.quality)
+    assert (meta.retried, meta.extractive, meta.faults[kind]) == (0, 1, 2)
+    assert meta.why.endswith("-> extractive")
+
+
+def test_the_combine_is_checked_as_each_section_summary_is(engine, harbour, monkeypatch, extracted):
+    text = "\n\n".join([harbour[:300]] * (2 * engine.section_tokens // 300 + 2))  # each section tells of the same
+    sections = math.ceil(len(engine.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]) /
+                         engine.section_tokens)
+    echo = "A summary of one part of a long document is a clear and concise description."  # the demo model's, once
+    decode = Scripted(engine.loaded.tokenizer, [FAITHFUL] * sections + [echo, FAITHFUL])
+    monkeypatch.setattr(summarizer_module, "decode_from_cache", decode)
+    result = engine.process(text)
+    assert COMBINE in decode.asked[-2][0] and COMBINE_AGAIN in decode.asked[-1][0]
+    assert [(c.kind, c.path) for c in result.stats.quality] == [(SECTION, FIRST)] * sections + [(COMBINED, RETRY)]
+    assert result.summary.startswith(FAITHFUL) and extracted == []
+    why = SummaryCheck.of(result.stats.quality).why
+    assert why == "combine 1: echo (quotes the instruction: 'one part long document') -> retry"
 
 
 def test_section_tokens_caps_each_section_and_each_is_prefilled_on_its_own(engine, harbour, summary_prefix):

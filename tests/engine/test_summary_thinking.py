@@ -108,7 +108,7 @@ def test_an_answer_without_thinking_keeps_its_tokens() -> None:
 
 
 def test_the_engine_asks_without_thinking_and_keeps_reasoning_out_of_the_summary(
-        tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, harbour: str) -> None:
+        tiny, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, harbour: str, unchecked: None) -> None:
     folder = shutil.copytree(tiny("qwen3_moe"), tmp_path / "model")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.chat_template = QWEN3_LIKE
@@ -118,8 +118,8 @@ def test_the_engine_asks_without_thinking_and_keeps_reasoning_out_of_the_summary
     answers: list[list[int]] = []
     reasoning = tokenizer("<think>\nThe harbour text, in brief.\n</think>\n\n", add_special_tokens=False)["input_ids"]
 
-    def reasoning_first(model, prompt, cache, max_new_tokens, stop) -> list[int]:  # a model that thinks anyway
-        answer = decode_from_cache(model, prompt, cache, max_new_tokens, stop)
+    def reasoning_first(model, prompt, cache, max_new_tokens, stop, no_repeat) -> list[int]:  # thinks anyway
+        answer = decode_from_cache(model, prompt, cache, max_new_tokens, stop, no_repeat)
         prompts.append(list(prompt))
         answers.append(answer)
         return [*reasoning, *answer]

@@ -65,7 +65,7 @@ class StandInEngine:
         stats = RunStats(tokens=10 * self.chunks, chunks=self.chunks, chunk_tokens=10, sections=1, reduce_rounds=0,
                          generated_tokens=3,
                          seconds={"prefill": 0.1, "summary": 0.2, "reduce": 0.0, "total": 0.3},
-                         dispatch=DispatchStats())
+                         dispatch=DispatchStats(), quality=())
         rows = np.arange((self.chunks + 1) * 4, dtype=np.float32).reshape(self.chunks + 1, 4)
         cuts = np.linspace(0, len(text), self.chunks + 1).astype(np.int64)
         spans = np.stack([cuts[:-1], cuts[1:]], axis=1)  # the text in equal parts, one per chunk
