@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds
+from npumoe.jobs.meta import DocumentMeta, Embeddings, Extraction, Residency, Seconds, SummaryCheck
 
 
 def document_meta(**fields: Any) -> DocumentMeta:
@@ -14,7 +14,7 @@ def document_meta(**fields: Any) -> DocumentMeta:
         source="/in/document.txt", sha256="0" * 64, job_id=1, model="m", model_key="m@main", plan=None,
         backend="cpu", overflow="spill", weights="fp32", dtype="float32", chunk_tokens=512,
         extraction=Extraction("text", None, 100), tokens=30, chunks=1, sections=1, reduce_rounds=0,
-        generated_tokens=4, embeddings=Embeddings(dim=8),
+        generated_tokens=4, summary_check=SummaryCheck.of(()), embeddings=Embeddings(dim=8),
         residency=Residency(accelerator_groups=0, cpu_groups=0, measured_on=None, fallback=None),
         seconds=Seconds(extract=0.1, prefill=0.2, summary=0.3, reduce=0.0, engine=0.5, total=0.7),
         cpu_seconds=0.9, energy_joules=None, energy_source="unavailable", dispatch={}, npumoed_version="0",

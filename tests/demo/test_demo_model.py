@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -16,10 +18,15 @@ from demo_run import DOCUMENT_RECALL_BAR, LONG, PASSAGE_RECALL_BAR, PROCESSED_VA
 
 from npumoe.bench.service.questions import QUESTIONS
 from npumoe.bench.service.retrieval import measure, sample_texts
-from npumoe.engine.generate.summary import OUTLINE_HEADING
+from npumoe.engine.generate.quality import FAULTS, language
+from npumoe.engine.generate.summary import COMBINE, COMBINE_AGAIN, OUTLINE_HEADING, SUMMARIZE, SUMMARIZE_AGAIN
 from npumoe.engine.synthetic.upcycle import DTYPE
 from npumoe.engine.vocabulary import MEAN
+from npumoe.jobs.meta import SummaryCheck
 from npumoe.jobs.search.index import WEIGHTS
+
+if TYPE_CHECKING:
+    from npumoe.engine import DocumentResult
 
 # The first test to ask for the shared demo run waits for it: minutes on a busy 2-core machine.
 pytestmark = pytest.mark.timeout(600)
@@ -33,6 +40,12 @@ into over under about after before between through during while also only more m
 same other just text document summary""".split())  # noqa: SIM905 (a word list reads better as text)
 RESIDUE = ("<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|", "assistant\n", "Summary:", "**", "##")
 LOOP = 5  # words: a summary that says the same five words twice is looping
+INSTRUCTIONS = (SUMMARIZE, COMBINE, SUMMARIZE_AGAIN, COMBINE_AGAIN)
+ECHO_RUN = 4  # words in a row of an instruction: the summary is saying its prompt back
+# Documents made to lead a small model astray: in French, of lines too short to be sentences, and a log whose lines
+# differ only by the time. Their summaries are read as the samples' are.
+MADE = ("note-fr.txt", "checklist.md", "status-log.txt")
+TEXTS = Path(__file__).resolve().parents[1] / "texts"
 
 
 def written(summary: str) -> tuple[str, list[str]]:
@@ -80,6 +93,33 @@ def assert_no_loop_or_template_residue(name: str, summary: str) -> None:
     assert not any(mark in summary for mark in RESIDUE), (name, summary)
 
 
+def assert_opens_as_a_summary(name: str, summary: str) -> None:
+    """What a person reads first: no instruction said back, no line of fewer than three words (the heading before
+    the part lines aside), no sentence said twice."""
+    overview, lines = written(summary)
+    words = WORD.findall(overview.lower())
+    for instruction in INSTRUCTIONS:
+        asked = WORD.findall(instruction.lower())
+        runs = {tuple(asked[i:i + ECHO_RUN]) for i in range(len(asked) - ECHO_RUN + 1)}
+        assert not any(tuple(words[i:i + ECHO_RUN]) in runs for i in range(len(words))), (name, instruction, summary)
+    for line in [*overview.splitlines(), *lines]:
+        assert not line.strip() or len(WORD.findall(line.lower())) >= 3, (name, line, summary)
+    sentences = [s.strip().lower() for s in re.split(r"(?<=[.!?])\s+", summary) if len(WORD.findall(s)) >= 3]
+    assert len(sentences) == len(set(sentences)), (name, summary)
+
+
+def report_checks(results: dict[str, DocumentResult]) -> None:
+    """The quality check's paths and faults on each document, printed (`pytest -rP` shows them): the measurement."""
+    for name, result in results.items():
+        check = SummaryCheck.of(result.stats.quality)
+        faults = ", ".join(f"{kind} {check.faults[kind]}" for kind in FAULTS if check.faults[kind])
+        print(f"{name}: {check.texts} texts, first {check.first}, retried {check.retried}, "
+              f"extractive {check.extractive}; faults: {faults or 'none'}")
+        print(f"  opens: {result.summary.splitlines()[0][:200]!r}")
+        if check.why:
+            print(f"  why: {check.why[:600]}")
+
+
 def assert_within_the_token_budget(demo_run, name: str, summary: str) -> None:
     assert len(demo_run.engine.loaded.tokenizer(summary)["input_ids"]) <= SUMMARY_TOKENS, name
 
@@ -97,6 +137,24 @@ def test_no_summary_loops_or_carries_template_residue(demo_run) -> None:
             assert_no_loop_or_template_residue(name, said)
 
 
+def test_no_summary_opens_with_the_instruction_a_fragment_or_a_repeated_sentence(demo_run) -> None:
+    report_checks(demo_run.results)
+    for name, result in demo_run.results.items():
+        assert len(result.stats.quality) == result.stats.sections + (1 if result.stats.reduce_rounds else 0)
+        assert_opens_as_a_summary(name, result.summary)
+
+
+@pytest.mark.slow  # three more documents through the demo model
+def test_documents_made_to_lead_the_model_astray_still_get_a_summary_a_person_can_read(demo_run) -> None:
+    texts = {name: (TEXTS / name).read_text(encoding="utf-8") for name in MADE}
+    results = {name: demo_run.engine.process(text) for name, text in texts.items()}
+    report_checks(results)
+    for name, result in results.items():
+        assert_opens_as_a_summary(name, result.summary)
+        assert_no_loop_or_template_residue(name, result.summary)
+    assert language(written(results["note-fr.txt"].summary)[0]) in {"fr", None}  # never English for a French text
+
+
 def test_each_summary_keeps_to_the_token_budget(demo_run) -> None:
     for name, result in demo_run.results.items():
         assert_within_the_token_budget(demo_run, name, written(result.summary)[0])
@@ -112,6 +170,8 @@ def test_the_long_samples_summary_is_combined_from_its_sections_and_names_their_
     assert_made_of_its_documents_words(LONG, text, result.summary)
     for said in [overview, *lines]:
         assert_no_loop_or_template_residue(LONG, said)
+    report_checks({LONG: result})
+    assert_opens_as_a_summary(LONG, result.summary)
     assert_within_the_token_budget(demo_run, LONG, overview)
     assert result.stats.dispatch.assignments > 0  # prefilled through the engine's routed experts
     ids = engine.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
