@@ -5,8 +5,10 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import os
+import shutil
 import sqlite3
 import sys
+import textwrap
 import time
 from functools import partial
 from pathlib import Path
@@ -26,7 +28,7 @@ from ..energy.power import system_power_source
 from ..energy.priority import available_cores, worker_threads
 from ..home import Home, inbox_folders, outbox_folder
 from ..intake import enqueue_paths
-from ..model_choice import DEMO, ModelNotFound, demo_model_dir, resolve_model
+from ..model_choice import DEMO, DEMO_WEIGHTS, ModelNotFound, resolve_model
 from ..scheduler import paused_since
 from ..service import (
     Service,
@@ -147,14 +149,15 @@ def batch(app: App, paths: tuple[Path, ...], window: str | None, as_json: bool) 
 # -- doctor -----------------------------------------------------------------------------------------
 
 @click.command()
-@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON, each with its short line and details.")
+@click.option("--verbose", "-v", is_flag=True, help="Print each check's details under its line.")
 @click.option("--rebuild-queue", is_flag=True,
               help="Rebuild the list of finished documents from the outbox's meta.json files (after the queue "
                    "database was damaged); a database that cannot be used is moved aside first.")
 @pass_app
-def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
+def doctor(app: App, as_json: bool, verbose: bool, rebuild_queue: bool) -> None:
     """Check what the daemon depends on: service, queue database, inboxes, power state, CPU budget, energy,
-    backends.
+    backends. One line per check; --verbose adds the details.
 
     Exits 1 when a check fails.
     """
@@ -170,14 +173,30 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
     else:
         marks = {"ok": click.style("ok  ", fg="green"), "warn": click.style("warn", fg="yellow"),
                  "fail": click.style("FAIL", fg="red")}
+        width = shutil.get_terminal_size((DOCTOR_COLUMNS, 0)).columns
         for check in checks:
-            click.echo(f"{marks[check['status']]}  {check['check']}: {check['detail']}")
+            line = _fitted(f"{check['check']}: {check['summary']}", width - len("warn  "))
+            click.echo(f"{marks[check['status']]}  {line}")
+            if verbose:
+                for part in check["detail"].split(DETAIL_SEPARATOR):
+                    click.echo(textwrap.fill(part, width, initial_indent=" " * 6, subsequent_indent=" " * 8))
     if any(check["status"] == "fail" for check in checks):
         raise SystemExit(1)
 
 
-def _check(name: str, status: str, detail: str) -> dict[str, str]:
-    return {"check": name, "status": status, "detail": detail}
+DOCTOR_COLUMNS = 120  # where the terminal's width is unknown (a pipe, a file)
+DETAIL_SEPARATOR = " | "  # between the items of a check's details: one line each under --verbose
+
+
+def _check(name: str, status: str, detail: str, summary: str | None = None) -> dict[str, str]:
+    """A check's result: its `summary` is the one line doctor prints (the details when they are that short)."""
+    return {"check": name, "status": status, "summary": summary or detail, "detail": detail}
+
+
+def _fitted(text: str, width: int) -> str:
+    """`text` on one line of at most `width` characters, cut with an ellipsis where longer."""
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[:width - 1].rstrip() + "…"
 
 
 def _service_checks() -> list[dict[str, str]]:
@@ -198,7 +217,8 @@ def _linger_check(user: str) -> dict[str, str]:
     if lingering(user):
         return _check("lingering", "ok", f"systemd keeps {user}'s services running after logout")
     return _check("lingering", "warn", f"off: systemd --user stops the service when {user} logs out; "
-                                       f"`loginctl enable-linger {user}` keeps it running")
+                                       f"`loginctl enable-linger {user}` keeps it running",
+                  f"off: the service stops when {user} logs out (`loginctl enable-linger {user}`)")
 
 
 def _database_check(config: Config, home: Home) -> dict[str, str]:
@@ -281,7 +301,7 @@ def _power_check() -> dict[str, str]:
         return "not reported here" if value is None else str(value)
     detail = (f"{power}; Low Power Mode: {said(state.low_power_mode)}; "
               f"thermal pressure: {said(state.thermal_pressure)}")
-    return _check("power state", "ok" if state.on_ac is not None else "warn", detail)
+    return _check("power state", "ok" if state.on_ac is not None else "warn", detail, power)
 
 
 def _load_check() -> dict[str, str]:
@@ -318,7 +338,8 @@ def _kernel_check() -> dict[str, str]:
     measured = choose_for_shape(reference.hidden, reference.ffn, torch.bfloat16)
     not_built = bf16_linear.unsupported_cpu() is None and bf16_linear.unavailable() is not None
     return _check("cpu kernel", "warn" if not_built else "ok",
-                  f"{key} ({reference.name}): {measured.describe()} (on {cpu_model()}, torch {torch.__version__})")
+                  f"{key} ({reference.name}): {measured.describe()} (on {cpu_model()}, torch {torch.__version__})",
+                  f"{measured.describe()}, for {reference.name}'s bf16 experts")
 
 
 def _measured_choices_check() -> dict[str, str]:
@@ -331,10 +352,14 @@ def _measured_choices_check() -> dict[str, str]:
     from npumoe.engine.kernels.choice import cached_choices
     from npumoe.engine.loading import auto_weights  # noqa: F401
 
+    cached = {kind: choices for kind, choices in sorted(cached_choices().items()) if choices}
+    if not cached:
+        return _check("measured choices", "ok", "none yet: each is measured at the first model load that needs it")
     measured = [f"{kind}: " + "; ".join(f"{key}: {choice.describe()}" for key, choice in choices.items())
-                for kind, choices in sorted(cached_choices().items()) if choices]
-    return _check("measured choices", "ok", " | ".join(measured) if measured else
-                  "none yet: each is measured at the first model load that needs it")
+                for kind, choices in cached.items()]
+    counts = ", ".join(f"{kind} {len(choices)}" for kind, choices in cached.items())
+    return _check("measured choices", "ok", DETAIL_SEPARATOR.join(measured),
+                  f"{sum(map(len, cached.values()))} cached ({counts})")
 
 
 def _weights_check(app: App) -> dict[str, str]:
@@ -343,9 +368,9 @@ def _weights_check(app: App) -> dict[str, str]:
     m = app.config.model
     if m.weights != AUTO:
         return {**_check("weights", "ok", f"{m.weights}, set by [model] weights"), "weights": m.weights}
-    if m.name == DEMO and not (demo_model_dir() / "config.json").is_file():
-        return _check("weights", "ok", "auto: decided when the demo model is first made and loaded "
-                                       "(`npumoed demo` or the daemon make it)")
+    if m.name == DEMO:  # as the daemon's engine settings resolve it (model_choice.engine_settings)
+        return {**_check("weights", "ok", f"auto -> {DEMO_WEIGHTS}, the demo model's format: a 135M model's "
+                                          "summaries change in bf16"), "weights": DEMO_WEIGHTS}
     from npumoe.engine.errors import ModelError
     from npumoe.engine.loading.auto_weights import choose_model_weights
 
@@ -378,7 +403,8 @@ def _placement_check(app: App) -> dict[str, str]:
                 if name.startswith(f"{COREML}-") and any(m.ops for m in costs.groups.values())]
     if not measured:
         return _check("Neural Engine placement", "ok", "not read yet: `npumoed prepare --backend coreml` on a Mac "
-                                                       "reads it from each compiled graph's compute plan")
+                                                       "reads it from each compiled graph's compute plan",
+                      "not read yet (`npumoed prepare --backend coreml` on a Mac)")
     groups = [m for _, costs in measured for m in costs.groups.values() if m.ops]
     on_engine, ops = sum(m.device_ops for m in groups), sum(m.ops for m in groups)
     off = sum(m.device_ops < m.ops for m in groups)

@@ -23,6 +23,7 @@ from npumoe.daemon.config import ModelConfig
 from npumoe.daemon.heartbeat import EXIT_STUCK
 from npumoe.daemon.home import Home
 from npumoe.daemon.logs import setup_logging
+from npumoe.daemon.model_choice import DEMO_WEIGHTS
 from npumoe.daemon.service import (
     EXIT_DO_NOT_RESTART,
     LABEL,
@@ -410,14 +411,32 @@ def test_doctor_says_what_weights_auto_chooses_here_and_why(home: Path, tmp_path
     assert _weights_check("--config", str(config)) == check and len(timed) == 2  # measured once on this machine
 
 
-def test_doctor_names_weights_set_in_the_config_and_waits_for_the_demo_model_to_exist(home: Path,
-                                                                                     tmp_path: Path) -> None:
+def test_doctor_names_weights_set_in_the_config_and_the_demo_models_own_format(home: Path, tmp_path: Path) -> None:
     config = tmp_path / "config.toml"
     config.write_text("[model]\nweights = 'int8'\n")
     check = _weights_check("--config", str(config))
     assert (check["status"], check["detail"], check["weights"]) == ("ok", "int8, set by [model] weights", "int8")
-    check = _weights_check()  # the default: auto, for the demo model, which is made at first use
-    assert check["status"] == "ok" and check["detail"].startswith("auto: decided when the demo model is first made")
+    check = _weights_check()  # the default: auto, for the demo model, which the daemon runs in DEMO_WEIGHTS
+    assert (check["status"], check["weights"]) == ("ok", DEMO_WEIGHTS) == ("ok", "fp32")
+    assert check["detail"].startswith("auto -> fp32, the demo model's format")
+
+
+def test_doctor_fits_one_screen_on_the_demo_home_and_keeps_the_figures_for_verbose(
+        home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_timings(monkeypatch, tmp_path / "cache", fastest="npumoe-bf16")
+    monkeypatch.setattr(float_kernels, "unavailable_kernels", lambda *weights: {})
+    for heads in range(1, 41):  # a machine that has measured many choices, as one that ran a few models has
+        attention_choice.CHOICES.choose(torch.bfloat16, {"heads": heads, "kv_heads": 1, "head_dim": 64},
+                                        ["npumoe", "torch"], lambda _: {"npumoe": 0.01, "torch": 0.02}, threads=1)
+    monkeypatch.setenv("COLUMNS", "120")
+    lines = npumoed("doctor").output.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 120, lines
+    assert "ok    measured choices: 41 cached (attention 40, float kernels 1)" in lines
+    assert "ok    weights: auto -> fp32, the demo model's format: a 135M model's summaries change in bf16" in lines
+    verbose = npumoed("doctor", "--verbose").output
+    assert all(f"bfloat16 heads {heads} kv_heads 1 head_dim 64 threads 1: npumoe (npumoe 10 ms, torch 20 ms)"
+               in " ".join(verbose.split()) for heads in range(1, 41))
+    assert max(map(len, verbose.splitlines())) <= 120
     assert not any((home / "models").iterdir())  # doctor made no model
 
 
