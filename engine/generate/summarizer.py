@@ -105,11 +105,12 @@ class SummaryPrompts:
         context, n = loaded.context_tokens, summary_tokens
         fits = context - max(summarize.overhead, summarize_again.overhead) - n
         sections = min(fits, section_tokens) if section_tokens else fits
-        combined = context - max(combine.overhead, combine_again.overhead) - n
+        combine_overhead = max(combine.overhead, combine_again.overhead)
+        combined = context - combine_overhead - n
         # Each reduce round must at least halve the summaries, or a long document would never finish.
         if combined < 2 * (n + spacing) or sections < 1:
             raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
-                             f"(at most {(context - combine.overhead - 2 * spacing) // 3})")
+                             f"(at most {(context - combine_overhead - 2 * spacing) // 3})")
         return cls(summarize, combine, summarize_again, combine_again, stop, sections, combined)
 
 
