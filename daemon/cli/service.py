@@ -173,10 +173,9 @@ def doctor(app: App, as_json: bool, verbose: bool, rebuild_queue: bool) -> None:
     else:
         marks = {"ok": click.style("ok  ", fg="green"), "warn": click.style("warn", fg="yellow"),
                  "fail": click.style("FAIL", fg="red")}
-        width = shutil.get_terminal_size((DOCTOR_COLUMNS, 0)).columns
+        width = shutil.get_terminal_size().columns if sys.stdout.isatty() else DOCTOR_COLUMNS
         for check in checks:
-            line = _fitted(f"{check['check']}: {check['summary']}", width - len("warn  "))
-            click.echo(f"{marks[check['status']]}  {line}")
+            click.echo(f"{marks[check['status']]}  {_fitted(check['check'], check['summary'], width - len('warn  '))}")
             if verbose:
                 for part in check["detail"].split(DETAIL_SEPARATOR):
                     click.echo(textwrap.fill(part, width, initial_indent=" " * 6, subsequent_indent=" " * 8))
@@ -184,7 +183,7 @@ def doctor(app: App, as_json: bool, verbose: bool, rebuild_queue: bool) -> None:
         raise SystemExit(1)
 
 
-DOCTOR_COLUMNS = 120  # where the terminal's width is unknown (a pipe, a file)
+DOCTOR_COLUMNS = 120  # the width of a line when the output is not a terminal (a pipe, a file)
 DETAIL_SEPARATOR = " | "  # between the items of a check's details: one line each under --verbose
 
 
@@ -193,10 +192,14 @@ def _check(name: str, status: str, detail: str, summary: str | None = None) -> d
     return {"check": name, "status": status, "summary": summary or detail, "detail": detail}
 
 
-def _fitted(text: str, width: int) -> str:
-    """`text` on one line of at most `width` characters, cut with an ellipsis where longer."""
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[:width - 1].rstrip() + "…"
+def _fitted(name: str, summary: str, width: int) -> str:
+    """"name: summary" on one line of at most `width` characters: a long name (an inbox's path) keeps its end, and the
+    summary is cut with an ellipsis where it is still too long."""
+    summary = " ".join(summary.split())
+    if len(name) + 2 + len(summary) > width and len(name) > width // 2:
+        name = "…" + name[-(width // 2 - 1):]
+    line = f"{name}: {summary}"
+    return line if len(line) <= width else line[:width - 1].rstrip() + "…"
 
 
 def _service_checks() -> list[dict[str, str]]:

@@ -419,6 +419,7 @@ def test_doctor_names_weights_set_in_the_config_and_the_demo_models_own_format(h
     check = _weights_check()  # the default: auto, for the demo model, which the daemon runs in DEMO_WEIGHTS
     assert (check["status"], check["weights"]) == ("ok", DEMO_WEIGHTS) == ("ok", "fp32")
     assert check["detail"].startswith("auto -> fp32, the demo model's format")
+    assert not any((home / "models").iterdir())  # doctor made no model
 
 
 def test_doctor_fits_one_screen_on_the_demo_home_and_keeps_the_figures_for_verbose(
@@ -437,7 +438,15 @@ def test_doctor_fits_one_screen_on_the_demo_home_and_keeps_the_figures_for_verbo
     assert all(f"bfloat16 heads {heads} kv_heads 1 head_dim 64 threads 1: npumoe (npumoe 10 ms, torch 20 ms)"
                in " ".join(verbose.split()) for heads in range(1, 41))
     assert max(map(len, verbose.splitlines())) <= 120
-    assert not any((home / "models").iterdir())  # doctor made no model
+
+
+def test_a_long_inbox_path_keeps_its_end_and_the_reason_on_doctors_line(home: Path, tmp_path: Path) -> None:
+    folder = tmp_path / ("a-folder-with-a-long-name-" * 5) / "nowhere"
+    config = tmp_path / "config.toml"
+    config.write_text(f"[inbox]\nfolders = ['{folder}']\n")
+    (line,) = [line for line in npumoed("--config", str(config), "doctor").output.splitlines() if "inbox" in line]
+    assert len(line) <= 120 and line.startswith("FAIL  inbox …")
+    assert line.endswith("-long-name-/nowhere: missing or not a folder")
 
 
 def test_doctor_fails_on_an_inbox_it_cannot_use(home: Path, tmp_path: Path) -> None:
