@@ -444,7 +444,8 @@ def test_a_long_inbox_path_keeps_its_end_and_the_reason_on_doctors_line(home: Pa
     folder = tmp_path / ("a-folder-with-a-long-name-" * 5) / "nowhere"
     config = tmp_path / "config.toml"
     config.write_text(f"[inbox]\nfolders = ['{folder}']\n")
-    (line,) = [line for line in npumoed("--config", str(config), "doctor").output.splitlines() if "inbox" in line]
+    lines = npumoed("--config", str(config), "doctor").output.splitlines()
+    (line,) = [line for line in lines if line.split()[1] == "inbox"]
     assert len(line) <= 120 and line.startswith("FAIL  inbox …")
     assert line.endswith("-long-name-/nowhere: missing or not a folder")
 
