@@ -193,11 +193,12 @@ def _check(name: str, status: str, detail: str, summary: str | None = None) -> d
 
 
 def _fitted(name: str, summary: str, width: int) -> str:
-    """"name: summary" on one line of at most `width` characters: a long name (an inbox's path) keeps its end, and the
-    summary is cut with an ellipsis where it is still too long."""
+    """"name: summary" on one line of at most `width` characters: a long name (an inbox's path) keeps its first word
+    and its end, and the summary is cut with an ellipsis where it is still too long."""
     summary = " ".join(summary.split())
     if len(name) + 2 + len(summary) > width and len(name) > width // 2:
-        name = "…" + name[-(width // 2 - 1):]
+        kind = name.split(" ", 1)[0]  # what is checked ("inbox"), then the end of which one
+        name = f"{kind} …{name[-(width // 2 - len(kind) - 2):]}"
     line = f"{name}: {summary}"
     return line if len(line) <= width else line[:width - 1].rstrip() + "…"
 
