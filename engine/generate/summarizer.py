@@ -209,9 +209,10 @@ class Summarizer:
 
     def _rewound(self, cache: Any, kind: str, text: Sequence[int]) -> Any:
         """`cache` holding the prompt's prefix and `text` again, without the answer decoded after them: cut back
-        where every layer's cache can be, else a new one prefilled again (linear attention keeps no history)."""
+        where every layer keeps whole attention keys and values, else a new one prefilled again (linear attention
+        and a sliding window keep no history to cut back to)."""
         prefix = self._frames(kind)[0].prefix
-        if cache.is_croppable:
+        if cache.is_croppable and not any(cache.is_linear) and not any(cache.is_sliding):
             cache.crop(len(prefix) + len(text) - cache.get_seq_length())
             return cache
         fresh = self._cache_for(kind, text)

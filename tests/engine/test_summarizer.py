@@ -199,6 +199,43 @@ def test_an_answer_that_fails_twice_gives_way_to_the_sources_most_central_senten
     assert meta.why.endswith("-> extractive")
 
 
+@pytest.mark.parametrize(("arch", "prefilled_again"), [("qwen3_moe", 0), ("qwen3_next", 1), ("gpt_oss", 1)])
+def test_the_retry_is_decoded_from_the_sections_cache_as_if_its_whole_prompt_were_run(engine, tiny, orchard, arch,
+                                                                                     prefilled_again, monkeypatch):
+    """The cache is cut back to the section where every layer allows it (attention), else prefilled again (Qwen3-Next's
+    linear attention and gpt-oss's sliding window keep no history): either way the retry is what greedy generation on
+    its whole prompt gives."""
+    folder = str(tiny(arch))
+    other = Engine.load(replace(engine.settings, model=folder))
+    decode, answers = summarizer_module.decode_from_cache, []
+
+    def faulty_first(model, prompt, cache, *rest) -> list[int]:
+        answers.append(decode(model, prompt, cache, *rest))  # the cache holds the answer too, as after a real one
+        return answers[-1] if len(answers) > 1 else text_tokens(other.loaded.tokenizer, FAULTY[ECHO])
+
+    monkeypatch.setattr(summarizer_module, "decode_from_cache", faulty_first)
+    prefills = []
+    prefill = summarizer_module.Summarizer._prefill
+    monkeypatch.setattr(summarizer_module.Summarizer, "_prefill", lambda *a: prefills.append(1) or prefill(*a))
+    text = orchard[:700]
+    result = other.process(text)
+    assert result.stats.quality[0].faults[0].kind == ECHO and len(answers) == 2
+    assert len(prefills) == prefilled_again  # one section: no combine prefilled
+    reference = load_model(folder)
+    frame = PromptFrame.build(reference.tokenizer, SUMMARIZE_AGAIN)
+    prompt = torch.tensor([frame.prefix + text_tokens(reference.tokenizer, text) + frame.suffix])
+    stop = stop_ids(reference.model, reference.tokenizer)
+    with torch.no_grad():
+        out = reference.model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=False,
+                                       max_new_tokens=engine.settings.summary_tokens, eos_token_id=stop,
+                                       pad_token_id=stop[0],
+                                       logits_processor=[NoRepeatInAnswer(prompt.shape[1], NO_REPEAT_AGAIN)])
+    expected = out[0, prompt.shape[1]:].tolist()
+    while expected and expected[-1] in stop:
+        expected.pop()
+    assert answers[1] == expected and expected
+
+
 def test_the_combine_is_checked_as_each_section_summary_is(engine, harbour, monkeypatch, extracted):
     text = "\n\n".join([harbour[:300]] * (2 * engine.section_tokens // 300 + 2))  # each section tells of the same
     sections = math.ceil(len(engine.loaded.tokenizer(text, add_special_tokens=False)["input_ids"]) /
