@@ -32,14 +32,16 @@ LOOP_RUN = 5  # words: the same five words twice in one answer is a loop
 SUPPORTED = 0.5  # of a sentence's content words that its source holds, at least
 CLAIM_WORDS = 3  # content words a sentence needs before it counts as a claim to check
 LANGUAGE_WORDS = 5  # function words a text needs before its language is judged
+UNSPACED = frozenset({"cjk", "hiragana", "katakana", "thai", "lao", "khmer", "myanmar"})  # scripts written unspaced
 
 _WORD = re.compile(r"\w+")
 _LETTERS = re.compile(r"[^\W\d_]{3,}")
 # Function words, too common to say what a text is about; the short lists below also tell languages apart.
+# (A word list reads better as text, hence the noqa.)
 _COMMON = frozenset("""the and for with from that this these those there their they them his her its our your you
 are was were been being have has had not but can could will would should may might must does did done into over under
 about after before between through during while also only more most less very some such each every than then when
-where which what who whom how why all any one two three other same just text document part summary""".split())  # noqa: SIM905 (a word list reads better as text)
+where which what who whom how why all any one two three other same just text document part summary""".split())  # noqa: SIM905
 _FUNCTION_WORDS: dict[str, frozenset[str]] = {  # the commonest words of each language
     name: frozenset(words.split()) for name, words in {
         "en": "the and of to is in that it was for on are with as be this by not from at or have an which",
@@ -127,7 +129,7 @@ def _short_line(answer: str, source: str, instruction: str) -> Fault | None:
     lines = [line.strip() for line in answer.splitlines() if line.strip()]
     if not lines:
         return Fault(SHORT_LINE, "empty")
-    short = [line for line in lines if len(_WORD.findall(line)) < FEWEST_WORDS]
+    short = [line for line in lines if _words(line) < FEWEST_WORDS]
     return Fault(SHORT_LINE, f"line {short[0]!r}") if short else None
 
 
@@ -143,6 +145,8 @@ def _loop(answer: str, source: str, instruction: str) -> Fault | None:
 
 
 def _unsupported(answer: str, source: str, instruction: str) -> Fault | None:
+    if language(source) in UNSPACED:
+        return None  # words are not told apart by spaces there: no content words to compare
     known = set(_stems(source))
     for a, b in sentence_spans(answer):
         claimed = _stems(answer[a:b])
@@ -174,6 +178,13 @@ def language(text: str) -> str | None:
     if hits < LANGUAGE_WORDS or (rest and rest[0][1] * 2 > hits):  # too few, or no clear winner
         return None
     return best
+
+
+def _words(line: str) -> int:
+    """Words in `line`; in a script written without spaces, its letters (a word there is one to a few)."""
+    if language(line) in UNSPACED:
+        return sum(c.isalpha() for c in line)
+    return len(_WORD.findall(line))
 
 
 def _stems(text: str, *, common: bool = False) -> list[str]:

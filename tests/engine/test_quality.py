@@ -11,6 +11,7 @@ from npumoe.engine.generate.quality import (
     LOOP,
     SHORT_LINE,
     UNSUPPORTED,
+    Fault,
     extractive,
     fault,
     language,
@@ -57,6 +58,12 @@ def test_each_fault_is_named(answer: str, kind: str) -> None:
 def test_words_quoted_from_the_source_are_no_echo_even_when_the_instruction_has_them() -> None:
     source = "Each part of a long document is read in order by the queue before the charger is connected."
     assert fault("Each part of a long document is read in order by the queue.", source, COMBINE) is None
+
+
+def test_an_answer_in_an_unspaced_script_is_not_judged_by_words_it_cannot_tell_apart() -> None:
+    source = "夜のキューは朝までに空になりました。充電器がつながるまで大きな文書は待ちました。"
+    assert fault("キューは朝までに空になり、大きな文書は充電を待ちました。", source, SUMMARIZE) is None
+    assert fault("キューは朝までに空になりました。\n\nはい", source, SUMMARIZE) == Fault(SHORT_LINE, "line 'はい'")
 
 
 def test_a_text_is_read_as_the_language_its_common_words_and_letters_say() -> None:
