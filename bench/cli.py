@@ -14,7 +14,7 @@ import click
 
 from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS, FP32, INT4, INT8, QUANTIZED, SUMMARY_TOKENS, WEIGHTS_DTYPE
 
-from .fidelity_bench import FIDELITY_FAMILIES
+from .fidelity.run import FIDELITY_FAMILIES
 from .memory import GGUF_TYPES
 from .options import (
     dtype_option,
@@ -222,7 +222,7 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
     from npumoe.daemon.cli.model_ref import model_ref
     from npumoe.engine.errors import ModelError
 
-    from .fidelity_bench import FidelityRun, fidelity_texts, run_fidelity_benches
+    from .fidelity.run import FidelityRun, fidelity_texts, run_fidelity_benches
     from .machine import describe_machine
 
     calibration_texts, eval_text = fidelity_texts(calibration_files, eval_file)
@@ -239,7 +239,7 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
     except (ModelError, ValueError) as e:
         raise click.ClickException(str(e)) from e
     if plot_path is not None and capacity:
-        from .plot import fidelity_figure
+        from .fidelity.plot import fidelity_figure
 
         plot_path.parent.mkdir(parents=True, exist_ok=True)
         fidelity_figure([row for row in measured.rows if "section" not in row]).savefig(plot_path, dpi=120)

@@ -184,7 +184,7 @@ def print_progress(row: dict) -> None:
 
 
 def print_real_fidelity(rows: Sequence[dict], caption: str) -> None:
-    from .real_fidelity import TARGETS
+    from .fidelity.real_text import TARGETS
 
     table = Table("weights", "perplexity", "Δ perplexity", "top-1 vs float", "mean KL vs float", "target",
                   "expert weights' error", "vs the GGUF's", "what it means",
@@ -211,7 +211,7 @@ def print_weights_fidelity(rows: Sequence[dict], caption: str) -> None:
 
 
 def print_layer_errors(layer_rows: Sequence[dict]) -> None:
-    from .weights_fidelity import TARGETS
+    from .fidelity.weights import TARGETS
 
     layers = Table("geometry", "weights and activations", "format", "relative error", "weights alone", "target",
                    title="One MoE layer, quantized experts against fp32",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .render import (
+from ..render import (
     err_console,
     print_fidelity,
     print_layer_errors,
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from npumoe.engine.loading.load import LoadedModel
     from npumoe.engine.synthetic.geometry import Geometry
 
-    from .real_fidelity import RealFidelitySettings
+    from .real_text import RealFidelitySettings
 
 # The tiny families `bench fidelity` compares weights formats on by default.
 FIDELITY_FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
@@ -80,9 +80,9 @@ def run_fidelity_benches(run: FidelityRun, machine: dict) -> FidelityResults:
     from npumoe.engine.synthetic.tiny import make_tiny
     from npumoe.engine.vocabulary import QUANTIZED
 
-    from .fidelity import FidelitySettings, run_fidelity_bench
-    from .real_fidelity import RealFidelitySettings
-    from .weights_fidelity import DISTRIBUTIONS, layer_errors
+    from .capacity import FidelitySettings, run_fidelity_bench
+    from .real_text import RealFidelitySettings
+    from .weights import DISTRIBUTIONS, layer_errors
 
     settings = FidelitySettings(threads=run.threads, scales=tuple(sorted(set(run.scales))),
                                 chunk_tokens=run.chunk_tokens, eval_tokens=run.eval_tokens, warmup=run.warmup,
@@ -130,7 +130,7 @@ def _real_fidelity(loaded: LoadedModel, model_name: str | None, settings: RealFi
     from npumoe.daemon.samples import sample_documents
     from npumoe.engine.synthetic.smollm2 import gguf_path
 
-    from .real_fidelity import gguf_dense_ffn, run_real_fidelity
+    from .real_text import gguf_dense_ffn, run_real_fidelity
 
     dense = gguf_dense_ffn(gguf_path(), loaded.model) if model_name == DEMO and gguf_path().is_file() else None
     texts = ["\n\n".join(doc.paragraphs) for doc in sample_documents()]
@@ -147,7 +147,7 @@ def _weights_fidelity(families: Sequence[str], calibration_texts: Sequence[tuple
     from npumoe.engine.loading.load import load_model
     from npumoe.engine.synthetic.tiny import make_tiny
 
-    from .weights_fidelity import WeightsFidelitySettings, fit_readout, run_weights_fidelity
+    from .weights import WeightsFidelitySettings, fit_readout, run_weights_fidelity
 
     settings = WeightsFidelitySettings(chunk_tokens=chunk_tokens, eval_tokens=eval_tokens)
     rows = []
