@@ -92,9 +92,9 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                f"routing Zipf skew {skew}.")
     print_results(results, ("geometry", "tokens", "dtype"), caption, machine, baseline="roofline")
     write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "min_seconds": min_seconds,
-                                     "own_process": own_process, "seed": seed, "skew": skew,
-                                     "calibration_chunks": calibration_chunks, "weights": list(weights),
-                                     "roofline_model": MODEL}, results)
+                                    "own_process": own_process, "seed": seed, "skew": skew,
+                                    "calibration_chunks": calibration_chunks, "weights": list(weights),
+                                    "roofline_model": MODEL}, results)
 
 
 @bench.command("prefill")
@@ -169,9 +169,9 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     if profile:
         print_profile([row for row in results if row["impl"] == "profile"], case_keys, machine)
     write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "min_seconds": min_seconds,
-                                     "own_process": own_process, "seed": seed, "layers": layers,
-                                     "calibration_documents": calibration_documents, "weights": list(weights),
-                                     "peer": None if peer_tool is None else peer_tool.describe()}, results)
+                                    "own_process": own_process, "seed": seed, "layers": layers,
+                                    "calibration_documents": calibration_documents, "weights": list(weights),
+                                    "peer": None if peer_tool is None else peer_tool.describe()}, results)
 
 
 @bench.command("fidelity")
@@ -225,10 +225,11 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
     from .fidelity.run import FidelityRun, fidelity_texts, run_fidelity_benches
     from .machine import describe_machine
 
+    model_path = Path(model_ref(model_name)) if model_name else None
     calibration_texts, eval_text = fidelity_texts(calibration_files, eval_file)
-    run = FidelityRun(model_name=model_name, model_path=Path(model_ref(model_name)) if model_name else None,
-                      calibration_texts=calibration_texts, eval_text=eval_text, scales=scales,
-                      chunk_tokens=chunk_tokens, eval_tokens=eval_tokens, tokens_per_document=tokens_per_document,
+    run = FidelityRun(model_name=model_name, model_path=model_path, calibration_texts=calibration_texts,
+                      eval_text=eval_text, scales=scales, chunk_tokens=chunk_tokens, eval_tokens=eval_tokens,
+                      tokens_per_document=tokens_per_document,
                       families=families, layer_geometry=parse_geometries([layer_geometry])[0],
                       layer_tokens=layer_tokens, capacity=capacity, layer=layer, threads=threads, warmup=warmup,
                       repeats=repeats, seed=seed)
@@ -245,8 +246,8 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
         fidelity_figure([row for row in measured.rows if "section" not in row]).savefig(plot_path, dpi=120)
         err_console.print(f"wrote {plot_path}")
     write_json(json_path, machine, {"model": measured.model_name, "model_key": measured.model_key, "seed": seed,
-                                     "calibration": [name for name, _ in calibration_texts], "warmup": warmup,
-                                     "repeats": repeats}, measured.rows)
+                                    "calibration": [name for name, _ in calibration_texts], "warmup": warmup,
+                                    "repeats": repeats}, measured.rows)
 
 
 @bench.command("memory")
@@ -286,8 +287,8 @@ def memory(geometry_name: str, layers: int, weights: tuple[str, ...], document_t
                           f"loading, target ≤ {TARGET_RATIO} × the weights' bytes in the format loaded. {threads} "
                           f"threads, {machine['cpu']}.")
     write_json(json_path, machine, {"geometry": geometry_name, "layers": layers, "document_tokens": document_tokens,
-                                     "gguf_types": list(gguf_types), "model": str(model_path) if model_path else None},
-                results)
+                                    "gguf_types": list(gguf_types), "model": str(model_path) if model_path else None},
+               results)
 
 
 @bench.command("sections")

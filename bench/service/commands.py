@@ -64,8 +64,8 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
                                                 queries=queries, seed=seed))
     print_search(results, k, f"search: {documents:,} documents × {chunks} chunks, {queries} queries")
     write_json(json_path, describe_machine(1), {"documents": documents, "chunks": chunks, "k": k,
-                                                  "queries": queries, "seed": seed},
-                [dataclasses.asdict(r) for r in results])
+                                                 "queries": queries, "seed": seed},
+               [dataclasses.asdict(r) for r in results])
 
 
 @click.command("query-latency")
