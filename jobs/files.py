@@ -14,7 +14,8 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -252,30 +253,31 @@ def move_file(source: Path, folder: Path, name: str, version: Version | None = N
     """Move `source` into `folder` under `name` (or a free variant of it); returns where it went, or None when
     it is not `version` (None: any) or changed while it was copied. Then it stays where it is, untouched.
 
-    A rename when both sides share a file system. Otherwise the very descriptor that was checked is copied
-    under a temporary name, flushed to disk and renamed into place, and the source is removed only if it is
-    still that version afterwards: a save during the copy is never lost. (Between that last look and the
+    The destination is claimed first (`_claim_free_name`), so two movers never land on one name. Then a rename
+    when both sides share a file system. Otherwise the very descriptor that was checked is copied under a
+    temporary name, flushed to disk and renamed onto the claimed name, and the source is removed only if it
+    is still that version afterwards: a save during the copy is never lost. (Between that last look and the
     unlink a save can still slip in: no system call removes a name only if it still holds a given inode.)
     """
     fd = _open_to_move(source)
     if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
-        return None if version is not None else _move_entry(source, _free_name(folder, name))
+        return None if version is not None else _move_entry(source, folder, name)
     with os.fdopen(fd, "rb") as file:
         read = Version.of(os.fstat(file.fileno()))
         if version is not None and read != version:
             return None
-        target = _free_name(folder, name)
-        try:
-            os.rename(source, target)
-            return target
-        except OSError as e:
-            if e.errno != errno.EXDEV:
-                raise
-        _copy_durably(file, target)
-        if Version.of(os.fstat(file.fileno())) != read or Version.at(source) != read:  # written to, or replaced
-            target.unlink()
-            fsync_dir(folder)
-            return None
+        with _claim_free_name(folder, name) as target:
+            try:
+                os.rename(source, target)
+                return target
+            except OSError as e:
+                if e.errno != errno.EXDEV:
+                    raise
+            _copy_durably(file, target)
+            if Version.of(os.fstat(file.fileno())) != read or Version.at(source) != read:  # written to, or replaced
+                target.unlink()
+                fsync_dir(folder)
+                return None
     source.unlink()
     fsync_dir(source.parent)
     return target
@@ -310,26 +312,42 @@ def _copy_durably(file: BinaryIO, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def _move_entry(source: Path, target: Path) -> Path:
-    """Move what `source` is, as itself, by name (a link stays a link)."""
-    try:
-        os.rename(source, target)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        shutil.copy2(source, target, follow_symlinks=False)  # a link is copied as the link it is
-        source.unlink()
+def _move_entry(source: Path, folder: Path, name: str) -> Path:
+    """Move what `source` is, as itself, by name (a link stays a link), onto a claimed free name in `folder`."""
+    with _claim_free_name(folder, name) as target:
+        try:
+            os.rename(source, target)
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                raise
+            target.unlink()  # copy2 writes a link as a link only where nothing is in the way
+            shutil.copy2(source, target, follow_symlinks=False)
+            source.unlink()
     return target
 
 
-def _free_name(folder: Path, name: str) -> Path:
-    target = folder / name
+@contextmanager
+def _claim_free_name(folder: Path, name: str) -> Iterator[Path]:
+    """A name in `folder` like `name` (`x.pdf`, `x (2).pdf`, …) that no other mover can take: created empty
+    and exclusively (O_EXCL), so every other mover skips it, then replaced by the rename or copy that fills
+    it. Checking that a name is free and renaming onto it is not enough: a rename replaces silently, and two
+    movers would choose the same name. A move that fails gives the name back; a kill between the claim and
+    the rename leaves an empty file under the name, the original untouched where it was.
+    """
     stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
     number = 1
-    while os.path.lexists(target):
-        number += 1
-        target = folder / f"{stem} ({number}){dot}{suffix}"
-    return target
+    while True:
+        target = folder / (name if number == 1 else f"{stem} ({number}){dot}{suffix}")
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            break
+        except FileExistsError:
+            number += 1
+    try:
+        yield target
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
 
 
 def set_aside(source: Path, report: str, folders: Folders) -> Path | None:

@@ -6,6 +6,7 @@ import errno
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -212,7 +213,7 @@ def test_a_file_whose_every_open_fails_with_an_io_error_is_set_aside_all_the_sam
     opened: list[str] = []
 
     def failing_open(path: object, *args: object, **kwargs: object) -> int:
-        if os.fsdecode(path).endswith("bad.txt"):  # type: ignore[arg-type]
+        if os.fsdecode(path).endswith(os.path.join("inbox", "bad.txt")):  # type: ignore[arg-type]
             opened.append(os.fsdecode(path))  # type: ignore[arg-type]
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
@@ -224,3 +225,45 @@ def test_a_file_whose_every_open_fails_with_an_io_error_is_set_aside_all_the_sam
     assert moved == inbox_folders.failed / "bad.txt" and not source.exists()
     assert (inbox_folders.failed / "bad.txt.error.txt").read_text() == "kind: machine, I/O error"
 
+
+
+@pytest.mark.parametrize("across_file_systems", [False, True], ids=["same file system", "across file systems"])
+def test_two_same_named_files_moved_at_once_both_survive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         across_file_systems: bool) -> None:
+    """The worker and the watcher each set aside an `x.pdf` from different folders at the same moment: both
+    movers choose their names before either one lands, so a name that is only checked, not claimed, is taken
+    twice and the second file replaces the first."""
+    (tmp_path / "failed").mkdir()
+    sources = []
+    for folder, content in (("a", "small and corrupt"), ("b", "large")):
+        (tmp_path / folder).mkdir()
+        sources.append(tmp_path / folder / "x.pdf")
+        sources[-1].write_text(content)
+    both_chose = threading.Barrier(2, timeout=10)
+    real_rename = os.rename
+    landed: list[str] = []
+
+    def rename_once_both_have_chosen(src: object, dst: object) -> None:
+        if Path(os.fsdecode(src)).parent.parent == tmp_path and Path(os.fsdecode(src)).name == "x.pdf":  # type: ignore[arg-type]
+            both_chose.wait()  # each mover has picked its destination by now
+            landed.append(os.fsdecode(src))  # type: ignore[arg-type]
+            if across_file_systems:
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real_rename(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename_once_both_have_chosen)
+    moved: list[Path | None] = [None, None]
+
+    def mover(index: int) -> None:
+        moved[index] = move_file(sources[index], tmp_path / "failed", "x.pdf")
+
+    threads = [threading.Thread(target=mover, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(landed) == 2  # both moves went through the forced race
+    assert sorted(p.read_text() for p in (tmp_path / "failed").iterdir()) == ["large", "small and corrupt"]
+    assert sorted(p.name for p in (tmp_path / "failed").iterdir()) == ["x (2).pdf", "x.pdf"]
+    assert {moved[0], moved[1]} == {tmp_path / "failed" / "x.pdf", tmp_path / "failed" / "x (2).pdf"}
+    assert not any(source.exists() for source in sources)
