@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, Insert, Table, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
@@ -76,8 +75,7 @@ class SQLite:
         return self._engine(immediate=True), self._engine(immediate=False)
 
     def _engine(self, *, immediate: bool, read_only: bool = False) -> Engine:
-        # A URI with the path quoted: a home may contain `#`, `?` or `%`, which a URL would read as its own syntax.
-        uri = f"file:{quote(str(self.path.absolute()))}" + ("?mode=ro" if read_only else "")
+        uri = sqlite_driver.uri(self.path, read_only=read_only)
 
         def connect() -> Any:
             return sqlite_driver.driver.connect(uri, uri=True, timeout=30, check_same_thread=False)
