@@ -216,6 +216,13 @@ class Folders:
     def holds(self, path: Path) -> bool:
         return containing_inbox(path, self.inboxes) is not None
 
+    @property
+    def work(self) -> Path:
+        """Where a job's private files (the document's copy) are made: the home, which holds processed/ and
+        failed/ and is swept of what a killed run left at every start; never the outbox, which may be storage
+        other machines share and no start sweeps."""
+        return self.failed.parent
+
 
 def containing_inbox(path: Path, inboxes: Sequence[Path]) -> Path | None:
     """The (resolved) inbox that really holds `path`: its parent folder resolved, the file itself not followed,
