@@ -12,6 +12,7 @@ IMMEDIATE` already serialises writers).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -186,6 +187,14 @@ class PostgreSQL:
         thread = threading.Thread(target=_listen, args=(conninfo, wake, stop), name="queue-listen", daemon=True)
         thread.start()
         return thread
+
+    @staticmethod
+    def try_hold(conn: Connection, name: str) -> bool:
+        """Take the session lock named `name` on `conn` if no other session holds it; it lasts as long as `conn`."""
+        key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+        held = bool(conn.exec_driver_sql("SELECT pg_try_advisory_lock(%s)", (key,)).scalar_one())
+        conn.commit()  # a session lock outlives the transaction; the connection must not sit idle in one
+        return held
 
     @staticmethod
     def now(conn: Connection) -> float:
