@@ -40,6 +40,7 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 # The folders on a path, walked one by one: O_PATH (Linux) needs no read permission, as a lookup by path does not.
 _FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
+SET_ASIDE = ".npumoed-failed"
 CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
 # What becomes of an original once its document is done (the originals policy).
 KEEP, MOVE, DELETE = "keep", "move", "delete"
@@ -256,9 +257,11 @@ def settle_original(source: Path, originals: str, folders: Folders, version: Ver
         return f"could not {originals} it: {e.strerror or e}"
 
 
-def move_file(source: Path, folder: Path, name: str, version: Version | None = None) -> Path | None:
+def move_file(source: Path, folder: Path, name: str, version: Version | None = None, *,
+              copy: bool = True) -> Path | None:
     """Move `source` into `folder` under `name` (or a free variant of it); returns where it went, or None when
     it is not `version` (None: any) or changed while it was copied. Then it stays where it is, untouched.
+    Without `copy`, a move that is no rename raises the OSError (EXDEV) the rename did.
 
     The destination is claimed first (`_claim_free_name`), so two movers never land on one name. Then a rename
     when both sides share a file system. Otherwise the very descriptor that was checked is copied under a
@@ -268,7 +271,7 @@ def move_file(source: Path, folder: Path, name: str, version: Version | None = N
     """
     fd = _open_to_move(source)
     if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
-        return None if version is not None else _move_entry(source, folder, name)
+        return None if version is not None else _move_entry(source, folder, name, copy=copy)
     with os.fdopen(fd, "rb") as file:
         read = Version.of(os.fstat(file.fileno()))
         if version is not None and read != version:
@@ -278,7 +281,7 @@ def move_file(source: Path, folder: Path, name: str, version: Version | None = N
                 os.rename(source, target)
                 return target
             except OSError as e:
-                if e.errno != errno.EXDEV:
+                if e.errno != errno.EXDEV or not copy:
                     raise
             _copy_durably(file, target)
             if Version.of(os.fstat(file.fileno())) != read or Version.at(source) != read:  # written to, or replaced
@@ -319,13 +322,13 @@ def _copy_durably(file: BinaryIO, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def _move_entry(source: Path, folder: Path, name: str) -> Path:
+def _move_entry(source: Path, folder: Path, name: str, *, copy: bool) -> Path:
     """Move what `source` is, as itself, by name (a link stays a link), onto a claimed free name in `folder`."""
     with _claim_free_name(folder, name) as target:
         try:
             os.rename(source, target)
         except OSError as e:
-            if e.errno != errno.EXDEV:
+            if e.errno != errno.EXDEV or not copy:
                 raise
             target.unlink()  # copy2 writes a link as a link only where nothing is in the way
             shutil.copy2(source, target, follow_symlinks=False)
@@ -358,15 +361,29 @@ def _claim_free_name(folder: Path, name: str) -> Iterator[Path]:
 
 
 def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
-    """Move a document that will not be processed into failed/, with `<name>.error.txt` beside it."""
-    if not os.path.lexists(source) or not folders.holds(source):
+    """Move a document that will not be processed into failed/, with `<name>.error.txt` beside it.
+
+    Never by a copy: a document in an inbox on another file system (a USB disk, a network share) goes to
+    its inbox's own hidden SET_ASIDE folder instead, by a rename. Copied, a refused file of any size (a
+    sparse one made dense) would fill the home's disk and hold up the watcher, which sets files aside on its
+    own thread. One that cannot be renamed there either (a file system mounted inside the inbox) stays where
+    it is, and the log says why.
+    """
+    inbox = containing_inbox(source, folders.inboxes)
+    if not os.path.lexists(source) or inbox is None:
         return None
-    try:
-        moved = move_file(source, folders.failed, source.name)
-        if moved is None:  # saved again while it was being moved: the new version is a new document
-            return None
-        write_file(moved.with_name(moved.name + ".error.txt"), report.encode(errors="replace"))
-    except OSError as e:
-        log.warning("could not move %s to %s: %s", source, folders.failed, e)
-        return None
-    return moved
+    for folder in (folders.failed, inbox / SET_ASIDE):
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            moved = move_file(source, folder, source.name, copy=False)
+            if moved is None:  # saved again while it was being moved: the new version is a new document
+                return None
+            write_file(moved.with_name(moved.name + ".error.txt"), report.encode(errors="replace"))
+            return moved
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                log.warning("could not move %s to %s: %s", source, folder, e)
+                return None
+    log.warning("left %s where it is: it is on another file system than %s and %s, and is not copied",
+                source, folders.failed, inbox / SET_ASIDE)
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -17,6 +18,7 @@ from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
 from npumoe.jobs.files import (
     CHANGED,
     MOVE,
+    SET_ASIDE,
     Folders,
     Version,
     identify,
@@ -267,3 +269,60 @@ def test_two_same_named_files_moved_at_once_both_survive(tmp_path: Path, monkeyp
     assert sorted(p.name for p in (tmp_path / "failed").iterdir()) == ["x (2).pdf", "x.pdf"]
     assert {moved[0], moved[1]} == {tmp_path / "failed" / "x.pdf", tmp_path / "failed" / "x (2).pdf"}
     assert not any(source.exists() for source in sources)
+
+
+def no_rename_across(boundary: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renames from inside `boundary` to outside it fail as they do between two file systems."""
+    real_rename = os.rename
+
+    def rename(src: object, dst: object, **kwargs: object) -> None:
+        inside = [Path(os.fsdecode(p)).is_relative_to(boundary) for p in (src, dst)]  # type: ignore[arg-type]
+        if inside[0] != inside[1] and not kwargs:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every copy of a file's bytes shutil is asked to make."""
+    made: list[str] = []
+    real_copyfileobj = shutil.copyfileobj
+
+    def copyfileobj(source: object, target: object, *args: object) -> None:
+        made.append(str(getattr(source, "name", source)))
+        real_copyfileobj(source, target, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shutil, "copyfileobj", copyfileobj)
+    return made
+
+
+def test_a_file_in_an_inbox_on_another_file_system_is_set_aside_there_never_copied(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: list[str]) -> None:
+    """A sparse 1 TB file copied into failed/ would fill the home's disk, on the watcher's thread."""
+    huge = tmp_path / "inbox" / "reports" / "huge.pdf"
+    huge.parent.mkdir()
+    with huge.open("wb") as file:
+        file.truncate(2**26)  # sparse: a size, no blocks
+    no_rename_across(tmp_path / "inbox", monkeypatch)
+
+    moved = set_aside(huge, "not queued: the file is 67,108,864 bytes, over the 1 MB limit\n", inbox_folders)
+    assert copies == []
+    assert list(inbox_folders.failed.iterdir()) == []
+    assert moved == tmp_path / "inbox" / SET_ASIDE / "huge.pdf" and moved.stat().st_size == 2**26
+    assert not huge.exists()
+    assert Path(f"{moved}.error.txt").read_text().startswith("not queued: the file is 67,108,864 bytes")
+
+
+def test_a_file_that_cannot_leave_its_file_system_without_a_copy_stays_where_it_is(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: list[str]) -> None:
+    """A folder mounted inside an inbox: neither failed/ nor the inbox's set-aside folder is on its file system."""
+    huge = tmp_path / "inbox" / "mounted" / "huge.pdf"
+    huge.parent.mkdir()
+    huge.write_bytes(b"%PDF-1.7 and much more")
+    no_rename_across(huge.parent, monkeypatch)
+
+    assert set_aside(huge, "not queued: too large\n", inbox_folders) is None
+    assert copies == [] and huge.read_bytes() == b"%PDF-1.7 and much more"
+    assert list(inbox_folders.failed.iterdir()) == list((tmp_path / "inbox" / SET_ASIDE).iterdir()) == []
