@@ -130,7 +130,28 @@ def real_folder(path: Path) -> Path:
 def _open_walking(path: Path) -> int:
     """`path` opened with _OPEN_FLAGS, each folder on the way opened relative to the one before it and never
     followed if it is a link (O_NOFOLLOW alone covers only the last name)."""
-    *folders, name = path.parts
+    try:
+        at = _walk_to_folder(path)
+    except LinkOnPath:
+        raise FileRefused("unreadable", "a folder on its path is a symbolic link, not a folder") from None
+    try:
+        _require_regular(os.stat(path.name, dir_fd=at, follow_symlinks=False).st_mode)
+        return os.open(path.name, _OPEN_FLAGS, dir_fd=at)
+    finally:
+        os.close(at)
+
+
+class LinkOnPath(OSError):
+    """A folder on a document's path is a symbolic link: a folder swapped for one since the path was recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ELOOP, "a folder on its path is a symbolic link, not a folder")
+
+
+def _walk_to_folder(path: Path) -> int:
+    """The folder holding `path`, opened with _FOLDER_FLAGS, each folder on the way opened relative to the one
+    before it and never followed if it is a link (LinkOnPath)."""
+    *folders, _ = path.parts
     at = os.open("." if not path.anchor else folders.pop(0), _FOLDER_FLAGS)
     try:
         for folder in folders:
@@ -138,12 +159,50 @@ def _open_walking(path: Path) -> int:
                 inner = os.open(folder, _FOLDER_FLAGS, dir_fd=at)
             except OSError as e:
                 if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK) and _is_link(folder, at):
-                    raise FileRefused("unreadable", "a folder on its path is a symbolic link, not a folder") from None
+                    raise LinkOnPath from None
                 raise
             os.close(at)
             at = inner
-        _require_regular(os.stat(name, dir_fd=at, follow_symlinks=False).st_mode)
-        return os.open(name, _OPEN_FLAGS, dir_fd=at)
+    except BaseException:
+        os.close(at)
+        raise
+    return at
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A name in a folder held open: what is done to it by name stays in that folder, even if a folder on
+    its path is swapped for a link meanwhile (in an inbox others can write to, that would redirect a move
+    or a delete to a file of the same name anywhere)."""
+
+    folder: int
+    name: str
+
+    def lstat(self) -> os.stat_result:
+        return os.stat(self.name, dir_fd=self.folder, follow_symlinks=False)
+
+    def version(self) -> Version | None:
+        try:
+            return Version.of(self.lstat())
+        except OSError:
+            return None
+
+    def open(self) -> int:
+        return os.open(self.name, _OPEN_FLAGS, dir_fd=self.folder)
+
+    def rename(self, target: Path) -> None:
+        os.rename(self.name, target, src_dir_fd=self.folder)
+
+    def unlink(self) -> None:
+        os.unlink(self.name, dir_fd=self.folder)
+
+
+@contextmanager
+def _entry(path: Path) -> Iterator[_Entry]:
+    """`path` as an _Entry of its folder, walked to without following a link (LinkOnPath if one is on it)."""
+    at = _walk_to_folder(path)
+    try:
+        yield _Entry(at, path.name)
     finally:
         os.close(at)
 
@@ -246,9 +305,10 @@ def settle_original(source: Path, originals: str, folders: Folders, version: Ver
         return "kept"
     try:
         if originals == DELETE:
-            if Version.at(source) != version:  # saved again, or replaced, since it was read: not ours to settle
-                return CHANGED
-            source.unlink()
+            with _entry(source) as entry:
+                if entry.version() != version:  # saved again, or replaced, since it was read: not ours to settle
+                    return CHANGED
+                entry.unlink()
             return "deleted"
         moved = move_file(source, folders.processed, source.name, version)
         return CHANGED if moved is None else f"moved to {moved}"
@@ -269,36 +329,37 @@ def move_file(source: Path, folder: Path, name: str, version: Version | None = N
     is still that version afterwards: a save during the copy is never lost. (Between that last look and the
     unlink a save can still slip in: no system call removes a name only if it still holds a given inode.)
     """
-    fd = _open_to_move(source)
-    if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
-        return None if version is not None else _move_entry(source, folder, name, copy=copy)
-    with os.fdopen(fd, "rb") as file:
-        read = Version.of(os.fstat(file.fileno()))
-        if version is not None and read != version:
-            return None
-        with _claim_free_name(folder, name) as target:
-            try:
-                os.rename(source, target)
-                return target
-            except OSError as e:
-                if e.errno != errno.EXDEV or not copy:
-                    raise
-            _copy_durably(file, target)
-            if Version.of(os.fstat(file.fileno())) != read or Version.at(source) != read:  # written to, or replaced
-                target.unlink()
-                fsync_dir(folder)
+    with _entry(source) as entry:
+        fd = _open_to_move(entry)
+        if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
+            return None if version is not None else _move_entry(entry, folder, name, copy=copy)
+        with os.fdopen(fd, "rb") as file:
+            read = Version.of(os.fstat(file.fileno()))
+            if version is not None and read != version:
                 return None
-    source.unlink()
+            with _claim_free_name(folder, name) as target:
+                try:
+                    entry.rename(target)
+                    return target
+                except OSError as e:
+                    if e.errno != errno.EXDEV or not copy:
+                        raise
+                _copy_durably(file, target)
+                if Version.of(os.fstat(file.fileno())) != read or entry.version() != read:  # written to, or replaced
+                    target.unlink()
+                    fsync_dir(folder)
+                    return None
+        entry.unlink()
     fsync_dir(source.parent)
     return target
 
 
-def _open_to_move(source: Path) -> int | None:
-    """A descriptor of the regular file `source`; None for anything else, or one this process cannot read."""
-    if not stat.S_ISREG(os.lstat(source).st_mode):
+def _open_to_move(entry: _Entry) -> int | None:
+    """A descriptor of the regular file `entry`; None for anything else, or one this process cannot read."""
+    if not stat.S_ISREG(entry.lstat().st_mode):
         return None
     try:
-        return os.open(source, _OPEN_FLAGS)
+        return entry.open()
     except OSError:  # no permission, an I/O error: being set aside for it, it can still be renamed, not copied
         return None
 
@@ -322,17 +383,18 @@ def _copy_durably(file: BinaryIO, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def _move_entry(source: Path, folder: Path, name: str, *, copy: bool) -> Path:
-    """Move what `source` is, as itself, by name (a link stays a link), onto a claimed free name in `folder`."""
+def _move_entry(entry: _Entry, folder: Path, name: str, *, copy: bool) -> Path:
+    """Move what `entry` is, as itself, by name (a link stays a link), onto a claimed free name in `folder`;
+    across file systems only a link is made anew (a FIFO or a socket cannot be copied)."""
     with _claim_free_name(folder, name) as target:
         try:
-            os.rename(source, target)
+            entry.rename(target)
         except OSError as e:
-            if e.errno != errno.EXDEV or not copy:
+            if e.errno != errno.EXDEV or not copy or not stat.S_ISLNK(entry.lstat().st_mode):
                 raise
-            target.unlink()  # copy2 writes a link as a link only where nothing is in the way
-            shutil.copy2(source, target, follow_symlinks=False)
-            source.unlink()
+            target.unlink()  # a link is made only where nothing is in the way
+            os.symlink(os.readlink(entry.name, dir_fd=entry.folder), target)
+            entry.unlink()
     return target
 
 

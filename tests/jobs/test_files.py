@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from npumoe.jobs.errors import FileRefused
 from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
 from npumoe.jobs.files import (
     CHANGED,
+    DELETE,
     MOVE,
     SET_ASIDE,
     Folders,
@@ -29,11 +31,25 @@ from npumoe.jobs.files import (
     snapshot,
 )
 
+F_GETPATH = 50  # macOS: the path of an open descriptor
+
 
 def refusal(path: Path, max_bytes: int | None = None) -> FileRefused:
     with pytest.raises(FileRefused) as caught:
         open_regular(path, max_bytes)
     return caught.value
+
+
+def renamed_from(src: object, src_dir_fd: int | None = None) -> Path:
+    """The path a rename takes its file from: given whole, or (how an original is moved) as a name in a folder
+    held open by a descriptor."""
+    if src_dir_fd is None:
+        return Path(os.fsdecode(src))  # type: ignore[arg-type]
+    if sys.platform == "darwin":
+        folder = fcntl.fcntl(src_dir_fd, F_GETPATH, bytes(1024)).rstrip(b"\0").decode()
+    else:
+        folder = os.readlink(f"/proc/self/fd/{src_dir_fd}")
+    return Path(folder) / os.fsdecode(src)  # type: ignore[arg-type]
 
 
 def test_a_regular_file_within_the_limit_opens(tmp_path: Path) -> None:
@@ -146,11 +162,11 @@ def test_a_save_while_moving_across_file_systems_keeps_the_new_version(
     _, read = identify(source)
     real_rename = os.rename
 
-    def cross_device_with_a_save(src: object, dst: object) -> None:
-        if Path(str(src)) == source:  # the inbox on another file system, and the person saving meanwhile
+    def cross_device_with_a_save(src: object, dst: object, **kwargs: int) -> None:
+        if renamed_from(src, **kwargs) == source:  # the inbox on another file system, and the person saving meanwhile
             save(source, b"later")
             raise OSError(18, "Invalid cross-device link")
-        real_rename(src, dst)  # type: ignore[arg-type]
+        real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "rename", cross_device_with_a_save)
     assert settle_original(source, MOVE, inbox_folders, read) == CHANGED
@@ -170,10 +186,10 @@ def test_moving_never_overwrites_a_file_already_there(tmp_path: Path) -> None:
 
 
 def test_moving_across_file_systems_copies_then_removes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_cross_device_rename(src: object, dst: object) -> None:
-        if Path(str(src)).parent == tmp_path:
+    def no_cross_device_rename(src: object, dst: object, **kwargs: int) -> None:
+        if renamed_from(src, **kwargs).parent == tmp_path:
             raise OSError(18, "Invalid cross-device link")
-        os.replace(src, dst)  # type: ignore[arg-type]
+        os.replace(src, dst, **kwargs)  # type: ignore[arg-type]
 
     (tmp_path / "done").mkdir()
     source = tmp_path / "a.txt"
@@ -215,7 +231,7 @@ def test_a_file_whose_every_open_fails_with_an_io_error_is_set_aside_all_the_sam
     opened: list[str] = []
 
     def failing_open(path: object, *args: object, **kwargs: object) -> int:
-        if os.fsdecode(path).endswith(os.path.join("inbox", "bad.txt")):  # type: ignore[arg-type]
+        if os.fsdecode(path) in ("bad.txt", str(source)):  # type: ignore[arg-type]  # by name in its folder, or whole
             opened.append(os.fsdecode(path))  # type: ignore[arg-type]
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
@@ -245,13 +261,13 @@ def test_two_same_named_files_moved_at_once_both_survive(tmp_path: Path, monkeyp
     real_rename = os.rename
     landed: list[str] = []
 
-    def rename_once_both_have_chosen(src: object, dst: object) -> None:
-        if Path(os.fsdecode(src)).parent.parent == tmp_path and Path(os.fsdecode(src)).name == "x.pdf":  # type: ignore[arg-type]
+    def rename_once_both_have_chosen(src: object, dst: object, **kwargs: int) -> None:
+        if renamed_from(src, **kwargs) in sources:
             both_chose.wait()  # each mover has picked its destination by now
             landed.append(os.fsdecode(src))  # type: ignore[arg-type]
             if across_file_systems:
                 raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
-        real_rename(src, dst)  # type: ignore[arg-type]
+        real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "rename", rename_once_both_have_chosen)
     moved: list[Path | None] = [None, None]
@@ -275,9 +291,9 @@ def no_rename_across(boundary: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Renames from inside `boundary` to outside it fail as they do between two file systems."""
     real_rename = os.rename
 
-    def rename(src: object, dst: object, **kwargs: object) -> None:
-        inside = [Path(os.fsdecode(p)).is_relative_to(boundary) for p in (src, dst)]  # type: ignore[arg-type]
-        if inside[0] != inside[1] and not kwargs:
+    def rename(src: object, dst: object, **kwargs: int) -> None:
+        inside = [p.is_relative_to(boundary) for p in (renamed_from(src, **kwargs), renamed_from(dst))]
+        if inside[0] != inside[1]:
             raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
         real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
 
@@ -326,3 +342,40 @@ def test_a_file_that_cannot_leave_its_file_system_without_a_copy_stays_where_it_
     assert set_aside(huge, "not queued: too large\n", inbox_folders) is None
     assert copies == [] and huge.read_bytes() == b"%PDF-1.7 and much more"
     assert list(inbox_folders.failed.iterdir()) == list((tmp_path / "inbox" / SET_ASIDE).iterdir()) == []
+
+
+@pytest.mark.parametrize("originals", [MOVE, DELETE])
+def test_a_folder_swapped_for_a_link_after_the_check_redirects_no_move_and_no_delete(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, originals: str) -> None:
+    """In an inbox others can write to, the folder holding a finished document is swapped for a link to a
+    folder with a file of the same name, between the look at the document and the act on it."""
+    reports = tmp_path / "inbox" / "reports"
+    reports.mkdir()
+    source = reports / "a.txt"
+    source.write_text("processed")
+    _, read = identify(source)
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "a.txt").write_text("someone's own")
+    real_lstat, real_stat = os.lstat, os.stat
+    looks = []
+
+    def swap_after_the_look(real: Callable[..., os.stat_result], path: object, *args: object,
+                            **kwargs: object) -> os.stat_result:
+        looked = real(path, *args, **kwargs)
+        if os.fsdecode(path) in ("a.txt", str(source)) and looked.st_ino == read.inode:  # type: ignore[arg-type]
+            looks.append(path)
+            if len(looks) == 2 and not reports.is_symlink():  # the check before the act (the first: settling)
+                reports.rename(tmp_path / "inbox" / "moved-away")
+                reports.symlink_to(tmp_path / "private")
+        return looked
+
+    monkeypatch.setattr(os, "lstat", lambda path, *a, **k: swap_after_the_look(real_lstat, path, *a, **k))
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: swap_after_the_look(real_stat, path, *a, **k))
+    settled = settle_original(source, originals, inbox_folders, read)
+    monkeypatch.undo()
+    assert reports.is_symlink()  # the swap happened while it settled
+    assert (tmp_path / "private" / "a.txt").read_text() == "someone's own"
+    assert settled == ("deleted" if originals == DELETE else f"moved to {inbox_folders.processed / 'a.txt'}")
+    assert not (tmp_path / "inbox" / "moved-away" / "a.txt").exists()
+    if originals == MOVE:
+        assert (inbox_folders.processed / "a.txt").read_text() == "processed"
