@@ -328,6 +328,8 @@ def move_file(source: Path, folder: Path, name: str, version: Version | None = N
     temporary name, flushed to disk and renamed onto the claimed name, and the source is removed only if it
     is still that version afterwards: a save during the copy is never lost. (Between that last look and the
     unlink a save can still slip in: no system call removes a name only if it still holds a given inode.)
+    Every step acts on the name inside its folder, held open (`_entry`): a folder on the path swapped for a
+    link meanwhile redirects none of them.
     """
     with _entry(source) as entry:
         fd = _open_to_move(entry)
