@@ -57,7 +57,7 @@ class Database:
     """`location` is a SQLite file, or a `postgresql://…` URL for a queue that several machines share.
     `host` and `home` say which daemon this is, for its row in the daemon table: on a shared queue `host` is
     by default the home's machine identity (identity.py), which neither repeats nor changes; a home's own
-    file has one worker, whose host name only labels its rows."""
+    file has one worker, whose host name only labels its rows, as it does a home given only as a name."""
 
     def __init__(self, location: Path | str, *, read_only: bool = False, host: str | None = None,
                  home: Path | str | None = None) -> None:
@@ -65,7 +65,8 @@ class Database:
         self.path = getattr(self.dialect, "path", None)  # the SQLite file; None for a server
         self.location = str(location)
         self.home = str(home if home is not None else self.path.parent if self.path else "")
-        self.host = host or (machine_identity(Path(self.home)) if self.dialect.shared and self.home
+        has_home = bool(self.home) and Path(self.home).is_dir()  # not "", which is the working folder
+        self.host = host or (machine_identity(Path(self.home)) if self.dialect.shared and has_home
                              else socket.gethostname())
         self.writer, self.reader = self.dialect.engines(read_only=read_only)
         self._identity_held: Connection | None = None
