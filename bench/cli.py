@@ -109,14 +109,20 @@ def _json_option(f):
 @click.option("--weights", "weights", multiple=True, type=click.Choice(QUANTIZED),
               help="Also run the engine's CPU path with its experts quantized to this format (repeatable); "
                    "approximate rows, timed when within the format's error bound.")
+@click.option("--cuda", is_flag=True,
+              help="Run the rows on an NVIDIA GPU instead (bench/cuda_rows.py): the engine's cuda backend (its groups "
+                   "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
+                   "on the GPU.")
 @_threads_option
 @_timing_options
 @_rounds_options
 @_json_option
 def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str, ...], skew: float,
-        calibration_chunks: int, weights: tuple[str, ...], threads: int, warmup: int, repeats: int, seed: int,
-        min_seconds: float, own_process: bool, json_path: Path | None) -> None:
+        calibration_chunks: int, weights: tuple[str, ...], cuda: bool, threads: int, warmup: int, repeats: int,
+        seed: int, min_seconds: float, own_process: bool, json_path: Path | None) -> None:
     """MoE-layer prefill throughput on random weights: transformers' experts vs the engine vs the roofline."""
+    if cuda:
+        _require_gpu()
     parsed = _geometries(geometries)
     dtypes = _measured_dtypes(dtypes, parsed)
     import torch
@@ -130,6 +136,15 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
     settings = MoeBenchSettings(threads=threads, warmup=warmup, repeats=repeats, seed=seed, skew=skew,
                                 calibration_chunks=calibration_chunks, weights=weights, min_seconds=min_seconds,
                                 own_process=own_process)
+    if cuda:
+        from .cuda_rows import CUDA_PER_EXPERT, run_cuda_moe_bench
+
+        results = run_cuda_moe_bench(parsed, tokens, dtypes, settings, on_result=_progress)
+        print_results(results, ("geometry", "tokens", "dtype"), "On the GPU (bench/cuda_rows.py).", machine,
+                      baseline=CUDA_PER_EXPERT)
+        _write_json(json_path, machine, {"cuda": True, "warmup": warmup, "repeats": repeats, "seed": seed,
+                                         "skew": skew, "calibration_chunks": calibration_chunks}, results)
+        return
     with sampled_load(machine):
         results = run_moe_bench(parsed, tokens, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
                                 on_result=_progress)
@@ -167,15 +182,21 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Also run llama.cpp beside them on the same weights: a folder holding llama-bench and "
                    "llama-quantize (or holding them in bin/; bench/peer/build-llama-cpp.sh builds them). "
                    "Default: $NPUMOE_LLAMA_CPP.")
+@click.option("--cuda", is_flag=True,
+              help="Run the rows on an NVIDIA GPU instead (bench/cuda_rows.py): the engine's cuda backend (its groups "
+                   "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
+                   "on the GPU.")
 @_threads_option
 @_timing_options
 @_rounds_options
 @_json_option
 def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
             dtypes: tuple[str, ...], calibration_documents: int, weights: tuple[str, ...], profile: bool,
-            peer_dir: Path | None, threads: int, warmup: int, repeats: int, seed: int, min_seconds: float,
-            own_process: bool, json_path: Path | None) -> None:
+            peer_dir: Path | None, cuda: bool, threads: int, warmup: int, repeats: int, seed: int,
+            min_seconds: float, own_process: bool, json_path: Path | None) -> None:
     """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers (and llama.cpp)."""
+    if cuda:
+        _require_gpu()
     parsed = _geometries(geometries)
     dtypes = _measured_dtypes(dtypes, parsed)
     from functools import partial
@@ -202,6 +223,16 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
     peers = [] if peer_tool is None else [partial(peer_rows, peer_tool, warmup=warmup, repeats=repeats)]
+    if cuda:
+        from .cuda_rows import CUDA_PER_EXPERT, run_cuda_prefill_bench
+
+        results = run_cuda_prefill_bench(parsed, dtypes, settings, on_result=_progress)
+        print_results(results, ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens"),
+                      "On the GPU (bench/cuda_rows.py); the engine's dense parts on the CPU.", machine,
+                      baseline=CUDA_PER_EXPERT)
+        _write_json(json_path, machine, {"cuda": True, "warmup": warmup, "repeats": repeats, "seed": seed,
+                                         "layers": layers, "calibration_documents": calibration_documents}, results)
+        return
     with sampled_load(machine):
         results = run_prefill_bench(parsed, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
                                     peers=peers, on_result=_progress)
@@ -719,6 +750,16 @@ def print_profile(rows: Sequence[dict], case_keys: Sequence[str], machine: dict)
                          f"FLOPs at this machine's dense-matmul rate or its bytes at {machine['copy_bandwidth_gbps']}"
                          f" GB/s, whichever is slower; — where the part's work is not counted.")
         console.print(table)
+
+
+def _require_gpu() -> None:
+    """A --cuda bench stops before anything is built where there is no GPU, saying why."""
+    from .cuda_rows import require_cuda
+
+    try:
+        require_cuda()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e
 
 
 def _progress(row: dict) -> None:
