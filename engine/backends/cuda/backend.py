@@ -74,7 +74,7 @@ class CudaBackend(Backend):
             return self._waiter.submit(lambda: [graph(x) for graph, x in graphs])
         with torch.cuda.stream(self.stream):
             outputs = [graph.enqueue(x) for graph, x in graphs]
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # its waiter sleeps: no core spins that the CPU experts want
             done.record(self.stream)
 
         def wait() -> list[torch.Tensor]:
