@@ -110,7 +110,7 @@ def _json_option(f):
               help="Also run the engine's CPU path with its experts quantized to this format (repeatable); "
                    "approximate rows, timed when within the format's error bound.")
 @click.option("--cuda", is_flag=True,
-              help="Run the rows on an NVIDIA GPU instead (bench/cuda_rows.py): the engine's cuda backend (its groups "
+              help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend (its groups "
                    "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
                    "on the GPU.")
 @_threads_option
@@ -137,10 +137,10 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                                 calibration_chunks=calibration_chunks, weights=weights, min_seconds=min_seconds,
                                 own_process=own_process)
     if cuda:
-        from .cuda_rows import CUDA_PER_EXPERT, run_cuda_moe_bench
+        from .gpu.rows import CUDA_PER_EXPERT, run_cuda_moe_bench
 
         results = run_cuda_moe_bench(parsed, tokens, dtypes, settings, on_result=_progress)
-        print_results(results, ("geometry", "tokens", "dtype"), "On the GPU (bench/cuda_rows.py).", machine,
+        print_results(results, ("geometry", "tokens", "dtype"), "On the GPU (bench/gpu/rows.py).", machine,
                       baseline=CUDA_PER_EXPERT)
         _write_json(json_path, machine, {"cuda": True, "warmup": warmup, "repeats": repeats, "seed": seed,
                                          "skew": skew, "calibration_chunks": calibration_chunks}, results)
@@ -183,7 +183,7 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                    "llama-quantize (or holding them in bin/; bench/peer/build-llama-cpp.sh builds them). "
                    "Default: $NPUMOE_LLAMA_CPP.")
 @click.option("--cuda", is_flag=True,
-              help="Run the rows on an NVIDIA GPU instead (bench/cuda_rows.py): the engine's cuda backend (its groups "
+              help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend (its groups "
                    "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
                    "on the GPU.")
 @_threads_option
@@ -224,11 +224,11 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     machine = describe_machine(threads)
     peers = [] if peer_tool is None else [partial(peer_rows, peer_tool, warmup=warmup, repeats=repeats)]
     if cuda:
-        from .cuda_rows import CUDA_PER_EXPERT, run_cuda_prefill_bench
+        from .gpu.rows import CUDA_PER_EXPERT, run_cuda_prefill_bench
 
         results = run_cuda_prefill_bench(parsed, dtypes, settings, on_result=_progress)
         print_results(results, ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens"),
-                      "On the GPU (bench/cuda_rows.py); the engine's dense parts on the CPU.", machine,
+                      "On the GPU (bench/gpu/rows.py); the engine's dense parts on the CPU.", machine,
                       baseline=CUDA_PER_EXPERT)
         _write_json(json_path, machine, {"cuda": True, "warmup": warmup, "repeats": repeats, "seed": seed,
                                          "layers": layers, "calibration_documents": calibration_documents}, results)
@@ -754,7 +754,7 @@ def print_profile(rows: Sequence[dict], case_keys: Sequence[str], machine: dict)
 
 def _require_gpu() -> None:
     """A --cuda bench stops before anything is built where there is no GPU, saying why."""
-    from .cuda_rows import require_cuda
+    from .gpu.rows import require_cuda
 
     try:
         require_cuda()

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from npumoe.bench.cli import bench
-from npumoe.bench.cuda_rows import CUDA_GRAPHS, CUDA_NO_GRAPHS, CUDA_PER_EXPERT, WITH_COPIES
+from npumoe.bench.gpu.rows import CUDA_GRAPHS, CUDA_NO_GRAPHS, CUDA_PER_EXPERT, WITH_COPIES
 from npumoe.engine.backends.cuda.env import cuda_availability
 
 AVAILABLE, REASON = cuda_availability()

@@ -43,12 +43,12 @@ from npumoe.engine.plan.residency import decide_residency
 from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, routing_prior
 from npumoe.engine.vocabulary import SPILL
 
-from .fair.paired import add_ratios
-from .fair.workloads import build_model, in_float32, prefill_parts
-from .moe import MoeBenchSettings
-from .paths import Output, Reference, calibration_from_loads, dispatch_fractions, gate, parts, selected
-from .prefill_bench import PrefillBenchSettings, calibrate_on_documents
-from .timing import interleaved_seconds
+from ..fair.paired import add_ratios
+from ..fair.workloads import build_model, in_float32, prefill_parts
+from ..moe import MoeBenchSettings
+from ..paths import Output, Reference, calibration_from_loads, dispatch_fractions, gate, parts, selected
+from ..prefill_bench import PrefillBenchSettings, calibrate_on_documents
+from ..timing import interleaved_seconds
 
 CUDA_GRAPHS = "npumoe-cuda"
 CUDA_NO_GRAPHS = "npumoe-cuda-no-graphs"
