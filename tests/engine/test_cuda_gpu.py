@@ -17,6 +17,7 @@ from npumoe.engine.calibration.calibrate import Calibration
 from npumoe.engine.calibration.planner import make_plan
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.moe.experts_layout import DEFAULT_LAYOUT, ExpertWeights
+from npumoe.engine.moe.grouped import GroupedExperts
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.plan.expert_plan import ExpertLoad
 from npumoe.engine.plan.residency import CHEAPER, IDLE
@@ -49,12 +50,14 @@ def test_a_captured_graph_computes_what_the_module_computes_eagerly_on_every_rep
 def test_submit_hands_back_each_graphs_output_once_its_event_fires():
     weights = group(torch.bfloat16)
     backend = CudaBackend()
-    graphs = [backend.build_group(weights.select([e, e + 1]), DEFAULT_LAYOUT, C) for e in (0, 2)]
+    experts = [weights.select([e, e + 1]) for e in (0, 2)]
+    graphs = [backend.build_group(w, DEFAULT_LAYOUT, C) for w in experts]
     inputs = [torch.randn(2, C, H, generator=torch.Generator().manual_seed(e)).to(torch.bfloat16) for e in (3, 4)]
     outputs = backend.submit(list(zip(graphs, inputs, strict=True))).result(timeout=60)
-    for graph, x, y in zip(graphs, inputs, outputs, strict=True):
-        assert y.is_pinned()
-        torch.testing.assert_close(y, graph(x))
+    assert all(y.is_pinned() for y in outputs)  # the graphs' own staging buffers, copied back into by the device
+    for w, x, y in zip(experts, inputs, outputs, strict=True):
+        want = GroupedExperts(w.to(torch.float32))(x.float())  # on the CPU, in fp32
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.fixture
