@@ -63,14 +63,20 @@ for command in (foreground, queue_bench, search_bench, query_latency_bench, retr
 @click.option("--weights", "weights", multiple=True, type=click.Choice(QUANTIZED),
               help="Also run the engine's CPU path with its experts quantized to this format (repeatable); "
                    "approximate rows, timed when within the format's error bound.")
+@click.option("--cuda", is_flag=True,
+              help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend (its groups "
+                   "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
+                   "on the GPU.")
 @threads_option
 @timing_options
 @rounds_options
 @json_option
 def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str, ...], skew: float,
-        calibration_chunks: int, weights: tuple[str, ...], threads: int, warmup: int, repeats: int, seed: int,
-        min_seconds: float, own_process: bool, json_path: Path | None) -> None:
+        calibration_chunks: int, weights: tuple[str, ...], cuda: bool, threads: int, warmup: int, repeats: int,
+        seed: int, min_seconds: float, own_process: bool, json_path: Path | None) -> None:
     """MoE-layer prefill throughput on random weights: transformers' experts vs the engine vs the roofline."""
+    if cuda:
+        _require_gpu()
     parsed = parse_geometries(geometries)
     dtypes = measured_dtypes(dtypes, parsed)
     import torch
@@ -84,6 +90,15 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
     settings = MoeBenchSettings(threads=threads, warmup=warmup, repeats=repeats, seed=seed, skew=skew,
                                 calibration_chunks=calibration_chunks, weights=weights, min_seconds=min_seconds,
                                 own_process=own_process)
+    if cuda:
+        from .gpu.rows import CUDA_PER_EXPERT, run_cuda_moe_bench
+
+        results = run_cuda_moe_bench(parsed, tokens, dtypes, settings, on_result=print_progress)
+        print_results(results, ("geometry", "tokens", "dtype"), "On the GPU (bench/gpu/rows.py).", machine,
+                      baseline=CUDA_PER_EXPERT)
+        write_json(json_path, machine, {"cuda": True, "warmup": warmup, "repeats": repeats, "seed": seed,
+                                         "skew": skew, "calibration_chunks": calibration_chunks}, results)
+        return
     with sampled_load(machine):
         results = run_moe_bench(parsed, tokens, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
                                 on_result=print_progress)
@@ -121,15 +136,21 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
               help="Also run llama.cpp beside them on the same weights: a folder holding llama-bench and "
                    "llama-quantize (or holding them in bin/; bench/peer/build-llama-cpp.sh builds them). "
                    "Default: $NPUMOE_LLAMA_CPP.")
+@click.option("--cuda", is_flag=True,
+              help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend (its groups "
+                   "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
+                   "on the GPU.")
 @threads_option
 @timing_options
 @rounds_options
 @json_option
 def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chunk_tokens: int,
             dtypes: tuple[str, ...], calibration_documents: int, weights: tuple[str, ...], profile: bool,
-            peer_dir: Path | None, threads: int, warmup: int, repeats: int, seed: int, min_seconds: float,
-            own_process: bool, json_path: Path | None) -> None:
+            peer_dir: Path | None, cuda: bool, threads: int, warmup: int, repeats: int, seed: int,
+            min_seconds: float, own_process: bool, json_path: Path | None) -> None:
     """Whole-model document prefill tokens/s on random weights: the engine vs plain transformers (and llama.cpp)."""
+    if cuda:
+        _require_gpu()
     parsed = parse_geometries(geometries)
     dtypes = measured_dtypes(dtypes, parsed)
     from functools import partial
@@ -156,6 +177,16 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
     peers = [] if peer_tool is None else [partial(peer_rows, peer_tool, warmup=warmup, repeats=repeats)]
+    if cuda:
+        from .gpu.rows import CUDA_PER_EXPERT, run_cuda_prefill_bench
+
+        results = run_cuda_prefill_bench(parsed, dtypes, settings, on_result=print_progress)
+        print_results(results, ("geometry", "layers", "dtype", "document_tokens", "chunk_tokens"),
+                      "On the GPU (bench/gpu/rows.py); the engine's dense parts on the CPU.", machine,
+                      baseline=CUDA_PER_EXPERT)
+        write_json(json_path, machine, {"cuda": True, "warmup": warmup, "repeats": repeats, "seed": seed,
+                                         "layers": layers, "calibration_documents": calibration_documents}, results)
+        return
     with sampled_load(machine):
         results = run_prefill_bench(parsed, dtypes, settings, bandwidth=machine["copy_bandwidth_gbps"] * 1e9,
                                     peers=peers, on_result=print_progress)
@@ -329,3 +360,13 @@ def sections(geometry_name: str, layers: int, document_tokens: int, sections: tu
                             f"against the first row (the longest sections). * the fastest whose document vector keeps "
                             f"cosine ≥ {DOCUMENT_COSINE}. {threads} threads, {machine['cpu']}.")
     write_json(json_path, machine, settings.__dict__, results)
+
+
+def _require_gpu() -> None:
+    """A --cuda bench stops before anything is built where there is no GPU, saying why."""
+    from .gpu.rows import require_cuda
+
+    try:
+        require_cuda()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from e

@@ -71,7 +71,7 @@ class InboxConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "demo"  # "demo" (SmolLM2-135M-Instruct made an 8-expert MoE), a local folder, or a Hugging Face id
-    backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
+    backend: str = choice(CPU, BACKENDS)
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
     chunk_tokens: int = positive(CHUNK_TOKENS)  # prefill chunk length; 0: the length measured fastest here (at load)
