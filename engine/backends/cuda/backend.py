@@ -58,13 +58,11 @@ class CudaBackend(Backend):
         self.capture = capture
         on_gpu = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if on_gpu else None
-        self.pool = torch.cuda.graph_pool_handle() if on_gpu and capture else None
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda")
 
     def build_group(self, weights: ExpertWeights, layout: ExpertsLayout, capacity: int,
                     scale: float = 1.0) -> DeviceGroupGraph:
-        return DeviceGroupGraph(GroupedExperts(weights, layout).eval(), capacity, self.device, capture=self.capture,
-                                pool=self.pool)
+        return DeviceGroupGraph(GroupedExperts(weights, layout).eval(), capacity, self.device, capture=self.capture)
 
     def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Queue a layer's group graphs on the backend's stream; the future completes when they are done (their

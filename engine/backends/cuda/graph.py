@@ -10,8 +10,6 @@ GPU it is the baseline that launches every kernel one by one.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ...moe.grouped import GroupedExperts
@@ -20,11 +18,11 @@ from ...moe.grouped import GroupedExperts
 class DeviceGroupGraph:
     """A (G, C, H) -> (G, C, H) group graph on `device`, captured as a CUDA graph when `capture` is on.
 
-    `pool`: the CUDA graph memory pool its intermediates come from, shared by a backend's graphs (they run one
-    after another on one stream, so one graph's intermediates are dead before the next runs)."""
+    Each graph keeps a memory pool of its own for its intermediates. Sharing one between a backend's graphs would
+    save memory, but torch 2.11 asserts (CUDACachingAllocator use_count) when a graph is captured into a shared
+    pool after every graph that used it was freed, as happens when the graphs timed for residency are let go."""
 
-    def __init__(self, module: GroupedExperts, capacity: int, device: torch.device, *, capture: bool,
-                 pool: Any = None) -> None:
+    def __init__(self, module: GroupedExperts, capacity: int, device: torch.device, *, capture: bool) -> None:
         if capture and device.type != "cuda":
             raise ValueError(f"CUDA graphs are captured on a CUDA device, not {device}: build it with capture off")
         self.device = device
@@ -39,14 +37,14 @@ class DeviceGroupGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.output: torch.Tensor | None = None
         if capture:
-            self._capture(pool)
+            self._capture()
 
     @property
     def capacity(self) -> int:
         return self.input.shape[1]
 
     @torch.no_grad()
-    def _capture(self, pool: Any) -> None:
+    def _capture(self) -> None:
         # cuBLAS chooses its kernels and allocates its workspace on the first calls: those happen before the
         # capture, on a side stream, as torch's CUDA graph notes ask.
         side = torch.cuda.Stream(self.device)
@@ -56,7 +54,7 @@ class DeviceGroupGraph:
                 self.module(self.input)
         torch.cuda.current_stream(self.device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):
             self.output = self.module(self.input)
 
     @torch.no_grad()
