@@ -80,8 +80,8 @@ KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], AVX_VNNI, *NEON[INT8], "onednn-dyn
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
-CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source, avx2_linear.KERNEL.source,
-                                         neon_linear.KERNEL.source))
+CHOICES = Measured("quantized kernels", (Path(__file__), *vnni_linear.KERNEL.sources, *avx2_linear.KERNEL.sources,
+                                         *neon_linear.KERNEL.sources))
 
 
 def bound(kernel: str, dtype: torch.dtype) -> float:
