@@ -16,12 +16,11 @@ It is built and loaded by native.py. Where the CPU is not x86-64 with AVX2 and F
 
 from __future__ import annotations
 
-import platform
-
 import torch
 
 from . import host
 from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .native import cpu_lacks, has_avx2
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None, *,
@@ -57,13 +56,8 @@ def vnni_unavailable() -> str | None:
 
 
 def unsupported_cpu() -> str | None:
-    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can (torch's AVX2 level
-    means AVX2 and FMA; AVX-512 CPUs have both)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the AVX2 kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return "this CPU lacks AVX2 and FMA"
-    return None
+    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
+    return cpu_lacks("the AVX2 kernel", "x86-64", "AVX2 and FMA", has_avx2)
 
 
 KERNEL = native_kernel("avx2_linear", "the AVX2 int8/int4 kernel", unsupported_cpu,

@@ -33,13 +33,29 @@ from .host import cache_root, isa_ceiling_refuses
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 
 
+# How messages name each architecture, and the names platform.machine() gives it.
+ARCHITECTURES = {"x86-64": ("x86_64", "amd64"), "arm64": ("arm64", "aarch64")}
+
+
+def cpu_lacks(what: str, architecture: str, feature: str, has: Callable[[], bool],
+              level: str | None = None) -> str | None:
+    """Why this CPU cannot run `what`, a kernel for `architecture` CPUs with `feature` (which `has` finds, asked only
+    on that architecture), at instruction set `level` of `$NPUMOE_MAX_CPU_ISA` when given; None when it can."""
+    if platform.machine().lower() not in ARCHITECTURES[architecture]:
+        return f"{what} is for {architecture} CPUs, this is {platform.machine()}"
+    if not has():
+        return f"this CPU lacks {feature}"
+    return None if level is None else isa_ceiling_refuses(level)
+
+
+def has_avx2() -> bool:
+    """Whether torch finds AVX2 and FMA here (its AVX2 level means both; AVX-512 CPUs have both)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def x86_avx512_missing(what: str) -> str | None:
     """Why this CPU cannot run `what`, a kernel for x86-64 CPUs with AVX-512, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"{what} is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return "this CPU lacks AVX-512"
-    return isa_ceiling_refuses("avx512")
+    return cpu_lacks(what, "x86-64", "AVX-512", lambda: torch.backends.cpu.get_cpu_capability() == "AVX512", "avx512")
 
 
 @dataclass(frozen=True)

@@ -17,14 +17,13 @@ among the other kernels.
 
 from __future__ import annotations
 
-import platform
-
 import torch
 import torch.nn.functional as F
 
 from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
 from . import host
 from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .native import cpu_lacks
 
 BLOCK = 16  # output columns per packed weight block, as in neon_linear.c
 OCTET = 8  # inputs per SMMLA operand row
@@ -97,11 +96,8 @@ def i8mm_unavailable() -> str | None:
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("arm64", "aarch64"):
-        return f"the NEON kernel is for arm64 CPUs, this is {platform.machine()}"
-    if "asimddp" not in host.arm_features():
-        return "this CPU lacks the dot-product instructions (asimddp)"
-    return None
+    return cpu_lacks("the NEON kernel", "arm64", "the dot-product instructions (asimddp)",
+                     lambda: "asimddp" in host.arm_features())
 
 
 KERNEL = native_kernel("neon_linear", "the NEON int8/int4 kernel", unsupported_cpu)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import platform
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +34,7 @@ import torch.nn.functional as F
 from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
 from .host import isa_ceiling_refuses
 from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .native import cpu_lacks
 
 BLOCK = 64  # output columns per packed weight block, as in vnni_linear.c
 INT4_GROUP_MULTIPLE = 16  # the kernel sums x codes per group 16 at a time
@@ -121,11 +121,7 @@ def _amx_granted(library: ctypes.CDLL) -> bool:
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the VNNI kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if not torch.cpu._is_vnni_supported():
-        return "this CPU lacks AVX512-VNNI"
-    return isa_ceiling_refuses("avx512_vnni")
+    return cpu_lacks("the VNNI kernel", "x86-64", "AVX512-VNNI", torch.cpu._is_vnni_supported, "avx512_vnni")
 
 
 KERNEL = native_kernel("vnni_linear", "the VNNI int8/int4 kernel", unsupported_cpu, npumoe_amx_init=())
