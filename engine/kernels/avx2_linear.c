@@ -422,14 +422,10 @@ static inline TARGET INLINE void tile_int4(const int rows, const int8_t *q, int6
 static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
                               const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t groups = k / group, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
-    int8_t *q = malloc((size_t)(m * k));
-    float *xs = malloc((size_t)m * sizeof *xs), *gs = calloc((size_t)(m * groups), sizeof *gs);
-    if (!q || !xs || !gs) {
-        free(q);
-        free(xs);
-        free(gs);
-        return -1;
-    }
+    struct int4_scratch scratch;
+    if (alloc_int4_scratch(&scratch, m, k, groups)) return -1;
+    int8_t *q = scratch.q;
+    float *xs = scratch.xs, *gs = scratch.gs;
     for (int64_t r = 0; r < m; r++)
         xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, q + r * k, group, gs + r * groups, NULL);
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, octets = group / 8;
@@ -459,9 +455,7 @@ static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, c
             }
         }
     }
-    free(q);
-    free(xs);
-    free(gs);
+    free_int4_scratch(&scratch);
     return 0;
 }
 
@@ -477,8 +471,7 @@ static inline TARGET __m256 times_2_to(__m256 p, __m256 n) {
 
 DEFINE_EXP_PS(TARGET, __m256, _mm256, round_ps, times_2_to)
 
-/* Each of m rows of h (row stride ldh): the first `inter` values become silu(gate) · up, gate the first `inter`
- * and up the next `inter`, in float32. */
+/* silu(gate) · up in float32, 8 values at a time, where npumoe_kernels.h's NPUMOE_EXPORTS says. */
 static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = 0; r < m; r++) {

@@ -361,7 +361,7 @@ static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, int
     return 0;
 }
 
-/* silu(gate) · up in float32, as the header says. */
+/* silu(gate) · up in float32, where npumoe_kernels.h's NPUMOE_EXPORTS says. */
 static void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
     for (int64_t r = 0; r < m; r++) {
         float *row = h + r * ldh;

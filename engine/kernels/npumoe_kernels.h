@@ -1,7 +1,7 @@
 /* What the engine's int8/int4 kernels (vnni_linear.c, avx2_linear.c, neon_linear.c) share: the packed weight the
  * Python side hands them (int_linear.py's NativeWeight mirrors it), the two functions each exports, built around
  * its own `linear`, the rounding bound past which a row takes a second level of codes, how far ahead the x86 kernels
- * fetch weights, and the x86 kernels' e^x for silu.
+ * fetch weights, their int4 scratch and their e^x for silu.
  * native.py compiles every kernel with this folder on the include path and hashes this header into the build's name.
  */
 #ifndef NPUMOE_KERNELS_H
@@ -25,6 +25,29 @@ struct npumoe_weight {
 /* Weights stream from memory once per call: the x86 kernels ask for the bytes this far ahead of the ones they are
  * multiplying, so that DRAM's latency overlaps the arithmetic (16 KiB measured best of 8-64 KiB on AMX). */
 #define AHEAD 16384
+
+/* The x86 int4 kernels' scratch for x's m rows rounded to k codes each: the codes (int8, or in vnni_linear.c uint8), a
+ * scale a row, and each row's sums of codes per group of K values (zeroed). */
+struct int4_scratch {
+    void *q;
+    float *xs, *gs;
+};
+
+static inline void free_int4_scratch(struct int4_scratch *s) {
+    free(s->q);
+    free(s->xs);
+    free(s->gs);
+}
+
+/* 0, or -1 when memory ran out (nothing left to free). */
+static inline int alloc_int4_scratch(struct int4_scratch *s, int64_t m, int64_t k, int64_t groups) {
+    s->q = malloc((size_t)(m * k));
+    s->xs = malloc((size_t)m * sizeof *s->xs);
+    s->gs = calloc((size_t)(m * groups), sizeof *s->gs);
+    if (s->q && s->xs && s->gs) return 0;
+    free_int4_scratch(s);
+    return -1;
+}
 
 /* Defines `exp_ps`, e^x for |x| up to 88 (clamped beyond), to about 1e-6 relative: 2^n · 2^f with
  * n = round(x·log2 e), |f| <= 1/2, and 2^f by its Taylor series to the f^6 term; for the vector type V whose
