@@ -29,13 +29,14 @@ from sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
 from npumoe.daemon.energy.measure import Meter
 from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
 from npumoe.engine.moe.dispatch import DispatchStats
-from npumoe.jobs import files, outputs, pipeline
+from npumoe.jobs import files, outputs, reading
 from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import READ_FAULTS, MachineFault
 from npumoe.jobs.files import Folders
+from npumoe.jobs.outcomes import Outcome
 from npumoe.jobs.outputs import displaced_path, output_name, read_text
-from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
+from npumoe.jobs.pipeline import Pipeline, Policy
 from npumoe.jobs.queue.schema import jobs
 from npumoe.jobs.queue.store import HANDBACKS, Backoff, Job, Queue
 from npumoe.jobs.search.index import SearchIndex, reindex, stale_reason
@@ -294,7 +295,7 @@ def test_an_extractor_killed_by_the_same_stop_signal_does_not_fail_the_document(
     def killed(*_: object) -> None:
         raise ExtractionError("corrupt", "the parser crashed on this document (killed by SIGINT)")
 
-    monkeypatch.setattr(pipeline, "extract_text", killed)
+    monkeypatch.setattr(reading, "extract_text", killed)
     setup.stop_at_checkpoint = 2  # Ctrl-C: the daemon is stopping when the extractor's death is reported
     outcome, job = setup.run(setup.document())
     assert (outcome.state, job.state, job.attempts, job.last_error) == ("queued", "queued", 0, None)
@@ -306,7 +307,7 @@ def test_a_document_refused_for_a_permission_is_tried_again_with_the_reason_it_w
     def denied(*_: object) -> None:  # as open_regular refuses a file of mode 000 (root reads it anyway)
         raise FileRefused("unreadable", "cannot read the file: permission denied", denied=True)
 
-    monkeypatch.setattr(pipeline, "snapshot", denied)
+    monkeypatch.setattr(reading, "snapshot", denied)
     path = setup.document()
     outcome, job = setup.run(path)
     assert (outcome.state, job.error_kind, job.last_error) == ("failed", "unreadable",
@@ -440,7 +441,7 @@ def test_a_missing_package_is_the_machines_fault_and_clears_once_it_imports(
         calls.append(path)
         raise MissingDependency("reading this PDF needs a package that is not installed", "cryptography")
 
-    monkeypatch.setattr(pipeline, "extract_text", without_cryptography)
+    monkeypatch.setattr(reading, "extract_text", without_cryptography)
     path = setup.document()
     job = setup.claim(path, max_attempts=1)
     with pytest.raises(MachineFault, match="the Python module 'cryptography' cannot be imported") as fault:
@@ -513,12 +514,12 @@ def test_a_failure_the_locked_database_would_not_record_is_recorded_later_and_th
         return real_fail(queue, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Queue, "fail", fail_unless_locked)
-    monkeypatch.setattr(pipeline, "extract_text", refuse_as_corrupt)
+    monkeypatch.setattr(reading, "extract_text", refuse_as_corrupt)
     job = setup.claim(setup.document(), max_attempts=1)
     worker = setup.pipeline()
     with pytest.raises(MachineFault, match=r"^the database is busy") as fault:
         worker.process(job)
-    assert fault.value.code == errno.EBUSY and list(worker.unsettled) == [job.id]
+    assert fault.value.code == errno.EBUSY and list(worker.outcomes.unsettled) == [job.id]
     with pytest.raises(MachineFault):
         worker.record_unsettled()  # still locked: it waits for the next call
     running = setup.queue.get(job.id)
@@ -526,7 +527,8 @@ def test_a_failure_the_locked_database_would_not_record_is_recorded_later_and_th
     database["locked"] = False
     worker.record_unsettled()
     after = setup.queue.get(job.id)
-    assert after is not None and (after.state, after.error_kind) == ("dead", "corrupt") and worker.unsettled == {}
+    assert after is not None and (after.state, after.error_kind) == ("dead", "corrupt")
+    assert worker.outcomes.unsettled == {}
     assert (setup.failed / "notes.md").exists()  # set aside once the failure was recorded
 
 
