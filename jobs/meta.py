@@ -4,7 +4,7 @@ Written once, from `DocumentMeta`; every figure has one place in it. The README 
 ("Where things go") and tests check a produced file against that list, so change both together, and
 raise SCHEMA_VERSION when a field is renamed, removed or changes type or meaning.
 
-Read back by one function, `read_meta`, for every caller (the pipeline finding a finished output, the search
+Read back by one function, `read_meta`, for every caller (a later attempt finding its finished output, the search
 index, rebuilding the queue, the batch report), with one set of checks.
 """
 
