@@ -7,8 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from npumoe.engine.vocabulary import PREFILL
-
 from .errors import Failure, Lost, Stop
 from .progress import JobProgress
 
@@ -18,7 +16,7 @@ if TYPE_CHECKING:
 
 def run_engine(engine: Engine, text: str, progress: JobProgress, check: Callable[[], None]) -> DocumentResult:
     """`engine.process(text)`, with `check` run before every model layer (it may block or raise)."""
-    progress.progressed(PREFILL)  # the model is loaded: from now on, a job that does not move has stalled
+    progress.model_loaded()
     try:
         return engine.process(text, on_progress=progress.engine_moved, check=check)
     except (Stop, Lost, Failure):

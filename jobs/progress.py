@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from npumoe.engine.vocabulary import PREFILL
+
 from .errors import Lost
 from .queue.store import Job, Queue
 
@@ -34,6 +36,10 @@ class JobProgress:
             detail={"phase": phase, **detail},
         ):
             raise Lost
+
+    def model_loaded(self) -> None:
+        """Tell the worker the engine starts: from now on, a job that does not move has stalled."""
+        self.progressed(PREFILL)
 
     def engine_moved(self, p: Progress) -> None:
         """After every chunk and every summary step.
