@@ -68,7 +68,7 @@ class InboxConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "demo"  # "demo" (the built-in tiny model), a local folder, or a Hugging Face id
+    name: str = "demo"  # "demo" (SmolLM2-135M-Instruct made an 8-expert MoE), a local folder, or a Hugging Face id
     backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)

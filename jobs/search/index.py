@@ -28,13 +28,14 @@ from typing import Any
 
 import numpy as np
 
+from npumoe.engine.generate.sentences import sentence_spans
 from npumoe.engine.vocabulary import MEAN
 
 from ..meta import read_meta
 from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
 from ..summary_file import read_summary
-from .passages import query_terms, sentence_spans, whole_sentences
+from .passages import query_terms, widened_to_sentences
 
 log = logging.getLogger(__name__)
 STALE_SUFFIX = "-reindex"
@@ -51,7 +52,7 @@ class Weights:
 
 
 # Half the vectors, a quarter each the words and the phrase: the words decide where the vectors cannot (see
-# README, Search, for the measurement that chose them).
+# docs/search.md for the measurement that chose them).
 WEIGHTS = Weights(cosine=0.5, words=0.25, phrase=0.25)
 CANDIDATES = 100  # chunks taken from each of the two searches before scoring, at least
 MAX_KNN = 4096  # sqlite-vec's limit on k
@@ -141,7 +142,7 @@ def write_entry(conn: sqlite.Connection, entry: IndexEntry) -> None:
                  (entry.job_id, entry.document.tobytes()))
     if entry.text is not None and entry.spans is not None:
         sentences = sentence_spans(entry.text)
-        words = [entry.text[slice(*whole_sentences(sentences, a, b))] for a, b in entry.spans.tolist()]
+        words = [entry.text[slice(*widened_to_sentences(sentences, a, b))] for a, b in entry.spans.tolist()]
         conn.executemany("INSERT INTO search_words (rowid, text) VALUES (?, ?)", zip(chunk_ids, words, strict=True))
 
 
