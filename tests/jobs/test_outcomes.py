@@ -68,7 +68,7 @@ def test_a_job_handed_back_for_the_machine_raises_the_fault_for_the_worker_to_wa
     outcomes: Outcomes, queue: Queue, document: Path, claim: Callable[..., Job]
 ) -> None:
     job = claim(queue, document)
-    fault = MachineFault(outcomes.folders.outbox, code=errno.ENOSPC)
+    fault = MachineFault(outcomes.folders.outbox, code=errno.EIO)
     with pytest.raises(MachineFault) as raised:
         outcomes.hand_back(job, fault)
     assert raised.value is fault
