@@ -158,8 +158,9 @@ class Pipeline:
 
     @contextmanager
     def _work_folder(self, job: Job) -> Iterator[Path]:
-        """A private folder for the job's copy of its document, removed with all it holds when the block ends."""
-        work = temporary_path(self.folders.outbox, f"job{job.id}")
+        """A private folder for the job's copy of its document (in the home: see `Folders.work`), removed with all it
+        holds when the block ends."""
+        work = temporary_path(self.folders.work, f"job{job.id}")
         work.mkdir(mode=0o700)
         try:
             yield work

@@ -26,7 +26,7 @@ def copy_document(source: Path, work: Path, max_bytes: int) -> tuple[Path, str, 
     copy = work / f"document{_safe_suffix(source)}"
     try:
         sha256, identity = snapshot(source, copy, max_bytes)
-    except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (work's)
+    except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (the home's)
         fault = machine_fault(e, source.parent if e.errno in READ_FAULTS else work.parent)
         if fault is None:
             raise
