@@ -135,13 +135,6 @@ def save_atomically(path: Path, data: bytes) -> None:
     os.replace(path.parent / ".saving", path)
 
 
-@pytest.fixture
-def inbox_folders(tmp_path: Path) -> Folders:
-    for name in ("inbox", "outbox", "processed", "failed"):
-        (tmp_path / name).mkdir()
-    return Folders(tmp_path / "outbox", tmp_path / "processed", tmp_path / "failed", ((tmp_path / "inbox").resolve(),))
-
-
 def test_a_rewrite_that_keeps_size_and_mtime_is_not_the_file_that_was_read(inbox_folders: Folders,
                                                                            tmp_path: Path) -> None:
     source = tmp_path / "inbox" / "a.txt"
