@@ -19,8 +19,10 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
+from .document import document
 from .memory import GGUF_TYPES
 from .service.foreground import foreground
+from .target import make_target_command
 
 if TYPE_CHECKING:
     from npumoe.engine.loading.load import LoadedModel
@@ -60,6 +62,8 @@ def bench() -> None:
 
 
 bench.add_command(foreground)
+bench.add_command(document)
+bench.add_command(make_target_command)
 
 
 def _threads_option(f):
