@@ -34,7 +34,9 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from .memory import peak_rss
+from npumoe.engine.vocabulary import WEIGHTS
+
+from .memory import peak_rss, rss
 
 RESULTS = Path(__file__).parent / "results"
 DEFAULT_SAMPLE = "battery-budget.html"
@@ -52,6 +54,7 @@ class DocumentBenchSettings:
     threads: int = field(default_factory=lambda: os.cpu_count() or 1)
     summary_tokens: int | None = None  # None: the daemon's default
     section_tokens: int | None = None  # None: the daemon's default (the demo's own for the demo model)
+    weights: str | None = None  # one of vocabulary.WEIGHTS; None: the daemon's default (the demo's own for the demo)
     peer: Path | None = None  # the llama.cpp build's folder
     repeats: int = 3  # llama-bench's timed runs
 
@@ -85,15 +88,17 @@ def run_document_bench(settings: DocumentBenchSettings,
         config = Config()
         model = replace(config.model, name=settings.model,
                         summary_tokens=settings.summary_tokens or config.model.summary_tokens,
-                        section_tokens=settings.section_tokens or config.model.section_tokens)
+                        section_tokens=settings.section_tokens or config.model.section_tokens,
+                        weights=settings.weights or config.model.weights)
         engine_config = engine_settings(replace(config, model=model), home, threads=settings.threads)
-        started = time.perf_counter()
+        before, started = rss(), time.perf_counter()
         engine = Engine.load(engine_config)
         load_s = time.perf_counter() - started
         peer = _peer(settings, Path(engine_config.model))
         rows: list[dict] = []
         for path in documents:
-            row = {"document": path.name, **_engine_row(engine, path), "load_s": load_s, "model": settings.model}
+            row = {"document": path.name, **_engine_row(engine, path), "load_s": load_s, "rss_before_load": before,
+                   "model": settings.model}
             rows.append(row)
             peer_row = {"document": path.name, "model": settings.model,
                         **peer(engine, path, row, Path(temporary))}
@@ -243,6 +248,8 @@ def document_table(rows: Sequence[dict], caption: str) -> Table:
               help="Most tokens each summary and combine may write (default: the daemon's).")
 @click.option("--section-tokens", type=click.IntRange(min=1), default=None,
               help="Longest section summarised on its own (default: the daemon's).")
+@click.option("--weights", type=click.Choice(WEIGHTS), default=None,
+              help="What the weights run in (default: the daemon's, auto; the demo model's own for the demo).")
 @click.option("--peer", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
               help="The llama.cpp build's folder (bench/peer/build-llama-cpp.sh; or NPUMOE_LLAMA_CPP).")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
@@ -252,7 +259,8 @@ def document_table(rows: Sequence[dict], caption: str) -> Table:
 @click.option("--out", "out_folder", type=click.Path(file_okay=False, path_type=Path), default=RESULTS,
               show_default=True, help="Where the JSON and the table's text are written.")
 def document(model: str, samples: tuple[str, ...], documents: tuple[Path, ...], summary_tokens: int | None,
-             section_tokens: int | None, peer: Path | None, repeats: int, threads: int, out_folder: Path) -> None:
+             section_tokens: int | None, weights: str | None, peer: Path | None, repeats: int, threads: int,
+             out_folder: Path) -> None:
     """Whole documents through the daemon's path (extract, sections, prefill, summaries, combine), llama.cpp
     beside them on the same GGUF file; a table, and JSON with the machine."""
     import json
@@ -264,13 +272,14 @@ def document(model: str, samples: tuple[str, ...], documents: tuple[Path, ...], 
             paths = [*documents, *sample_paths(samples, Path(folder))]
             settings = DocumentBenchSettings(model=model, documents=tuple(paths), threads=threads,
                                              summary_tokens=summary_tokens, section_tokens=section_tokens,
-                                             peer=peer, repeats=repeats)
+                                             weights=weights, peer=peer, repeats=repeats)
         except ValueError as e:
             raise click.UsageError(str(e)) from e
-        machine = describe_machine(threads)
-        with sampled_load(machine):
+        load: dict = {}
+        with sampled_load(load):
             rows = run_document_bench(settings, on_result=lambda row: _err.print(
                 f"{row['document']} {row['impl']}: {row['status']}", style="dim", highlight=False))
+    machine = {**describe_machine(threads), **load}  # after the run: its bandwidth copy would be in the peak RSS
     console = Console(record=True, width=230)
     if warning := load_warning(machine):
         console.print(warning, style="bold yellow", highlight=False)
