@@ -2,7 +2,8 @@
 # Builds llama.cpp's llama-bench, llama-quantize and llama-completion, the C++ peer `npumoed bench prefill --peer`
 # and `bench document --peer` run beside the engine, from the llama-cpp-python sdist on the package index (its
 # vendor/llama.cpp): nothing from outside the registries. About 15 minutes on 2 cores. Usage: build-llama-cpp.sh
-# [DEST] (default ~/.cache/npumoe/llama.cpp); the binaries land in DEST/bin. Needs cmake and ninja (Debian: apt-get install cmake ninja-build) and pip.
+# [DEST] (default ~/.cache/npumoe/llama.cpp); the binaries land in DEST/bin. Needs cmake and ninja (Debian:
+# apt-get install cmake ninja-build) and pip.
 set -euo pipefail
 dest=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/npumoe/llama.cpp}
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}  # the sdist whose vendored llama.cpp is built; named in results
