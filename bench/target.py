@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from .memory import peak_rss
+from .memory import peak_rss, rss
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TARGET_GEOMETRY = "qwen3-30b-a3b"
 TARGET_TYPES = ("q4_0", "q8_0")  # random_gguf.RANDOM_TYPES, named here so `--help` needs no torch
@@ -36,23 +40,19 @@ def target_path(geometry: str, type_name: str, layers: int | None = None) -> Pat
     return models_cache() / "targets" / f"{geometry}{cut}-random-{type_name}.gguf"
 
 
-def make_target(out: Path, geometry_name: str, type_name: str, *, layers: int | None = None,
-                show_progress: bool = True) -> dict:
-    """Write the target to `out` (through a temporary name in its folder) and say what it took: bytes, wall
-    seconds, MB/s and this process's peak resident memory."""
-    from transformers import AutoTokenizer
-
-    from npumoe.daemon.model_choice import demo_model
+def make_target(out: Path, geometry_name: str, type_name: str, tokenizer: PreTrainedTokenizerBase, *,
+                layers: int | None = None, show_progress: bool = True) -> dict:
+    """Write the target with `tokenizer` to `out` (through a temporary name in its folder) and say what it took:
+    bytes, wall seconds, MB/s, this process's resident memory before writing and its peak."""
     from npumoe.engine.synthetic.geometry import parse_geometry
     from npumoe.engine.synthetic.random_gguf import RANDOM_TYPES, random_gguf_layout, write_random_gguf
     from npumoe.jobs.outputs import temporary_path
 
-    tokenizer = AutoTokenizer.from_pretrained(demo_model())
     config, tensors = random_gguf_layout(parse_geometry(geometry_name), RANDOM_TYPES[type_name], layers=layers)
     total = sum(tensor.nbytes for tensor in tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = temporary_path(out.parent, out.name)
-    started = time.perf_counter()
+    before, started = rss(), time.perf_counter()  # the libraries and the tokenizer in memory, nothing written yet
     try:
         with Progress(TextColumn(f"writing {out.name}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                       TimeRemainingColumn(), console=_err, disable=not show_progress) as progress:
@@ -66,7 +66,7 @@ def make_target(out: Path, geometry_name: str, type_name: str, *, layers: int | 
     size = out.stat().st_size
     return {"path": str(out), "geometry": geometry_name, "type": type_name, "layers": config.num_hidden_layers,
             "tensor_bytes": total, "file_bytes": size, "seconds": seconds, "mb_per_s": size / seconds / 1e6,
-            "peak_rss": peak_rss()}
+            "rss_before": before, "peak_rss": peak_rss()}
 
 
 @click.command("make-target")
@@ -88,10 +88,15 @@ def make_target_command(type_name: str, geometry_name: str, layers: int | None, 
         click.echo(out)
         _err.print(f"already made: {out} ({out.stat().st_size / 1e9:.1f} GB); --force writes it again")
         return
+    from transformers import AutoTokenizer
+
+    from npumoe.daemon.model_choice import demo_model
+
     try:
-        made = make_target(out, geometry_name, type_name, layers=layers)
+        made = make_target(out, geometry_name, type_name, AutoTokenizer.from_pretrained(demo_model()), layers=layers)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
     _err.print(f"{made['layers']} layers, {made['file_bytes'] / 1e9:.2f} GB in {made['seconds']:.1f} s "
-               f"({made['mb_per_s']:,.0f} MB/s), peak RSS {made['peak_rss'] / 2**20:,.0f} MiB", highlight=False)
+               f"({made['mb_per_s']:,.0f} MB/s), peak RSS {made['peak_rss'] / 2**20:,.0f} MiB "
+               f"({made['rss_before'] / 2**20:,.0f} MiB before writing)", highlight=False)
     click.echo(out)
