@@ -8,18 +8,20 @@ the worker does (jobs/extract), then `Engine.process`: sections, chunked prefill
 Per document it reports the load seconds (once per run), prefill tokens/s (document tokens over prefill seconds),
 decode tokens/s (tokens written over the summary and combine seconds, which also hold those prompts' few-token
 prefills), the depth it decodes at (a section's tokens: the cache each section summary decodes after), the wall and
-CPU seconds of extraction and processing (getrusage, this process and its children), and the peak RSS.
+CPU seconds of extraction and processing (getrusage, this process and its children), and the process's peak RSS so far.
 
 Beside it, on the same GGUF file and threads, llama.cpp (bench/peer/build-llama-cpp.sh, `--peer DIR` or
 NPUMOE_LLAMA_CPP): `llama-bench` prefilling a section's tokens from an empty cache and generating the engine's
 tokens-per-summary at the section's depth, and `llama-completion` doing the document's work one call at a time: each
 section as its prompt, then (for several sections) a combine of as many tokens as the summaries held, each writing
-the engine's mean tokens per call (the end of sequence ignored). Where there is no build, or the model is not a GGUF
-file, the llama.cpp row says so.
+the engine's mean tokens per call (the end of sequence ignored). llama.cpp runs once the engine is closed, so the
+two never hold a full-size model in memory at once. Where there is no build, or the model is not a GGUF file, the
+llama.cpp row says so.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import resource
@@ -76,7 +78,7 @@ def sample_paths(names: Sequence[str], folder: Path) -> list[Path]:
 
 def run_document_bench(settings: DocumentBenchSettings,
                        on_result: Callable[[dict], None] | None = None) -> list[dict]:
-    """One engine row per document, each followed by its llama.cpp row."""
+    """One engine row per document, each followed by its llama.cpp row; llama.cpp runs after the engine is closed."""
     from npumoe.daemon.config import Config
     from npumoe.daemon.home import Home
     from npumoe.daemon.model_choice import engine_settings
@@ -94,20 +96,26 @@ def run_document_bench(settings: DocumentBenchSettings,
         before, started = rss(), time.perf_counter()
         engine = Engine.load(engine_config)
         load_s = time.perf_counter() - started
-        peer = _peer(settings, Path(engine_config.model))
         rows: list[dict] = []
+        prompts: list[list[str]] = []  # each document's llama.cpp calls, cut as the engine cut its sections
         for path in documents:
-            row = {"document": path.name, **_engine_row(engine, path), "load_s": load_s, "rss_before_load": before,
-                   "model": settings.model}
-            rows.append(row)
-            peer_row = {"document": path.name, "model": settings.model,
-                        **peer(engine, path, row, Path(temporary))}
-            rows.append(peer_row)
-            for done in (row, peer_row):
-                if on_result is not None:
-                    on_result(done)
+            row, text = _engine_row(engine, path)
+            rows.append({"document": path.name, **row, "load_s": load_s, "rss_before_load": before,
+                         "model": settings.model})
+            prompts.append(_peer_prompts(engine.loaded.tokenizer, text, rows[-1]))
+            if on_result is not None:
+                on_result(rows[-1])
         engine.close()
-    return rows
+        del engine  # llama.cpp runs alone: a full-size model in memory beside it would be two
+        gc.collect()
+        peer = _peer(settings, Path(engine_config.model))
+        peer_rows = []
+        for row, calls in zip(rows, prompts, strict=True):
+            peer_rows.append({"document": row["document"], "model": settings.model,
+                              **peer(calls, row, Path(temporary))})
+            if on_result is not None:
+                on_result(peer_rows[-1])
+    return [row for pair in zip(rows, peer_rows, strict=True) for row in pair]
 
 
 def _cpu_seconds() -> float:
@@ -116,7 +124,8 @@ def _cpu_seconds() -> float:
                for usage in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
 
 
-def _engine_row(engine, path: Path) -> dict:
+def _engine_row(engine, path: Path) -> tuple[dict, str]:
+    """The engine's row for the document at `path`, and the text extracted from it."""
     from npumoe.jobs.extract.isolated import extract_text
 
     started, cpu = time.perf_counter(), _cpu_seconds()
@@ -134,7 +143,24 @@ def _engine_row(engine, path: Path) -> dict:
             "prefill_tokens_per_s": stats.tokens / stats.seconds["prefill"],
             "decode_tokens_per_s": stats.generated_tokens / decoding if decoding else None,
             "extract_s": extract_s, "phase_seconds": dict(stats.seconds), "seconds": seconds,
-            "cpu_seconds": cpu_seconds, "peak_rss": peak_rss(), "summary": result.summary}
+            "cpu_seconds": cpu_seconds, "peak_rss": peak_rss(), "summary": result.summary}, extracted.text
+
+
+def _peer_prompts(tokenizer, text: str, row: dict) -> list[str]:
+    """llama.cpp's prompts for the document's work: each section as the engine cut it, then, for several, a combine
+    of as many tokens as the summaries it reads."""
+    from npumoe.engine.generate.prefill import windows
+
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts = [tokenizer.decode(section) for section in windows(ids, row["section_tokens"])]
+    if len(prompts) > 1:
+        prompts.append(tokenizer.decode(ids[:_per_call(row) * len(prompts)]))
+    return prompts
+
+
+def _per_call(row: dict) -> int:
+    """The engine's mean tokens written per summary or combine."""
+    return max(1, round(row["generated_tokens"] / row["decode_calls"]))
 
 
 def _peer(settings: DocumentBenchSettings, model: Path) -> Callable[..., dict]:
@@ -151,21 +177,18 @@ def _peer(settings: DocumentBenchSettings, model: Path) -> Callable[..., dict]:
         return lambda *_: {"impl": PEER, "status": "skipped", "note": why}
     tool = find_llama_cpp(folder)
 
-    def run(engine, path: Path, engine_row: dict, scratch: Path) -> dict:
+    def run(prompts: list[str], engine_row: dict, scratch: Path) -> dict:
         try:
             return {"impl": PEER, "status": "ran", "version": tool.version,
-                    **_peer_runs(tool, model, engine, path, engine_row, scratch, settings)}
+                    **_peer_runs(tool, model, prompts, engine_row, scratch, settings)}
         except (RuntimeError, OSError) as e:  # a broken peer run is reported, the engine's rows stand
             return {"impl": PEER, "status": "failed", "note": str(e)[-300:]}
 
     return run
 
 
-def _peer_runs(tool, model: Path, engine, path: Path, engine_row: dict, scratch: Path,
+def _peer_runs(tool, model: Path, prompts: list[str], engine_row: dict, scratch: Path,
                settings: DocumentBenchSettings) -> dict:
-    from npumoe.engine.generate.prefill import windows
-    from npumoe.jobs.extract.isolated import extract_text
-
     from .peer.llama_cpp import (
         bench_command,
         completion_command,
@@ -176,7 +199,7 @@ def _peer_runs(tool, model: Path, engine, path: Path, engine_row: dict, scratch:
     )
 
     threads, depth = settings.threads, engine_row["decode_depth"]
-    per_call = max(1, round(engine_row["generated_tokens"] / engine_row["decode_calls"]))
+    per_call = _per_call(engine_row)
     prefill = run_bench(bench_command(tool, model, tokens=depth, chunk=engine_row["chunk_tokens"], threads=threads,
                                       warmup=1, repeats=settings.repeats), tokens=depth)
     decode = run_bench(decode_command(tool, model, tokens=per_call, depth=depth, threads=threads,
@@ -186,11 +209,6 @@ def _peer_runs(tool, model: Path, engine, path: Path, engine_row: dict, scratch:
     completion = completion_tool(tool)
     if completion is None:
         return {**row, "note": f"no llama-completion or llama-cli beside {tool.bench}: no whole-document time"}
-    tokenizer = engine.loaded.tokenizer
-    ids = tokenizer(extract_text(path).text, add_special_tokens=False)["input_ids"]
-    prompts = [tokenizer.decode(section) for section in windows(ids, engine_row["section_tokens"])]
-    if len(prompts) > 1:  # the combine: as many tokens as the summaries it reads
-        prompts.append(tokenizer.decode(ids[:per_call * len(prompts)]))
     timings: list[dict[str, float]] = []
     started, cpu = time.perf_counter(), _cpu_seconds()
     for i, prompt in enumerate(prompts):
