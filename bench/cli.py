@@ -19,10 +19,10 @@ import click
 from rich.console import Console
 from rich.table import Column, Table
 
-from .document import document
+from .document.run import document
+from .document.target import make_target_command
 from .memory import GGUF_TYPES
 from .service.foreground import foreground
-from .target import make_target_command
 
 if TYPE_CHECKING:
     from npumoe.engine.loading.load import LoadedModel

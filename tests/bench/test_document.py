@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from npumoe.bench import document as bench_document
-from npumoe.bench.document import DocumentBenchSettings, results_stem, run_document_bench
+from npumoe.bench.document import run as bench_document
+from npumoe.bench.document.run import DocumentBenchSettings, results_stem, run_document_bench
 from npumoe.engine import api as engine_module
 from npumoe.jobs.extract import isolated
 

@@ -6,8 +6,8 @@ import gguf
 import pytest
 from click.testing import CliRunner
 
-from npumoe.bench import target as bench_target
-from npumoe.bench.target import make_target, make_target_command
+from npumoe.bench.document import target as bench_target
+from npumoe.bench.document.target import make_target, make_target_command
 from npumoe.engine.synthetic import random_gguf
 from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
 

@@ -21,7 +21,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
-from .memory import peak_rss, rss
+from ..memory import peak_rss, rss
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -38,9 +38,9 @@ from rich.table import Table
 
 from npumoe.engine.vocabulary import WEIGHTS
 
-from .memory import peak_rss, rss
+from ..memory import peak_rss, rss
 
-RESULTS = Path(__file__).parent / "results"
+RESULTS = Path(__file__).parent.parent / "results"
 DEFAULT_SAMPLE = "battery-budget.html"
 ENGINE, PEER = "npumoe", "llama.cpp"
 # llama-completion's timing lines (llama_perf_context_print): "load time = 1234.56 ms", "total time = ..."
@@ -165,7 +165,7 @@ def _per_call(row: dict) -> int:
 
 def _peer(settings: DocumentBenchSettings, model: Path) -> Callable[..., dict]:
     """What makes a document's llama.cpp row: the runs, or a row saying why there are none."""
-    from .peer.llama_cpp import LLAMA_CPP_ENV, find_llama_cpp
+    from ..peer.llama_cpp import LLAMA_CPP_ENV, find_llama_cpp
 
     folder = settings.peer or (Path(os.environ[LLAMA_CPP_ENV]) if os.environ.get(LLAMA_CPP_ENV) else None)
     why = None
@@ -189,7 +189,7 @@ def _peer(settings: DocumentBenchSettings, model: Path) -> Callable[..., dict]:
 
 def _peer_runs(tool, model: Path, prompts: list[str], engine_row: dict, scratch: Path,
                settings: DocumentBenchSettings) -> dict:
-    from .peer.llama_cpp import (
+    from ..peer.llama_cpp import (
         bench_command,
         completion_command,
         completion_tool,
@@ -283,7 +283,7 @@ def document(model: str, samples: tuple[str, ...], documents: tuple[Path, ...], 
     beside them on the same GGUF file; a table, and JSON with the machine."""
     import json
 
-    from .machine import describe_machine, load_warning, sampled_load
+    from ..machine import describe_machine, load_warning, sampled_load
 
     with tempfile.TemporaryDirectory(prefix="npumoe-samples-") as folder:
         try:
