@@ -5,11 +5,11 @@ folder (random weights; the project's byte tokenizer, one token a byte). A child
 transformers and the engine, notes its resident memory, loads the checkpoint through `Engine.load` in the
 weights format asked for and processes a document of exactly the tokens asked for (prefill, and a summary of a
 few tokens). The engine reads the checkpoint tensor by tensor, the experts straight into their packed form
-(engine/stream_load.py; `streamed` says it did). It reports its peak resident memory (the kernel's high-water
+(engine/loading/stream_load.py; `streamed` says it did). It reports its peak resident memory (the kernel's high-water
 mark) minus what it held before loading, so the interpreter and the libraries are not counted, beside the bytes
-the weights take in that format (engine/model_size.py, from the checkpoint's headers).
+the weights take in that format (engine/loading/model_size.py, from the checkpoint's headers).
 
-With GGUF types, the same checkpoint is also written as a GGUF file in each (synthetic/gguf_writer.py, with the
+With GGUF types, the same checkpoint is also written as a GGUF file in each (engine/synthetic/gguf_writer.py, with the
 gguf package: every 2-D weight in that type) and loaded in the engine's format the type maps to without widening
 (Q8_0: int8, Q4_0 and Q4_1: int4; F16: bf16). A model the person has, a folder or a GGUF file, is measured as it is.
 """

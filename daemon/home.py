@@ -1,10 +1,14 @@
-"""The home folder: where every piece of the daemon's state lives."""
+"""The home folder, where every piece of the daemon's state lives; and the folders documents come from and go
+to, which are the home's unless the config names others."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from npumoe.jobs.files import Folders
 
 from .config import Config, home_dir
 
@@ -72,15 +76,6 @@ class Home:
     def reports(self) -> Path:
         return self.root / "reports"
 
-    def inboxes(self, config: Config) -> list[Path]:
-        folders = config.inbox.folders
-        return [Path(f).expanduser().resolve() for f in folders] if folders else [self.inbox]
-
-    def outputs(self, config: Config) -> Path:
-        """Where finished documents' outputs go: `[outbox] folder` (storage several machines share) where set, else
-        the home's own outbox."""
-        return Path(config.outbox.folder).expanduser().resolve() if config.outbox.folder else self.outbox
-
     def ensure(self) -> Home:
         """Create the home's folders, readable by the user only (documents can be private)."""
         old = os.umask(0o077)
@@ -91,3 +86,22 @@ class Home:
         finally:
             os.umask(old)
         return self
+
+
+def inbox_folders(config: Config, home: Home) -> list[Path]:
+    """The watched folders: `[inbox] folders` where set, else the home's own inbox."""
+    folders = config.inbox.folders
+    return [Path(f).expanduser().resolve() for f in folders] if folders else [home.inbox]
+
+
+def outbox_folder(config: Config, home: Home) -> Path:
+    """Where finished documents' outputs go: `[outbox] folder` (storage several machines share) where set, else
+    the home's own outbox."""
+    return Path(config.outbox.folder).expanduser().resolve() if config.outbox.folder else home.outbox
+
+
+def document_folders(config: Config, home: Home, inboxes: Sequence[Path] | None = None) -> Folders:
+    """Every folder a document passes through: `inboxes` (else the configured ones), the outbox, and the home's
+    processed/ and failed/."""
+    watched = [Path(p).resolve() for p in inboxes] if inboxes else inbox_folders(config, home)
+    return Folders(outbox_folder(config, home), home.processed, home.failed, tuple(watched))

@@ -1,21 +1,28 @@
-"""Turning paths into jobs: which files count as documents, their content hash, and the dedupe keys."""
+"""Turning paths into jobs: which files count as documents, their content hash, the dedupe keys, and the inbox
+intake (what the watcher hands over is queued, or set aside with the reason it cannot be)."""
 
 from __future__ import annotations
 
 import fnmatch
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from npumoe.engine.vocabulary import MEAN
-from npumoe.jobs.files import identify, real_folder
+from npumoe.jobs.errors import FileRefused
+from npumoe.jobs.faults import machine_fault
+from npumoe.jobs.files import Folders, identify, real_folder, set_aside
+from npumoe.jobs.queue.schema import DONE
 from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
 
 from .config import Config
-from .model_choice import DEMO
+from .model_choice import DEMO, output_settings
+
+log = logging.getLogger(__name__)
 
 # Files that editors, browsers and the Finder leave behind while they work, and never documents.
 IGNORED = (".*", "~$*", "*~", "*.part", "*.crdownload", "*.download", "*.tmp", "*.temp", "*.swp",
@@ -53,11 +60,9 @@ def job_keys(config: Config) -> tuple[str, str]:
     m = config.model
     folder = Path(m.name).expanduser()
     model = str(folder.resolve()) if m.name != DEMO and folder.is_dir() else m.name
-    settings = {"backend": m.backend, "plan": _file_digest(m.plan), "chunk_tokens": m.chunk_tokens,
-                "overflow": m.overflow, "weights": m.weights, "summary_tokens": m.summary_tokens,
-                "section_tokens": m.section_tokens}
-    if m.pooling != MEAN:  # only then: the jobs of every config from before there was a choice keep their keys
-        settings["pooling"] = m.pooling
+    settings = {**output_settings(config), "plan": _file_digest(m.plan)}  # a plan by its content, not its name
+    if m.pooling == MEAN:  # left out: the jobs of every config from before there was a choice keep their keys
+        del settings["pooling"]
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
     return model, digest
 
@@ -114,3 +119,46 @@ def enqueue_paths(queue: Queue, paths: Iterable[Path], config: Config, *, priori
         if on_job is not None:
             on_job(path, job, created)
     return enqueued
+
+
+class InboxIntake:
+    """The watcher's hand-over (called on its thread): a document found complete in an inbox is queued, pinned to
+    this machine (its inbox, its file), or set aside in failed/ with the reason it cannot be."""
+
+    def __init__(self, queue: Queue, config: Config, folders: Folders, *, settle: Callable[[Job, Path], None],
+                 queued: Callable[[], None]) -> None:
+        self.queue = queue
+        self.config = config
+        self.folders = folders
+        self.settle = settle  # the original of a document finished before: kept, moved or deleted by policy
+        self.queued = queued  # a new job: ends the worker's idle wait
+        self.rejected = 0  # files that could not even be queued (links, FIFOs, unreadable)
+
+    def take(self, path: Path) -> bool:
+        """Queue a document the watcher found complete, or set it aside with the reason it cannot be.
+
+        Returns whether the file is dealt with: False when the machine failed (an I/O error on a network
+        share, …), so the watcher offers it again at its next rescan instead of forgetting it.
+        """
+        try:
+            job, created = enqueue(self.queue, path, self.config, pinned=True)  # this machine's inbox: its file
+        except (OSError, ValueError) as e:  # FileRefused, a ValueError, says why the file is no document
+            if (fault := machine_fault(e, path.parent)) is not None:
+                log.warning("not queued yet: %s: %s", path, fault)
+                return False
+            if isinstance(e, FileRefused) and e.kind == "missing":
+                log.info("%s disappeared before it could be queued", path)
+                return True
+            if isinstance(e, FileRefused) and e.denied:  # a person may put that right: offered again at the rescan
+                log.warning("not queued yet: %s: %s", path, e)
+                return False
+            log.warning("not queued: %s: %s", path, e)
+            set_aside(path, f"not queued: {e}\n", self.folders)
+            self.rejected += 1
+            return True
+        if created:
+            log.info("queued job %d: %s", job.id, path)
+            self.queued()
+        elif job.state == DONE:  # finished earlier, e.g. stopped between "done" and moving the original
+            self.settle(job, path)
+        return True

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 
@@ -101,28 +101,38 @@ def backend_description(backend: str) -> str:
     return backend
 
 
+def output_settings(config: Config) -> dict[str, Any]:
+    """The [model] options that shape what a document's outputs say, as configured, named as the engine's settings
+    name them. With the model they make a job's key (daemon/intake.py), so changing one processes a document again;
+    the other options (threads, idle_unload_seconds, allow_download, …) change how it runs, not what comes out."""
+    m = config.model
+    return {"backend": m.backend, "plan": m.plan, "chunk_tokens": m.chunk_tokens, "overflow": m.overflow,
+            "weights": m.weights, "summary_tokens": m.summary_tokens, "section_tokens": m.section_tokens,
+            "pooling": m.pooling}
+
+
 def engine_settings(config: Config, home: Home, *, threads: int | None) -> EngineSettings:
-    """The engine's settings from the config's [model] section, the model name resolved."""
+    """The engine's settings from the config's [model] section: the output settings with the plan's path and the
+    demo's defaults filled in, the model name resolved, and what runs them here."""
     from npumoe.engine import EngineSettings
 
     m = config.model
+    demo = m.name == DEMO
+    resolved = {
+        "plan": Path(m.plan).expanduser() if m.plan else None,
+        "weights": DEMO_WEIGHTS if demo and m.weights == AUTO else m.weights,
+        "section_tokens": m.section_tokens or (DEMO_SECTION_TOKENS if demo else 0),
+    }
     return EngineSettings(
+        **{**output_settings(config), **resolved},
         model=resolve_model(m.name),
-        backend=m.backend,
-        plan=Path(m.plan).expanduser() if m.plan else None,
-        chunk_tokens=m.chunk_tokens,
-        overflow=m.overflow,
-        weights=DEMO_WEIGHTS if m.name == DEMO and m.weights == AUTO else m.weights,
         threads=threads,
         trust_remote_code=m.trust_remote_code,
         allow_download=m.allow_download,
-        summary_tokens=m.summary_tokens,
-        section_tokens=m.section_tokens or (DEMO_SECTION_TOKENS if m.name == DEMO else 0),
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
         models_dir=home.models,
-        pooling=m.pooling,
     )
 
 

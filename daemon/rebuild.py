@@ -23,7 +23,7 @@ from npumoe.jobs.outputs import META_FILE, TMP_PREFIX
 from npumoe.jobs.queue.store import Queue
 
 from .config import Config
-from .home import Home
+from .home import Home, outbox_folder
 from .intake import job_keys
 from .model_choice import DEMO, demo_model_dir
 
@@ -49,7 +49,7 @@ def rebuild_queue(home: Home, config: Config, *, stamp: str | None = None) -> Re
         current = None
     queue = Queue(home.database)
     try:
-        for meta_path in sorted(home.outputs(config).glob(f"*/{META_FILE}")):
+        for meta_path in sorted(outbox_folder(config, home).glob(f"*/{META_FILE}")):
             folder = meta_path.parent
             if folder.name.startswith(TMP_PREFIX):
                 continue  # a writer's leftover, never a finished output

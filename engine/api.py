@@ -1,26 +1,19 @@
 """The engine's high-level API: one document in, a summary, embeddings and run statistics out.
 
-A document is tokenized and cut into sections that fit the model's context with the summary
-prompt around them, and at most `section_tokens` long where that is set: a shorter section is
-prefilled at a shallower attention depth, at the price of more summaries to decode and combine.
-Each section is prefilled chunk by chunk (fixed chunk length, the KV cache carried across chunks)
-and summarised by greedy decoding from the prefilled cache. With more than one section the section
-summaries are combined (map, then reduce, repeated until one is left): a long document is never
-silently truncated. Embeddings are one vector per chunk, pooled from its final hidden states as
-`pooling` says (generate/pooling.py), and the document's, their token-weighted mean, all L2-normalised;
-`embed` makes a search query's vector the same way, so queries and chunks share one space.
+`Engine` loads a model, attaches the engine's runtime to it (backends, plan, weights format) and chooses the
+prefill chunk length; the work itself is done in generate/: the summarizer maps over a document's sections and
+reduces their summaries (generate/summarizer.py), the embedder makes the chunk vectors, in the same prefill
+for a document and alone for a search query (generate/embedder.py). Nothing is truncated: a document longer
+than the model's context is summarised in sections, then their summaries combined.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import re
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -31,23 +24,10 @@ from .backends.placement import CostCache, place
 from .backends.registry import backend_class, get_backend
 from .generate.checks import Check, checked
 from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
-from .generate.pooling import OneWordFrame, check_pooling, pooled, prefill_pooling
+from .generate.embedder import Embedder, rows
+from .generate.pooling import check_pooling, prefill_pooling
 from .generate.prefill import new_cache, prefill, windows
-from .generate.summary import (
-    COMBINE,
-    OUTLINE_WORDS,
-    SUMMARIZE,
-    PromptFrame,
-    answer_tokens,
-    decode_from_cache,
-    echoes,
-    joined_lines,
-    opening,
-    outline,
-    stop_ids,
-    whole_sentences,
-    without_thinking,
-)
+from .generate.summarizer import Progress, Run, Summarizer, SummaryPrompts
 from .loading.load import LoadedModel, load_model
 from .moe.dispatch import DispatchStats
 from .plan.expert_plan import ExpertPlan, PlanError
@@ -60,22 +40,20 @@ from .vocabulary import (
     DTYPES,
     MEAN,
     OVERFLOW_POLICIES,
-    PHASES,
     PREFILL,
     PROMPT,
     QUANTIZED,
-    REDUCE,
     SPILL,
-    SUMMARY,
     SUMMARY_TOKENS,
     WEIGHTS,
     WEIGHTS_DTYPE,
     weights_with_dtype,
 )
 
-log = logging.getLogger(__name__)
+# Progress is made by the summarizer; callers take it from here with the rest of the API.
+__all__ = ["DocumentResult", "Engine", "EngineSettings", "Progress", "RunStats"]
 
-_SENTENCE_START = re.compile(r"(?:\A|(?<=[.!?]\s)|(?<=\n))[A-Z0-9\"']")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -138,16 +116,6 @@ class EngineSettings:
                               weights=self.weights)
 
 
-@dataclass
-class Progress:
-    phase: str  # one of vocabulary.PHASES
-    chunks_done: int
-    chunks_total: int
-    tokens_done: int  # document tokens prefilled
-    tokens_total: int
-    elapsed_s: float
-
-
 @dataclass(frozen=True)
 class RunStats:
     """What one `process` call did and how long its phases took. The settings it ran with are the engine's
@@ -171,24 +139,9 @@ class DocumentResult:
     stats: RunStats
 
 
-@dataclass
-class _Run:
-    """Bookkeeping for one `process` call."""
-
-    on_progress: Callable[[Progress], None] | None
-    tokens_total: int
-    tokens_done: int = 0
-    generated_tokens: int = 0
-    started: float = field(default_factory=time.perf_counter)
-    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-
-    def report(self, phase: str, done: int, total: int) -> None:
-        if self.on_progress is not None:
-            self.on_progress(Progress(phase, done, total, self.tokens_done, self.tokens_total,
-                                      time.perf_counter() - self.started))
-
-
 class Engine:
+    """The model attached to the engine's runtime, and the two things done with it: a summarizer and an embedder."""
+
     def __init__(self, settings: EngineSettings, loaded: LoadedModel, plan: ExpertPlan | None) -> None:
         self.settings = settings
         self.loaded = loaded
@@ -201,23 +154,7 @@ class Engine:
         quantized = settings.weights if settings.weights in QUANTIZED else None
         self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,
                                   quantized=quantized, release=True)
-        tokenizer = loaded.tokenizer
-        self._summarize = PromptFrame.build(tokenizer, SUMMARIZE)
-        self._combine = PromptFrame.build(tokenizer, COMBINE)
-        self._one_word = OneWordFrame.build(tokenizer)
-        self._separator = tokenizer("\n\n", add_special_tokens=False)["input_ids"]
-        spacing = len(self._separator) + len(self._label(999))  # between two summaries in a combine's input
-        self._stop = stop_ids(loaded.model, tokenizer)
-        if not self._stop:
-            raise ValueError(f"{loaded.name}: neither the model nor the tokenizer names an end-of-sequence token")
-        context, n = loaded.context_tokens, settings.summary_tokens
-        fits = context - self._summarize.overhead - n
-        self._section_tokens = min(fits, settings.section_tokens) if settings.section_tokens else fits
-        self._reduce_tokens = context - self._combine.overhead - n
-        # Each reduce round must at least halve the summaries, or a long document would never finish.
-        if self._reduce_tokens < 2 * (n + spacing) or self._section_tokens < 1:
-            raise ValueError(f"summary_tokens={n} is too large for {loaded.name}'s context of {context} tokens "
-                             f"(at most {(context - self._combine.overhead - 2 * spacing) // 3})")
+        prompts = SummaryPrompts.fit(loaded, settings.summary_tokens, settings.section_tokens)
         # how the chunk length was chosen: measured here (the timings), or given by the plan or the settings (None)
         self.chunk_choice: ChunkChoice | None = None
         if plan is not None:
@@ -225,9 +162,14 @@ class Engine:
         elif settings.chunk_tokens:
             self.chunk_tokens = settings.chunk_tokens
         else:
-            self.chunk_choice = measured_chunk_tokens(loaded.model, loaded.key, section_tokens=self._section_tokens,
+            self.chunk_choice = measured_chunk_tokens(loaded.model, loaded.key, section_tokens=prompts.section_tokens,
                                                       threads=torch.get_num_threads())
             self.chunk_tokens = self.chunk_choice.chunk_tokens
+        self.embedder = Embedder(loaded, self.runtime, prompts.summarize.prefix, chunk_tokens=self.chunk_tokens,
+                                 section_tokens=prompts.section_tokens)
+        self.summarizer = Summarizer(loaded, self.runtime, prompts, self.embedder, chunk_tokens=self.chunk_tokens,
+                                     summary_tokens=settings.summary_tokens)
+        self._dispatch = DispatchStats()  # the last `process` or `logits` call's
 
     @classmethod
     def load(cls, settings: EngineSettings) -> Engine:
@@ -250,7 +192,7 @@ class Engine:
     @property
     def section_tokens(self) -> int:
         """The longest section summarised on its own: `section_tokens`, or what the context allows."""
-        return self._section_tokens
+        return self.summarizer.prompts.section_tokens
 
     @property
     def model_key(self) -> str:
@@ -258,208 +200,52 @@ class Engine:
 
     @property
     def stats(self) -> DispatchStats:
-        """Dispatch counts since the last `process` or `logits` call began."""
-        return self.runtime.stats
+        """Dispatch counts of the last `process` or `logits` call (so far, while it runs); a text embedded meanwhile
+        counts apart (`embedder.stats`)."""
+        return self._dispatch
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
         """(N, V) logits of `ids` by chunked prefill from an empty cache through the engine."""
-        self.runtime.stats = DispatchStats()
-        cache = new_cache(self.loaded.model)
-        return torch.cat(list(prefill(self.loaded.model, ids, self.chunk_tokens, cache, logits=True)))
+        self._dispatch = DispatchStats()
+        with self.runtime.counting(self._dispatch):
+            cache = new_cache(self.loaded.model)
+            return torch.cat(list(prefill(self.loaded.model, ids, self.chunk_tokens, cache, logits=True)))
 
     def process(self, text: str, on_progress: Callable[[Progress], None] | None = None,
                 check: Check | None = None) -> DocumentResult:
         """Summary, embeddings and stats for one document. `on_progress` is told after every chunk and summary.
         `check` runs before every MoE layer, so within one layer of each prefill chunk and each decode step of
         the summaries and combines: it may block (a pause) or raise (a stop, which propagates)."""
-        if not text.strip():
-            raise ValueError("document text is empty or whitespace only: nothing to process")
-        tokenizer = self.loaded.tokenizer
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
+        encoded = self.embedder.encode(text)
         doc = encoded["input_ids"]
-        run = _Run(on_progress, tokens_total=len(doc))
-        self.runtime.stats = DispatchStats()
-
+        run = Run(on_progress, tokens_total=len(doc))
         pooling = self.settings.pooling
-        sections = windows(doc, self._section_tokens)
-        with checked(self.loaded.model, check):
-            vectors, sizes, summaries = self._map(sections, run, prefill_pooling(pooling))
+        sections = windows(doc, self.section_tokens)
+        self._dispatch = DispatchStats()
+        with self.runtime.counting(self._dispatch), checked(self.loaded.model, check):
+            vectors, sizes, summaries = self.summarizer.map(sections, run, prefill_pooling(pooling))
             if pooling == PROMPT:
                 tick = time.perf_counter()
-                vectors = self._one_word_vectors(doc, sizes)
+                vectors = self.embedder.one_word_vectors(doc, sizes)
                 run.seconds[PREFILL] += time.perf_counter() - tick
-            summary, rounds, combined = self._reduce(summaries, run)
-
+            summary, rounds = self.summarizer.reduce(summaries, run)
         run.seconds["total"] = time.perf_counter() - run.started
         stats = RunStats(tokens=len(doc), chunks=len(sizes), chunk_tokens=self.chunk_tokens,
                          sections=len(sections), reduce_rounds=rounds, generated_tokens=run.generated_tokens,
-                         seconds=run.seconds,
-                         dispatch=self.runtime.stats)
-        said = whole_sentences(joined_lines(tokenizer.decode(summary, skip_special_tokens=True)))
-        if rounds:  # and what each part that went into the last combine is about
-            said += "\n\n" + outline([joined_lines(tokenizer.decode(part, skip_special_tokens=True))
-                                       for part in combined])
-        return DocumentResult(summary=said,
-                              embeddings=_rows(vectors, sizes), spans=self._spans(encoded, sizes), stats=stats)
-
-    def _map(self, sections: list[Sequence[int]], run: _Run,
-             pooling: str) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
-        """Prefill each section after the prompt prefix, pooling the document tokens of every chunk, then
-        decode the section's summary from the cache. The prefix shares the first chunk, so no step is
-        a mostly empty launch.
-
-        Returns (n_chunks, H) pooled final hidden states per chunk, (n_chunks,) document tokens per chunk,
-        and each section's summary tokens."""
-        prefix = self._summarize.prefix  # only its length counts here: _pool_chunks puts it before each section
-        chunks_total = sum(math.ceil((len(prefix) + len(section)) / self.chunk_tokens) for section in sections)
-        chunks_done = 0
-        vectors: list[torch.Tensor] = []
-        sizes: list[int] = []
-        summaries: list[list[int]] = []
-        for section in sections:
-            tick = time.perf_counter()
-            cache = new_cache(self.loaded.model)
-            for chunk in self._pool_chunks(section, cache, pooling):
-                chunks_done += 1
-                if chunk is not None:
-                    vector, size = chunk
-                    vectors.append(vector)
-                    sizes.append(size)
-                    run.tokens_done += size
-                run.report(PREFILL, chunks_done, chunks_total)
-            run.seconds[PREFILL] += time.perf_counter() - tick
-            tick = time.perf_counter()
-            summaries.append(self._section_summary(section, cache, run))
-            run.seconds[SUMMARY] += time.perf_counter() - tick
-            run.report(SUMMARY, len(summaries), len(sections))
-        stacked = torch.stack(vectors)
-        return stacked, torch.tensor(sizes, dtype=torch.float32, device=stacked.device), summaries
-
-    def _section_summary(self, section: Sequence[int], cache: Any, run: _Run) -> list[int]:
-        """The section's summary decoded from `cache`; an answer that only says the instruction back gives way to the
-        section's own opening sentences, which say more of what it is about to a reader and to the combine."""
-        said = self._decode(self._summarize, section, cache, run)
-        tokenizer = self.loaded.tokenizer
-        if not echoes(tokenizer.decode(said, skip_special_tokens=True), SUMMARIZE):
-            return said
-        text = joined_lines(tokenizer.decode(section, skip_special_tokens=True))
-        start = _SENTENCE_START.search(text)  # the section's first whole sentence: a section may start mid-sentence
-        return tokenizer(opening(text[start.start() if start else 0:], OUTLINE_WORDS),
-                         add_special_tokens=False)["input_ids"]
-
-    def _pool_chunks(self, section: Sequence[int], cache: Any,
-                     pooling: str) -> Iterator[tuple[torch.Tensor, int] | None]:
-        """Prefill the summary prompt's prefix then `section` into `cache`, one chunk at a time; for each chunk
-        yield the vector (H,) pooled from its section tokens and their count, or None when the chunk holds only
-        prefix tokens."""
-        prefix = self._summarize.prefix
-        position = 0  # in the prefilled stream: prefix, then section
-        for hidden in prefill(self.loaded.model, [*prefix, *section], self.chunk_tokens, cache):  # (n, H)
-            tokens = hidden[max(0, len(prefix) - position):]  # this chunk's section tokens
-            position += hidden.shape[0]
-            yield (pooled(tokens, pooling), len(tokens)) if len(tokens) else None
-
-    def _chunk_sizes(self, sections: list[Sequence[int]]) -> torch.Tensor:
-        """(n_chunks,) document tokens in each prefill chunk, cut as _pool_chunks cuts them, without prefilling."""
-        prefix, step = len(self._summarize.prefix), self.chunk_tokens
-        sizes = [min(start + step, prefix + len(s)) - max(start, prefix)
-                 for s in sections for start in range(0, prefix + len(s), step)]
-        return torch.tensor([n for n in sizes if n > 0], dtype=torch.float32)
-
-    def _one_word_vectors(self, ids: Sequence[int], sizes: torch.Tensor) -> torch.Tensor:
-        """(n_chunks, H) PromptEOL vectors: each chunk of `ids` (`sizes` tokens each, in order) alone in the
-        one-word prompt, prefilled from an empty cache, the prompt's last hidden state."""
-        ends = np.cumsum(sizes.int().tolist())
-        vectors = []
-        for start, end in zip([0, *ends[:-1]], ends, strict=True):
-            *_, hidden = prefill(self.loaded.model, self._one_word.around(ids[start:end]), self.chunk_tokens,
-                                 new_cache(self.loaded.model))
-            vectors.append(pooled(hidden, PROMPT))
-        return torch.stack(vectors)
+                         seconds=run.seconds, dispatch=self._dispatch)
+        return DocumentResult(summary=summary, embeddings=rows(vectors, sizes),
+                              spans=self.embedder.spans(encoded, sizes), stats=stats)
 
     def embed(self, text: str, pooling: str | None = None) -> np.ndarray:
         """(H,) float32 vector of a text, such as a search query, made exactly as a document's vector is (`pooling`,
         default the settings'): in the same chunks, the token-weighted mean of their vectors, L2-normalised. No
-        summary is decoded."""
-        ids = self._encode(text)["input_ids"]
-        vectors, sizes = self._vectors(ids, pooling or self.settings.pooling)
-        return _rows(vectors, sizes)[-1]
+        summary is decoded, and the counts of a document being processed are left alone."""
+        return self.embedder.embed(text, pooling or self.settings.pooling)
 
     def embed_document(self, text: str, pooling: str | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(embeddings, spans) of a document as `process` makes them, with `pooling` (default the settings'), and
         no summary: what `npumoed bench retrieval` compares the poolings on."""
-        encoded = self._encode(text)
-        vectors, sizes = self._vectors(encoded["input_ids"], pooling or self.settings.pooling)
-        return _rows(vectors, sizes), self._spans(encoded, sizes)
-
-    def _encode(self, text: str) -> Any:
-        if not text.strip():
-            raise ValueError("text is empty or whitespace only: nothing to embed")
-        tokenizer = self.loaded.tokenizer
-        return tokenizer(text, add_special_tokens=False, return_offsets_mapping=tokenizer.is_fast)
-
-    def _vectors(self, ids: Sequence[int], pooling: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(n_chunks, H) chunk vectors and (n_chunks,) their token counts, by the summary's prefill (its prompt
-        prefix, its sections and chunks) without decoding."""
-        check_pooling(pooling)
-        saved = self.runtime.stats  # a query the daemon embeds between a document's chunks leaves its counts alone
-        self.runtime.stats = DispatchStats()
-        try:
-            sections = windows(ids, self._section_tokens)
-            if pooling == PROMPT:
-                sizes = self._chunk_sizes(sections)
-                return self._one_word_vectors(ids, sizes), sizes
-            chunks = [chunk for section in sections
-                      for chunk in self._pool_chunks(section, new_cache(self.loaded.model), pooling) if chunk]
-            vectors = torch.stack([vector for vector, _ in chunks])
-            return vectors, torch.tensor([size for _, size in chunks], dtype=torch.float32, device=vectors.device)
-        finally:
-            self.runtime.stats = saved
-
-    def _spans(self, encoded: Any, sizes: torch.Tensor) -> np.ndarray:
-        """(n_chunks, 2) each chunk's [start, end) characters in the text."""
-        token_ends = np.cumsum(sizes.cpu().numpy().astype(np.int64))  # chunks follow each other in the text
-        if self.loaded.tokenizer.is_fast:
-            return _offset_spans(encoded["offset_mapping"], token_ends)
-        return _decoded_spans(self.loaded.tokenizer, encoded["input_ids"], token_ends)
-
-    def _reduce(self, summaries: list[list[int]], run: _Run) -> tuple[list[int], int, list[list[int]]]:
-        """Combine summaries, as many at a time as fit the context, until one is left; (it, rounds, the summaries
-        the last round combined: the sections' own when one round did)."""
-        tick = time.perf_counter()
-        rounds = 0
-        combined = summaries
-        while len(summaries) > 1:
-            rounds += 1
-            combined = summaries
-            # each summary labelled with its place: a small model then combines the parts instead of quoting one
-            labelled = [[*self._label(i), *summary] for i, summary in enumerate(summaries, 1)]
-            joined = [*labelled[0], *(t for s in labelled[1:] for t in (*self._separator, *s))]
-            parts = windows(joined, self._reduce_tokens)
-            summaries = []
-            for part in parts:
-                cache = new_cache(self.loaded.model)
-                self._prefill([*self._combine.prefix, *part], cache)
-                summaries.append(self._decode(self._combine, part, cache, run))
-                run.report(REDUCE, len(summaries), len(parts))
-        run.seconds[REDUCE] = time.perf_counter() - tick
-        return summaries[0], rounds, combined
-
-    def _label(self, i: int) -> list[int]:
-        """What goes before the i-th summary in a combine's input."""
-        return self.loaded.tokenizer(f"Part {i}: ", add_special_tokens=False)["input_ids"]
-
-    def _prefill(self, ids: Sequence[int], cache: Any) -> None:
-        """Prefill without looking at the output (prompt prefixes, parts to combine)."""
-        for _ in prefill(self.loaded.model, ids, self.chunk_tokens, cache):
-            pass
-
-    def _decode(self, frame: PromptFrame, text: Sequence[int], cache: Any, run: _Run) -> list[int]:
-        with self.runtime.decoding():
-            said = decode_from_cache(self.loaded.model, [*frame.prefix, *text, *frame.suffix], cache,
-                                     answer_tokens(len(text), self.settings.summary_tokens), self._stop)
-        run.generated_tokens += len(said)
-        return without_thinking(self.loaded.tokenizer, said)  # reasoning never reaches a summary or a combine
+        return self.embedder.embed_document(text, pooling or self.settings.pooling)
 
     def close(self) -> None:
         """Detach the engine from the model (its experts implementation goes back to what it was). The model's
@@ -475,30 +261,3 @@ def _auto_weights(settings: EngineSettings) -> EngineSettings:
                                         trust_remote_code=settings.trust_remote_code)
     log.info("%s: weights auto -> %s", name, choice.reason)
     return replace(settings, weights=choice.weights)
-
-
-def _rows(vectors: torch.Tensor, sizes: torch.Tensor) -> np.ndarray:
-    """(n + 1, H) float32: the chunk vectors (n, H) and their token-weighted mean, each L2-normalised."""
-    rows = torch.cat([vectors, _token_mean(vectors, sizes)[None]])
-    return torch.nn.functional.normalize(rows, dim=-1).cpu().numpy()
-
-
-def _token_mean(means: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
-    """(H,) mean over every token, from per-chunk means (n, H) and token counts (n,)."""
-    return (means * sizes[:, None]).sum(0) / sizes.sum()
-
-
-def _offset_spans(offsets: Sequence[tuple[int, int]], token_ends: np.ndarray) -> np.ndarray:
-    """(n, 2) character spans of consecutive token ranges ending at `token_ends`, from the tokenizer's offsets."""
-    starts = np.concatenate([[0], token_ends[:-1]])
-    return np.array([[offsets[a][0], offsets[b - 1][1]] for a, b in zip(starts, token_ends, strict=True)],
-                    dtype=np.int64).reshape(-1, 2)
-
-
-def _decoded_spans(tokenizer: Any, ids: Sequence[int], token_ends: np.ndarray) -> np.ndarray:
-    """The same for a tokenizer without offsets (a slow, Python one): each chunk's decoded length, added up.
-    Approximate where a chunk boundary splits a character or the decoder changes spacing."""
-    starts = np.concatenate([[0], token_ends[:-1]])
-    lengths = [len(tokenizer.decode(ids[a:b])) for a, b in zip(starts, token_ends, strict=True)]
-    ends = np.cumsum(lengths, dtype=np.int64)
-    return np.stack([ends - lengths, ends], axis=1).reshape(-1, 2)

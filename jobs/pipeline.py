@@ -131,7 +131,7 @@ class Pipeline:
         self.unsettled: dict[int, Callable[[], Outcome]] = {}  # job id -> how it ended, not recorded yet
 
     def process(self, job: Job) -> Outcome:
-        work = temporary_path(self.folders.outbox, f"job{job.id}")
+        work = temporary_path(self.folders.work, f"job{job.id}")
         try:
             return self._process(job, work)
         except Stop as stop:
@@ -250,8 +250,8 @@ class Pipeline:
     def _snapshot(self, source: Path, copy: Path) -> tuple[str, Version]:
         try:
             return snapshot(source, copy, self.policy.limits.max_bytes)
-        except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (the outbox's)
-            fault = machine_fault(e, source.parent if e.errno in READ_FAULTS else self.folders.outbox)
+        except OSError as e:  # reading the document failed (its folder's fault), or writing the copy (the home's)
+            fault = machine_fault(e, source.parent if e.errno in READ_FAULTS else self.folders.work)
             if fault is None:
                 raise
             raise fault from e

@@ -1,4 +1,4 @@
-"""meta.json's fields as the README's table documents them, and a check of a produced file against it.
+"""meta.json's fields as docs/outputs.md documents them, and a check of a produced file against it.
 
 Reading the table itself, rather than a copy of it, keeps the documentation and the code from drifting.
 """
@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OUTPUTS = Path(__file__).resolve().parents[1] / "docs" / "outputs.md"
 JSON_TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,),
     "number": (int, float),
@@ -21,9 +21,9 @@ JSON_TYPES: dict[str, tuple[type, ...]] = {
 
 
 def documented_fields() -> dict[str, tuple[type, ...]]:
-    """Each field of the table after the README's `meta.json` bullet (nested ones dotted), with the types it
+    """Each field of the table after the `meta.json` bullet of docs/outputs.md (nested ones dotted), with the types it
     may hold."""
-    lines = README.read_text(encoding="utf-8").splitlines()
+    lines = OUTPUTS.read_text(encoding="utf-8").splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("- `meta.json`"))
     table = list(_table_after(lines[start:]))[2:]  # past the header and its rule
     fields: dict[str, tuple[type, ...]] = {}

@@ -39,6 +39,8 @@ from rich.table import Table
 from npumoe.engine.vocabulary import WEIGHTS
 
 from ..memory import peak_rss, rss
+from ..options import write_json
+from ..render import err_console
 
 RESULTS = Path(__file__).parent.parent / "results"
 DEFAULT_SAMPLE = "battery-budget.html"
@@ -46,7 +48,6 @@ ENGINE, PEER = "npumoe", "llama.cpp"
 # llama-completion's timing lines (llama_perf_context_print): "load time = 1234.56 ms", "total time = ..."
 _PERF = re.compile(r"(?P<what>load|prompt eval|eval|total) time\s*=\s*(?P<ms>[\d.]+) ms")
 
-_err = Console(stderr=True)
 
 
 @dataclass(frozen=True)
@@ -281,8 +282,6 @@ def document(model: str, samples: tuple[str, ...], documents: tuple[Path, ...], 
              out_folder: Path) -> None:
     """Whole documents through the daemon's path (extract, sections, prefill, summaries, combine), llama.cpp
     beside them on the same GGUF file; a table, and JSON with the machine."""
-    import json
-
     from ..machine import describe_machine, load_warning, sampled_load
 
     with tempfile.TemporaryDirectory(prefix="npumoe-samples-") as folder:
@@ -295,7 +294,7 @@ def document(model: str, samples: tuple[str, ...], documents: tuple[Path, ...], 
             raise click.UsageError(str(e)) from e
         load: dict = {}
         with sampled_load(load):
-            rows = run_document_bench(settings, on_result=lambda row: _err.print(
+            rows = run_document_bench(settings, on_result=lambda row: err_console.print(
                 f"{row['document']} {row['impl']}: {row['status']}", style="dim", highlight=False))
     machine = {**describe_machine(threads), **load}  # after the run: its bandwidth copy would be in the peak RSS
     console = Console(record=True, width=230)
@@ -307,9 +306,8 @@ def document(model: str, samples: tuple[str, ...], documents: tuple[Path, ...], 
                                        f"llama-bench at that depth; seconds and CPU s: a document's extraction and "
                                        f"processing (llama.cpp: its llama-completion calls, loads included)."))
     stem = out_folder / results_stem(machine, model)
-    out_folder.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps({"machine": machine, "settings": {
-        **settings.__dict__, "documents": [p.name for p in settings.documents],
-        "peer": str(settings.peer) if settings.peer else None}, "results": rows}, indent=1) + "\n")
+    shown = {**settings.__dict__, "documents": [p.name for p in settings.documents],
+             "peer": str(settings.peer) if settings.peer else None}
+    write_json(stem.with_suffix(".json"), machine, shown, rows)  # makes the folder
     stem.with_suffix(".txt").write_text(console.export_text())
-    _err.print(f"wrote {stem}.json and {stem}.txt")
+    err_console.print(f"wrote {stem}.txt")

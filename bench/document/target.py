@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
-from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
 from ..memory import peak_rss, rss
+from ..render import err_console
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 TARGET_GEOMETRY = "qwen3-30b-a3b"
 TARGET_TYPES = ("q4_0", "q8_0")  # random_gguf.RANDOM_TYPES, named here so `--help` needs no torch
 
-_err = Console(stderr=True)
 
 
 def target_path(geometry: str, type_name: str, layers: int | None = None) -> Path:
@@ -55,7 +54,7 @@ def make_target(out: Path, geometry_name: str, type_name: str, tokenizer: PreTra
     before, started = rss(), time.perf_counter()  # the libraries and the tokenizer in memory, nothing written yet
     try:
         with Progress(TextColumn(f"writing {out.name}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                      TimeRemainingColumn(), console=_err, disable=not show_progress) as progress:
+                      TimeRemainingColumn(), console=err_console, disable=not show_progress) as progress:
             task = progress.add_task("write", total=total)
             write_random_gguf(partial, config, tensors, tokenizer,
                               progress=lambda written: progress.advance(task, written))
@@ -86,7 +85,7 @@ def make_target_command(type_name: str, geometry_name: str, layers: int | None, 
     out = out or target_path(geometry_name, type_name, layers)
     if out.exists() and not force:
         click.echo(out)
-        _err.print(f"already made: {out} ({out.stat().st_size / 1e9:.1f} GB); --force writes it again")
+        err_console.print(f"already made: {out} ({out.stat().st_size / 1e9:.1f} GB); --force writes it again")
         return
     from transformers import AutoTokenizer
 
@@ -96,7 +95,7 @@ def make_target_command(type_name: str, geometry_name: str, layers: int | None, 
         made = make_target(out, geometry_name, type_name, AutoTokenizer.from_pretrained(demo_model()), layers=layers)
     except ValueError as e:
         raise click.UsageError(str(e)) from e
-    _err.print(f"{made['layers']} layers, {made['file_bytes'] / 1e9:.2f} GB in {made['seconds']:.1f} s "
+    err_console.print(f"{made['layers']} layers, {made['file_bytes'] / 1e9:.2f} GB in {made['seconds']:.1f} s "
                f"({made['mb_per_s']:,.0f} MB/s), peak RSS {made['peak_rss'] / 2**20:,.0f} MiB "
                f"({made['rss_before'] / 2**20:,.0f} MiB before writing)", highlight=False)
     click.echo(out)

@@ -20,10 +20,11 @@ from typing import Protocol
 import numpy as np
 
 from npumoe.daemon.samples import write_samples
+from npumoe.engine.generate.sentences import sentence_spans
 from npumoe.jobs.extract.isolated import extract_text
 from npumoe.jobs.queue import sqlite
 from npumoe.jobs.search.index import DocumentHits, IndexEntry, SearchIndex, Weights, write_entry
-from npumoe.jobs.search.passages import sentence_spans, whole_sentences
+from npumoe.jobs.search.passages import widened_to_sentences
 
 from .questions import QUESTIONS, Question
 
@@ -103,7 +104,7 @@ def _index(database: Path, engine: Embedder, texts: dict[str, str], pooling: str
             ids = [i for (i,) in conn.execute("SELECT id FROM search_chunks WHERE job_id = ? ORDER BY ordinal",
                                               (job_id,))]
             for chunk_id, (a, b) in zip(ids, spans.tolist(), strict=True):
-                chunks[chunk_id] = (job_id, flat(text[slice(*whole_sentences(sentences, a, b))]))
+                chunks[chunk_id] = (job_id, flat(text[slice(*widened_to_sentences(sentences, a, b))]))
         conn.execute("COMMIT")
     finally:
         conn.close()

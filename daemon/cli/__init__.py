@@ -104,6 +104,9 @@ def report_skipped(enqueued: Enqueued) -> None:
         raise SystemExit(1)
 
 
+FOLDER_CHARS = 20  # of a job's folder, `npumoed jobs` shows the end: the part nearest the file
+
+
 @main.command("jobs")
 @click.option("--state", type=click.Choice(STATES), help="Only jobs in this state.")
 @click.option("--limit", type=click.IntRange(min=1), help="At most this many jobs.")
@@ -115,13 +118,27 @@ def list_jobs(app: App, state: str | None, limit: int | None, as_json: bool) -> 
     if as_json:
         emit_json({"jobs": [job.as_dict() for job in found]})
         return
-    table = Table("id", "state", "host", "tries", "progress", "updated", "document", "last error", box=None)
+    # The file name is what a person looks for, so it comes whole; of the folder, its nearest part. The host
+    # column only where several machines share the queue.
+    hosts = any(job.worker_host for job in found)
+    table = Table(box=None)
+    for name in ("id", "state", *(["host"] if hosts else []), "tries", "progress", "updated", "document"):
+        table.add_column(name, no_wrap=True)
+    table.add_column("last error", overflow="fold", min_width=10)
+    table.add_column("in folder", no_wrap=True)
     for job in found:  # names and errors as Text: rich would read `[draft]` in a file name as markup
-        table.add_row(str(job.id), job.state, Text(printable(job.worker_host or "")),
+        path = Path(job.path)
+        table.add_row(str(job.id), job.state, *([Text(printable(job.worker_host or ""))] if hosts else []),
                       f"{job.attempts}/{job.max_attempts}", f"{job.progress:.0%}",
                       datetime.fromtimestamp(job.updated_at).strftime("%m-%d %H:%M"),
-                      Text(printable(job.path)), Text(printable(job.last_error or "")))
+                      Text(printable(path.name)), Text(printable(job.last_error or "")),
+                      Text(printable(_tail(str(path.parent), FOLDER_CHARS))))
     Console().print(table if found else "no jobs")
+
+
+def _tail(text: str, most: int) -> str:
+    """`text`, or its last `most` characters after an ellipsis."""
+    return text if len(text) <= most else "…" + text[len(text) - most + 1:]
 
 
 def _change(app: App, job_id: int, action: str) -> Job:

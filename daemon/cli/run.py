@@ -26,7 +26,7 @@ from npumoe.jobs.queue.schema import DONE
 from npumoe.jobs.queue.store import Queue
 
 from ..config import Config
-from ..home import Home
+from ..home import Home, outbox_folder
 from .app import App, BadConfig, UnusableDatabase, emit_json, pass_app
 from .status_view import render_rich, render_text, snapshot
 
@@ -137,7 +137,7 @@ def demo(app: App) -> None:
 def _run_worker(
     app: App, config: Config, *, inboxes: list[Path] | None, once: bool, verbose: bool, obey_schedule: bool
 ) -> None:
-    from npumoe.jobs.errors import ModelUnavailable
+    from npumoe.jobs.errors import IdentityInUse, ModelUnavailable
 
     from ..logs import setup_logging
     from ..service import started_by_service
@@ -151,7 +151,7 @@ def _run_worker(
     worker = Worker(config, app.home, app.queue, inboxes=inboxes, once=once, obey_schedule=obey_schedule)
     try:
         summary = worker.run()
-    except AlreadyRunning as e:
+    except (AlreadyRunning, IdentityInUse) as e:
         raise click.ClickException(str(e)) from e
     except ModelUnavailable as e:
         raise click.ClickException(f"cannot load the model: {e} (log: {log_file})") from e
@@ -159,7 +159,7 @@ def _run_worker(
         outcomes = ", ".join(f"{n} {state}" for state, n in sorted(summary.outcomes.items())) or "nothing to do"
         rejected = f"; {summary.rejected} file(s) could not be queued" if summary.rejected else ""
         later = f"; {summary.waiting} job(s) wait for later (retry or batch window)" if summary.waiting else ""
-        click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {app.home.outputs(app.config)}")
+        click.echo(f"npumoed: {outcomes}{rejected}{later}. Outputs: {outbox_folder(app.config, app.home)}")
 
 
 def _keep_caches_at_home(home: Home) -> None:

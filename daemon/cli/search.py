@@ -29,7 +29,7 @@ from npumoe.jobs.search.index import (
 )
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
-from ..home import Home
+from ..home import Home, outbox_folder
 from ..queries import NoAnswer, ask_daemon
 from .app import App, emit_json, holding_home, pass_app
 from .terminal import printable
@@ -101,7 +101,7 @@ def reindex_command(app: App) -> None:
     Only while the daemon is stopped: it holds the home, and writes the index as it finishes documents.
     """
     app.queue  # noqa: B018 -- opening the queue creates the database when there is none yet
-    outbox = app.home.outputs(app.config)
+    outbox = outbox_folder(app.config, app.home)
     with holding_home(app.home):
         try:
             done = reindex(app.home.database, outbox)

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from sqlalchemy.exc import SQLAlchemyError
 
-from npumoe.engine.vocabulary import AUTO, COREML
+from npumoe.engine.vocabulary import AUTO, COREML, CUDA
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue.schema import SCHEMA_VERSION, schema_version
 from npumoe.jobs.queue.store import BATCH, Queue
@@ -24,7 +24,7 @@ from ..config import Config, ModelConfig, redacted_url
 from ..energy.measure import ForegroundLoad, system_energy_counter
 from ..energy.power import system_power_source
 from ..energy.priority import available_cores, worker_threads
-from ..home import Home
+from ..home import Home, inbox_folders, outbox_folder
 from ..intake import enqueue_paths
 from ..model_choice import DEMO, ModelNotFound, demo_model_dir, resolve_model
 from ..scheduler import paused_since
@@ -162,7 +162,7 @@ def doctor(app: App, as_json: bool, rebuild_queue: bool) -> None:
         _rebuild_queue(app)
         return
     checks = [*_service_checks(), _database_check(app.config, app.home),
-              *(_inbox_check(folder) for folder in app.home.inboxes(app.config)),
+              *(_inbox_check(folder) for folder in inbox_folders(app.config, app.home)),
               _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(),
               _measured_choices_check(), _weights_check(app), *_backend_checks(), _placement_check(app)]
     if as_json:
@@ -236,7 +236,7 @@ def _rebuild_queue(app: App) -> None:
 
     from ..rebuild import rebuild_queue
 
-    outbox = app.home.outputs(app.config)
+    outbox = outbox_folder(app.config, app.home)
     with holding_home(app.home):
         try:
             rebuilt = rebuild_queue(app.home, app.config)
@@ -393,4 +393,8 @@ def _backend_ready(name: str) -> tuple[bool, str]:
         from npumoe.engine.backends.coreml.env import coreml_availability
 
         return coreml_availability()
+    if name == CUDA:
+        from npumoe.engine.backends.cuda.env import cuda_availability
+
+        return cuda_availability()
     return True, "available"

@@ -67,11 +67,11 @@ class MoeRuntime:
     capacity; without one, every group calibration saw load for does. Without a plan every expert runs on
     the exact CPU path. `quantized` ("int8", "int4"): the CPU experts run quantized weights (their result is
     then approximate); torch-static group graphs stay float, Core ML ones run packages compressed alike.
-    `release`: once the CPU experts have packed a module's weights,
-    the module's own expert tensors are freed, leaving one copy: the model's experts then run only through a
-    runtime (the eager implementation has nothing left to read), and no later runtime can build group graphs
-    or another format from them. Dispatch counts accumulate in `stats` for prefill; inside `decoding()` layers run
-    exact and uncounted (one token per step). The model's dense projections outside the experts (attention's,
+    `release`: once the CPU experts have packed a module's weights, the module's own expert tensors are freed,
+    leaving one copy: the model's experts then run only through a runtime (the eager implementation has nothing
+    left to read), and no later runtime can build group graphs or another format from them. Dispatch counts
+    accumulate in `stats` for prefill (in another `DispatchStats` inside `counting()`); inside `decoding()` layers
+    run exact and uncounted (one token per step). The model's dense projections outside the experts (attention's,
     dense FFNs', shared experts') run through the engine's measured kernels while attached, quantized (int8 at
     most) where that measures faster (projections.py; `release` frees their own weights too), and its RMSNorms
     through the engine's norm kernel where it runs here (norms.py). A new runtime is attached; several runtimes of
@@ -124,7 +124,7 @@ class MoeRuntime:
     def attach(self) -> None:
         """Run the model's experts through this runtime's layers, in place of any other runtime's, its dense
         projections and norms through this runtime's kernels, and its attention through the engine's where that computes
-        the same (engine/attention.py)."""
+        the same (attention.py)."""
         running = self._running()
         if running is self:
             return
@@ -169,6 +169,16 @@ class MoeRuntime:
             yield
         finally:
             self.exact_only = False
+
+    @contextmanager
+    def counting(self, stats: DispatchStats) -> Iterator[None]:
+        """Prefill's dispatch counts go to `stats` inside the block, and back to where they went before after it.
+        Blocks nest: a search query embedded between a document's chunks counts into its own, not the document's."""
+        outer, self.stats = self.stats, stats
+        try:
+            yield
+        finally:
+            self.stats = outer
 
     @contextmanager
     def recording_loads(self) -> Iterator[list[list[torch.Tensor]]]:

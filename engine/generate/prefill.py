@@ -8,15 +8,21 @@ from collections.abc import Iterator, Sequence
 import torch
 from transformers import Cache, DynamicCache, PreTrainedModel
 
+from .section_cache import preallocate
 
-def new_cache(model: PreTrainedModel) -> Cache:
-    """An empty cache of the kind the model's `generate` uses. Most models take transformers' DynamicCache built
-    from the decoder's text config, which gives each layer the cache it needs (attention keys and values, a
-    sliding window, or the convolution and recurrent state of a linear-attention layer in hybrid models such as
-    Qwen3-Next). A model that makes a cache class of its own in its forward (MiniMax), where `generate` leaves
-    it to the model, gets that class, made empty as its forward makes it."""
+
+def new_cache(model: PreTrainedModel, capacity: int | None = None) -> Cache:
+    """An empty cache of the kind the model's `generate` uses; with `capacity`, its attention layers' keys and
+    values are written in place into buffers of that many tokens (section_cache), made once.
+
+    Most models take transformers' DynamicCache built from the decoder's text config, which gives each layer the
+    cache it needs (attention keys and values, a sliding window, or the convolution and recurrent state of a
+    linear-attention layer in hybrid models such as Qwen3-Next). A model that makes a cache class of its own in
+    its forward (MiniMax), where `generate` leaves it to the model, gets that class, made empty as its forward
+    makes it."""
     if model._supports_default_dynamic_cache():
-        return DynamicCache(config=model.config.get_text_config(decoder=True))
+        cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+        return cache if capacity is None else preallocate(cache, capacity)
     code = sys.modules[type(model).__module__]
     own = [c for c in vars(code).values()
            if isinstance(c, type) and issubclass(c, Cache) and c.__module__ == code.__name__]

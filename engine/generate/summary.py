@@ -16,6 +16,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from .sentences import stop_ends
+
 # Asked after the text, where a small model still sees it when it starts to answer.
 SUMMARIZE = "Summarize the text above in a few sentences of plain English."
 # Each summary it combines is labelled "Part i:". Asked to "write one summary", SmolLM2-135M wrote about summaries
@@ -38,7 +40,6 @@ OUTLINE_WORDS = (8, 40)
 OUTLINE_HEADING = "By part:"
 
 _STEM, _ECHO = 5, 0.8  # letters a word is known by; the share of an answer's words that makes it an echo
-_SENTENCE_END = re.compile(r"[.!?][\"')\]]*(?=\s|$)")
 _MARK = "\x00TEXT\x00"  # stands in for the text while the chat template is rendered
 
 # Chat-template switches that ask for an answer without reasoning first (Qwen3, GLM-4.5), or with the least of it
@@ -71,7 +72,7 @@ class PromptFrame:
             before, after = _render(tokenizer, instruction, **switches).split(_MARK)
         else:
             before, after = "", f"\n\n{instruction}\n\nSummary:\n"
-        return cls(prefix=_encode(tokenizer, before), suffix=_encode(tokenizer, after))
+        return cls(prefix=text_tokens(tokenizer, before), suffix=text_tokens(tokenizer, after))
 
     @property
     def overhead(self) -> int:
@@ -116,21 +117,13 @@ def answer_tokens(text_tokens: int, most: int) -> int:
     return min(most, max(FEWEST, text_tokens // SHARE))
 
 
-def whole_sentences(text: str) -> str:
-    """`text` up to its last finished sentence, when the token budget cut it mid-sentence; as it is otherwise, or
-    when it holds no finished sentence."""
-    text = text.strip()
-    ends = [m.end() for m in _SENTENCE_END.finditer(text)]
-    return text[:ends[-1]] if ends and ends[-1] < len(text) else text
-
-
 def opening(text: str, words: tuple[int, int]) -> str:
     """`text`'s first finished sentences, as few as hold at least words[0] words (all of it when they do not), on one
     line, cut to words[1] words with an ellipsis when longer."""
     least, most = words
     text = text.strip()
     said: list[str] = []
-    for end in [m.end() for m in _SENTENCE_END.finditer(text)] + [len(text)]:
+    for end in [*stop_ends(text), len(text)]:
         said = text[:end].split()
         if len(said) >= least:
             break
@@ -170,7 +163,7 @@ def without_thinking(tokenizer: PreTrainedTokenizerBase, ids: Sequence[int]) -> 
     there is none."""
     said = tokenizer.decode(ids, skip_special_tokens=False)
     answer = strip_thinking(said)
-    return list(ids) if answer == said else _encode(tokenizer, answer.strip())
+    return list(ids) if answer == said else text_tokens(tokenizer, answer.strip())
 
 
 def strip_thinking(text: str) -> str:
@@ -188,5 +181,6 @@ def _render(tokenizer: PreTrainedTokenizerBase, instruction: str, **switches: ob
                                          add_generation_prompt=True, tokenize=False, **switches)
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+def text_tokens(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """`text`'s token ids, without the special tokens a tokenizer may add around a whole input."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]

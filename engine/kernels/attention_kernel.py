@@ -7,7 +7,7 @@ float32 on AVX-512 or, on x86 without it (AMD Zen 3, an Intel Mac), on AVX2 (`bo
 work out to the torch thread count's POSIX threads.
 
 Which rows see which keys is given as one range [lo, hi) per query position (causal, sliding window); any
-other mask stays with torch. Whether it is faster on this machine is measured, not assumed (attention.py).
+other mask stays with torch. Whether it is faster on this machine is measured, not assumed (attach/attention.py).
 """
 
 from __future__ import annotations

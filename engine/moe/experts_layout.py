@@ -16,6 +16,7 @@ A module the engine cannot run raises `LayoutError`, one line naming the module,
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ COREML_ACTIVATIONS = frozenset({"silu", "swish", "gelu", "gelu_new", "gelu_fast"
 
 _PROBE_WIDTH = 64  # probe columns per half
 _PROBE_ROWS = 8
+
+_ACTIVATION_NOTICES = logging.getLogger("transformers.activations")
 
 
 class LayoutError(ValueError):
@@ -103,8 +106,15 @@ class ExpertsLayout:
 
 @cache
 def activation(name: str) -> nn.Module:
-    """transformers' activation called `name` (one shared instance: they hold no state)."""
-    return ACT2FN[name]
+    """transformers' activation called `name` (one shared instance: they hold no state). Making one may log a
+    notice meant for a model that uses it (xIELU's, that its CUDA kernel is not installed, with a pip command):
+    the engine makes them all to recognise a model's activation, so their notices are not the person's."""
+    level = _ACTIVATION_NOTICES.level
+    _ACTIVATION_NOTICES.setLevel(logging.ERROR)
+    try:
+        return ACT2FN[name]
+    finally:
+        _ACTIVATION_NOTICES.setLevel(level)
 
 
 DEFAULT_LAYOUT = ExpertsLayout()  # transformers' default: fused gate-up, silu GLU, no biases

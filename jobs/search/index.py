@@ -28,12 +28,13 @@ from typing import Any
 
 import numpy as np
 
+from npumoe.engine.generate.sentences import sentence_spans
 from npumoe.engine.vocabulary import MEAN
 
 from ..meta import read_meta
 from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
-from .passages import query_terms, sentence_spans, whole_sentences
+from .passages import query_terms, widened_to_sentences
 
 log = logging.getLogger(__name__)
 STALE_SUFFIX = "-reindex"
@@ -147,7 +148,7 @@ def write_entry(conn: sqlite.Connection, entry: IndexEntry) -> None:
                  (entry.job_id, entry.document.tobytes()))
     if entry.text is not None and entry.spans is not None:
         sentences = sentence_spans(entry.text)
-        words = [entry.text[slice(*whole_sentences(sentences, a, b))] for a, b in entry.spans.tolist()]
+        words = [entry.text[slice(*widened_to_sentences(sentences, a, b))] for a, b in entry.spans.tolist()]
         conn.executemany("INSERT INTO search_words (rowid, text) VALUES (?, ?)", zip(chunk_ids, words, strict=True))
 
 

@@ -1,22 +1,22 @@
-"""Sentences, the words of a query, and the passage of a chunk worth showing for it.
+"""The words of a query, and the passage of a chunk worth showing for it.
 
 Chunks are cut at token counts, so their edges fall inside sentences. The index takes a chunk's words
-from its whole sentences (`whole_sentences`), so a sentence that crosses an edge belongs whole to both
+from its whole sentences (`widened_to_sentences`), so a sentence that crosses an edge belongs whole to both
 chunks. A chunk is too long to print for every hit: the passage shown is the run of whole sentences
 around the chunk that holds the most of the query's words, so text copied from a document comes back entire.
+What a sentence is, the engine's summaries and these passages take from one place (generate/sentences.py).
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
 import re
 from dataclasses import dataclass
 
+from npumoe.engine.generate.sentences import sentence_spans
+
 MAX_TERMS = 32  # a pasted paragraph is searched by its first words; FTS5 and the weighting stay cheap
 PASSAGE_CHARS = 400  # about four lines of a terminal
-# A sentence ends at . ! ? (and closing quotes or brackets after them) followed by space, or at a blank line.
-_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)\]]*\s+|\n\s*\n")
 _WORD = re.compile(r"[^\W_]+")  # letters and digits: what SQLite FTS5's unicode61 tokenizer calls a token
 
 
@@ -25,14 +25,7 @@ def query_terms(query: str) -> list[str]:
     return list(dict.fromkeys(_WORD.findall(query.casefold())))[:MAX_TERMS]
 
 
-def sentence_spans(text: str) -> list[tuple[int, int]]:
-    """(start, end) of each sentence of `text`, in order, without the whitespace between them."""
-    bounds = [0, *(m.end() for m in _SENTENCE_END.finditer(text)), len(text)]
-    trimmed = [(a, a + len(text[a:b].rstrip())) for a, b in itertools.pairwise(bounds)]
-    return [(a, b) for a, b in trimmed if b > a]
-
-
-def whole_sentences(sentences: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
+def widened_to_sentences(sentences: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:
     """[start, end) widened to the whole sentences it touches (`sentences` from `sentence_spans`)."""
     first, last = _overlapping(sentences, start, end)
     return (min(start, sentences[first][0]), max(end, sentences[last - 1][1])) if first < last else (start, end)

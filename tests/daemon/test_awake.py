@@ -6,7 +6,6 @@ started; the one test with the real caffeinate is marked macos.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -19,13 +18,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from npumoe.daemon.cli.status_view import render_text, snapshot
-from npumoe.daemon.config import Config, CpuConfig, SchedulerConfig
+from npumoe.daemon.config import SchedulerConfig
 from npumoe.daemon.energy.awake import PowerAssertion, assertion_command, windows_to_stay_awake_for
 from npumoe.daemon.energy.power import PowerState
-from npumoe.daemon.home import Home
 from npumoe.daemon.scheduler import Decision, Scheduler
-from npumoe.daemon.worker import Worker
 from npumoe.jobs.queue.store import BATCH, Queue
 
 WINDOW = "01:00-06:00"
@@ -187,46 +183,3 @@ def test_the_real_caffeinate_shows_in_pmset_assertions() -> None:
         assert "caffeinate" in listed and "PreventUserIdleSystemSleep" in listed
     finally:
         assertion.release()
-
-
-# -- the worker holds it and `status` shows it ---------------------------------------------------------
-
-class Recorder(PowerAssertion):
-    def __init__(self) -> None:
-        super().__init__(command=lambda why: None)
-        self.asked: list[str] = []
-
-    def hold(self, why: str) -> None:
-        self.asked.append(why)
-        self.holding = f"{why} (stand-in)"
-
-    def release(self) -> None:
-        self.asked.append("release")
-        self.holding = ""
-
-
-def test_the_worker_holds_it_while_batch_work_waits_in_an_open_window_and_status_shows_it(tmp_path: Path) -> None:
-    home = Home(tmp_path / "home").ensure()
-    queue = Queue(home.database)
-    now = [datetime(2026, 11, 30, 2, 0)]
-    config = Config(cpu=CpuConfig(threads=1, background_priority=False))
-    scheduler = Scheduler(config.scheduler, queue, power=Power(AC), clock=lambda: now[0],
-                          foreground_load=lambda: 0.0)
-    awake = Recorder()
-    worker = Worker(config, home, queue, scheduler=scheduler, awake=awake)
-    queue.add("/docs/a.txt", "a" * 64, model_key="m", settings_key="s", priority=BATCH, batch_window=WINDOW)
-
-    queue.daemons.write(pid=os.getpid(), started_at=time.time(), stopped_at=None, model="demo", backend="cpu")
-    worker._decide()
-    assert awake.asked == [f"batch window {WINDOW}"]
-    worker._write_row()
-    shown = snapshot(queue)
-    assert shown["daemon"]["power"]["awake"] == f"batch window {WINDOW} (stand-in)"
-    assert f"keeping the computer awake: batch window {WINDOW} (stand-in)" in render_text(shown)
-    assert json.loads(json.dumps(shown, default=str))["daemon"]["power"]["awake"]  # in `status --json` too
-
-    now[0] = datetime(2026, 11, 30, 6, 30)  # the window closed
-    worker._decide()
-    assert awake.asked[-1] == "release"
-    worker._write_row()
-    assert "keeping the computer awake" not in render_text(snapshot(queue))

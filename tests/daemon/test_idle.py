@@ -23,7 +23,7 @@ import pytest
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError
 
-from npumoe.daemon import worker as worker_module
+from npumoe.daemon import heartbeat
 from npumoe.daemon.config import Config, CpuConfig, SchedulerConfig
 from npumoe.daemon.energy.awake import PowerAssertion
 from npumoe.daemon.energy.power import UNKNOWN, PowerState
@@ -65,7 +65,7 @@ def wait_until(condition: Callable[[], object], timeout: float = 30.0) -> None:
 
 def test_an_idle_daemon_writes_nothing_reads_no_power_and_starts_no_process(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(worker_module, "BEAT_SECONDS", 0.02)  # a heartbeat every 20 ms: 50 chances a second
+    monkeypatch.setattr(heartbeat, "BEAT_SECONDS", 0.02)  # a heartbeat every 20 ms: 50 chances a second
     home = Home(tmp_path / "home").ensure()
     queue = Queue(home.database)
     power = CountingPower()

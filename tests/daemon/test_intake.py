@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 from postgres_server import PostgresServer
 
 from npumoe.daemon.config import Config, ExtractConfig, ModelConfig, QueueConfig
-from npumoe.daemon.intake import enqueue, enqueue_paths, is_ignored, iter_documents, job_keys
-from npumoe.jobs.queue.store import Queue
+from npumoe.daemon.intake import InboxIntake, enqueue, enqueue_paths, is_ignored, iter_documents, job_keys
+from npumoe.jobs.files import Folders
+from npumoe.jobs.queue.store import Job, Queue
 
 
 @pytest.mark.parametrize("name", [".DS_Store", "._report.pdf", "~$draft.docx", "movie.part", "x.crdownload",
@@ -41,6 +43,43 @@ def test_the_demo_model_key_does_not_depend_on_the_current_folder(tmp_path: Path
 def test_settings_that_change_outputs_change_the_key() -> None:
     assert job_keys(Config())[1] != job_keys(Config(model=ModelConfig(overflow="prune")))[1]
     assert job_keys(Config())[1] == job_keys(Config(model=ModelConfig(idle_unload_seconds=5)))[1]
+
+
+def test_the_keys_stay_those_of_the_outputs_already_written() -> None:
+    """A new key would process every finished document again: these are the keys outboxes already hold."""
+    assert job_keys(Config()) == ("demo", "e6a0785aa58e64d2")
+    prompt = ModelConfig(pooling="prompt", overflow="prune", chunk_tokens=64)
+    assert job_keys(Config(model=prompt)) == ("demo", "dc548cf2bdf6eb98")
+
+
+class Settled:
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, Path]] = []
+
+    def __call__(self, job: Job, path: Path) -> None:
+        self.calls.append((job.id, path))
+
+
+def test_the_inbox_intake_queues_a_new_document_settles_a_finished_one_and_sets_aside_what_is_no_document(
+    tmp_path: Path
+) -> None:
+    inbox, outbox, processed, failed = (tmp_path / name for name in ("inbox", "outbox", "processed", "failed"))
+    for folder in (inbox, outbox, processed, failed):
+        folder.mkdir()
+    queue, settled, woken = Queue(tmp_path / "q.db"), Settled(), []
+    intake = InboxIntake(queue, Config(), Folders(outbox, processed, failed, (inbox.resolve(),)),
+                         settle=settled, queued=lambda: woken.append(True))
+    report = inbox / "report.md"
+    report.write_text("a report")
+    assert intake.take(report) and len(woken) == 1  # queued, and the idle worker woken
+    [job] = queue.list()
+    queue.claim(1, lease_seconds=60)
+    queue.complete(job.id, 1, output_dir=str(outbox / "report"))
+    assert intake.take(report) and len(woken) == 1 and settled.calls == [(job.id, report)]  # done: settled
+    os.mkfifo(inbox / "pipe.md")
+    assert intake.take(inbox / "pipe.md") and intake.rejected == 1
+    assert "FIFO" in (failed / "pipe.md.error.txt").read_text()
+    assert intake.take(inbox / "gone.md") and intake.rejected == 1  # vanished before it was queued: nothing to do
 
 
 def test_a_file_over_the_size_limit_is_refused_before_it_is_read(tmp_path: Path) -> None:

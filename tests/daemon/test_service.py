@@ -20,6 +20,7 @@ from cpus import APPLE_SILICON, ICE_LAKE, SAPPHIRE_RAPIDS, ZEN4, Cpu, fake_build
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.service import _linger_check
 from npumoe.daemon.config import ModelConfig
+from npumoe.daemon.heartbeat import EXIT_STUCK
 from npumoe.daemon.home import Home
 from npumoe.daemon.logs import setup_logging
 from npumoe.daemon.service import (
@@ -35,7 +36,6 @@ from npumoe.daemon.service import (
     carry_out,
     lingering,
 )
-from npumoe.daemon.worker import EXIT_STUCK
 from npumoe.engine.kernels import attention_choice, float_kernels, quant_kernels
 from npumoe.engine.kernels.choice import Accuracy
 from npumoe.engine.kernels.host import cpu_model

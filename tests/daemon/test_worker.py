@@ -1,24 +1,24 @@
-"""The worker loop in this process, on the tiny model: intake, one daemon per home, recovery, pause, stop."""
+"""The worker loop in this process, on the tiny model: intake, one daemon per npumoed_home, recovery, pause, stop."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import FileLock
 
-from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
-from npumoe.daemon.energy.power import UnknownPowerSource
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import sha256_of
-from npumoe.daemon.model_choice import ModelSlot, engine_settings
-from npumoe.daemon.scheduler import Scheduler
+from npumoe.daemon.model_choice import load_engine
+from npumoe.daemon.queries import ask_daemon
 from npumoe.daemon.worker import AlreadyRunning, Worker
 from npumoe.jobs import files
 from npumoe.jobs.errors import ModelUnavailable
@@ -27,49 +27,19 @@ from npumoe.jobs.queue.store import BATCH, Queue
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
 
 
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "home").ensure()
-
-
-@pytest.fixture
-def queue(home: Home) -> Queue:
-    return Queue(home.database)
-
-
-@pytest.fixture
-def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
-    """A `--once` worker on the tiny model; `loader` stands in for loading the engine."""
-
-    def make(originals: str = "keep", loader: Callable[..., object] | None = None,
-             clock: Callable[[], datetime] | None = None) -> Worker:
-        config = Config(
-            inbox=InboxConfig(stable_seconds=0.1, originals=originals),
-            model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
-            scheduler=SchedulerConfig(poll_seconds=0.1),
-            cpu=CpuConfig(threads=1, background_priority=False),  # never lower the test runner's own priority
-        )
-        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0,
-                              clock=clock)
-        model = ModelSlot(config, home, loader=loader) if loader else None  # type: ignore[arg-type]
-        return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
-
-    return make
-
-
 def test_run_once_processes_the_inbox_and_sets_aside_what_cannot_be_queued(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
-    os.mkfifo(home.inbox / "pipe.txt")
+    (npumoed_home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
+    os.mkfifo(npumoed_home.inbox / "pipe.txt")
     (tmp_path / "secret.txt").write_text("outside the inbox")
-    (home.inbox / "link.txt").symlink_to(tmp_path / "secret.txt")
+    (npumoed_home.inbox / "link.txt").symlink_to(tmp_path / "secret.txt")
     summary = make_worker().run()
     assert dict(summary.outcomes) == {"done": 1} and summary.rejected == 2
     [job] = queue.list()
     assert job.state == "done" and (Path(job.output_dir or "") / "embeddings.npy").exists()
-    assert "FIFO" in (home.failed / "pipe.txt.error.txt").read_text()
-    assert "symbolic link" in (home.failed / "link.txt.error.txt").read_text()
+    assert "FIFO" in (npumoed_home.failed / "pipe.txt.error.txt").read_text()
+    assert "symbolic link" in (npumoed_home.failed / "link.txt.error.txt").read_text()
     assert (tmp_path / "secret.txt").read_text() == "outside the inbox"
     row = queue.daemons.read()
     assert row is not None and row["stopped_at"] is not None and row["counters"]["done"] == 1
@@ -93,60 +63,60 @@ class Locked:
 
 
 def test_a_file_refused_for_permission_stays_in_the_inbox_and_is_queued_once_it_can_be_read(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    locked_path = home.inbox / "locked.md"
+    locked_path = npumoed_home.inbox / "locked.md"
     locked_path.write_text("# Locked\n\n" + PARAGRAPH * 3)
-    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
+    (npumoed_home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 6)
     locked = Locked(locked_path)
     monkeypatch.setattr(files, "os", locked)
     summary = make_worker().run()
     assert dict(summary.outcomes) == {"done": 1} and summary.rejected == 0
-    assert locked_path.exists() and list(home.failed.iterdir()) == []  # not set aside: a person may put it right
+    assert locked_path.exists() and list(npumoed_home.failed.iterdir()) == []  # not set aside: a person may fix it
     assert [Path(job.path).name for job in queue.list()] == ["report.md"]
     locked.locked = False  # the person gave read permission back
     assert dict(make_worker().run().outcomes) == {"done": 1}
     assert sorted(Path(job.path).name for job in queue.list("done")) == ["locked.md", "report.md"]
 
 
-def test_only_one_daemon_runs_per_home(home: Home, make_worker: Callable[..., Worker]) -> None:
-    with FileLock(home.root / "npumoed.lock"), pytest.raises(AlreadyRunning, match="already running"):
+def test_only_one_daemon_runs_per_home(npumoed_home: Home, make_worker: Callable[..., Worker]) -> None:
+    with FileLock(npumoed_home.root / "npumoed.lock"), pytest.raises(AlreadyRunning, match="already running"):
         make_worker().run()
 
 
 def test_a_job_a_killed_daemon_left_running_is_finished_by_the_next_start(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
 ) -> None:
-    doc = home.inbox / "report.md"
+    doc = npumoed_home.inbox / "report.md"
     doc.write_text(PARAGRAPH * 3)
     worker = make_worker()
-    worker._take(doc)  # queued as the watcher would
+    worker.intake.take(doc)  # queued as the watcher would
     claimed = queue.claim(os.getpid(), lease_seconds=3600)  # "running", by a worker that will never return
     assert claimed is not None
-    (home.outbox / ".tmp-job1-deadbeef").mkdir()  # and its scratch folder
+    (npumoed_home.outbox / ".tmp-job1-deadbeef").mkdir()  # and its scratch folder
     worker.run()
     job = queue.get(claimed.id)
     assert job is not None and job.state == "done" and job.attempts == 2
-    assert [p.name for p in home.outbox.iterdir()] == [Path(job.output_dir or "").name]
+    assert [p.name for p in npumoed_home.outbox.iterdir()] == [Path(job.output_dir or "").name]
 
 
 def test_a_finished_document_seen_again_is_moved_by_policy_not_processed_again(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
 ) -> None:
     text = PARAGRAPH * 3
-    (home.inbox / "report.md").write_text(text)
+    (npumoed_home.inbox / "report.md").write_text(text)
     make_worker("move").run()
-    assert (home.processed / "report.md").exists()
-    (home.inbox / "report.md").write_text(text)  # the same content, dropped in again
+    assert (npumoed_home.processed / "report.md").exists()
+    (npumoed_home.inbox / "report.md").write_text(text)  # the same content, dropped in again
     summary = make_worker("move").run()
     assert dict(summary.outcomes) == {} and len(queue.list()) == 1
-    assert sorted(p.name for p in home.processed.iterdir()) == ["report (2).md", "report.md"]
+    assert sorted(p.name for p in npumoed_home.processed.iterdir()) == ["report (2).md", "report.md"]
 
 
 def test_a_pause_holds_the_work_and_says_why_until_resumed(
-    queue: Queue, home: Home, make_worker: Callable[..., Worker]
+    queue: Queue, npumoed_home: Home, make_worker: Callable[..., Worker]
 ) -> None:
-    (home.inbox / "report.md").write_text(PARAGRAPH * 3)
+    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH * 3)
     queue.controls.set("paused", {"since": time.time()})
     seen: list[str] = []
 
@@ -185,8 +155,10 @@ def mid_document(queue: Queue, action: Callable[[], None]) -> threading.Thread:
     return thread
 
 
-def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_worker: Callable[..., Worker]) -> None:
-    (home.inbox / "long.md").write_text(PARAGRAPH * 40)
+def test_stopping_hands_the_running_job_back(
+    queue: Queue, npumoed_home: Home, make_worker: Callable[..., Worker]
+) -> None:
+    (npumoed_home.inbox / "long.md").write_text(PARAGRAPH * 40)
     worker = make_worker()
 
     stopper = mid_document(queue, worker.stop)
@@ -195,11 +167,11 @@ def test_stopping_hands_the_running_job_back(queue: Queue, home: Home, make_work
     [job] = queue.list()
     assert dict(summary.outcomes) == {"queued": 1}
     assert (job.state, job.attempts) == ("queued", 0)
-    assert list(home.outbox.iterdir()) == []
+    assert list(npumoed_home.outbox.iterdir()) == []
 
 
 def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
-    queue: Queue, home: Home, make_worker: Callable[..., Worker], tmp_path: Path
+    queue: Queue, npumoed_home: Home, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
     document = tmp_path / "archive.md"
     document.write_text(PARAGRAPH * 40)
@@ -214,48 +186,15 @@ def test_a_batch_job_goes_back_to_the_queue_when_its_window_closes(
     assert dict(summary.outcomes) == {"queued": 1}
     after = queue.get(job.id)
     assert (after.state, after.attempts) == ("queued", 0)
-    assert list(home.outbox.iterdir()) == []
+    assert list(npumoed_home.outbox.iterdir()) == []
     # the check only handed the job back; the loop wrote the window's report
-    assert [p.name for p in home.reports.iterdir()] == ["batch-20261130-0100-0600.json"]
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-class LoadedEngine:
-    def __init__(self) -> None:
-        self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
-def test_the_model_is_loaded_once_and_unloaded_after_the_idle_timeout(tmp_path: Path) -> None:
-    loads: list[LoadedEngine] = []
-    clock = FakeClock()
-    config = Config(model=ModelConfig(name=str(tmp_path), idle_unload_seconds=300))
-    slot = ModelSlot(config, Home(tmp_path), loader=lambda settings: loads.append(LoadedEngine()) or loads[-1],
-                     clock=clock)
-    first = slot.load()
-    clock.now += 200
-    assert slot.load() is first and len(loads) == 1
-    clock.now += 299
-    assert not slot.unload_if_idle() and slot.loaded
-    clock.now += 2
-    assert slot.unload_if_idle() and not slot.loaded and first.closed
-    slot.load()
-    assert len(loads) == 2
+    assert [p.name for p in npumoed_home.reports.iterdir()] == ["batch-20261130-0100-0600.json"]
 
 
 def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], tmp_path: Path
 ) -> None:
-    (home.inbox / "report.md").write_text(PARAGRAPH)
+    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH)
 
     def no_weights(settings: object) -> object:
         raise OSError("no weights here")
@@ -267,21 +206,43 @@ def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
     assert (job.state, job.attempts, job.last_error) == ("queued", 0, None)
 
 
-def test_a_model_that_does_not_exist_is_a_clear_error(tmp_path: Path) -> None:
-    from npumoe.daemon.model_choice import ModelNotFound, resolve_model
+def test_a_search_asked_mid_document_is_answered_between_chunks_and_leaves_the_documents_counts_alone(
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
+) -> None:
+    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH * 12)
+    query = "who writes down what could not be finished"
+    asked: dict[str, Any] = {}
+    searched = threading.Event()  # the query is waiting for the worker
 
-    with pytest.raises(ModelNotFound, match="does not exist"):
-        resolve_model(str(tmp_path / "missing"))
-    assert resolve_model("Qwen/Qwen3-30B-A3B") == "Qwen/Qwen3-30B-A3B"  # for the engine's HF cache lookup
+    def asking_after_the_first_chunk(settings: Any) -> Any:
+        engine = load_engine(settings)
+        process = engine.process
 
+        def process_while_asked(text: str, on_progress: Callable[..., None], check: Callable[[], None]) -> Any:
+            def progress(step: Any) -> None:
+                if "asker" not in asked:  # the first chunk is done: a search arrives before the worker hears so
+                    asked["asker"] = threading.Thread(
+                        target=lambda: asked.update(reply=ask_daemon(npumoed_home.socket, query)))
+                    asked["asker"].start()
+                    assert searched.wait(30)
+                on_progress(step)
 
-def test_the_coreml_backend_finds_the_graphs_npumoed_compile_built(tmp_path: Path) -> None:
-    config = Config(model=ModelConfig(name=str(tmp_path), backend="coreml", coreml_compute_units="all"))
-    settings = engine_settings(config, Home(tmp_path), threads=1)
-    assert (settings.compiled_dir, settings.coreml_compute_units) == (Home(tmp_path).compiled, "all")
+            asked["text"] = text
+            return process(text, on_progress=progress, check=check)
 
+        engine.process = process_while_asked
+        return engine
 
-def test_the_section_and_chunk_lengths_reach_the_engine(tmp_path: Path) -> None:
-    config = Config(model=ModelConfig(name=str(tmp_path), section_tokens=4096, chunk_tokens=256))
-    settings = engine_settings(config, Home(tmp_path), threads=1)
-    assert (settings.section_tokens, settings.chunk_tokens) == (4096, 256)
+    worker = make_worker(loader=asking_after_the_first_chunk)
+    wake = worker.queries.wake
+    worker.queries.wake = lambda: (searched.set(), wake())
+    assert dict(worker.run().outcomes) == {"done": 1}
+    asked["asker"].join(timeout=30)
+
+    engine = load_engine(worker.model.settings)  # the same document and query again, each alone
+    alone = engine.process(asked["text"]).stats.dispatch.to_dict()
+    key, vector = asked["reply"]
+    assert key.startswith(engine.model_key) and vector == pytest.approx(engine.embed(query), abs=1e-4)
+    [job] = queue.list()
+    recorded = json.loads((Path(job.output_dir or "") / "meta.json").read_text())["dispatch"]
+    assert recorded == alone  # the query's own layer calls, run between two of the document's chunks, are not its

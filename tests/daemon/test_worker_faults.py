@@ -15,47 +15,14 @@ from sqlite_errors import as_sqlalchemy_raises_it, locked
 
 from npumoe.daemon import intake
 from npumoe.daemon.cli.status_view import render_text, snapshot
-from npumoe.daemon.config import Config, CpuConfig, InboxConfig, ModelConfig, SchedulerConfig
-from npumoe.daemon.energy.power import UnknownPowerSource
 from npumoe.daemon.home import Home
-from npumoe.daemon.model_choice import ModelSlot, load_engine
-from npumoe.daemon.scheduler import Scheduler
-from npumoe.daemon.stall import StallWatch
+from npumoe.daemon.model_choice import load_engine
 from npumoe.daemon.worker import Worker
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.jobs import outputs
-from npumoe.jobs.pipeline import LOADING
 from npumoe.jobs.queue.store import Queue
 
 PARAGRAPH = "The night shift files each report, checks the queue, and writes down what it could not finish.\n\n"
-
-
-@pytest.fixture
-def home(tmp_path: Path) -> Home:
-    return Home(tmp_path / "home").ensure()
-
-
-@pytest.fixture
-def queue(home: Home) -> Queue:
-    return Queue(home.database)
-
-
-@pytest.fixture
-def make_worker(home: Home, queue: Queue, tiny_model: Path) -> Callable[..., Worker]:
-    """A `--once` worker on the tiny model; `loader` stands in for loading the engine."""
-
-    def make(originals: str = "keep", loader: Callable[..., Any] | None = None) -> Worker:
-        config = Config(
-            inbox=InboxConfig(stable_seconds=0.1, originals=originals),
-            model=ModelConfig(name=str(tiny_model), chunk_tokens=64, summary_tokens=8),
-            scheduler=SchedulerConfig(poll_seconds=0.1),
-            cpu=CpuConfig(threads=1, background_priority=False),
-        )
-        scheduler = Scheduler(config.scheduler, queue, power=UnknownPowerSource(), foreground_load=lambda: 0.0)
-        model = ModelSlot(config, home, loader=loader) if loader else None
-        return Worker(config, home, queue, once=True, scheduler=scheduler, model=model)
-
-    return make
 
 
 def in_background(action: Callable[[], None]) -> threading.Thread:
@@ -65,10 +32,10 @@ def in_background(action: Callable[[], None]) -> threading.Thread:
 
 
 def test_a_full_disk_fails_no_job_says_so_in_status_and_every_document_completes_once_space_returns(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for number in range(3):
-        (home.inbox / f"report-{number}.md").write_text(f"# Report {number}\n\n" + PARAGRAPH * 4)
+        (npumoed_home.inbox / f"report-{number}.md").write_text(f"# Report {number}\n\n" + PARAGRAPH * 4)
     real_write = outputs._write_durably
     disk = {"full": True, "refused": 0}
 
@@ -98,20 +65,22 @@ def test_a_full_disk_fails_no_job_says_so_in_status_and_every_document_completes
     freer = in_background(free_space_once_status_names_the_fault)
     summary = make_worker().run()
     freer.join()
-    assert "waiting: disk full: " in seen["status"] and f"MB free in {home.outbox}" in seen["status"]
+    assert "waiting: disk full: " in seen["status"] and f"MB free in {npumoed_home.outbox}" in seen["status"]
     assert seen["counts"]["failed"] == seen["counts"]["dead"] == 0 and seen["counts"]["queued"] == 3
     assert seen["refused_later"] > seen["refused"] >= 1  # outputs refused, then the probes too
     jobs = queue.list()
     assert [(job.state, job.attempts, job.error_kind) for job in jobs] == [("done", 1, None)] * 3
     assert summary.outcomes["done"] == 3 and "failed" not in summary.outcomes and "dead" not in summary.outcomes
-    assert sorted(p.name for p in home.outbox.iterdir()) == sorted(Path(job.output_dir or "").name for job in jobs)
-    assert list(home.failed.iterdir()) == []
+    outputs_named = sorted(Path(job.output_dir or "").name for job in jobs)
+    assert sorted(p.name for p in npumoed_home.outbox.iterdir()) == outputs_named
+    assert list(npumoed_home.failed.iterdir()) == []
 
 
 def test_the_queue_database_locked_while_claiming_holds_the_work_and_ends_no_daemon(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path
 ) -> None:
-    (home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 4)
+    (npumoed_home.inbox / "report.md").write_text("# Report\n\n" + PARAGRAPH * 4)
     locked_error = as_sqlalchemy_raises_it(locked(tmp_path))
     real_claim = Queue.claim
     refused = []
@@ -130,9 +99,9 @@ def test_the_queue_database_locked_while_claiming_holds_the_work_and_ends_no_dae
 
 
 def test_a_stop_takes_effect_before_the_next_model_layer_not_at_the_end_of_the_chunk(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker]
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
 ) -> None:
-    (home.inbox / "long.md").write_text(PARAGRAPH * 40)
+    (npumoed_home.inbox / "long.md").write_text(PARAGRAPH * 40)
     layers = {"per_chunk": 0, "started": 0, "finished": 0, "finished_at_stop": -1}
     holder: list[Worker] = []
 
@@ -161,13 +130,13 @@ def test_a_stop_takes_effect_before_the_next_model_layer_not_at_the_end_of_the_c
     assert dict(summary.outcomes) == {"queued": 1} and (job.state, job.attempts) == ("queued", 0)
     # the chunk's first layer ran; the one it stopped before did not, nor any after it
     assert layers["finished_at_stop"] == layers["finished"] == layers["per_chunk"] + 1
-    assert list(home.outbox.iterdir()) == []
+    assert list(npumoed_home.outbox.iterdir()) == []
 
 
 def test_a_restart_does_not_hash_an_unchanged_inbox_again(
-    home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
+    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kept = home.inbox / "kept.md"
+    kept = npumoed_home.inbox / "kept.md"
     kept.write_text(PARAGRAPH * 2)
     assert dict(make_worker().run().outcomes) == {"done": 1}
     assert list(queue.handed.all()) == [str(kept)]
@@ -186,24 +155,3 @@ def test_a_restart_does_not_hash_an_unchanged_inbox_again(
     kept.unlink()
     make_worker().run()
     assert queue.handed.all() == {}  # a file that left the inbox is forgotten
-
-
-def test_the_watchdog_counts_time_without_progress_but_not_while_the_model_loads() -> None:
-    now = [0.0]
-    watch = StallWatch(10.0, clock=lambda: now[0])
-    assert watch.stalled_for() is None  # no job
-    watch.start()
-    now[0] = 9.0
-    assert watch.stalled_for() is None
-    watch.moved(LOADING)
-    now[0] = 100.0
-    assert watch.stalled_for() is None  # a slow load is not a hang
-    watch.moved("prefill")
-    now[0] = 110.5
-    assert watch.stalled_for() == 10.5
-    watch.finish()
-    assert watch.stalled_for() is None
-    off = StallWatch(0.0, clock=lambda: now[0])  # 0: the watchdog is off
-    off.start()
-    now[0] = 1e6
-    assert off.stalled_for() is None

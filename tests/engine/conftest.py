@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from npumoe.engine import Engine, EngineSettings, LoadedModel, load_model
+from npumoe.engine.generate.summary import SUMMARIZE, PromptFrame
 from npumoe.engine.moe.cpu_experts import CpuExperts
 
 
@@ -28,3 +31,23 @@ def packed_at_load(monkeypatch: pytest.MonkeyPatch) -> list[CpuExperts]:
     monkeypatch.setattr(CpuExperts, "streamed",
                         classmethod(lambda cls, *a, **k: made.append(streamed(cls, *a, **k)) or made[-1]))
     return made
+
+
+@pytest.fixture(scope="module")
+def engine(tiny: Callable[..., Path]) -> Engine:
+    """The engine on the tiny Qwen3-MoE: fp32, as the reference is (weights auto may choose bf16 here), 128-token
+    chunks, 16-token summaries."""
+    return Engine.load(EngineSettings(model=str(tiny("qwen3_moe")), chunk_tokens=128, summary_tokens=16,
+                                      weights="fp32"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny: Callable[..., Path]) -> LoadedModel:
+    """The same checkpoint loaded as transformers runs it, no engine attached: what the engine is checked against."""
+    return load_model(str(tiny("qwen3_moe")))
+
+
+@pytest.fixture(scope="module")
+def summary_prefix(reference: LoadedModel) -> list[int]:
+    """The summary prompt's tokens before the document; they share the first prefill chunk."""
+    return PromptFrame.build(reference.tokenizer, SUMMARIZE).prefix

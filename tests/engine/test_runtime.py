@@ -11,6 +11,7 @@ from npumoe.engine.backends.base import TorchStaticBackend
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.calibration.calibrate import Calibration
 from npumoe.engine.calibration.planner import make_plan
+from npumoe.engine.moe.dispatch import DispatchStats
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.plan.cost import CostModel
 from npumoe.engine.plan.expert_plan import ExpertLoad
@@ -64,6 +65,20 @@ def test_attach_selects_which_runtime_runs_and_detach_gives_back_the_previous_im
     assert first.stats.layer_calls == 2
     first.detach()
     assert model.get_experts_implementation() == before
+
+
+def test_a_counting_block_keeps_its_own_dispatch_counts_and_a_nested_one_leaves_the_outer_blocks_alone():
+    model, experts, inputs = tiny_layer()
+    runtime = MoeRuntime(model, get_backend("cpu"))
+    document, query = DispatchStats(), DispatchStats()
+    with runtime.counting(document):
+        experts(*inputs)
+        with runtime.counting(query):  # as a search query embedded between a document's chunks
+            experts(*inputs)
+            experts(*inputs)
+        experts(*inputs)
+    experts(*inputs)
+    assert (document.layer_calls, query.layer_calls, runtime.stats.layer_calls) == (2, 2, 1)
 
 
 def test_experts_a_backend_cannot_run_in_its_graphs_stay_on_the_cpu_and_the_runtime_says_why(caplog):

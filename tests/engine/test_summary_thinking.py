@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from npumoe.engine import Engine, EngineSettings
-from npumoe.engine import api as engine_module
+from npumoe.engine.generate import summarizer as summarizer_module
 from npumoe.engine.generate.summary import SUMMARIZE, PromptFrame, decode_from_cache, without_thinking
 from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
 
@@ -124,7 +124,7 @@ def test_the_engine_asks_without_thinking_and_keeps_reasoning_out_of_the_summary
         answers.append(answer)
         return [*reasoning, *answer]
 
-    monkeypatch.setattr(engine_module, "decode_from_cache", reasoning_first)
+    monkeypatch.setattr(summarizer_module, "decode_from_cache", reasoning_first)
     result = api.process(harbour[:300])
     assert len(prompts) == 1
     assert text_of(tokenizer, prompts[0]).endswith(f"<|im_start|>assistant\n{EMPTY_THINKING}")

@@ -209,3 +209,20 @@ def test_a_folder_whose_embeddings_do_not_match_its_offsets_is_refused(home: Hom
     (folder / OFFSETS_FILE).write_bytes(npy_bytes(np.zeros((3, 2), dtype=np.int64)))
     with pytest.raises(OutputsUnreadable, match="one span per chunk"):
         IndexEntry.read(folder)
+
+
+@pytest.mark.parametrize("home_name", ["h#9", "h?mode=rwc", "h%41"])
+def test_a_read_only_connection_opens_the_database_of_a_home_whose_name_reads_as_url_syntax(
+        tmp_path: Path, home_name: str) -> None:
+    database = tmp_path / home_name / "npumoed.db"
+    database.parent.mkdir()
+    writer = sqlite.connect(database)
+    writer.execute("CREATE TABLE marker (word TEXT)")
+    writer.execute("INSERT INTO marker VALUES ('this home')")
+    writer.close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    reader = sqlite.connect(database, read_only=True)
+    assert reader.execute("SELECT word FROM marker").fetchall() == [("this home",)]
+    reader.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no other database made beside the home

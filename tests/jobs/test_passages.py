@@ -1,8 +1,9 @@
-"""Sentences, query words and the passage shown for a hit."""
+"""Query words, a chunk widened to whole sentences, and the passage shown for a hit."""
 
 from __future__ import annotations
 
-from npumoe.jobs.search.passages import passage, query_terms, sentence_spans, whole_sentences
+from npumoe.engine.generate.sentences import sentence_spans
+from npumoe.jobs.search.passages import passage, query_terms, widened_to_sentences
 
 TEXT = ("The tide came in at dusk. Boats rocked at their moorings!\n\nA gull watched the harbour wall. "
         "Nobody counted the ropes? The night was long and quiet.")
@@ -12,15 +13,9 @@ def test_query_terms_are_distinct_case_folded_words_without_punctuation() -> Non
     assert query_terms("The tide, THE tide... and snake_case 42!") == ["the", "tide", "and", "snake", "case", "42"]
 
 
-def test_sentences_end_at_stops_and_blank_lines_without_trailing_space() -> None:
-    assert [TEXT[a:b] for a, b in sentence_spans(TEXT)] == [
-        "The tide came in at dusk.", "Boats rocked at their moorings!", "A gull watched the harbour wall.",
-        "Nobody counted the ropes?", "The night was long and quiet."]
-
-
 def test_a_span_widens_to_the_whole_sentences_it_touches() -> None:
     start = TEXT.index("rocked")
-    a, b = whole_sentences(sentence_spans(TEXT), start, TEXT.index("watched"))
+    a, b = widened_to_sentences(sentence_spans(TEXT), start, TEXT.index("watched"))
     assert TEXT[a:b] == "Boats rocked at their moorings!\n\nA gull watched the harbour wall."
 
 

@@ -625,3 +625,20 @@ def test_a_damaged_search_index_fails_no_document_and_is_flagged_for_reindex(set
         assert {n.document.job_id for n in index.similar(job.id, 5)} == {1, 2}
     finally:
         index.close()
+
+
+def test_a_documents_private_copy_is_made_in_the_home_never_in_the_outbox(setup: Setup) -> None:
+    """An outbox may be shared storage that the start-up clean-up never sweeps: a copy left there by a kill
+    would stay for ever, on the share. The home (processed/'s and failed/'s folder) is swept at every start."""
+    seen: list[tuple[list[str], list[Path]]] = []
+
+    def look_while_it_runs() -> None:
+        seen.append(([p.name for p in setup.outbox.iterdir()], sorted(setup.root.glob(".tmp-job*/*"))))
+
+    setup._checkpoint = look_while_it_runs  # type: ignore[method-assign]
+    outcome, _ = setup.run(setup.document())
+    assert outcome.state == "done" and seen
+    in_outbox, in_home = seen[0]  # the first checkpoint comes straight after the copy is made
+    assert in_outbox == []
+    assert [p.name for p in in_home] == ["document.md"]
+    assert list(setup.root.glob(".tmp-job*")) == []  # and it goes when the job ends

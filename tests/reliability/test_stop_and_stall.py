@@ -20,8 +20,8 @@ import pytest
 from home_audit import read_jobs
 from sqlalchemy.exc import OperationalError
 
+from npumoe.daemon.heartbeat import EXIT_STUCK
 from npumoe.daemon.service import Service
-from npumoe.daemon.worker import EXIT_STUCK
 
 HERE = Path(__file__).parent
 PARAGRAPH = "Each ledger line is checked twice, once by the clerk and once by the auditor, before the close.\n\n"
