@@ -14,6 +14,8 @@ import click
 
 from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS, FP32, INT4, INT8, QUANTIZED, SUMMARY_TOKENS, WEIGHTS_DTYPE
 
+from .document.run import document
+from .document.target import make_target_command
 from .fidelity.run import FIDELITY_FAMILIES
 from .memory import GGUF_TYPES
 from .options import (
@@ -45,7 +47,8 @@ def bench() -> None:
     """Benchmarks: print a table, optionally write JSON with the machine description."""
 
 
-for command in (foreground, queue_bench, search_bench, query_latency_bench, retrieval_bench):
+for command in (foreground, queue_bench, search_bench, query_latency_bench, retrieval_bench, document,
+                make_target_command):
     bench.add_command(command)
 
 
