@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+from functools import lru_cache
 from pathlib import Path
 
 import gguf
@@ -37,7 +38,15 @@ class HeaderRefused(ModelError):
 
 
 def read_gguf(path: Path) -> gguf.GGUFReader:
-    """gguf's reader of `path`, once its header is found to cost what a model's may (`check_header`)."""
+    """gguf's reader of `path`, once its header is found to cost what a model's may (`check_header`). A load asks
+    for it several times (config, tokenizer, sizes, tensors), and building it for a 152k-token vocabulary takes
+    seconds: the last few are kept while the file is unchanged."""
+    stat = path.stat()
+    return _reader(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=2)
+def _reader(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
     check_header(path)
     return gguf.GGUFReader(path)
 
