@@ -32,8 +32,9 @@ from npumoe.engine.generate.sentences import sentence_spans
 from npumoe.engine.vocabulary import MEAN
 
 from ..meta import read_meta
-from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, read_text
+from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
+from ..summary_file import read_summary
 from .passages import query_terms, widened_to_sentences
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class Weights:
 
 
 # Half the vectors, a quarter each the words and the phrase: the words decide where the vectors cannot (see
-# README, Search, for the measurement that chose them).
+# docs/search.md for the measurement that chose them).
 WEIGHTS = Weights(cosine=0.5, words=0.25, phrase=0.25)
 CANDIDATES = 100  # chunks taken from each of the two searches before scoring, at least
 MAX_KNN = 4096  # sqlite-vec's limit on k
@@ -95,7 +96,7 @@ class IndexEntry:
             meta = read_meta(folder)
             rows = np.load(folder / EMBEDDINGS_FILE).astype(np.float32)
             spans = np.load(folder / OFFSETS_FILE) if (folder / OFFSETS_FILE).exists() else None
-            summary = (folder / SUMMARY_FILE).read_text()
+            summary = read_summary(folder).first_line
             text = read_text(folder)
             model_key = vectors_key(meta["model_key"], meta.get("embeddings", {}).get("pooling", MEAN))
         except (OSError, ValueError) as e:
@@ -105,7 +106,7 @@ class IndexEntry:
                                     "not chunk rows and a document row")
         if spans is not None and spans.shape != (len(rows) - 1, 2):
             raise OutputsUnreadable(f"{folder}: {OFFSETS_FILE} holds {spans.shape}, not one span per chunk")
-        return cls(meta["job_id"], model_key, str(folder), meta["source"], _first_summary_line(summary),
+        return cls(meta["job_id"], model_key, str(folder), meta["source"], summary,
                    rows[:-1], rows[-1], spans, text)
 
 
@@ -113,13 +114,6 @@ def vectors_key(model_key: str, pooling: str) -> str:
     """The key the index keeps one model's vectors of one pooling under: the model's own for mean pooling (as
     before there was a choice), with the pooling after it otherwise."""
     return model_key if pooling == MEAN else f"{model_key}#{pooling}"
-
-
-def _first_summary_line(markdown: str) -> str:
-    """The summary file is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
-    body = markdown.split("\n\n", 2)[2:]
-    lines = body[0].strip().splitlines() if body else []
-    return lines[0] if lines else ""
 
 
 def create_tables(conn: sqlite.Connection) -> None:
