@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .attach.runtime import MoeRuntime
+from .attach.runtime import MoeRuntime, dense_refusal
 from .backends.base import BackendOptions
 from .backends.placement import CostCache, place
 from .backends.registry import backend_class, get_backend
+from .errors import ModelError
 from .generate.checks import Check, checked
 from .generate.chunk_length import ChunkChoice, measured_chunk_tokens
 from .generate.embedder import Embedder, rows
@@ -31,6 +32,7 @@ from .generate.quality import CheckedText
 from .generate.summarizer import Progress, Run, Summarizer, SummaryPrompts
 from .loading.load import LoadedModel, load_model
 from .moe.dispatch import DispatchStats
+from .moe.model_experts import expert_layouts
 from .plan.expert_plan import ExpertPlan, PlanError
 from .vocabulary import (
     AUTO,
@@ -149,6 +151,9 @@ class Engine:
         self.loaded = loaded
         self.plan = plan
         backend = get_backend(settings.backend, settings.backend_options)
+        if not expert_layouts(loaded.model) and (why := dense_refusal(loaded.model, backend.name, backend.static,
+                                                                      plan is not None)):
+            raise ModelError(f"{loaded.name}: {why}")
         cache = CostCache(settings.costs_dir) if settings.costs_dir is not None else None
         # where the plan's groups run on this backend, here
         self.residency = place(plan, backend, loaded.model, cache) if plan is not None else None

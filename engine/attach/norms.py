@@ -29,7 +29,7 @@ from torch import nn
 
 from ..kernels import norm_kernel
 from ..kernels.norm_kernel import CAST_FIRST, WEIGHT_FIRST
-from ..moe.model_experts import moe_experts
+from ..moe.model_experts import expert_layouts
 from .slots import Slot, SlotSwaps
 
 # Where each known class rounds (norm_kernel.c), the attribute holding its epsilon, and whether it scales by
@@ -38,7 +38,8 @@ _CAST_FIRST = (CAST_FIRST, "variance_epsilon", False)
 _WEIGHT_FIRST = (WEIGHT_FIRST, "variance_epsilon", False)
 CONVENTIONS: dict[str, tuple[int, str, bool]] = {
     **{f"transformers.models.{family}.modeling_{family}.{name}": _CAST_FIRST for family, name in (
-        ("llama", "LlamaRMSNorm"), ("qwen3", "Qwen3RMSNorm"), ("qwen3_moe", "Qwen3MoeRMSNorm"),
+        ("llama", "LlamaRMSNorm"), ("qwen3", "Qwen3RMSNorm"), ("qwen2", "Qwen2RMSNorm"), ("mistral", "MistralRMSNorm"),
+        ("qwen3_moe", "Qwen3MoeRMSNorm"),
         ("qwen2_moe", "Qwen2MoeRMSNorm"), ("mixtral", "MixtralRMSNorm"), ("olmoe", "OlmoeRMSNorm"),
         ("granitemoe", "GraniteMoeRMSNorm"), ("deepseek_v2", "DeepseekV2RMSNorm"),
         ("deepseek_v3", "DeepseekV3RMSNorm"), ("glm4_moe", "Glm4MoeRMSNorm"), ("glm4_moe_lite", "Glm4MoeLiteRMSNorm"),
@@ -118,7 +119,7 @@ def _state(weight: torch.Tensor) -> tuple[int, int | None]:
 def model_norms(model: nn.Module) -> list[tuple[str, Slot]]:
     """Every norm of the model the kernel reproduces, outside the experts modules, by qualified name, whether the
     model holds the original or an engine norm in its place now."""
-    experts = [name for name, _ in moe_experts(model)]
+    experts = [name for name, _, _ in expert_layouts(model)]
     found = []
     for name, module in model.named_modules():
         norm = module.original if isinstance(module, EngineRMSNorm) else module

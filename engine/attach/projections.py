@@ -39,7 +39,7 @@ from ..kernels.float_kernels import KERNELS as FLOAT_KERNELS
 from ..kernels.float_kernels import PackedLinear, unavailable_kernels
 from ..kernels.quant_kernels import ACTIVATION_DTYPES, QuantLinear
 from ..kernels.workers import run_tasks
-from ..moe.model_experts import moe_experts
+from ..moe.model_experts import expert_layouts
 from ..moe.release import release_weights, weights_identity
 from ..vocabulary import CHUNK_TOKENS
 from .slots import Slot, SlotSwaps
@@ -219,7 +219,7 @@ def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionL
 def dense_projections(model: nn.Module) -> list[tuple[str, Slot]]:
     """Every dense projection of the model (see the module's docstring), by qualified name, whether the
     model holds the original Linear or an engine projection in its place now."""
-    experts = [name for name, _ in moe_experts(model)]
+    experts = [name for name, _, _ in expert_layouts(model)]
     blocks = {name.rpartition(".")[0] for name in experts}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found = []

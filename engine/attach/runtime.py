@@ -12,6 +12,10 @@ So one experts call takes this path:
 
 The model's own router still runs: the layer gets (hidden (T, H), top_k_index (T, k), top_k_weights (T, k)).
 Model code is not patched; detaching restores the implementation the model had.
+
+A dense model (no experts module: its FFN is one expert every token takes) gets a runtime with no layers: its
+attention, projections (the FFN's among them) and norms run through the engine as an MoE model's do, and there is
+nothing for a plan or a static backend's group graphs to place (`dense_refusal`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from transformers import PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from ..backends.base import Backend
+from ..errors import ModelError
 from ..moe.cpu_experts import CpuExperts
 from ..moe.dispatch import DispatchStats, MoeLayer, StaticGroup
 from ..moe.experts_layout import GLU, ExpertsLayout, ExpertWeights, expert_weights
-from ..moe.model_experts import moe_layouts
+from ..moe.model_experts import expert_layouts
 from ..moe.release import release_weights, released
 from ..plan.expert_plan import ExpertPlan, LayerPlan, PlanError
 from ..plan.residency import Placement, Residency, decide_residency
@@ -81,9 +86,11 @@ class MoeRuntime:
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
                  overflow: str = SPILL, residency: Residency | None = None, *, quantized: str | None = None,
                  release: bool = False) -> None:
+        experts = expert_layouts(model)
+        if not experts and (why := dense_refusal(model, backend.name, backend.static, plan is not None)):
+            raise ModelError(why)
         if backend.static and plan is None:
             raise ValueError(f"the {backend.name} backend runs planned groups: give it a plan (npumoed calibrate)")
-        experts = moe_layouts(model)
         plans = _layer_plans(plan, experts)
         placed = {}
         if plan is not None:  # without measured costs, every group calibration saw load for runs as a graph
@@ -136,7 +143,9 @@ class MoeRuntime:
             self._previous_attention = use_engine_attention(self.model)  # None: the model's own attention stays
         for module, layer in zip(self._experts, self.layers, strict=True):
             module._npumoe_attached = (self, layer)
-        self.model.set_experts_implementation(IMPLEMENTATION)
+        self.model._npumoe_runtime = self
+        if self._experts:  # a dense model has no experts implementation to select
+            self.model.set_experts_implementation(IMPLEMENTATION)
         if running is not None:  # its projections and norms out, whichever of them this runtime does not replace
             running._projections.detach()
             running._norms.detach()
@@ -150,16 +159,17 @@ class MoeRuntime:
             return
         for module in self._experts:
             del module._npumoe_attached
+        del self.model._npumoe_runtime
         self._projections.detach()
         self._norms.detach()
-        self.model.set_experts_implementation(self._previous)
+        if self._experts:
+            self.model.set_experts_implementation(self._previous)
         if self._previous_attention is not None:
             self.model.set_attn_implementation(self._previous_attention)
 
     def _running(self) -> MoeRuntime | None:
-        """The runtime the model's experts run through now: every runtime of a model attaches all its modules."""
-        attached = _attached(self._experts[0])
-        return attached[0] if attached is not None else None
+        """The runtime the model runs through now (a dense model's as well as an MoE model's)."""
+        return getattr(self.model, "_npumoe_runtime", None)
 
     @contextmanager
     def decoding(self) -> Iterator[None]:
@@ -190,6 +200,16 @@ class MoeRuntime:
         finally:
             for layer in self.layers:
                 layer.loads = None
+
+
+def dense_refusal(model: nn.Module, backend: str, static: bool, planned: bool) -> str | None:
+    """Why a dense model (no experts modules) cannot run with a plan or on a static backend, in one line; None
+    when it runs as asked (no plan, a backend that runs the CPU path)."""
+    if not (planned or static):
+        return None
+    asked = "an expert plan" if planned else f"the {backend} backend, which runs planned expert groups as graphs,"
+    return (f"{type(model).__name__} is a dense model: {asked} has no experts to place in it (its FFN is one "
+            f"expert every token takes, run on the CPU path); run it without a plan on the cpu backend")
 
 
 def _attached(module: nn.Module) -> tuple[MoeRuntime, MoeLayer] | None:

@@ -23,7 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..kernels import bf16_linear, float_kernels
 from ..kernels.choice import Measured
 from ..moe.experts_layout import expert_weights
-from ..moe.model_experts import moe_layouts
+from ..moe.model_experts import expert_layouts
 from ..vocabulary import BF16, FP32, INT4, INT8
 from .gguf_load import experts_format, gguf_config, is_gguf
 from .model_size import ModelSize, checkpoint_tensors, model_size, needed_bytes, usable_bytes
@@ -96,12 +96,15 @@ def expert_sizes(checkpoint: Path, *, trust_remote_code: bool = False) -> tuple[
     """(hidden, ffn) of one routed expert, read from the experts modules of the model built from the checkpoint's
     config on the meta device (nothing read or allocated): the modules the engine runs, whatever names the
     checkpoint stores their tensors under (GraniteMoE's block_sparse_moe.input_linear, gpt-oss's fused or MXFP4
-    experts). ModelError when the model has no routed experts."""
+    experts); a dense model's FFN (hidden, intermediate_size), the one expert every token takes."""
     config = gguf_config(checkpoint) if is_gguf(checkpoint) else \
         AutoConfig.from_pretrained(checkpoint, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    _, experts, layout = moe_layouts(model)[0]
+    found = expert_layouts(model)
+    if not found:
+        return config.hidden_size, config.intermediate_size
+    _, experts, layout = found[0]
     weights = expert_weights(experts, layout)
     return weights.hidden, weights.ffn
 

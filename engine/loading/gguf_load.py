@@ -16,9 +16,10 @@ model: about 122 GB for Qwen3-30B-A3B in Q4_K_M, an 18 GB file. Here instead:
   them), then packed into the engine's CPU experts with `pack`, or
   written into the module's float parameters without it.
 
-Architectures: llama (dense), Mixtral's experts in a llama file (llama.cpp writes Mixtral as llama with
-`llama.expert_count`), qwen3moe and qwen2moe (its shared expert beside the routed ones); any other is refused
-before anything is read, gpt-oss with the reason (`_UNREAD`).
+Architectures: the dense llama (Mistral's too, which llama.cpp writes as llama and transformers reads as one),
+qwen2, qwen3 and gemma3 (its text model), whose FFNs are read as any other weight; Mixtral's experts in a llama file
+(llama.cpp writes Mixtral as llama with `llama.expert_count`), qwen3moe and qwen2moe (its shared expert beside the
+routed ones); any other is refused before anything is read, gpt-oss with the reason (`_UNREAD`).
 
 A file this loader cannot read (experts in a layout it does not map, tensors the model has no place for)
 raises stream_load.NotStreamable before the experts are read.
@@ -49,7 +50,9 @@ from .stream_load import NotStreamable, attach_packed, finish_loading, put_tenso
 from .tensor_reader import read_into
 
 # transformers' model types and the GGUF architecture names llama.cpp writes for them
-GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+                      "gemma3_text": "gemma3", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
+READ_ARCHITECTURES = sorted(set(GGUF_ARCHITECTURES.values()))  # each name once, for messages
 EXPERTS_TENSOR = re.compile(r"blk\.(?P<block>\d+)\.ffn_(?P<part>gate|up|down)_exps\.weight")
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _UNREAD = {"gpt-oss": "transformers cannot read llama.cpp's gpt-oss files (its gpt-oss tensor processor is registered "
@@ -76,14 +79,15 @@ def is_gguf(path: Path) -> bool:
 
 def gguf_config(path: Path) -> PretrainedConfig:
     """The model's config from the file's metadata, as transformers reads it, with what its mappings miss: the
-    widths of qwen3moe's and qwen2moe's experts and of qwen2moe's shared expert, and the experts of a llama file
-    that has them (llama.cpp writes Mixtral as llama with `llama.expert_count`), which make it a Mixtral."""
+    widths of qwen3moe's and qwen2moe's experts and of qwen2moe's shared expert, qwen3's head width, and the
+    experts of a llama file that has them (llama.cpp writes Mixtral as llama with `llama.expert_count`), which make
+    it a Mixtral."""
     reader = read_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     if arch not in GGUF_ARCHITECTURES.values():
         why = _UNREAD.get(arch, "transformers' GGUF mapping and this loader do not map it")
         raise ModelError(f"{path.name}: its architecture {arch!r} is not one the engine reads from a GGUF file "
-                         f"({', '.join(sorted(set(GGUF_ARCHITECTURES.values())))}): {why}")
+                         f"({', '.join(READ_ARCHITECTURES)}): {why}")
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
 
     def field(key: str) -> int | None:
@@ -94,7 +98,8 @@ def gguf_config(path: Path) -> PretrainedConfig:
         settings = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
         config = MixtralConfig(**settings, num_local_experts=field("expert_count"),
                                num_experts_per_tok=field("expert_used_count"))
-    for key, attribute in (("expert_feed_forward_length", "moe_intermediate_size"),
+    for key, attribute in (("attention.key_length", "head_dim"),  # qwen3's mapping leaves its default of 128
+                           ("expert_feed_forward_length", "moe_intermediate_size"),
                            ("expert_shared_feed_forward_length", "shared_expert_intermediate_size")):
         if (width := field(key)) is not None and hasattr(config, attribute):
             setattr(config, attribute, width)
@@ -123,7 +128,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
     arch = reader.fields["general.architecture"].contents()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)
-    # a dense model (llama) loads too: whether the engine runs it is the caller's check (models.moe_layouts)
+    # a dense model has no experts modules: its FFN is read as any other weight
     layouts = {name: read_layout(name, module) for name, module in model.named_modules() if is_experts_module(module)}
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     names = get_gguf_hf_weights_map(model, processor, model_type=arch)
@@ -203,8 +208,11 @@ def _float(file, tensor: gguf.ReaderTensor, processor: TensorProcessor, dtype: t
     for first in range(0, len(rows), step):
         raw = _read(file, tensor, first, min(step, len(rows) - first))
         rows[first:first + len(raw)] = torch.from_numpy(dequantized(raw, tensor.tensor_type)).view(len(raw), width)
-    # the processors of the architectures read here only rearrange values (llama's query and key rows, a shape),
-    # so they run on the bits, which numpy holds in every dtype (it has no bfloat16)
+    if len(shape) == 1:  # a norm or a bias, small: processed on float32 values (gemma's norms are stored as 1 + w)
+        values = processor.process(weights=out.float().numpy(), name=tensor.name).weights
+        return torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    # on 2-D weights the processors of the architectures read here only rearrange values (llama's query and key
+    # rows), so they run on the bits, which numpy holds in every dtype (it has no bfloat16)
     bits = out.view({2: torch.int16, 4: torch.int32}[dtype.itemsize]).numpy()
     arranged = processor.process(weights=bits, name=tensor.name).weights
     return torch.from_numpy(np.ascontiguousarray(arranged)).view(dtype)

@@ -10,7 +10,7 @@ from pathlib import Path
 import gguf
 
 from .gguf_header import read_gguf
-from .gguf_load import EXPERTS_TENSOR, GGUF_ARCHITECTURES
+from .gguf_load import EXPERTS_TENSOR, READ_ARCHITECTURES
 from .model_size import ModelSize, checkpoint_tensors, model_size
 
 # What gguf's reader raises on a file that is not GGUF or ends inside its header (numpy reading past the end).
@@ -21,7 +21,7 @@ HEADER_ERRORS = (OSError, ValueError, KeyError, IndexError, TypeError)
 class GgufSummary:
     architecture: str  # llama.cpp's name: qwen3moe, llama, …
     quantization: str  # the file type llama.cpp recorded (Q4_K_M), else the block type of most of its bytes
-    experts: bool  # it stores routed experts (`ffn_*_exps`)
+    experts: bool  # it stores routed experts (`ffn_*_exps`); a dense model does not
     size: ModelSize  # its parameters, and what it needs in each of the engine's formats
     disk_bytes: int
 
@@ -41,11 +41,8 @@ def summarize(files: Sequence[Path]) -> GgufSummary:
 
 def not_runnable(summary: GgufSummary) -> str | None:
     """Why the engine does not run this model (None: it does)."""
-    if summary.architecture not in GGUF_ARCHITECTURES.values():
-        return (f"the engine does not read {summary.architecture} GGUF files (it reads "
-                f"{', '.join(sorted(GGUF_ARCHITECTURES.values()))})")
-    if not summary.experts:
-        return f"a dense {summary.architecture} model: the engine runs mixture-of-experts models"
+    if summary.architecture not in READ_ARCHITECTURES:
+        return f"the engine does not read {summary.architecture} GGUF files (it reads {', '.join(READ_ARCHITECTURES)})"
     return None
 
 

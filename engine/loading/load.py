@@ -1,4 +1,4 @@
-"""Loading a Hugging Face MoE causal LM the engine can run, streamed tensor by tensor where it can be."""
+"""Loading a Hugging Face causal LM the engine can run (MoE or dense), streamed tensor by tensor where it can be."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from ..errors import ModelError
 from ..moe.experts_layout import LayoutError
-from ..moe.model_experts import moe_layouts
+from ..moe.model_experts import expert_layouts
 from ..vocabulary import BFLOAT16, DTYPES, FLOAT32
 from .gguf_load import gguf_model, is_gguf
 from .quant_store import find_quantized
@@ -52,7 +52,8 @@ def load_model(
     format: str | None = None,
     models_dir: Path | None = None,
 ) -> LoadedModel:
-    """Load an MoE causal LM the engine can run, and its tokenizer, in eval mode.
+    """Load a causal LM the engine can run, and its tokenizer, in eval mode: an MoE model whose experts are in a
+    layout the engine runs, or a dense one (its FFNs run as the engine's dense projections).
 
     `ref` is a local folder, a GGUF file (gguf_load.py) or a Hugging Face id resolved from the local HF cache only,
     unless `allow_download`. `experts` is the transformers experts implementation to start with; the engine
@@ -81,7 +82,7 @@ def load_model(
             experts_implementation=experts,
         ).eval()
         try:
-            moe_layouts(model)  # the capability check: every routed-experts module in a layout the engine runs
+            expert_layouts(model)  # the capability check: every routed-experts module in a layout the engine runs
         except ModelError as e:
             raise ModelError(f"{name}: {e}") from e
     # a GGUF file's tokenizer and chat template are in its metadata, which transformers' GGUF mapping reads
@@ -106,7 +107,7 @@ def _streamed(path: Path, name: str, dtype: torch.dtype, trust_remote_code: bool
         finally:
             if quantized is not None:
                 quantized.close()
-        moe_layouts(model)  # the capability check, as stream_model makes it
+        expert_layouts(model)  # the capability check, as stream_model makes it
         return model
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     try:

@@ -15,7 +15,18 @@ def moe_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def moe_layouts(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsLayout]]:
-    """Each routed-experts module, in forward order, with its layout (experts_layout.read_layout)."""
+    """Each routed-experts module, in forward order, with its layout (experts_layout.read_layout); `ModelError`
+    when it has none (what plans, group graphs and calibration need)."""
+    found = expert_layouts(model)
+    if not found:
+        raise ModelError(f"{type(model).__name__} has no routed-experts modules (none is wrapped by transformers' "
+                         "experts interface): a dense model, whose FFN every token takes, has no experts to plan")
+    return found
+
+
+def expert_layouts(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsLayout]]:
+    """As `moe_layouts`, but empty for a dense model (the engine runs those too, with no experts to route);
+    `ModelError` for experts in a layout the engine does not implement."""
     found = []
     for name, module in model.named_modules():
         if not is_experts_module(module):
@@ -24,7 +35,4 @@ def moe_layouts(model: nn.Module) -> list[tuple[str, nn.Module, ExpertsLayout]]:
             found.append((name, module, read_layout(name, module)))
         except LayoutError as e:
             raise ModelError(str(e)) from e
-    if not found:
-        raise ModelError(f"{type(model).__name__} has no routed-experts modules (none is wrapped by transformers' "
-                         "experts interface), so it is not an MoE model the engine can run")
     return found

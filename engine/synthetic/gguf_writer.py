@@ -5,9 +5,10 @@ rows are permuted as llama.cpp permutes them; routed experts are stored stacked,
 projection (`ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps`); the tokenizer and chat template go in the metadata
 (a model with no tokenizer gets llama.cpp's "none" vocabulary: its vocab_size dummy tokens). Each 2-D weight is
 stored in the type asked for, experts and other weights apart; one whose rows are not whole blocks of that type, and
-every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Architectures: llama, qwen3moe, qwen2moe (its
-shared expert and the shared expert's gate, a 1-D tensor as llama.cpp keeps it) and Mixtral, which llama.cpp writes
-as llama with `llama.expert_count`.
+every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Architectures: the dense llama, qwen2, qwen3,
+gemma3 (its norms stored as 1 + w, as llama.cpp stores them) and Mistral (which llama.cpp writes as llama, and
+transformers reads back as one); qwen3moe, qwen2moe (its shared expert and the shared expert's gate, a
+1-D tensor as llama.cpp keeps it) and Mixtral, which llama.cpp writes as llama with `llama.expert_count`.
 
 Tensors are converted and written one at a time, each quantized and written a few thousand rows at a time
 (`write_streamed`), so a real-size model needs no second copy of its weights in memory (nor a float32 one of its
@@ -135,6 +136,8 @@ def gguf_tensors(model: PreTrainedModel, arch: str, experts: gguf.GGMLQuantizati
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in hf_name else config.num_key_value_heads
             values = _permuted(values, heads)
+        if arch == "gemma3" and names[hf_name].endswith("norm.weight"):
+            values = _plus_one(values)
         yield _stored(names[hf_name], tuple(tensor.shape), weights, values)
 
 
@@ -144,6 +147,10 @@ def _float(tensor: torch.Tensor) -> Callable[[], torch.Tensor]:
 
 def _permuted(values: Callable[[], torch.Tensor], heads: int) -> Callable[[], torch.Tensor]:
     return lambda: torch.from_numpy(_llama_permute(values().float().numpy(), heads))
+
+
+def _plus_one(values: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+    return lambda: values().float() + 1
 
 
 def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterator[np.ndarray]:
@@ -164,7 +171,11 @@ def _write_config(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    # gemma3 keeps one set per attention type: the file holds the global layers'
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(config.sliding_window)
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
