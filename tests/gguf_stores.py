@@ -12,18 +12,19 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3Config
 
 from npumoe.engine.loading import model_stores
 from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
-from npumoe.engine.synthetic.gguf_writer import write_gguf
+from npumoe.engine.synthetic.gguf_writer import write_gguf, write_model_gguf
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 OLLAMA_MODEL = model_stores.OLLAMA_MODEL_LAYER
 
 
 def tiny_ggufs(tiny_moe: Path, folder: Path) -> dict[str, Path]:
-    """A tiny qwen3moe GGUF (experts in Q8_0) and a tiny dense llama one, written in `folder`."""
+    """A tiny qwen3moe GGUF (experts in Q8_0), and tiny dense llama (with the byte tokenizer), qwen3 and gemma3 ones
+    (token ids only), written in `folder`."""
     tokenizer = build_byte_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -32,8 +33,14 @@ def tiny_ggufs(tiny_moe: Path, folder: Path) -> dict[str, Path]:
     llama = folder / "llama"
     AutoModelForCausalLM.from_config(config).save_pretrained(llama)
     tokenizer.save_pretrained(llama)
+    sizes = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16)
+    dense = {arch: AutoModelForCausalLM.from_config(config) for arch, config in (
+        ("qwen3", Qwen3Config(**sizes)), ("gemma3", Gemma3TextConfig(**sizes, sliding_window=16)))}
     return {"qwen3moe": write_gguf(tiny_moe, folder / "tiny-moe.gguf", experts=Q8_0),
-            "llama": write_gguf(llama, folder / "tiny-llama.gguf")}
+            "llama": write_gguf(llama, folder / "tiny-llama.gguf"),
+            **{arch: write_model_gguf(model, None, folder / f"tiny-{arch}.gguf", weights=Q8_0)
+               for arch, model in dense.items()}}
 
 
 def fake_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

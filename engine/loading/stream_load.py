@@ -44,7 +44,7 @@ from ..formats.mxfp4 import BLOCKS, MXFP4, SCALES, dequantize_expert, stored_par
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts
 from ..moe.experts_layout import ExpertsLayout, engine_form
-from ..moe.model_experts import moe_layouts
+from ..moe.model_experts import expert_layouts
 from ..moe.release import release_weights
 from .quant_store import QuantizedReader
 from .tensor_reader import TensorFile
@@ -88,7 +88,7 @@ def stream_model(path: Path, config: PretrainedConfig, dtype: torch.dtype, *, ex
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation,
                                                  trust_remote_code=trust_remote_code)
-    layouts = {name: layout for name, _, layout in moe_layouts(model)}
+    layouts = {name: layout for name, _, layout in expert_layouts(model)}
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise NotStreamable("it has no safetensors files")

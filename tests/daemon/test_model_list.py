@@ -58,14 +58,14 @@ def test_model_list_shows_each_stores_model_with_the_name_to_configure(person, s
         "ollama", "qwen3moe", "Q8_0", True, None)
     assert moe["disk_bytes"] == Path(moe["files"][0]).stat().st_size > 0 and moe["parameters"] > 0
     assert moe["fits"] == ["fp32", "bf16", "int8", "int4"]  # a tiny model fits any machine in every format
-    assert rows[LLAMA]["runs"] is False and "dense llama model" in rows[LLAMA]["problem"]
+    assert (rows[LLAMA]["architecture"], rows[LLAMA]["runs"], rows[LLAMA]["problem"]) == ("llama", True, None)
     assert str(person / ".ollama/models") in listed["searched"]
 
     lines = invoke("model", "list").output.splitlines()
     assert [line for line in lines if line and not line.startswith(" ")][:3] == [MOE, LMSTUDIO, LLAMA]
     facts = lines[lines.index(MOE) + 1]
     assert "qwen3moe · Q8_0" in facts and "runs" in facts and "fits here in fp32, bf16, int8, int4" in facts
-    assert "does not run: a dense llama model" in lines[lines.index(LLAMA) + 1]
+    assert "llama · F16" in lines[lines.index(LLAMA) + 1] and "runs" in lines[lines.index(LLAMA) + 1]
 
 
 def test_a_damaged_store_entry_is_listed_with_its_reason_not_a_traceback(person, ggufs, summaries):
@@ -103,13 +103,27 @@ def test_a_listed_name_is_taken_by_the_commands_that_take_a_model(person):
     assert result.exit_code != 0 and "Ollama has no such model" in result.output
 
 
-@pytest.mark.parametrize("weights", ["fp32", "auto"])  # auto: the Q8_0 file's experts kept in int8
+def test_dense_models_in_the_stores_are_listed_as_running(tmp_path, monkeypatch, ggufs):
+    home = fake_home(tmp_path, monkeypatch)
+    ollama_pull(home / ".ollama/models", ggufs["qwen3"], *LIBRARY, "tiny-qwen3", "latest")
+    lmstudio_download(home / ".lmstudio/models", "pub/Tiny-Gemma-GGUF/tiny-gemma3-Q8_0.gguf", ggufs["gemma3"])
+    hf_download(home / ".cache/huggingface/hub", "org/Tiny-Llama-GGUF", ggufs["llama"], "tiny-llama-F16.gguf")
+    rows = json.loads(invoke("model", "list", "--json").output)["models"]
+    assert [(row["architecture"], row["runs"], row["problem"]) for row in rows] == [
+        ("qwen3", True, None), ("gemma3", True, None), ("llama", True, None)]
+    lines = invoke("model", "list").output.splitlines()
+    assert [line for line in lines if line.startswith("    ") and "does not run" in line] == []
+
+
+# fp32 and auto (the Q8_0 file's experts kept in int8) on the MoE; the dense llama in fp32
+@pytest.mark.parametrize(("store", "weights", "chosen"), [("ollama", "fp32", "fp32"), ("ollama", "auto", "int8"),
+                                                          ("hf", "fp32", "fp32")])
 def test_run_once_processes_a_document_with_a_name_model_list_printed(
     person: Path, home: Path, configure: Callable[[str], Path],
-    npumoed: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path, weights: str,
+    npumoed: Callable[..., subprocess.CompletedProcess[str]], tmp_path: Path, store: str, weights: str, chosen: str,
 ) -> None:
     [name] = [row["name"] for row in json.loads(invoke("model", "list", "--json").output)["models"]
-              if row["store"] == "ollama"]
+              if row["store"] == store]
     configure(f"""
 [model]
 name = "{name}"
@@ -134,4 +148,5 @@ background_priority = false  # at SCHED_IDLE on a busy shared machine the test c
     [output] = (home / "outbox").iterdir()
     meta = json.loads((output / "meta.json").read_text())
     assert meta["model"] == name and meta["model_key"].startswith(f"{name}@"), meta
-    assert meta["weights"] == {"fp32": "fp32", "auto": "int8"}[weights]
+    assert meta["weights"] == chosen
+    assert (output / "summary.md").read_text().strip()

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import gguf
 import pytest
 from gguf_stores import fake_home, hf_download, lmstudio_download, ollama_manifest, ollama_pull, tiny_ggufs
 
@@ -139,11 +140,14 @@ def test_the_hugging_face_name_follows_refs_main(home, ggufs):
 
 def test_the_summary_reads_the_header_and_says_whether_the_engine_runs_it(ggufs, tmp_path):
     moe, llama = summarize([ggufs["qwen3moe"]]), summarize([ggufs["llama"]])
+    dense = [summarize([ggufs[arch]]) for arch in ("qwen3", "gemma3")]
     assert (moe.architecture, moe.quantization, moe.experts) == ("qwen3moe", "Q8_0", True)
     assert moe.disk_bytes == ggufs["qwen3moe"].stat().st_size and moe.size.expert_parameters > 0
     assert not_runnable(moe) is None
     assert (llama.architecture, llama.quantization, llama.experts) == ("llama", "F16", False)
-    assert "dense llama model" in not_runnable(llama)
+    assert not_runnable(llama) is None  # dense: its FFN is one expert every token takes
+    assert [(d.architecture, d.experts, not_runnable(d)) for d in dense] == [("qwen3", False, None),
+                                                                              ("gemma3", False, None)]
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(ggufs["qwen3moe"].read_bytes()[:3000])
     for bad in (damaged, tmp_path / "missing.gguf"):
@@ -184,3 +188,15 @@ def test_a_manifest_digest_that_is_not_a_sha256_names_no_file(home, ggufs, diges
     assert crafted.files == ()
     assert crafted.problem == (f"manifest {root / 'manifests' / Path(*LIBRARY, 'crafted', 'latest')} names its model "
                                f"layer by {digest!r}, not a sha256 digest (sha256:<64 hex digits>)")
+
+
+def test_an_architecture_the_engine_does_not_read_is_named_with_those_it_reads_each_once(tmp_path):
+    file = tmp_path / "phi3.gguf"
+    writer = gguf.GGUFWriter(file, "phi3")
+    writer.add_block_count(1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert not_runnable(summarize([file])) == ("the engine does not read phi3 GGUF files (it reads gemma3, llama, "
+                                               "qwen2, qwen2moe, qwen3, qwen3moe)")

@@ -89,13 +89,22 @@ def test_a_folder_without_config_is_refused(tmp_path):
         load_model(tmp_path)
 
 
-def test_a_dense_model_is_refused_for_having_no_routed_experts(tmp_path):
+def test_a_dense_checkpoint_loads_and_runs_through_the_engine_with_no_experts_to_route(tmp_path):
     config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     build_byte_tokenizer().save_pretrained(tmp_path)
-    with pytest.raises(ModelError, match=r"LlamaForCausalLM has no routed-experts modules"):
-        load_model(tmp_path)
+    loaded = load_model(tmp_path)
+    ids = torch.arange(3, 40)[None]
+    with torch.inference_mode():
+        before = loaded.model(ids).logits
+        runtime = MoeRuntime(loaded.model, get_backend("cpu"))
+        assert runtime.layers == [] and runtime._running() is runtime
+        assert torch.allclose(loaded.model(ids).logits, before, atol=1e-4)
+    runtime.detach()
+    assert runtime._running() is None
+    with pytest.raises(ModelError, match=r"LlamaForCausalLM has no routed-experts modules .* a dense model"):
+        moe_layouts(loaded.model)  # what a plan or calibration needs
 
 
 def test_experts_outside_transformers_experts_interface_are_refused_at_load_in_one_line_naming_the_module(tmp_path):
