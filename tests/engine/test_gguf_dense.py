@@ -19,11 +19,14 @@ from transformers import (
     Qwen3Config,
 )
 
+from npumoe.engine import api
 from npumoe.engine.attach import runtime as engine_runtime
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.errors import ModelError
+from npumoe.engine.generate.checks import checked
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
+from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.plan.expert_plan import ExpertPlan
 from npumoe.engine.synthetic.gguf_writer import write_model_gguf
 
@@ -93,10 +96,34 @@ def _spy(cls: type, made: list) -> type:
     return Counted
 
 
+def _plan() -> ExpertPlan:
+    return ExpertPlan(model="model.gguf", model_key="model.gguf@0", chunk_tokens=64, group_size=4, tiers=(8,),
+                      calibration_tokens=0, calibration_chunks=0, sources=(), layers=())
+
+
 def test_a_dense_model_with_a_plan_is_refused_in_one_line_naming_why(tmp_path):
     model = gguf_model(_written("qwen3", tmp_path, Q.F16), torch.float32, experts_implementation="eager")
-    plan = ExpertPlan(model="qwen3.gguf", model_key="qwen3.gguf@0", chunk_tokens=64, group_size=4, tiers=(8,),
-                      calibration_tokens=0, calibration_chunks=0, sources=(), layers=())
     with pytest.raises(ModelError, match=r"^Qwen3ForCausalLM is a dense model: an expert plan has no experts to "
                                          r"place in it .*run it without a plan on the cpu backend$"):
-        MoeRuntime(model, get_backend("cpu"), plan)
+        MoeRuntime(model, get_backend("cpu"), _plan())
+
+
+def test_the_engine_refuses_a_plan_for_a_dense_model_before_placing_anything(tmp_path, monkeypatch):
+    file = _written("llama", tmp_path, Q.F16)
+    loaded = LoadedModel(model=gguf_model(file, torch.float32, experts_implementation="eager"), tokenizer=None,
+                         name="llama.gguf", path=file, key="llama.gguf@0")
+    placed: list[object] = []
+    monkeypatch.setattr(api, "place", lambda *args: placed.append(args))
+    with pytest.raises(ModelError, match=r"^llama\.gguf: LlamaForCausalLM is a dense model: an expert plan"):
+        api.Engine(api.EngineSettings(model=str(file)), loaded, _plan())
+    assert placed == []
+
+
+def test_a_check_runs_before_every_decoder_layer_of_a_dense_model(tmp_path):
+    model = gguf_model(_written("qwen3", tmp_path, Q.F16), torch.float32, experts_implementation="eager")
+    calls: list[None] = []
+    with checked(model, lambda: calls.append(None)):
+        _logits(model)
+    assert len(calls) == CONFIGS["qwen3"].num_hidden_layers
+    _logits(model)
+    assert len(calls) == CONFIGS["qwen3"].num_hidden_layers  # the hooks went with the block
