@@ -21,6 +21,7 @@ from ..backends.registry import get_backend
 from ..generate.prefill import new_cache, prefill, windows
 from ..loading.load import LoadedModel
 from ..moe.cpu_experts import CpuExperts
+from ..moe.model_experts import moe_layouts
 from ..plan.expert_plan import ExpertLoad, ExpertMagnitudes
 from ..vocabulary import CHUNK_TOKENS, CPU
 
@@ -38,6 +39,7 @@ class Calibration:
 def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_tokens: int = CHUNK_TOKENS,
               on_chunk: Callable[[int, int], None] | None = None) -> Calibration:
     """Measure expert loads on `texts`, given as (source name, text); `on_chunk(done, total)` per chunk."""
+    moe_layouts(loaded.model)  # a dense model has no experts to measure: ModelError saying so
     if chunk_tokens > loaded.context_tokens:
         raise ValueError(f"chunk length {chunk_tokens} exceeds the model's context ({loaded.context_tokens})")
     if not any(text.strip() for _, text in texts):

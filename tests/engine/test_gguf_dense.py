@@ -23,6 +23,7 @@ from npumoe.engine import api
 from npumoe.engine.attach import runtime as engine_runtime
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.calibration.calibrate import calibrate
 from npumoe.engine.errors import ModelError
 from npumoe.engine.generate.checks import checked
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
@@ -127,3 +128,10 @@ def test_a_check_runs_before_every_decoder_layer_of_a_dense_model(tmp_path):
     assert len(calls) == CONFIGS["qwen3"].num_hidden_layers
     _logits(model)
     assert len(calls) == CONFIGS["qwen3"].num_hidden_layers  # the hooks went with the block
+
+
+def test_calibrating_a_dense_model_is_refused_saying_it_has_no_experts(tmp_path):
+    model = gguf_model(_written("llama", tmp_path, Q.F16), torch.float32, experts_implementation="eager")
+    loaded = LoadedModel(model=model, tokenizer=None, name="llama.gguf", path=tmp_path, key="llama.gguf@0")
+    with pytest.raises(ModelError, match=r"LlamaForCausalLM has no routed-experts modules .*a dense model"):
+        calibrate(loaded, [("text", "some words")])
