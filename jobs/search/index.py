@@ -55,9 +55,10 @@ class Weights:
     phrase: float
 
 
-# Half the vectors, a quarter each the words and the phrase: the words decide where the vectors cannot (see
-# README, Search, for the measurement that chose them).
-WEIGHTS = Weights(cosine=0.5, words=0.25, phrase=0.25)
+# Three quarters the search model's vectors, an eighth each the words and the phrase: the best of the weightings
+# `npumoed bench retrieval` measured on its written question set (docs/benchmarks.md, Retrieval); the words decide
+# where the vectors cannot tell two passages apart.
+WEIGHTS = Weights(cosine=0.75, words=0.125, phrase=0.125)
 CANDIDATES = 100  # chunks taken from each of the two searches before scoring, at least
 MAX_KNN = 4096  # sqlite-vec's limit on k
 

@@ -13,6 +13,7 @@ import functools
 import hashlib
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -106,9 +107,11 @@ class SentenceModel:
         for i in range(self.layers):
             p = f"encoder.layer.{i}."
             batch, tokens, width = x.shape
-            q, k, v = (self._dense(x, f"{p}attention.self.{n}").reshape(batch, tokens, self.heads, -1)
-                       .transpose(0, 2, 1, 3) for n in ("query", "key", "value"))  # (batch, heads, tokens, 32)
-            scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(q.shape[-1]) + hidden_mask
+            # (batch, heads, tokens, 32), contiguous: numpy's matmul runs BLAS only on contiguous stacks
+            q, k, v = (np.ascontiguousarray(self._dense(x, f"{p}attention.self.{n}")
+                                            .reshape(batch, tokens, self.heads, -1).transpose(0, 2, 1, 3))
+                       for n in ("query", "key", "value"))
+            scores = q @ np.ascontiguousarray(k.transpose(0, 1, 3, 2)) / math.sqrt(q.shape[-1]) + hidden_mask
             scores = np.exp(scores - scores.max(-1, keepdims=True))
             attended = (scores / scores.sum(-1, keepdims=True)) @ v
             attended = attended.transpose(0, 2, 1, 3).reshape(batch, tokens, width)
@@ -128,7 +131,7 @@ class SentenceModel:
 
 def _gelu(x: np.ndarray) -> np.ndarray:
     """BERT's GELU, x * Phi(x), with erf by Abramowitz and Stegun 7.1.26 (error under 1.5e-7): numpy has no erf."""
-    z = np.abs(x) / np.sqrt(2.0)
+    z = np.abs(x) / math.sqrt(2.0)
     t = 1.0 / (1.0 + 0.3275911 * z)
     poly = t * (0.254829592 + t * (-0.284496736 + t * (1.421413741 + t * (-1.453152027 + t * 1.061405429))))
     erf = np.sign(x) * (1.0 - poly * np.exp(-z * z))
