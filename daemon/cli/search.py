@@ -181,12 +181,14 @@ def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
         console.print("no matches")
     words = re.compile(r"(?<![^\W_])(" + "|".join(map(re.escape, terms)) + r")(?![^\W_])", re.IGNORECASE)
     for rank, row in enumerate(rows, 1):
-        heading = Text(f"{rank:>2}. {row['score']:.3f}  ")  # Text, not markup: names and passages print as they are
-        heading.append(printable(row["source"]), style="bold")
-        heading.append(f"  (#{row['job_id']})")
-        console.print(heading)
-        if row["summary"]:
-            console.print(Text(f"    {printable(row['summary'], lines=True)}", style="dim"))
+        # Text, not markup: names and passages print as they are. The file name first, whole: the part a person
+        # knows the document by; its folder after it, which may be cut.
+        source = Path(row["source"])
+        heading = Text(f"{rank:>2}. {row['score']:.3f}  ")
+        heading.append(printable(source.name), style="bold")
+        heading.append(f"  (#{row['job_id']})  ")
+        heading.append(printable(str(source.parent)), style="dim")
+        console.print(heading, overflow="ellipsis", no_wrap=True)
         for shown in row["passages"]:
             line = Text(f"    {shown['score']:.3f}  ")
             body = Text(printable(shown["text"], lines=True) if shown["text"] is not None
@@ -194,3 +196,5 @@ def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
             if terms:
                 body.highlight_regex(words, HIGHLIGHT)
             console.print(line + body)
+        if row["summary"]:
+            console.print(Text(f"    summary: {printable(row['summary'], lines=True)}", style="dim"))
