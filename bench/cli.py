@@ -812,11 +812,11 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
 @bench.command("query-latency")
 @click.option("--home", type=click.Path(file_okay=False, exists=True, path_type=Path), required=True,
               help="A home whose documents are processed and indexed (e.g. the demo's: make demo).")
-@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed searches each way.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed searches.")
 @click.option("--query", default=None, help="The query (default: the README's example).")
 @_json_option
 def query_latency_bench(home: Path, runs: int, query: str | None, json_path: Path | None) -> None:
-    """Whole `npumoed search` commands without the daemon (they load the model) and with it running (they ask it)."""
+    """Whole `npumoed search` commands, each embedding its query with the search model."""
     from .machine import describe_machine
     from .service.query_latency import QUERY, measure, summary_lines
 

@@ -19,11 +19,9 @@ import pytest
 from click.testing import CliRunner
 from filelock import FileLock
 
-from npumoe.daemon import queries
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.search import _print_neighbours, _print_results
 from npumoe.daemon.samples import FILENAMES, sample_documents, write_samples
-from npumoe.jobs.errors import Stop
 from npumoe.jobs.queue import sqlite
 from npumoe.jobs.search.index import Document, Neighbour, _drop_tables
 from npumoe.jobs.search.sentence_model import MODEL_KEY
@@ -164,7 +162,7 @@ def test_names_and_passages_print_as_they_are_not_as_markup(capsys: pytest.Captu
     assert "A [link=x]tide[/link] came in." in shown and "(chunk 1: no text kept)" in shown
 
 
-# -- the query embedded by the search model, here; the daemon's query server ------------------------------
+# -- the query embedded by the search model, here -------------------------------------------------------
 
 # Runs the CLI where importing torch, transformers or the engine's model loading fails, and says which was tried.
 BLOCKS_THE_LLM = """import sys
@@ -185,23 +183,10 @@ def test_search_embeds_the_query_itself_without_a_daemon_and_never_imports_the_l
     asked = subprocess.run([sys.executable, "-c", BLOCKS_THE_LLM, "search", query, "--json"], env=env,
                            capture_output=True, text=True, timeout=120)
     assert asked.returncode == 0, asked.stderr
-    assert "blocked:" not in asked.stderr and not (home / "npumoed.sock").exists()  # no daemon was asked
+    assert "blocked:" not in asked.stderr
     found = json.loads(asked.stdout)
     assert found["model_key"] == MODEL_KEY and Path(found["results"][0]["source"]).name == "paper-archive.pdf"
     assert found == npumoed(home, "search", query, "--json")  # as in a process where torch is loaded
-
-
-def test_the_worker_hands_a_stop_raised_while_it_answers_back_after_telling_the_asker(tmp_path: Path) -> None:
-    server = queries.QueryServer(tmp_path / "s.sock", wake=lambda: None)
-    request = queries._Request("a query")
-    server._pending.put(request)
-
-    def stopped(text: str) -> tuple[str, Any]:
-        raise Stop
-
-    with pytest.raises(Stop):
-        server.answer(stopped)
-    assert request.done.is_set() and "handing its running job back" in request.reply["error"]
 
 
 ESCAPES = "\x1b]0;owned\x07\x1b[2J\x9b31m"  # set the window title, clear the screen, a C1 CSI
