@@ -153,12 +153,12 @@ def test_search_prints_documents_with_their_passages(home: Path) -> None:
 
 
 def test_names_and_passages_print_as_they_are_not_as_markup(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = [{"job_id": 3, "source": "/in/[bold]notes[/bold].txt", "summary": "[red]first[/red] line", "score": 0.9,
+    rows = [{"job_id": 3, "source": "/in/[bold]notes[red].txt", "summary": "[red]first[/red] line", "score": 0.9,
              "passages": [{"chunk": 0, "score": 0.9, "text": "A [link=x]tide[/link] came in."},
                           {"chunk": 1, "score": 0.4, "text": None}]}]
     _print_results(rows, ["tide"])
     shown = capsys.readouterr().out
-    assert "[bold]notes[/bold].txt" in shown and "[red]first[/red] line" in shown
+    assert "[bold]notes[red].txt" in shown and "[red]first[/red] line" in shown
     assert "A [link=x]tide[/link] came in." in shown and "(chunk 1: no text kept)" in shown
 
 
@@ -202,4 +202,4 @@ def test_names_passages_and_summaries_reach_the_terminal_without_escape_sequence
     _print_neighbours([Neighbour(document=document, score=1.0)])
     shown = capsys.readouterr().out
     assert not {"\x1b", "\x07", "\x9b"} & set(shown)
-    assert "/in/notes" in shown and "came in." in shown and "/in/other" in shown
+    assert " notes" in shown and "came in." in shown and "/in/other" in shown
