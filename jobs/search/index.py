@@ -479,7 +479,8 @@ class SearchIndex:
             "SELECT id FROM search_models WHERE model_key = ?", (model_key,)).fetchone()
         if not row:
             indexed = ", ".join(self.models()) or "none"
-            raise NotIndexed(f"no documents are indexed for model {model_key} (indexed models: {indexed})")
+            raise NotIndexed(f"no documents are indexed for model {model_key} (indexed models: {indexed}); "
+                             "`npumoed reindex` indexes the outbox with the search model")
         return row[0]
 
     def _exists(self, table: str) -> bool:
