@@ -113,9 +113,6 @@ def _embedded(query: str) -> tuple[str, Any]:
     """(the index's vectors key, the query's vector) by the search model."""
     from npumoe.jobs.search.sentence_model import MODEL_KEY, sentence_model
 
-    from .engine import quiet_transformers
-
-    quiet_transformers()
     return MODEL_KEY, sentence_model().embed([query])[0]
 
 
