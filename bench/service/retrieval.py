@@ -25,8 +25,16 @@ from npumoe.engine.generate.sentences import sentence_spans
 from npumoe.engine.vocabulary import MEAN
 from npumoe.jobs.extract.isolated import extract_text
 from npumoe.jobs.queue import sqlite
-from npumoe.jobs.search.index import DocumentHits, IndexEntry, SearchIndex, Weights, vectors_key, write_entry
-from npumoe.jobs.search.passages import passage_spans, widened_to_sentences
+from npumoe.jobs.search.index import (
+    DocumentHits,
+    IndexEntry,
+    SearchIndex,
+    Weights,
+    embedded_passages,
+    vectors_key,
+    write_entry,
+)
+from npumoe.jobs.search.passages import widened_to_sentences
 from npumoe.jobs.search.sentence_model import SentenceModel
 
 from .questions import QUESTIONS, Question
@@ -87,10 +95,8 @@ class SearchModelVectors:
         return self.model.model_key
 
     def document(self, text: str) -> tuple[np.ndarray, np.ndarray]:
-        spans = passage_spans(text)
-        chunks = self.model.embed([text[a:b] for a, b in spans])
-        mean = chunks.mean(axis=0)
-        return np.vstack([chunks, mean / np.linalg.norm(mean)]), np.array(spans, dtype=np.int64)
+        chunks, document, spans = embedded_passages(text, self.model)
+        return np.vstack([chunks, document]), spans
 
     def query(self, text: str) -> np.ndarray:
         return self.model.embed([text])[0]

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,6 +40,9 @@ from ..meta import read_meta
 from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
 from .passages import passage_spans, query_terms, widened_to_sentences
+
+if TYPE_CHECKING:
+    from .sentence_model import SentenceModel
 
 log = logging.getLogger(__name__)
 STALE_SUFFIX = "-reindex"
@@ -97,16 +100,21 @@ VectorSource = Callable[[Path, dict[str, Any], str | None], Vectors]
 
 def search_model_vectors(folder: Path, meta: dict[str, Any], text: str | None) -> Vectors:
     """The search model's vectors (sentence_model.py) of the text's ~200-word passages: the index's default,
-    chosen by measurement (docs/benchmarks.md, Retrieval). The document's vector is their normalised mean."""
+    chosen by measurement (docs/benchmarks.md, Retrieval)."""
     from .sentence_model import MODEL_KEY, sentence_model
 
-    spans = passage_spans(text) if text is not None else []
-    if not spans:
+    if text is None or not passage_spans(text):
         raise OutputsUnreadable(f"{folder}: no text kept to search (outputs from an older npumoed: process it again)")
-    chunks = sentence_model().embed([text[a:b] for a, b in spans])
+    return Vectors(MODEL_KEY, *embedded_passages(text, sentence_model()))
+
+
+def embedded_passages(text: str, model: SentenceModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(one vector per ~200-word passage of `text`, the document's vector: their normalised mean, the passages'
+    character spans) by `model`."""
+    spans = passage_spans(text)
+    chunks = model.embed([text[a:b] for a, b in spans])
     mean = chunks.mean(axis=0)
-    return Vectors(MODEL_KEY, chunks, (mean / np.linalg.norm(mean)).astype(np.float32),
-                   np.array(spans, dtype=np.int64))
+    return chunks, (mean / np.linalg.norm(mean)).astype(np.float32), np.array(spans, dtype=np.int64)
 
 
 def engine_vectors(folder: Path, meta: dict[str, Any], text: str | None) -> Vectors:
