@@ -5,11 +5,11 @@ folder (random weights; the project's byte tokenizer, one token a byte). A child
 transformers and the engine, notes its resident memory, loads the checkpoint through `Engine.load` in the
 weights format asked for and processes a document of exactly the tokens asked for (prefill, and a summary of a
 few tokens). The engine reads the checkpoint tensor by tensor, the experts straight into their packed form
-(engine/stream_load.py; `streamed` says it did). It reports its peak resident memory (the kernel's high-water
+(engine/loading/stream_load.py; `streamed` says it did). It reports its peak resident memory (the kernel's high-water
 mark) minus what it held before loading, so the interpreter and the libraries are not counted, beside the bytes
-the weights take in that format (engine/model_size.py, from the checkpoint's headers).
+the weights take in that format (engine/loading/model_size.py, from the checkpoint's headers).
 
-With GGUF types, the same checkpoint is also written as a GGUF file in each (synthetic/gguf_writer.py, with the
+With GGUF types, the same checkpoint is also written as a GGUF file in each (engine/synthetic/gguf_writer.py, with the
 gguf package: every 2-D weight in that type) and loaded in the engine's format the type maps to without widening
 (Q8_0: int8, Q4_0 and Q4_1: int4; F16: bf16). A model the person has, a folder or a GGUF file, is measured as it is.
 """
@@ -134,13 +134,13 @@ def gguf_weights(type_name: str) -> str:
     return stored_format(gguf.GGMLQuantizationType[type_name]) or BF16
 
 
-def _rss() -> int:
+def rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
 
 
-def _peak_rss() -> int:
+def peak_rss() -> int:
     """This process's high-water resident memory, in bytes. On Linux, VmHWM: it starts afresh with the new program,
     whereas ru_maxrss keeps across exec the peak of the process that started this one (the bench, which wrote the
     checkpoint). Elsewhere ru_maxrss (macOS counts bytes)."""
@@ -158,16 +158,16 @@ def _child(folder: str, weights: str, settings: MemorySettings) -> dict:
     from npumoe.engine import Engine, EngineSettings
 
     torch.set_num_threads(settings.threads)
-    before = _rss()
+    before = rss()
     engine = Engine.load(EngineSettings(model=folder, weights=weights, chunk_tokens=settings.chunk_tokens,
                                         summary_tokens=_SUMMARY_TOKENS))
-    loaded, load_peak = _rss(), _peak_rss()
+    loaded, load_peak = rss(), peak_rss()
     tokenizer = engine.loaded.tokenizer
     ids = tokenizer(_SENTENCE * (settings.document_tokens // len(_SENTENCE) + 1), add_special_tokens=False)
     text = tokenizer.decode(ids["input_ids"][:settings.document_tokens])
     result = engine.process(text)
-    return {"before_rss": before, "loaded_rss": loaded, "load_peak_rss": load_peak, "processed_rss": _rss(),
-            "peak_rss": _peak_rss(), "tokens": result.stats.tokens, "kernel": engine.runtime.layers[0].experts.kernel,
+    return {"before_rss": before, "loaded_rss": loaded, "load_peak_rss": load_peak, "processed_rss": rss(),
+            "peak_rss": peak_rss(), "tokens": result.stats.tokens, "kernel": engine.runtime.layers[0].experts.kernel,
             "streamed": engine.loaded.streamed}
 
 

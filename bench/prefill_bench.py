@@ -110,7 +110,7 @@ def _bench_model(model: PreTrainedModel, geometry: Geometry, dtype_name: str, se
     def document() -> list[int]:
         return torch.randint(vocab, (settings.document_tokens,), generator=generator).tolist()
 
-    plans = static_plans(_calibrate(model, [document() for _ in range(settings.calibration_documents)],
+    plans = static_plans(calibrate_on_documents(model, [document() for _ in range(settings.calibration_documents)],
                                     settings.chunk_tokens),
                          model=geometry.name, hidden=geometry.hidden, ffn=geometry.ffn, dtype=model.dtype)
     ids = document()
@@ -147,7 +147,7 @@ def _profile(model: PreTrainedModel, settings: PrefillBenchSettings, bandwidth: 
     return rows
 
 
-def _calibrate(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:
+def calibrate_on_documents(model: PreTrainedModel, documents: list[list[int]], chunk_tokens: int) -> Calibration:
     """Expert loads of every full chunk of `documents`, recorded on the engine's exact path."""
     runtime = MoeRuntime(model, get_backend(CPU))
     try:

@@ -5,7 +5,7 @@ leaves out the parts nested in it, so the parts add up to the whole chunk. The p
 - experts: the routed-experts modules; router: the modules beside them that choose experts;
 - dense FFN: dense layers' MLPs and shared experts;
 - projections: every linear layer inside an attention module (QKV/O, and latent projections where a
-  family has them), whether torch's or the engine's own in its place (engine/projections.py);
+  family has them), whether torch's or the engine's own in its place (engine/attach/projections.py);
 - attention: the rest of an attention module: scores, softmax, values, rotary embeddings (the CPU's fused
   SDPA kernel does scores, softmax and values in one call, so they are one part here);
 - cache: the KV cache's updates; norms: every normalisation module;

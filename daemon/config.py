@@ -41,6 +41,8 @@ from npumoe.jobs.files import KEEP, ORIGINALS
 
 WINDOW = re.compile(r"^([01]\d|2[0-3]):[0-5]\d-([01]\d|2[0-3]):[0-5]\d$")
 QUEUE_URL = re.compile(r"^(postgresql(\+psycopg)?://.*)?$")
+# A URL parameter whose name holds one of these carries a secret (libpq: password, sslpassword).
+SECRET_WORDS = ("password", "secret", "token")
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class InboxConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "demo"  # "demo" (SmolLM2-135M-Instruct made an 8-expert MoE), a local folder, or a Hugging Face id
-    backend: str = choice(CPU, BACKENDS)  # "cuda" (CUDA graphs) is not built yet
+    backend: str = choice(CPU, BACKENDS)
     plan: str = ""  # an ExpertPlan JSON; empty: exact CPU experts
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
     chunk_tokens: int = positive(CHUNK_TOKENS)  # prefill chunk length; 0: the length measured fastest here (at load)
@@ -110,15 +112,20 @@ def matching(default: str, pattern: re.Pattern[str], words: str, *, secret_url: 
 
 
 def redacted_url(url: str) -> str:
-    """`url` with its password, in the user part or as a `password=` parameter, shown as `***`."""
+    """`url` with its password, in the user part or in any parameter that can carry a secret (`password`,
+    libpq's `sslpassword`, …), shown as `***`. Paths to key and password files stay: they say where, not what."""
     parts = urlsplit(url)
     netloc = parts.netloc
     if parts.password is not None:
         user, _, host = netloc.rpartition("@")
         netloc = f"{user.partition(':')[0]}:***@{host}"
-    query = urlencode([(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query, keep_blank_values=True)],
-                      safe="*")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    query = urlencode([(k, "***" if _names_a_secret(k) else v) for k, v in pairs], safe="*/")
     return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def _names_a_secret(key: str) -> bool:
+    return any(word in key.lower() for word in SECRET_WORDS)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The background service: described once, rendered to a LaunchAgent (macOS) or a systemd --user unit.
 
-The templates live in `services/` as data. Installing is a short list of steps (write a file, run a
+The templates live in `launchd/` as data. Installing is a short list of steps (write a file, run a
 command), so `--dry-run` can print exactly what a real install would do.
 """
 
@@ -24,7 +24,7 @@ from .home import Home
 
 LABEL = "io.npumoed.daemon"
 UNIT = "npumoed.service"
-TEMPLATES = resources.files("npumoe.services")
+TEMPLATES = resources.files("npumoe.launchd")
 # The exit status of a daemon that restarting cannot help (its database is damaged or from a newer npumoed):
 # EX_CONFIG of sysexits(3). systemd is told not to restart on it; launchd cannot exempt a status, so it
 # restarts after every exit but 0, at most once a ThrottleInterval.
@@ -137,7 +137,7 @@ def _template(name: str) -> Template:
         return Template(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise ServiceError(f"service template {path} cannot be read ({e.strerror}); "
-                           "this install of npumoed lacks its services/ folder") from e
+                           "this install of npumoed lacks its launchd/ folder") from e
 
 
 # -- macOS: launchd ---------------------------------------------------------------------------------

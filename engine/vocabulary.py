@@ -13,8 +13,9 @@ from __future__ import annotations
 CPU = "cpu"  # exact dynamic-shape experts, no static graphs
 TORCH_STATIC = "torch-static"  # the static group graphs run by torch: the accelerators' reference
 COREML = "coreml"  # the static group graphs run by Core ML on the Neural Engine
-BACKENDS = (CPU, TORCH_STATIC, COREML)
-STATIC_BACKENDS = (TORCH_STATIC, COREML)  # the backends that run group graphs, and so plans
+CUDA = "cuda"  # the static group graphs captured as CUDA graphs on an NVIDIA GPU
+BACKENDS = (CPU, TORCH_STATIC, COREML, CUDA)
+STATIC_BACKENDS = (TORCH_STATIC, COREML, CUDA)  # the backends that run group graphs, and so plans
 
 # What happens to token-expert assignments over a tier's capacity.
 SPILL = "spill"  # they run on the exact CPU path: nothing is lost

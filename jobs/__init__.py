@@ -1,1 +1,2 @@
-"""The durable job queue, document text extraction and the per-document pipeline."""
+"""The jobs layer: the job queue (queue/), inbox files, text extraction (extract/), the per-document pipeline and
+its outputs, the search index (search/)."""

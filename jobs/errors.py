@@ -82,3 +82,8 @@ class DatabaseUnusable(RuntimeError):
 
     str() is one line for people; restarting does not help, so the daemon exits with its own status.
     """
+
+
+class IdentityInUse(RuntimeError):
+    """Another live daemon on the shared queue has this daemon's machine identity and home: this one must not
+    start, or each would take the other's jobs for its own."""

@@ -14,7 +14,8 @@ import logging
 import os
 import shutil
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -39,6 +40,7 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_C
 # The folders on a path, walked one by one: O_PATH (Linux) needs no read permission, as a lookup by path does not.
 _FOLDER_FLAGS = getattr(os, "O_PATH", os.O_RDONLY) | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _BLOCK_BYTES = 1 << 20
+SET_ASIDE = ".npumoed-failed"
 CHANGED = "changed since it was read; left where it is"  # what settle_original says of a replaced file
 # What becomes of an original once its document is done (the originals policy).
 KEEP, MOVE, DELETE = "keep", "move", "delete"
@@ -128,7 +130,28 @@ def real_folder(path: Path) -> Path:
 def _open_walking(path: Path) -> int:
     """`path` opened with _OPEN_FLAGS, each folder on the way opened relative to the one before it and never
     followed if it is a link (O_NOFOLLOW alone covers only the last name)."""
-    *folders, name = path.parts
+    try:
+        at = _walk_to_folder(path)
+    except LinkOnPath:
+        raise FileRefused("unreadable", "a folder on its path is a symbolic link, not a folder") from None
+    try:
+        _require_regular(os.stat(path.name, dir_fd=at, follow_symlinks=False).st_mode)
+        return os.open(path.name, _OPEN_FLAGS, dir_fd=at)
+    finally:
+        os.close(at)
+
+
+class LinkOnPath(OSError):
+    """A folder on a document's path is a symbolic link: a folder swapped for one since the path was recorded."""
+
+    def __init__(self) -> None:
+        super().__init__(errno.ELOOP, "a folder on its path is a symbolic link, not a folder")
+
+
+def _walk_to_folder(path: Path) -> int:
+    """The folder holding `path`, opened with _FOLDER_FLAGS, each folder on the way opened relative to the one
+    before it and never followed if it is a link (LinkOnPath)."""
+    *folders, _ = path.parts
     at = os.open("." if not path.anchor else folders.pop(0), _FOLDER_FLAGS)
     try:
         for folder in folders:
@@ -136,12 +159,50 @@ def _open_walking(path: Path) -> int:
                 inner = os.open(folder, _FOLDER_FLAGS, dir_fd=at)
             except OSError as e:
                 if e.errno in (errno.ENOTDIR, errno.ELOOP, errno.EMLINK) and _is_link(folder, at):
-                    raise FileRefused("unreadable", "a folder on its path is a symbolic link, not a folder") from None
+                    raise LinkOnPath from None
                 raise
             os.close(at)
             at = inner
-        _require_regular(os.stat(name, dir_fd=at, follow_symlinks=False).st_mode)
-        return os.open(name, _OPEN_FLAGS, dir_fd=at)
+    except BaseException:
+        os.close(at)
+        raise
+    return at
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A name in a folder held open: what is done to it by name stays in that folder, even if a folder on
+    its path is swapped for a link meanwhile (in an inbox others can write to, that would redirect a move
+    or a delete to a file of the same name anywhere)."""
+
+    folder: int
+    name: str
+
+    def lstat(self) -> os.stat_result:
+        return os.stat(self.name, dir_fd=self.folder, follow_symlinks=False)
+
+    def version(self) -> Version | None:
+        try:
+            return Version.of(self.lstat())
+        except OSError:
+            return None
+
+    def open(self) -> int:
+        return os.open(self.name, _OPEN_FLAGS, dir_fd=self.folder)
+
+    def rename(self, target: Path) -> None:
+        os.rename(self.name, target, src_dir_fd=self.folder)
+
+    def unlink(self) -> None:
+        os.unlink(self.name, dir_fd=self.folder)
+
+
+@contextmanager
+def _entry(path: Path) -> Iterator[_Entry]:
+    """`path` as an _Entry of its folder, walked to without following a link (LinkOnPath if one is on it)."""
+    at = _walk_to_folder(path)
+    try:
+        yield _Entry(at, path.name)
     finally:
         os.close(at)
 
@@ -215,6 +276,13 @@ class Folders:
     def holds(self, path: Path) -> bool:
         return containing_inbox(path, self.inboxes) is not None
 
+    @property
+    def work(self) -> Path:
+        """Where a job's private files (the document's copy) are made: the home, which holds processed/ and
+        failed/ and is swept of what a killed run left at every start; never the outbox, which may be storage
+        other machines share and no start sweeps."""
+        return self.failed.parent
+
 
 def containing_inbox(path: Path, inboxes: Sequence[Path]) -> Path | None:
     """The (resolved) inbox that really holds `path`: its parent folder resolved, the file itself not followed,
@@ -237,9 +305,10 @@ def settle_original(source: Path, originals: str, folders: Folders, version: Ver
         return "kept"
     try:
         if originals == DELETE:
-            if Version.at(source) != version:  # saved again, or replaced, since it was read: not ours to settle
-                return CHANGED
-            source.unlink()
+            with _entry(source) as entry:
+                if entry.version() != version:  # saved again, or replaced, since it was read: not ours to settle
+                    return CHANGED
+                entry.unlink()
             return "deleted"
         moved = move_file(source, folders.processed, source.name, version)
         return CHANGED if moved is None else f"moved to {moved}"
@@ -248,45 +317,51 @@ def settle_original(source: Path, originals: str, folders: Folders, version: Ver
         return f"could not {originals} it: {e.strerror or e}"
 
 
-def move_file(source: Path, folder: Path, name: str, version: Version | None = None) -> Path | None:
+def move_file(source: Path, folder: Path, name: str, version: Version | None = None, *,
+              copy: bool = True) -> Path | None:
     """Move `source` into `folder` under `name` (or a free variant of it); returns where it went, or None when
     it is not `version` (None: any) or changed while it was copied. Then it stays where it is, untouched.
+    Without `copy`, a move that is no rename raises the OSError (EXDEV) the rename did.
 
-    A rename when both sides share a file system. Otherwise the very descriptor that was checked is copied
-    under a temporary name, flushed to disk and renamed into place, and the source is removed only if it is
-    still that version afterwards: a save during the copy is never lost. (Between that last look and the
+    The destination is claimed first (`_claim_free_name`), so two movers never land on one name. Then a rename
+    when both sides share a file system. Otherwise the very descriptor that was checked is copied under a
+    temporary name, flushed to disk and renamed onto the claimed name, and the source is removed only if it
+    is still that version afterwards: a save during the copy is never lost. (Between that last look and the
     unlink a save can still slip in: no system call removes a name only if it still holds a given inode.)
+    Every step acts on the name inside its folder, held open (`_entry`): a folder on the path swapped for a
+    link meanwhile redirects none of them.
     """
-    fd = _open_to_move(source)
-    if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
-        return None if version is not None else _move_entry(source, _free_name(folder, name))
-    with os.fdopen(fd, "rb") as file:
-        read = Version.of(os.fstat(file.fileno()))
-        if version is not None and read != version:
-            return None
-        target = _free_name(folder, name)
-        try:
-            os.rename(source, target)
-            return target
-        except OSError as e:
-            if e.errno != errno.EXDEV:
-                raise
-        _copy_durably(file, target)
-        if Version.of(os.fstat(file.fileno())) != read or Version.at(source) != read:  # written to, or replaced
-            target.unlink()
-            fsync_dir(folder)
-            return None
-    source.unlink()
+    with _entry(source) as entry:
+        fd = _open_to_move(entry)
+        if fd is None:  # a link, a FIFO or an unreadable file: what was read (`version`) it is not
+            return None if version is not None else _move_entry(entry, folder, name, copy=copy)
+        with os.fdopen(fd, "rb") as file:
+            read = Version.of(os.fstat(file.fileno()))
+            if version is not None and read != version:
+                return None
+            with _claim_free_name(folder, name) as target:
+                try:
+                    entry.rename(target)
+                    return target
+                except OSError as e:
+                    if e.errno != errno.EXDEV or not copy:
+                        raise
+                _copy_durably(file, target)
+                if Version.of(os.fstat(file.fileno())) != read or entry.version() != read:  # written to, or replaced
+                    target.unlink()
+                    fsync_dir(folder)
+                    return None
+        entry.unlink()
     fsync_dir(source.parent)
     return target
 
 
-def _open_to_move(source: Path) -> int | None:
-    """A descriptor of the regular file `source`; None for anything else, or one this process cannot read."""
-    if not stat.S_ISREG(os.lstat(source).st_mode):
+def _open_to_move(entry: _Entry) -> int | None:
+    """A descriptor of the regular file `entry`; None for anything else, or one this process cannot read."""
+    if not stat.S_ISREG(entry.lstat().st_mode):
         return None
     try:
-        return os.open(source, _OPEN_FLAGS)
+        return entry.open()
     except OSError:  # no permission, an I/O error: being set aside for it, it can still be renamed, not copied
         return None
 
@@ -310,38 +385,69 @@ def _copy_durably(file: BinaryIO, target: Path) -> None:
     fsync_dir(target.parent)
 
 
-def _move_entry(source: Path, target: Path) -> Path:
-    """Move what `source` is, as itself, by name (a link stays a link)."""
-    try:
-        os.rename(source, target)
-    except OSError as e:
-        if e.errno != errno.EXDEV:
-            raise
-        shutil.copy2(source, target, follow_symlinks=False)  # a link is copied as the link it is
-        source.unlink()
+def _move_entry(entry: _Entry, folder: Path, name: str, *, copy: bool) -> Path:
+    """Move what `entry` is, as itself, by name (a link stays a link), onto a claimed free name in `folder`;
+    across file systems only a link is made anew (a FIFO or a socket cannot be copied)."""
+    with _claim_free_name(folder, name) as target:
+        try:
+            entry.rename(target)
+        except OSError as e:
+            if e.errno != errno.EXDEV or not copy or not stat.S_ISLNK(entry.lstat().st_mode):
+                raise
+            target.unlink()  # a link is made only where nothing is in the way
+            os.symlink(os.readlink(entry.name, dir_fd=entry.folder), target)
+            entry.unlink()
     return target
 
 
-def _free_name(folder: Path, name: str) -> Path:
-    target = folder / name
+@contextmanager
+def _claim_free_name(folder: Path, name: str) -> Iterator[Path]:
+    """A name in `folder` like `name` (`x.pdf`, `x (2).pdf`, …) that no other mover can take: created empty
+    and exclusively (O_EXCL), so every other mover skips it, then replaced by the rename or copy that fills
+    it. Checking that a name is free and renaming onto it is not enough: a rename replaces silently, and two
+    movers would choose the same name. A move that fails gives the name back; a kill between the claim and
+    the rename leaves an empty file under the name, the original untouched where it was.
+    """
     stem, dot, suffix = name.rpartition(".") if "." in name.lstrip(".") else (name, "", "")
     number = 1
-    while os.path.lexists(target):
-        number += 1
-        target = folder / f"{stem} ({number}){dot}{suffix}"
-    return target
+    while True:
+        target = folder / (name if number == 1 else f"{stem} ({number}){dot}{suffix}")
+        try:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            break
+        except FileExistsError:
+            number += 1
+    try:
+        yield target
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
 
 
 def set_aside(source: Path, report: str, folders: Folders) -> Path | None:
-    """Move a document that will not be processed into failed/, with `<name>.error.txt` beside it."""
-    if not os.path.lexists(source) or not folders.holds(source):
+    """Move a document that will not be processed into failed/, with `<name>.error.txt` beside it.
+
+    Never by a copy: a document in an inbox on another file system (a USB disk, a network share) goes to
+    its inbox's own hidden SET_ASIDE folder instead, by a rename. Copied, a refused file of any size (a
+    sparse one made dense) would fill the home's disk and hold up the watcher, which sets files aside on its
+    own thread. One that cannot be renamed there either (a file system mounted inside the inbox) stays where
+    it is, and the log says why.
+    """
+    inbox = containing_inbox(source, folders.inboxes)
+    if not os.path.lexists(source) or inbox is None:
         return None
-    try:
-        moved = move_file(source, folders.failed, source.name)
-        if moved is None:  # saved again while it was being moved: the new version is a new document
-            return None
-        write_file(moved.with_name(moved.name + ".error.txt"), report.encode(errors="replace"))
-    except OSError as e:
-        log.warning("could not move %s to %s: %s", source, folders.failed, e)
-        return None
-    return moved
+    for folder in (folders.failed, inbox / SET_ASIDE):
+        try:
+            folder.mkdir(mode=0o700, exist_ok=True)
+            moved = move_file(source, folder, source.name, copy=False)
+            if moved is None:  # saved again while it was being moved: the new version is a new document
+                return None
+            write_file(moved.with_name(moved.name + ".error.txt"), report.encode(errors="replace"))
+            return moved
+        except OSError as e:
+            if e.errno != errno.EXDEV:
+                log.warning("could not move %s to %s: %s", source, folder, e)
+                return None
+    log.warning("left %s where it is: it is on another file system than %s and %s, and is not copied",
+                source, folders.failed, inbox / SET_ASIDE)
+    return None

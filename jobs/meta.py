@@ -1,10 +1,10 @@
 """`meta.json`: what a document's outputs are, how they were made and what making them cost.
 
-Written once, from `DocumentMeta`; every figure has one place in it. The README lists each field
-("Where things go") and tests check a produced file against that list, so change both together, and
-raise SCHEMA_VERSION when a field is renamed, removed or changes type or meaning.
+Written once, from `DocumentMeta`; every figure has one place in it. docs/outputs.md lists each field and tests
+check a produced file against that list, so change both together, and raise SCHEMA_VERSION when a field is
+renamed, removed or changes type or meaning.
 
-Read back by one function, `read_meta`, for every caller (the pipeline finding a finished output, the search
+Read back by one function, `read_meta`, for every caller (a later attempt finding its finished output, the search
 index, rebuilding the queue, the batch report), with one set of checks.
 """
 

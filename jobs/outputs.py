@@ -38,7 +38,7 @@ _TMP_TOKEN = 9  # "-" and 8 hex digits: a temporary name's random part
 # `.tmp-<stem>-<key16>-<hex8>.old`; capping the stem so that fits keeps every name derived from it legal.
 MAX_STEM_BYTES = NAME_MAX_BYTES - len(TMP_PREFIX) - (1 + _KEY_HEX) - _TMP_TOKEN - len(DISPLACED_SUFFIX)
 # The files of a document's output folder (outbox/<stem>-<key16>/).
-SUMMARY_FILE = "summary.md"  # "# name", a line of facts, then the summary
+SUMMARY_FILE = "summary.md"  # the document's name, what made the summary, the summary: see summary_file.py
 EMBEDDINGS_FILE = "embeddings.npy"  # float32 (chunks + 1, dim): one row per chunk, then the document vector
 META_FILE = "meta.json"  # DocumentMeta (meta.py): how the outputs were made and what making them cost
 TEXT_FILE = "text.txt.gz"  # the extracted text the model read, so a search hit can show its passage
@@ -64,6 +64,11 @@ def safe_stem(name: str) -> str:
     stem = stem.rsplit(".", 1)[0] if "." in stem.lstrip(".") else stem
     stem = re.sub(r"[^\w.-]+", "_", stem).strip("._-")
     return truncate_utf8(stem[:MAX_STEM], MAX_STEM_BYTES).rstrip("._-") or "document"
+
+
+def readable(text: str) -> str:
+    """`text` as valid Unicode: the bytes of a name that is not UTF-8 (surrogate escapes) shown as \\xNN."""
+    return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 
 def truncate_utf8(text: str, max_bytes: int) -> str:

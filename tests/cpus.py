@@ -10,7 +10,7 @@ from __future__ import annotations
 import platform
 import shlex
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -50,6 +50,18 @@ INTEL_MAC = Cpu("Intel Mac (AVX2)", "x86_64", "AVX2", avx512_bf16=False, amx=Fal
 APPLE_SILICON = Cpu("Apple silicon", "arm64", "DEFAULT", avx512_bf16=False, amx=False, avx512_vnni=False,
                     onednn=False, onednn_bf16=False)
 CPUS = (ZEN4, SAPPHIRE_RAPIDS, ICE_LAKE, INTEL_MAC, APPLE_SILICON)
+
+
+def within_this_host(cpu: Cpu) -> Cpu:
+    """`cpu` with no x86 feature this machine lacks: for a test whose choice really runs the kernels (an accuracy
+    probe), where a simulated instruction the processor does not have would kill the process (SIGILL)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    avx512 = cpu.capability == "AVX512" and capability == "AVX512"
+    return replace(cpu, capability=cpu.capability if avx512 or cpu.capability != "AVX512" else capability,
+                   avx512_bf16=avx512 and cpu.avx512_bf16 and torch.cpu._is_avx512_bf16_supported(),
+                   amx=avx512 and cpu.amx and torch.cpu._is_amx_tile_supported(),
+                   avx512_vnni=avx512 and cpu.avx512_vnni and torch.cpu._is_vnni_supported(),
+                   avx_vnni=cpu.avx_vnni and "avx_vnni" in host.cpu_flags())
 
 
 def simulate(monkeypatch: pytest.MonkeyPatch, cpu: Cpu) -> None:

@@ -15,14 +15,14 @@ import pytest
 ROOT = Path(__file__).parents[1]
 # Each product folder and the import package it is (pyproject.toml's package-dir).
 FOLDERS = {"engine": "npumoe.engine", "jobs": "npumoe.jobs", "daemon": "npumoe.daemon", "bench": "npumoe.bench",
-           "services": "npumoe.services"}
+           "launchd": "npumoe.launchd"}
 # Who may import whom: daemon -> jobs -> engine; bench may import them all, and nothing imports bench.
 MAY_IMPORT = {
     "npumoe.engine": {"npumoe.engine"},
     "npumoe.jobs": {"npumoe.jobs", "npumoe.engine"},
-    "npumoe.daemon": {"npumoe.daemon", "npumoe.jobs", "npumoe.engine", "npumoe.services"},
+    "npumoe.daemon": {"npumoe.daemon", "npumoe.jobs", "npumoe.engine", "npumoe.launchd"},
     "npumoe.bench": {"npumoe.bench", "npumoe.daemon", "npumoe.jobs", "npumoe.engine"},
-    "npumoe.services": set(),
+    "npumoe.launchd": set(),
 }
 # The engine's rooms, lowest first: each imports only from rooms before it (and from itself).
 ENGINE_ORDER = ("vocabulary", "errors", "formats", "kernels", "moe", "plan", "backends", "loading", "attach",

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench and llama-quantize, the C++ peer `npumoed bench prefill --peer` runs beside the
-# engine, from the llama-cpp-python sdist on the package index (its vendor/llama.cpp): nothing from outside the
-# registries. About 15 minutes on 2 cores. Usage: build-llama-cpp.sh [DEST] (default ~/.cache/npumoe/llama.cpp);
-# the binaries land in DEST/bin. Needs cmake and ninja (Debian: apt-get install cmake ninja-build) and pip.
+# Builds llama.cpp's llama-bench, llama-quantize and llama-completion, the C++ peer `npumoed bench prefill --peer`
+# and `bench document --peer` run beside the engine, from the llama-cpp-python sdist on the package index (its
+# vendor/llama.cpp): nothing from outside the registries. About 15 minutes on 2 cores. Usage: build-llama-cpp.sh
+# [DEST] (default ~/.cache/npumoe/llama.cpp); the binaries land in DEST/bin. Needs cmake and ninja (Debian:
+# apt-get install cmake ninja-build) and pip.
 set -euo pipefail
 dest=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/npumoe/llama.cpp}
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}  # the sdist whose vendored llama.cpp is built; named in results
@@ -30,10 +31,13 @@ fi
 read -r -a extra <<<"${LLAMA_CPP_CMAKE_FLAGS:-}"  # anything else a person wants to try, recorded in VERSION
 flags+=("${extra[@]}")
 cmake -S "$src" -B "$work/build" -G Ninja "${flags[@]}" >/dev/null
-cmake --build "$work/build" --target llama-bench llama-quantize -j "$(nproc)"
+# `bench document` times whole documents with the one-shot text tool: llama-completion, llama-cli before it existed
+completion=llama-completion
+[[ -d "$src/tools/completion" ]] || completion=llama-cli
+cmake --build "$work/build" --target llama-bench llama-quantize "$completion" -j "$(nproc)"
 mkdir -p "$dest/bin"
-cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$dest/bin/"
+cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$work/build/bin/$completion" "$dest/bin/"
 # The results' settings block quotes this file: which llama.cpp, built how.
 printf 'llama-cpp-python %s, built %s on %s\ncmake %s\n' "$version" "$(date -u +%FT%TZ)" "$(uname -m)" \
     "${flags[*]}" > "$dest/VERSION"
-echo "built: $dest/bin/llama-bench $dest/bin/llama-quantize"
+echo "built: $dest/bin/llama-bench $dest/bin/llama-quantize $dest/bin/$completion"

@@ -1,4 +1,5 @@
-"""llama.cpp's two tools as the benchmarks call them: llama-quantize, and llama-bench's prompt-processing test.
+"""llama.cpp's tools as the benchmarks call them: llama-quantize, llama-bench's prompt-processing and generation
+tests, and llama-completion (llama-cli in older builds) writing from a prompt file.
 
 The binaries come from `bench/peer/build-llama-cpp.sh` (or any llama.cpp build): a folder holding `llama-bench` and
 `llama-quantize`, or holding them in `bin/`, named by `--peer DIR` or the NPUMOE_LLAMA_CPP environment variable.
@@ -13,6 +14,7 @@ from pathlib import Path
 
 LLAMA_CPP_ENV = "NPUMOE_LLAMA_CPP"
 TOOLS = ("llama-bench", "llama-quantize")
+COMPLETION_TOOLS = ("llama-completion", "llama-cli")  # the one-shot text tool, newest name first
 VERSION_FILE = "VERSION"  # written by build-llama-cpp.sh: the sdist's version and the build's flags
 
 
@@ -69,27 +71,64 @@ def bench_command(tool: LlamaCpp, model: Path, *, tokens: int, chunk: int, threa
     return command if warmup else [*command, "--no-warmup"]  # llama-bench warms up once by default
 
 
-def run_bench(command: list[str], *, tokens: int) -> dict:
-    """llama-bench's result for the prompt test of `tokens` tokens: its JSON object, as it printed it."""
+def decode_command(tool: LlamaCpp, model: Path, *, tokens: int, depth: int, threads: int,
+                   repeats: int) -> list[str]:
+    """llama-bench generating `tokens` tokens one at a time after `depth` tokens already in the cache (its `-d`),
+    no prompt test, `repeats` timed runs after its warm-up, JSON out."""
+    return [str(tool.bench), "-m", str(model), "-p", "0", "-n", str(tokens), "-d", str(depth), "-t", str(threads),
+            "-r", str(repeats), "-o", "json"]
+
+
+def run_bench(command: list[str], *, tokens: int, generated: int = 0) -> dict:
+    """llama-bench's result for the test of `tokens` prompt tokens and `generated` new ones: its JSON object, as it
+    printed it."""
     output = _run(command, "llama-bench", timeout=7200)
     try:
         results = json.loads(output)
     except json.JSONDecodeError as e:
         raise RuntimeError(f"llama-bench printed no JSON ({e}): {output[:300]!r}") from e
-    found = [r for r in results if isinstance(r, dict) and r.get("n_prompt") == tokens and r.get("n_gen") == 0]
+    found = [r for r in results
+             if isinstance(r, dict) and r.get("n_prompt") == tokens and r.get("n_gen") == generated]
     if len(found) != 1 or not found[0].get("samples_ns"):
-        raise RuntimeError(f"llama-bench's JSON holds no single prompt test of {tokens} tokens with samples: "
-                           f"{output[:300]!r}")
+        raise RuntimeError(f"llama-bench's JSON holds no single test of {tokens} prompt and {generated} generated "
+                           f"tokens with samples: {output[:300]!r}")
     return found[0]
 
 
+def completion_tool(tool: LlamaCpp) -> Path | None:
+    """llama.cpp's one-shot text tool beside llama-bench: llama-completion (newer builds), else llama-cli; None
+    when the build has neither."""
+    for name in COMPLETION_TOOLS:
+        path = tool.bench.parent / name
+        if path.is_file() and _executable(path):
+            return path
+    return None
+
+
+def completion_command(path: Path, model: Path, prompt: Path, *, tokens: int, threads: int) -> list[str]:
+    """The tool at `path` reading the prompt file `prompt` and writing exactly `tokens` tokens (greedy, the end of
+    sequence ignored: the same budget whatever the weights say), one shot, no conversation."""
+    command = [str(path), "-m", str(model), "-f", str(prompt), "-n", str(tokens), "-t", str(threads), "--temp", "0",
+               "--ignore-eos", "--no-warmup"]
+    return [*command, "-no-cnv"] if path.name == "llama-cli" else command
+
+
+def run_completion(command: list[str]) -> str:
+    """What the tool printed on stderr (where its timings are), after it ran to the end."""
+    return _run_output(command, "llama-completion", timeout=7200).stderr
+
+
 def _run(command: list[str], name: str, *, timeout: float) -> str:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return _run_output(command, name, timeout=timeout).stdout
+
+
+def _run_output(command: list[str], name: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if done.returncode < 0:
         raise ToolCrashed(f"{name} was killed by signal {-done.returncode}: {done.stderr.strip()[-300:]}")
     if done.returncode:
         raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
-    return done.stdout
+    return done
 
 
 def _executable(path: Path) -> bool:

@@ -13,13 +13,12 @@ from typing import Any
 
 import click
 from filelock import FileLock, Timeout
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue.store import Backoff, Queue
 
-from ..config import Config, ConfigError, load_config
+from ..config import Config, ConfigError, load_config, redacted_url
 from ..home import Home
 from ..service import EXIT_DO_NOT_RESTART
 
@@ -68,7 +67,7 @@ class App:
         except DatabaseUnusable as e:
             raise UnusableDatabase(self.home.database, e) from e
         except OperationalError as e:
-            where = make_url(q.url).render_as_string(hide_password=True) if q.url else self.home.database
+            where = redacted_url(q.url) if q.url else self.home.database
             raise click.ClickException(f"cannot open the queue at {where}: {str(e.orig).strip()}") from e
         self._opened.append(queue)
         return queue

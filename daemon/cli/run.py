@@ -137,7 +137,7 @@ def demo(app: App) -> None:
 def _run_worker(
     app: App, config: Config, *, inboxes: list[Path] | None, once: bool, verbose: bool, obey_schedule: bool
 ) -> None:
-    from npumoe.jobs.errors import ModelUnavailable
+    from npumoe.jobs.errors import IdentityInUse, ModelUnavailable
 
     from ..logs import setup_logging
     from ..service import started_by_service
@@ -151,7 +151,7 @@ def _run_worker(
     worker = Worker(config, app.home, app.queue, inboxes=inboxes, once=once, obey_schedule=obey_schedule)
     try:
         summary = worker.run()
-    except AlreadyRunning as e:
+    except (AlreadyRunning, IdentityInUse) as e:
         raise click.ClickException(str(e)) from e
     except ModelUnavailable as e:
         raise click.ClickException(f"cannot load the model: {e} (log: {log_file})") from e

@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 from sqlalchemy.exc import SQLAlchemyError
 
-from npumoe.engine.vocabulary import AUTO, COREML
+from npumoe.engine.vocabulary import AUTO, COREML, CUDA
 from npumoe.jobs.errors import DatabaseUnusable
 from npumoe.jobs.queue.schema import SCHEMA_VERSION, schema_version
 from npumoe.jobs.queue.store import BATCH, Queue
@@ -393,4 +393,8 @@ def _backend_ready(name: str) -> tuple[bool, str]:
         from npumoe.engine.backends.coreml.env import coreml_availability
 
         return coreml_availability()
+    if name == CUDA:
+        from npumoe.engine.backends.cuda.env import cuda_availability
+
+        return cuda_availability()
     return True, "available"

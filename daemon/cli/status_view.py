@@ -187,7 +187,7 @@ def _why_waiting(snap: dict[str, Any]) -> str:
     daemon = snap["daemon"]
     if daemon["state"] == "never started" or not daemon["reason"]:
         return ""
-    return daemon["reason"]
+    return printable(daemon["reason"])  # it can quote a folder's name
 
 
 def _awake(daemon: dict[str, Any]) -> str:

@@ -1,1 +1,1 @@
-"""Executor backends (cpu, torch-static, coreml) and placing a plan on one of them here."""
+"""Executor backends (cpu, torch-static, coreml, cuda) and placing a plan on one of them here."""

@@ -2,7 +2,7 @@
 
 `cpu` has no static graphs: every expert runs on the exact dynamic-shape path. `torch-static`
 runs each group as a `GroupedExperts` module with fixed (G, C, H) shapes: the reference semantics
-for accelerators, available everywhere. The others (`coreml`) build their graphs
+for accelerators, available everywhere. The others (`coreml`, `cuda`) build their graphs
 from the same `GroupedExperts` module, and run a layer's graphs on their device (`submit`) while the
 CPU runs the cold experts.
 """
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..plan.residency import GroupMeasure
 
 # Rows per call for the two-point cost fit: one row shows the fixed cost, a full chunk the throughput.
-_FIT_ROWS = (1, 256)
+FIT_ROWS = (1, 256)
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,11 @@ class Backend:
         """Time this backend's group graphs and the exact CPU path at the model's expert geometry."""
         raise ValueError(f"the {self.name} backend has no static graphs to measure")
 
+    def device_room(self, hidden: int, ffn: int, dtype: torch.dtype) -> int | None:
+        """How many experts' weights at this geometry the backend's device can hold beside what it holds already;
+        None: no limit of its own (its graphs run in host memory)."""
+        return None
+
     def time_groups(self, groups: Mapping[str, GroupSpec]) -> dict[str, GroupMeasure]:
         """Each group's own graph timed on the backend's device (and where its ops run), by the caller's keys;
         empty for a backend whose cost model covers its graphs (torch runs any shape at the measured rate)."""
@@ -116,23 +121,33 @@ class TorchStaticBackend(Backend):
 
     @torch.inference_mode()
     def measure_costs(self, hidden: int, ffn: int, dtype: torch.dtype, group_size: int) -> CostModel:
-        generator = torch.Generator().manual_seed(0)
-        gate_up = (torch.randn(group_size, 2 * ffn, hidden, generator=generator) / hidden**0.5).to(dtype)
-        down = (torch.randn(group_size, hidden, ffn, generator=generator) / ffn**0.5).to(dtype)
-        weights = ExpertWeights(gate_up, down)
+        weights = sample_weights(group_size, hidden, ffn, dtype)
         graph = GroupedExperts(weights)
         launch_s, static_flops = fit_call_cost(
-            lambda rows: graph(torch.ones(group_size, rows, hidden, dtype=dtype)), *_FIT_ROWS,
+            lambda rows: graph(torch.ones(group_size, rows, hidden, dtype=dtype)), *FIT_ROWS,
             flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
-        # The CPU path runs the same experts side by side, as a layer does: its fixed cost per call is
-        # that of the G calls shared out over the workers, its throughput that of all of them.
-        cpu = CpuExperts(weights, DEFAULT_LAYOUT)
-
-        def cpu_path(rows: int) -> None:
-            x = torch.ones(rows, hidden, dtype=dtype)
-            run_tasks([lambda e=e: cpu(e, x) for e in range(group_size)])
-
-        calls_s, cpu_flops = fit_call_cost(cpu_path, *_FIT_ROWS,
-                                           flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
+        calls_s, cpu_flops = cpu_path_costs(weights)
         return CostModel(launch_s=launch_s, static_flops=static_flops, cpu_call_s=calls_s / group_size,
                          cpu_flops=cpu_flops)
+
+
+def sample_weights(group_size: int, hidden: int, ffn: int, dtype: torch.dtype) -> ExpertWeights:
+    """G random experts at this geometry, the same on every call: what costs are measured on."""
+    generator = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(group_size, 2 * ffn, hidden, generator=generator) / hidden**0.5).to(dtype)
+    down = (torch.randn(group_size, hidden, ffn, generator=generator) / ffn**0.5).to(dtype)
+    return ExpertWeights(gate_up, down)
+
+
+def cpu_path_costs(weights: ExpertWeights) -> tuple[float, float]:
+    """(fixed seconds of the G experts' calls together, FLOP/s) of the exact CPU path on these experts. It runs them
+    side by side, as a layer does: its fixed cost per call is that of the G calls shared out over the workers, its
+    throughput that of all of them."""
+    cpu = CpuExperts(weights, DEFAULT_LAYOUT)
+    group_size, hidden, ffn = len(weights), weights.hidden, weights.ffn
+
+    def cpu_path(rows: int) -> None:
+        x = torch.ones(rows, hidden, dtype=weights.down.dtype)
+        run_tasks([lambda e=e: cpu(e, x) for e in range(group_size)])
+
+    return fit_call_cost(cpu_path, *FIT_ROWS, flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))

@@ -33,7 +33,8 @@ def plan_experts(plan: ExpertPlan, model: nn.Module) -> list[tuple[ExpertWeights
 @torch.inference_mode()
 def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCosts:
     """Time `backend`'s graphs and the exact CPU path at the model's expert geometry, and each group graph the
-    backend can time on its device (every group calibration saw load for)."""
+    backend can time on its device (every group calibration saw load for); and how many experts its device has
+    room for, where it holds their weights."""
     experts = plan_experts(plan, model)
     first = experts[0][0]
     hidden, ffn = first.hidden, first.ffn
@@ -49,7 +50,7 @@ def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCos
     fallback = backend.fallback_reason()
     measured_on = f"{TORCH_STATIC if fallback else backend.name} on {machine()}"
     return MeasuredCosts(cost=cost, hidden=hidden, ffn=ffn, measured_on=measured_on, groups=backend.time_groups(specs),
-                         fallback=fallback)
+                         fallback=fallback, device_experts=backend.device_room(hidden, ffn, first.down.dtype))
 
 
 def place(plan: ExpertPlan, backend: Backend, model: nn.Module, cache: CostCache | None) -> Residency:

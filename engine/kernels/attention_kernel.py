@@ -13,12 +13,11 @@ other mask stays with torch. Whether it is faster on this machine is measured, n
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import torch
 
-from .host import cpu_flags, isa_ceiling_refuses
-from .native import NativeKernel, x86_avx512_missing
+from .host import cpu_flags
+from .native import NativeKernel, cpu_lacks, has_avx2, x86_avx512_missing
 
 # Query positions per unit of work: its rows (positions x query heads per KV head) share each packed block of
 # keys and values, so a unit is as long as keeps its rows' output in L2 and still gives every thread units.
@@ -29,11 +28,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can: x86-64 with AVX2 and FMA
     (torch's AVX2 level), which its float32 body needs at the least."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the attention kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return "this CPU lacks AVX2 and FMA"
-    return isa_ceiling_refuses("avx2")
+    return cpu_lacks("the attention kernel", "x86-64", "AVX2 and FMA", has_avx2, "avx2")
 
 
 def body(dtype: torch.dtype) -> str:

@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "npumoe_kernels.h"
+
 #define TARGET __attribute__((target("avx2,fma")))
 #if defined(__has_include) && __has_include(<avxvnniintrin.h>) /* GCC 11 and clang 12 on */
 #define HAS_AVX_VNNI 1
@@ -43,8 +45,6 @@
 #define VNNI_TILE_ROWS 6 /* its 12 sums, 2 weight registers and a broadcast fit them */
 #define BLOCK 64
 #define PANEL_BYTES 262144 /* int8: x codes a panel of rows keeps in L2 (Zen 3's is 512 KB) */
-#define AHEAD 16384          /* as in vnni_linear.c */
-#define ROUNDING_BOUND 0.03f /* as in vnni_linear.c: rows that lose more take a second level of codes */
 
 /* 8 activations from column i on as float32, zeros past k. */
 static inline TARGET INLINE __m256 load_x(const void *row, int bf16, int64_t k, int64_t i) {
@@ -297,7 +297,7 @@ TILES_INT8(tiles_int8_vnni, TARGET_VNNI, tile_int8_vnni, VNNI_TILE_ROWS)
 static const struct int8_way VNNI_WAY = {tiles_int8_vnni, VNNI_TILE_ROWS, 1};
 #endif
 
-/* npumoe_avx2_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype, the `way` it says. */
+/* int8 x · ŵᵀ (as `linear` says) with y in float32, or bf16 when ybf16, whatever x's dtype, the `way` it says. */
 static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16,
                               const struct int8_way *way) {
@@ -363,17 +363,6 @@ static const struct int8_way *int8_way(int vnni) {
 /* Whether this build has the AVX-VNNI int8 tiles (the compiler knew the instructions). */
 int npumoe_avx2_has_vnni(void) { return HAS_AVX_VNNI; }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed as vnni_linear.c's int8 (n64/64, k64/64,
- * 4, 16, 16, 4), sums its (n64,) int32 columns' sums of codes; scale: (n64,) float32; y: (m, n) in x's dtype with
- * row stride ldy; AVX-VNNI's dot products with `vnni`. Returns 0, -1 when scratch memory ran out, or -2 when this
- * build has no AVX-VNNI. */
-TARGET int npumoe_avx2_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w,
-                                   const int32_t *sums, const float *scale, int64_t n, int64_t k, void *y, int64_t ldy,
-                                   int vnni) {
-    const struct int8_way *way = int8_way(vnni);
-    return way ? linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16, way) : -2;
-}
-
 static inline TARGET INLINE __m256 bf16_to_ps(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -429,18 +418,14 @@ static inline TARGET INLINE void tile_int4(const int rows, const int8_t *q, int6
                     columns - 8 * c);
 }
 
-/* npumoe_avx2_linear_int4 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+/* int4 x · ŵᵀ (as `linear` says) with y in float32, or bf16 when ybf16, whatever x's dtype. */
 static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
                               const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t groups = k / group, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
-    int8_t *q = malloc((size_t)(m * k));
-    float *xs = malloc((size_t)m * sizeof *xs), *gs = calloc((size_t)(m * groups), sizeof *gs);
-    if (!q || !xs || !gs) {
-        free(q);
-        free(xs);
-        free(gs);
-        return -1;
-    }
+    struct int4_scratch scratch;
+    if (alloc_int4_scratch(&scratch, m, k, groups)) return -1;
+    int8_t *q = scratch.q;
+    float *xs = scratch.xs, *gs = scratch.gs;
     for (int64_t r = 0; r < m; r++)
         xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, q + r * k, group, gs + r * groups, NULL);
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, octets = group / 8;
@@ -470,38 +455,23 @@ static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, c
             }
         }
     }
-    free(q);
-    free(xs);
-    free(gs);
+    free_int4_scratch(&scratch);
     return 0;
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed as vnni_linear.c's int4 (n64/64, k/8, 64, 4) nibble
- * pairs; s, z: (n64/64, k/group, 64) bf16; group a multiple of 16 dividing k; y: (m, n) in x's dtype with row stride
- * ldy. Returns 0, or -1 when scratch memory ran out. */
-TARGET int npumoe_avx2_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w,
-                                   const uint16_t *s, const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y,
-                                   int64_t ldy) {
-    return linear_int4(x, m, ldx, bf16, w, s, z, group, n, k, y, ldy, bf16);
+static inline TARGET __m256 round_ps(__m256 t) {
+    return _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-/* e^x for |x| up to 88 (clamped beyond), as vnni_linear.c's exp_ps: 2^n · 2^f, 2^f by its Taylor series to f^6,
- * 2^n put in the exponent's bits. */
-static inline TARGET __m256 exp_ps(__m256 x) {
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-88.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 f = _mm256_sub_ps(t, n);
-    static const float terms[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f,
-                                  6.9314718e-1f, 1.0f};
-    __m256 p = _mm256_set1_ps(terms[0]);
-    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(terms[i]));
+/* p · 2^n for whole n in float32's exponent range, 2^n put in the exponent's bits (AVX2 has no scalef). */
+static inline TARGET __m256 times_2_to(__m256 p, __m256 n) {
     const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
-/* Each of m rows of h (row stride ldh): the first `inter` values become silu(gate) · up, gate the first `inter`
- * and up the next `inter`, in float32. */
+DEFINE_EXP_PS(TARGET, __m256, _mm256, round_ps, times_2_to)
+
+/* silu(gate) · up in float32, 8 values at a time, where npumoe_kernels.h's NPUMOE_EXPORTS says. */
 static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = 0; r < m; r++) {
@@ -514,33 +484,13 @@ static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter
     }
 }
 
-/* vnni_linear.c's struct npumoe_weight, which vnni_linear.py fills for both kernels. */
-struct npumoe_weight {
-    const void *codes, *sums, *scale, *zero;
-    int64_t group, n, k;
-};
-
-static int run_linear(int int4, const struct int8_way *way, const struct npumoe_weight *w, const void *x, int64_t m,
-                      int64_t ldx, int bf16, void *y, int64_t ldy, int ybf16) {
+/* The weights as vnni_linear.c's `linear` takes them (vnni_linear.pack), int8 on AVX-VNNI's dot products with `vnni`;
+ * -2 when this build has no AVX-VNNI. */
+static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, int vnni, const struct npumoe_weight *w,
+                  void *y, int64_t ldy, int ybf16) {
     if (int4) return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
-    return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, way);
+    const struct int8_way *way = int8_way(vnni);
+    return way ? linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16, way) : -2;
 }
 
-/* One expert's gated FFN in one call, as vnni_linear.c's npumoe_silu_glu_expert: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ with
- * up = [G; U] packed (2I, K) and down packed (N, I), int4 when `int4`, else int8 (on AVX-VNNI with `vnni`).
- * Returns 0, -1 when scratch memory ran out, or -2 when this build has no AVX-VNNI. */
-int npumoe_avx2_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int int4, int vnni,
-                                const struct npumoe_weight *up, const struct npumoe_weight *down, void *y, int64_t ldy) {
-    const int64_t inter = down->k, width = up->n;
-    const struct int8_way *way = int8_way(vnni && !int4);
-    if (!way) return -2;
-    float *h = malloc((size_t)(m * width) * sizeof *h);
-    if (!h) return -1;
-    int failed = run_linear(int4, way, up, x, m, ldx, bf16, h, width, 0);
-    if (!failed) {
-        silu_glu_rows(h, m, width, inter);
-        failed = run_linear(int4, way, down, h, m, width, 0, y, ldy, bf16);
-    }
-    free(h);
-    return failed;
-}
+NPUMOE_EXPORTS(npumoe_avx2)

@@ -16,62 +16,25 @@ It is built and loaded by native.py. Where the CPU is not x86-64 with AVX2 and F
 
 from __future__ import annotations
 
-import ctypes
-import platform
-
 import torch
 
-from ..formats.quantize import INT4
 from . import host
-from .native import NativeKernel
-from .vnni_linear import PackedWeight, check_expert, check_rows, native_weight
+from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .native import cpu_lacks, has_avx2
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None, *,
            vnni: bool = False) -> torch.Tensor:
     """(m, K) float32 or bf16 rows times a weight packed by `vnni_linear.pack` -> (m, N) in x's dtype, into `out`
     when given (rows may be strided); int8 on AVX-VNNI with `vnni`."""
-    m, k = x.shape
-    n = packed.shape[0]
-    if out is None:
-        out = x.new_empty(m, n)
-    check_rows(f"AVX2 {packed.format} linear", x, out, packed.shape)
-    if not m:
-        return out
-    bf16 = int(x.dtype == torch.bfloat16)
-    library = _library(packed.format, vnni)
-    if packed.format == INT4:
-        failed = library.npumoe_avx2_linear_int4(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
-                                                 packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, n, k,
-                                                 out.data_ptr(), out.stride(0))
-    else:
-        failed = library.npumoe_avx2_linear_int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
-                                                 packed.sums.data_ptr(), packed.scale.data_ptr(), n, k,
-                                                 out.data_ptr(), out.stride(0), int(vnni))
-    if failed:
-        raise MemoryError(f"the AVX2 {packed.format} kernel could not allocate {m} rows of scratch")
-    return out
+    return ISA.linear(x, packed, out, variant=vnni)
 
 
 def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: torch.Tensor | None = None, *,
                     vnni: bool = False) -> torch.Tensor:
-    """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
-    packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given, in one native call; int8 on
+    """(m, K) rows through a gated expert (IsaKernel.silu_glu_expert), weights packed by `vnni_linear.pack`; int8 on
     AVX-VNNI with `vnni`."""
-    check_expert(x, up, down)
-    m, k = x.shape
-    n = down.shape[0]
-    if out is None:
-        out = x.new_empty(m, n)
-    check_rows(f"AVX2 {up.format} expert", x, out, (n, k))
-    if not m:
-        return out
-    failed = _library(up.format, vnni).npumoe_avx2_silu_glu_expert(
-        x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), int(up.format == INT4), int(vnni),
-        ctypes.byref(native_weight(up)), ctypes.byref(native_weight(down)), out.data_ptr(), out.stride(0))
-    if failed:
-        raise MemoryError(f"the AVX2 {up.format} expert could not allocate {m} rows of scratch")
-    return out
+    return ISA.silu_glu_expert(x, up, down, out, variant=vnni)
 
 
 def unavailable() -> str | None:
@@ -92,32 +55,11 @@ def vnni_unavailable() -> str | None:
     return None
 
 
-def _library(format: str, vnni: bool) -> ctypes.CDLL:
-    if vnni:
-        why = "it takes int8 weights" if format == INT4 else vnni_unavailable()
-        if why is not None:
-            raise ValueError(f"the AVX-VNNI kernel cannot run this: {why}")
-    return KERNEL.library()
-
-
 def unsupported_cpu() -> str | None:
-    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can (torch's AVX2 level
-    means AVX2 and FMA; AVX-512 CPUs have both)."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the AVX2 kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        return "this CPU lacks AVX2 and FMA"
-    return None
+    """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
+    return cpu_lacks("the AVX2 kernel", "x86-64", "AVX2 and FMA", has_avx2)
 
 
-_POINTER, _SIZE, _FLAG = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-KERNEL = NativeKernel(
-    "avx2_linear", "the AVX2 int8/int4 kernel",
-    {"npumoe_avx2_linear_int8": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _POINTER,
-                                 _SIZE, _FLAG),
-     "npumoe_avx2_linear_int4": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-                                 _POINTER, _SIZE),
-     "npumoe_avx2_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _FLAG, _POINTER, _POINTER, _POINTER,
-                                     _SIZE),
-     "npumoe_avx2_has_vnni": ()},
-    unsupported_cpu, restype=ctypes.c_int)
+KERNEL = native_kernel("avx2_linear", "the AVX2 int8/int4 kernel", unsupported_cpu,
+                       npumoe_avx2_has_vnni=())
+ISA = IsaKernel("AVX2", KERNEL, "AVX-VNNI", vnni_unavailable)

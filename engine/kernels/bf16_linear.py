@@ -13,12 +13,10 @@ kernels (float_kernels).
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import torch
 
-from .host import isa_ceiling_refuses
-from .native import NativeKernel
+from .native import NativeKernel, cpu_lacks
 
 BLOCK = 64  # output columns per packed weight block, as in bf16_linear.c
 
@@ -59,11 +57,7 @@ def unavailable() -> str | None:
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the bf16 kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if not torch.cpu._is_avx512_bf16_supported():
-        return "this CPU lacks AVX512-BF16"
-    return isa_ceiling_refuses("avx512_bf16")
+    return cpu_lacks("the bf16 kernel", "x86-64", "AVX512-BF16", torch.cpu._is_avx512_bf16_supported, "avx512_bf16")
 
 
 _POINTER, _SIZE = ctypes.c_void_p, ctypes.c_int64

@@ -14,7 +14,8 @@ reuse them; `npumoed doctor` shows them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,6 @@ import torch.nn.functional as F
 from ..formats.quantize import error_bound, relative_error
 from . import bf16_linear
 from .choice import Accuracy, Choice, Measured, time_in_turns
-
-KERNELS = ("npumoe-bf16", "onednn", "torch")
 
 # x86 vector extensions torch reports, which oneDNN's packed matmuls need.
 X86 = ("AVX2", "AVX512")
@@ -42,23 +41,69 @@ def packs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
+def _own_unavailable(weights: Sequence[torch.Tensor]) -> str | None:
+    w = weights[0]
+    if w.dtype != torch.bfloat16:
+        return f"it reads bf16 weights, not {_name(w.dtype)}"
+    if not all(bf16_linear.supports(*v.shape[-2:]) for v in weights):
+        return f"it needs weights of whole blocks of {bf16_linear.BLOCK} rows and an even width"
+    return bf16_linear.unavailable()  # the shapes fit: only now is a build worth trying
+
+
+def _onednn_unavailable(weights: Sequence[torch.Tensor]) -> str | None:
+    dtype = weights[0].dtype
+    return None if packs(dtype) else f"this CPU or torch build has no oneDNN packed {_name(dtype)} matmul"
+
+
+def _onednn_pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return y if out is None else out.copy_(y)
+
+
+def _torch_linear(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    y = F.linear(x, w)
+    return y if out is None else out.copy_(y)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One kernel that can run an expert's (N, K) float weights: how it packs a weight (a copy in the layout it reads),
+    how it multiplies (n, K) rows by it into (n, N) (`out` when given), and why it cannot run these weights of one
+    dtype on the CPU here (None when it can); it runs on the CPU only unless `anywhere`."""
+
+    pack: Callable[[torch.Tensor], torch.Tensor]
+    linear: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    unavailable: Callable[[Sequence[torch.Tensor]], str | None]
+    anywhere: bool = False
+
+
+CANDIDATES = {
+    "npumoe-bf16": Candidate(lambda w: bf16_linear.pack(w), lambda x, w, out: bf16_linear.linear(x, w, out),
+                             _own_unavailable),
+    "onednn": Candidate(_onednn_pack, _onednn_linear, _onednn_unavailable),
+    "torch": Candidate(lambda w: w, _torch_linear, lambda weights: None, anywhere=True),  # runs anything
+}
+KERNELS = tuple(CANDIDATES)
+
+
 def unavailable_kernels(*weights: torch.Tensor) -> dict[str, str]:
     """The kernels that cannot run these (…, N, K) weights of one dtype and device here, each with why;
     the others can (plain torch runs anything)."""
-    w = weights[0]
-    if w.device.type != "cpu":
-        elsewhere = f"the weights are on {w.device.type}, not the CPU"
-        return {"npumoe-bf16": elsewhere, "onednn": elsewhere}
-    dtype = str(w.dtype).removeprefix("torch.")
+    device = weights[0].device.type
     reasons = {}
-    if w.dtype != torch.bfloat16:
-        reasons["npumoe-bf16"] = f"it reads bf16 weights, not {dtype}"
-    elif not all(bf16_linear.supports(*v.shape[-2:]) for v in weights):
-        reasons["npumoe-bf16"] = f"it needs weights of whole blocks of {bf16_linear.BLOCK} rows and an even width"
-    elif (why := bf16_linear.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
-        reasons["npumoe-bf16"] = why
-    if not packs(w.dtype):
-        reasons["onednn"] = f"this CPU or torch build has no oneDNN packed {dtype} matmul"
+    for kernel, candidate in CANDIDATES.items():
+        if device != "cpu" and not candidate.anywhere:
+            reasons[kernel] = f"the weights are on {device}, not the CPU"
+        elif (why := candidate.unavailable(weights)) is not None:
+            reasons[kernel] = why
     return reasons
 
 
@@ -66,26 +111,16 @@ class PackedLinear:
     """y = x · wᵀ for one (N, K) weight, held in the layout `kernel` reads (a copy, except for plain torch)."""
 
     def __init__(self, w: torch.Tensor, kernel: str) -> None:
-        if kernel not in KERNELS:
+        if kernel not in CANDIDATES:
             raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         self.kernel = kernel
+        self._linear = CANDIDATES[kernel].linear
         with torch.no_grad():
-            if kernel == "npumoe-bf16":
-                self.weight = bf16_linear.pack(w)
-            elif kernel == "onednn":
-                self.weight = torch.ops.mkldnn._reorder_linear_weight(w.contiguous())
-            else:
-                self.weight = w
+            self.weight = CANDIDATES[kernel].pack(w)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, K) -> (n, N), written into `out` when given."""
-        if self.kernel == "npumoe-bf16":
-            return bf16_linear.linear(x, self.weight, out)
-        if self.kernel == "onednn":
-            y = torch.ops.mkldnn._linear_pointwise(x, self.weight, None, "none", [], "")
-        else:
-            y = F.linear(x, self.weight)
-        return y if out is None else out.copy_(y)
+        return self._linear(x, self.weight, out)
 
 
 CHOICES = Measured("float kernels", (bf16_linear.SOURCE,))

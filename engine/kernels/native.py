@@ -1,9 +1,10 @@
 """The engine's own C kernels, each built from its source beside this module at first use and loaded with ctypes.
 
-A source is compiled with the system's C compiler (`$CC`, else `cc`) into the user's cache folder
-(`$NPUMOE_CACHE`, else the platform's), under a name that hashes the source, so an edit never loads a
-stale build. The folder must be this user's and closed to others' writes, and a library is loaded only if
-its content matches the hash recorded when it was built. A kernel is built only on a CPU that can run it
+A source is compiled with the system's C compiler (`$CC`, else `cc`), this folder on its include path for the
+headers beside it, into the user's cache folder (`$NPUMOE_CACHE`, else the platform's), under a name that hashes the
+source and the headers it includes, so an edit of either never loads a stale build. The folder must be this user's
+and closed to others' writes, and a library is loaded only if its content matches the hash recorded when it was
+built. A kernel is built only on a CPU that can run it
 (its `unsupported_cpu` says None): an Intel Mac without developer tools would otherwise offer to install them.
 Where it cannot be built or run, `unavailable` says why and the engine chooses among its other kernels.
 """
@@ -32,28 +33,51 @@ from .host import cache_root, isa_ceiling_refuses
 FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC")
 
 
+# How messages name each architecture, and the names platform.machine() gives it.
+ARCHITECTURES = {"x86-64": ("x86_64", "amd64"), "arm64": ("arm64", "aarch64")}
+
+
+def cpu_lacks(what: str, architecture: str, feature: str, has: Callable[[], bool],
+              level: str | None = None) -> str | None:
+    """Why this CPU cannot run `what`, a kernel for `architecture` CPUs with `feature` (which `has` finds, asked only
+    on that architecture), at instruction set `level` of `$NPUMOE_MAX_CPU_ISA` when given; None when it can."""
+    if platform.machine().lower() not in ARCHITECTURES[architecture]:
+        return f"{what} is for {architecture} CPUs, this is {platform.machine()}"
+    if not has():
+        return f"this CPU lacks {feature}"
+    return None if level is None else isa_ceiling_refuses(level)
+
+
+def has_avx2() -> bool:
+    """Whether torch finds AVX2 and FMA here (its AVX2 level means both; AVX-512 CPUs have both)."""
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def x86_avx512_missing(what: str) -> str | None:
     """Why this CPU cannot run `what`, a kernel for x86-64 CPUs with AVX-512, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"{what} is for x86-64 CPUs, this is {platform.machine()}"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return "this CPU lacks AVX-512"
-    return isa_ceiling_refuses("avx512")
+    return cpu_lacks(what, "x86-64", "AVX-512", lambda: torch.backends.cpu.get_cpu_capability() == "AVX512", "avx512")
 
 
 @dataclass(frozen=True)
 class NativeKernel:
-    """One C source, `<name>.c` beside this module, and the functions it exports (all return `restype`)."""
+    """One C source, `<name>.c` beside this module, the headers beside it that it includes, and the functions it
+    exports (all return `restype`)."""
 
     name: str
     what: str  # how messages name it: "the bf16 kernel"
     functions: Mapping[str, Sequence[type]]  # exported name -> ctypes argument types
     unsupported_cpu: Callable[[], str | None]  # why this CPU cannot run it whatever the compiler does
     restype: type | None = None
+    headers: Sequence[str] = ()  # file names, as it #includes them
 
     @property
     def source(self) -> Path:
         return Path(__file__).with_name(f"{self.name}.c")
+
+    @property
+    def sources(self) -> tuple[Path, ...]:
+        """Every file its build reads from this folder: the source, then its headers."""
+        return (self.source, *(Path(__file__).with_name(header) for header in self.headers))
 
     def unavailable(self) -> str | None:
         """Why this machine cannot run the kernel, or None when it can."""
@@ -130,9 +154,10 @@ def _unsafe(folder: Path) -> str | None:
 
 
 def _built(kernel: NativeKernel, folder: Path, compiler: list[str]) -> Path:
-    """The kernel built by `compiler` in `folder`, under a name that hashes the source and the command, so an
+    """The kernel built by `compiler` in `folder`, under a name that hashes the sources and the command, so an
     edit never loads a stale build; built now unless a library whose content matches its record is there."""
-    digest = hashlib.sha256(kernel.source.read_bytes() + " ".join((*compiler, *FLAGS)).encode()).hexdigest()[:16]
+    read = b"".join(source.read_bytes() for source in kernel.sources)
+    digest = hashlib.sha256(read + " ".join((*compiler, *FLAGS)).encode()).hexdigest()[:16]
     target = folder / f"{kernel.name}-{digest}.so"
     if _matches_record(target):
         return target
@@ -141,8 +166,8 @@ def _built(kernel: NativeKernel, folder: Path, compiler: list[str]) -> Path:
     os.close(fd)
     try:
         try:
-            result = subprocess.run([*compiler, *FLAGS, "-o", partial, str(kernel.source)], capture_output=True,
-                                    text=True, timeout=120)
+            result = subprocess.run([*compiler, *FLAGS, "-I", str(kernel.source.parent), "-o", partial,
+                                     str(kernel.source)], capture_output=True, text=True, timeout=120)
         except subprocess.TimeoutExpired as e:
             raise OSError(f"{shlex.join(compiler)} took over {e.timeout:.0f} s to build {kernel.what}") from e
         except OSError as e:

@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "npumoe_kernels.h"
+
 #if defined(__clang__)
 #define DOTPROD __attribute__((target("dotprod")))
 #define I8MM __attribute__((target("dotprod,i8mm")))
@@ -33,8 +35,6 @@
 #endif
 #define BLOCK 16
 #define OCTET_BYTES (BLOCK * 8)
-/* As in vnni_linear.c: a Gaussian row of thousands of values loses about 0.9 % to rounding; 3 % means outliers. */
-#define ROUNDING_BOUND 0.03f
 
 static inline float load_x(const void *row, int bf16, int64_t i) {
     if (!bf16) return ((const float *)row)[i];
@@ -289,14 +289,6 @@ static I8MM void tile4_smmla(int rows, const int8_t *q, int64_t ldq, const int32
     }
 }
 
-/* The C kernels' weight: vnni_linear.c's struct npumoe_weight, which vnni_linear.py fills. int8: codes packed
- * (n16/16, k8/8, 8, 2, 8), scale (n16,) float32; int4: codes (n16/16, k/16, 8, 2, 8) nibble pairs, scale and zero
- * (n16/16, k/group, 16) bf16, group a multiple of 16 dividing k. */
-struct npumoe_weight {
-    const void *codes, *sums, *scale, *zero;
-    int64_t group, n, k;
-};
-
 /* Each code row's sum of codes over each group of K values (row stride groups), the zero row's too; NULL when memory
  * ran out. */
 static int32_t *group_sums(const struct codes *c, int64_t padded, int64_t group, int64_t groups) {
@@ -309,10 +301,11 @@ static int32_t *group_sums(const struct codes *c, int64_t padded, int64_t group,
     return sums;
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx; w: int4 when int4, else int8; y: (m, n) float32, or bf16 when
- * ybf16, with row stride ldy; SMMLA tiles with i8mm, else SDOT. Returns 0, or -1 when scratch memory ran out. */
-static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, const struct npumoe_weight *w, void *y,
-                  int64_t ldy, int ybf16, int i8mm) {
+/* The weights of int8 (int4 false): w->codes packed (n16/16, k8/8, 8, 2, 8), w->scale (n16,) float32; int4: w->codes
+ * (n16/16, k/16, 8, 2, 8) nibble pairs, w->scale and w->zero (n16/16, k/group, 16) bf16, w->group a multiple of 16
+ * dividing k; SMMLA tiles with i8mm, else SDOT. */
+static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, int i8mm, const struct npumoe_weight *w,
+                  void *y, int64_t ldy, int ybf16) {
     const int64_t n = w->n, k = w->k, padded = (k + 7) / 8 * 8, octets = padded / 8, ysize = ybf16 ? 2 : 4;
     const int64_t groups = int4 ? k / w->group : 0;
     struct codes c;
@@ -368,27 +361,12 @@ static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, con
     return 0;
 }
 
-int npumoe_neon_linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, const struct npumoe_weight *w,
-                       void *y, int64_t ldy, int i8mm) {
-    return linear(x, m, ldx, bf16, int4, w, y, ldy, bf16, i8mm);
+/* silu(gate) · up in float32, where npumoe_kernels.h's NPUMOE_EXPORTS says. */
+static void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
+    for (int64_t r = 0; r < m; r++) {
+        float *row = h + r * ldh;
+        for (int64_t j = 0; j < inter; j++) row[j] = row[j] / (1.0f + expf(-row[j])) * row[inter + j];
+    }
 }
 
-/* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ with up = [G; U] packed (2I, K) and down packed
- * (N, I), int4 when `int4`, else int8; the intermediate stays float32. x and y as in npumoe_neon_linear. */
-int npumoe_neon_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int int4,
-                                const struct npumoe_weight *up, const struct npumoe_weight *down, void *y, int64_t ldy,
-                                int i8mm) {
-    const int64_t inter = down->k;
-    float *h = malloc((size_t)(m * 2 * inter) * sizeof *h);
-    if (!h) return -1;
-    int failed = linear(x, m, ldx, bf16, int4, up, h, 2 * inter, 0, i8mm);
-    if (!failed) {
-        for (int64_t r = 0; r < m; r++) {
-            float *row = h + r * 2 * inter;
-            for (int64_t j = 0; j < inter; j++) row[j] = row[j] / (1.0f + expf(-row[j])) * row[inter + j];
-        }
-        failed = linear(h, m, 2 * inter, 0, int4, down, y, ldy, bf16, i8mm);
-    }
-    free(h);
-    return failed;
-}
+NPUMOE_EXPORTS(npumoe_neon)

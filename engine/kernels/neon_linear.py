@@ -17,16 +17,13 @@ among the other kernels.
 
 from __future__ import annotations
 
-import ctypes
-import platform
-
 import torch
 import torch.nn.functional as F
 
 from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
 from . import host
-from .native import NativeKernel
-from .vnni_linear import PackedWeight, check_expert, check_rows, native_weight
+from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .native import cpu_lacks
 
 BLOCK = 16  # output columns per packed weight block, as in neon_linear.c
 OCTET = 8  # inputs per SMMLA operand row
@@ -76,39 +73,13 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
            i8mm: bool = False) -> torch.Tensor:
     """(m, K) float32 or bf16 rows times a packed (N, K) weight -> (m, N) in x's dtype, into `out` when given (rows
     may be strided); SMMLA with `i8mm`, else SDOT."""
-    m = x.shape[0]
-    if out is None:
-        out = x.new_empty(m, packed.shape[0])
-    check_rows(f"NEON {packed.format} linear", x, out, packed.shape)
-    if m and _library(i8mm).npumoe_neon_linear(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16),
-                                               int(packed.format == INT4), ctypes.byref(native_weight(packed)),
-                                               out.data_ptr(), out.stride(0), int(i8mm)):
-        raise MemoryError(f"the NEON {packed.format} kernel could not allocate {m} rows of scratch")
-    return out
+    return ISA.linear(x, packed, out, variant=i8mm)
 
 
 def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: torch.Tensor | None = None, *,
                     i8mm: bool = False) -> torch.Tensor:
-    """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
-    packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given; SMMLA with `i8mm`, else SDOT."""
-    check_expert(x, up, down)
-    m, k = x.shape
-    if out is None:
-        out = x.new_empty(m, down.shape[0])
-    check_rows(f"NEON {up.format} expert", x, out, (down.shape[0], k))
-    if m and _library(i8mm).npumoe_neon_silu_glu_expert(
-            x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), int(up.format == INT4),
-            ctypes.byref(native_weight(up)), ctypes.byref(native_weight(down)), out.data_ptr(), out.stride(0),
-            int(i8mm)):
-        raise MemoryError(f"the NEON {up.format} expert could not allocate {m} rows of scratch")
-    return out
-
-
-def _library(i8mm: bool) -> ctypes.CDLL:
-    why = i8mm_unavailable() if i8mm else unavailable()
-    if why is not None:
-        raise ValueError(f"the NEON kernel cannot run here: {why}")
-    return KERNEL.library()
+    """(m, K) rows through a gated expert (IsaKernel.silu_glu_expert); SMMLA with `i8mm`, else SDOT."""
+    return ISA.silu_glu_expert(x, up, down, out, variant=i8mm)
 
 
 def unavailable() -> str | None:
@@ -125,17 +96,9 @@ def i8mm_unavailable() -> str | None:
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("arm64", "aarch64"):
-        return f"the NEON kernel is for arm64 CPUs, this is {platform.machine()}"
-    if "asimddp" not in host.arm_features():
-        return "this CPU lacks the dot-product instructions (asimddp)"
-    return None
+    return cpu_lacks("the NEON kernel", "arm64", "the dot-product instructions (asimddp)",
+                     lambda: "asimddp" in host.arm_features())
 
 
-_POINTER, _SIZE, _FLAG = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-KERNEL = NativeKernel(
-    "neon_linear", "the NEON int8/int4 kernel",
-    {"npumoe_neon_linear": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _SIZE, _FLAG),
-     "npumoe_neon_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE,
-                                     _FLAG)},
-    unsupported_cpu, restype=ctypes.c_int)
+KERNEL = native_kernel("neon_linear", "the NEON int8/int4 kernel", unsupported_cpu)
+ISA = IsaKernel("NEON", KERNEL, "i8mm", i8mm_unavailable, variant_takes_int4=True)

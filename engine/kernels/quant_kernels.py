@@ -41,8 +41,10 @@ bits would avoid it at about twice the rounding error, above that bound too).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -61,18 +63,51 @@ from . import avx2_linear, neon_linear, vnni_linear
 from .choice import Accuracy, Choice, Measured, time_in_turns
 from .float_kernels import ROWS, X86, expert_shape, rotated
 
+
+@dataclass(frozen=True)
+class Own:
+    """One of the engine's own kernels: `module`'s `linear` and `silu_glu_expert` run it (a whole silu-gated expert in
+    one call), on its faster instructions when `variant` names their keyword ("amx"), over weights laid out by
+    `packing`'s `pack` (whose `unsupported` says which it cannot take)."""
+
+    module: ModuleType
+    packing: ModuleType
+    variant: str | None = None
+
+    @property
+    def options(self) -> Mapping[str, bool]:
+        """The keyword arguments of its calls."""
+        return {} if self.variant is None else {self.variant: True}
+
+    def unavailable(self, weights: Sequence[QuantizedWeight]) -> str | None:
+        """Why it cannot run these weights here, or None."""
+        cannot_take = {why for w in weights if (why := self.packing.unsupported(w)) is not None}
+        if cannot_take:
+            return "; ".join(sorted(cannot_take))
+        if self.variant is None:
+            return self.module.unavailable()  # the shapes fit: only now is a build worth trying
+        return self.module.ISA.variant_unavailable()
+
+
 OWN = {INT8: "npumoe-int8-dynamic", INT4: "npumoe-int4-dynamic"}  # vnni_linear's kernel for each format
 AMX = "npumoe-int8-amx-dynamic"
 AVX2 = {INT8: "npumoe-int8-avx2-dynamic", INT4: "npumoe-int4-avx2-dynamic"}  # avx2_linear's, over vnni_linear.pack
 AVX_VNNI = "npumoe-int8-avxvnni-dynamic"  # avx2_linear's int8 on AVX-VNNI
-# neon_linear's kernels of each format: i8mm or not
-NEON = {INT8: {"npumoe-int8-sdot-dynamic": False, "npumoe-int8-i8mm-dynamic": True},
-        INT4: {"npumoe-int4-sdot-dynamic": False, "npumoe-int4-i8mm-dynamic": True}}
-I8MM = {kernel: i8mm for kernels in NEON.values() for kernel, i8mm in kernels.items()}  # every NEON kernel: i8mm?
+# neon_linear's kernels of each format: SDOT, then SMMLA (i8mm)
+NEON = {INT8: ("npumoe-int8-sdot-dynamic", "npumoe-int8-i8mm-dynamic"),
+        INT4: ("npumoe-int4-sdot-dynamic", "npumoe-int4-i8mm-dynamic")}
+OWN_KERNELS = {
+    **{OWN[format]: Own(vnni_linear, vnni_linear) for format in (INT8, INT4)},
+    AMX: Own(vnni_linear, vnni_linear, "amx"),
+    **{AVX2[format]: Own(avx2_linear, vnni_linear) for format in (INT8, INT4)},
+    AVX_VNNI: Own(avx2_linear, vnni_linear, "vnni"),
+    **{sdot: Own(neon_linear, neon_linear) for sdot, _ in NEON.values()},
+    **{i8mm: Own(neon_linear, neon_linear, "i8mm") for _, i8mm in NEON.values()},
+}
 KLEIDIAI = "kleidiai-int4-dynamic"
 _KLEIDIAI_GROUP = 32  # KleidiAI's 4-bit kernels take groups that are multiples of this
 # the kernels that run a whole silu-gated expert in one call
-FUSED = (*OWN.values(), AMX, *AVX2.values(), AVX_VNNI, *I8MM)
+FUSED = tuple(OWN_KERNELS)
 SILU = ("silu", "swish")  # transformers' names (ACT2FN) for silu
 KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], AVX_VNNI, *NEON[INT8], "onednn-dynamic", "int-mm-dynamic", "int8pack",
                   "dequantize"),
@@ -80,8 +115,8 @@ KERNELS = {INT8: (OWN[INT8], AMX, AVX2[INT8], AVX_VNNI, *NEON[INT8], "onednn-dyn
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16)
 _INT4PACK_WIDTH = 16  # output columns the int4 kernel's packing works in
 _INT4PACK_GROUPS = (32, 64, 128, 256)
-CHOICES = Measured("quantized kernels", (Path(__file__), vnni_linear.KERNEL.source, avx2_linear.KERNEL.source,
-                                         neon_linear.KERNEL.source))
+CHOICES = Measured("quantized kernels", (Path(__file__), *vnni_linear.KERNEL.sources, *avx2_linear.KERNEL.sources,
+                                         *neon_linear.KERNEL.sources))
 
 
 def bound(kernel: str, dtype: torch.dtype) -> float:
@@ -94,22 +129,9 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
     check_format(format)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
-    reasons = {}
-    cannot_take = {why for w in weights if (why := vnni_linear.unsupported(w)) is not None}
-    for kernel, module in ((OWN[format], vnni_linear), (AVX2[format], avx2_linear)):  # one packing, one limit
-        if cannot_take:
-            reasons[kernel] = "; ".join(sorted(cannot_take))
-        elif (why := module.unavailable()) is not None:  # the shapes fit: only now is a build worth trying
-            reasons[kernel] = why
+    reasons = {kernel: why for kernel in KERNELS[format]
+               if kernel in OWN_KERNELS and (why := OWN_KERNELS[kernel].unavailable(weights)) is not None}
     if format == INT8:
-        if OWN[INT8] in reasons:
-            reasons[AMX] = reasons[OWN[INT8]]
-        elif (why := vnni_linear.amx_unavailable()) is not None:
-            reasons[AMX] = why
-        if AVX2[INT8] in reasons:
-            reasons[AVX_VNNI] = reasons[AVX2[INT8]]
-        elif (why := avx2_linear.vnni_unavailable()) is not None:
-            reasons[AVX_VNNI] = why
         if not torch.backends.mkldnn.is_available() or torch.backends.cpu.get_cpu_capability() not in X86:
             reasons["onednn-dynamic"] = "this CPU or torch build has no oneDNN int8 matmul"
     else:
@@ -118,19 +140,7 @@ def unavailable_kernels(format: str, dtype: torch.dtype, *weights: QuantizedWeig
         if any(w.shape[0] % _INT4PACK_WIDTH or w.group not in _INT4PACK_GROUPS for w in weights):
             reasons["int4pack"] = (f"it needs output widths that are a multiple of {_INT4PACK_WIDTH} and groups of "
                                    f"{', '.join(map(str, _INT4PACK_GROUPS))}")
-    reasons.update(_neon_unavailable(NEON[format], weights))
     return reasons
-
-
-def _neon_unavailable(kernels: dict[str, bool], weights: Sequence[QuantizedWeight]) -> dict[str, str]:
-    """Why each of these neon_linear kernels (name: i8mm or not) cannot run these weights here."""
-    cannot_take = {why for w in weights if (why := neon_linear.unsupported(w)) is not None}
-    if cannot_take:
-        return dict.fromkeys(kernels, "; ".join(sorted(cannot_take)))
-    if (why := neon_linear.unavailable()) is not None:
-        return dict.fromkeys(kernels, why)
-    why = neon_linear.i8mm_unavailable()
-    return {} if why is None else {kernel: why for kernel, i8mm in kernels.items() if i8mm}
 
 
 def _kleidiai_unavailable(weights: Sequence[QuantizedWeight]) -> str | None:
@@ -162,10 +172,8 @@ class QuantLinear:
             raise ValueError(f"quantized kernels take float32 or bfloat16 activations, not {dtype}")
         self.kernel, self.dtype, self.shape = kernel, dtype, weight.shape
         self.nbytes = weight.nbytes
-        if kernel in I8MM:  # before FUSED, which holds them too: their packing is their own
-            self._packed = neon_linear.pack(weight)
-        elif kernel in FUSED:
-            self._packed = vnni_linear.pack(weight)
+        if kernel in OWN_KERNELS:
+            self._packed = OWN_KERNELS[kernel].packing.pack(weight)
         elif kernel == KLEIDIAI:
             self._codes = torch.ops.aten._dyn_quant_pack_4bit_weight(weight.codes, weight.scale, None, weight.group,
                                                                      *reversed(self.shape))
@@ -195,12 +203,8 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """(n, K) -> (n, N) in x's dtype, written into `out` when given."""
         self._check(x)
-        if self.kernel in (*AVX2.values(), AVX_VNNI):
-            return avx2_linear.linear(x, self._packed, out, vnni=self.kernel == AVX_VNNI)
-        if self.kernel in I8MM:
-            return neon_linear.linear(x, self._packed, out, i8mm=I8MM[self.kernel])
-        if self.kernel in FUSED:
-            return vnni_linear.linear(x, self._packed, out, amx=self.kernel == AMX)
+        if (own := OWN_KERNELS.get(self.kernel)) is not None:
+            return own.module.linear(x, self._packed, out, **own.options)
         y = self._product(x)
         return y if out is None else out.copy_(y)
 
@@ -237,15 +241,12 @@ def silu_glu_ffn(gate_up: QuantLinear, down: QuantLinear, x: torch.Tensor,
     if gate_up.kernel != down.kernel or gate_up.dtype != down.dtype:
         raise ValueError(f"an expert's projections need one kernel and dtype, got {gate_up.kernel} {gate_up.dtype} "
                          f"and {down.kernel} {down.dtype}")
-    if gate_up.kernel not in FUSED:
+    own = OWN_KERNELS.get(gate_up.kernel)
+    if own is None:
         gate, up = gate_up(x).chunk(2, dim=-1)
         return down(F.silu(gate) * up, out)
     gate_up._check(x)
-    if gate_up.kernel in (*AVX2.values(), AVX_VNNI):
-        return avx2_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, vnni=gate_up.kernel == AVX_VNNI)
-    if gate_up.kernel in I8MM:
-        return neon_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, i8mm=I8MM[gate_up.kernel])
-    return vnni_linear.silu_glu_expert(x, gate_up._packed, down._packed, out, amx=gate_up.kernel == AMX)
+    return own.module.silu_glu_expert(x, gate_up._packed, down._packed, out, **own.options)
 
 
 def choose_kernel(gate_up: Sequence[QuantizedWeight], down: Sequence[QuantizedWeight],

@@ -28,17 +28,12 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "npumoe_kernels.h"
+
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
 #define TILE_ROWS 6
 #define BLOCK 64
-/* Weights stream from memory once per call: each kernel asks for the bytes this far ahead of the ones it is
- * multiplying, so that DRAM's latency overlaps the arithmetic (16 KiB measured best of 8-64 KiB on AMX). */
-#define AHEAD 16384
-/* An expert's rows lose at most about this share of themselves to rounding (quantize_row_levels): 3 %, above
- * what a Gaussian row of thousands of values loses (0.9 %) or a gated expert's heavier-tailed intermediate row, so
- * only rows with outliers pay for a second level. */
-#define ROUNDING_BOUND 0.03f
 #define INLINE __attribute__((always_inline))  /* each row count its own fully unrolled copy */
 
 static inline __mmask16 first(int64_t lanes) {
@@ -260,8 +255,8 @@ static inline TARGET INLINE void tile_int8(const int rows, const uint8_t *q, int
     }
 }
 
-/* npumoe_linear_int8 with y in float32, or bf16 when ybf16, whatever x's dtype. Where rows with outliers took two
- * levels of codes (round_rows), the tiles leave their sums for a finish token by token once all are made. */
+/* int8 x · ŵᵀ (as `linear` says) with y in float32, or bf16 when ybf16, whatever x's dtype. Where rows with outliers
+ * took two levels of codes (round_rows), the tiles leave their sums for a finish token by token once all are made. */
 static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t padded = (k + 63) / 64 * 64, ysize = ybf16 ? 2 : 4;
@@ -304,14 +299,6 @@ static TARGET int linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, c
     free(raw);
     free_codes(&codes);
     return 0;
-}
-
-/* x: (m, k) float32 or bf16 rows with row stride ldx (elements); w: packed (n64/64, k64/64, 4, 16, 16, 4) int8 with
- * k64 = k rounded up to 64 and n64 = n rounded up to 64; sums: Σ_k w (n64,) int32; scale: (n64,) float32; y: (m, n)
- * in x's dtype with row stride ldy. Returns 0, or -1 when scratch memory ran out. */
-TARGET int npumoe_linear_int8(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                              const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
 }
 
 /* Linux hands a process AMX tile state only when asked: 0 once it has, else the error. */
@@ -395,12 +382,6 @@ static AMX int linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, 
     return 0;
 }
 
-/* npumoe_linear_int8 on AMX-INT8 tiles (npumoe_amx_init must have succeeded in this process). */
-AMX int npumoe_linear_int8_amx(const void *x, int64_t m, int64_t ldx, int bf16, const int8_t *w, const int32_t *sums,
-                               const float *scale, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int8_amx(x, m, ldx, bf16, w, sums, scale, n, k, y, ldy, bf16);
-}
-
 static inline TARGET __m512 bf16_to_ps(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
@@ -455,18 +436,14 @@ static inline TARGET INLINE void tile_int4(const int rows, const uint8_t *q, int
                     first(columns - 16 * c));
 }
 
-/* npumoe_linear_int4 with y in float32, or bf16 when ybf16, whatever x's dtype. */
+/* int4 x · ŵᵀ (as `linear` says) with y in float32, or bf16 when ybf16, whatever x's dtype. */
 static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
                               const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy, int ybf16) {
     const int64_t groups = k / group, size = bf16 ? 2 : 4, ysize = ybf16 ? 2 : 4;
-    uint8_t *q = malloc((size_t)(m * k));
-    float *xs = malloc((size_t)m * sizeof *xs), *gs = calloc((size_t)(m * groups), sizeof *gs);
-    if (!q || !xs || !gs) {
-        free(q);
-        free(xs);
-        free(gs);
-        return -1;
-    }
+    struct int4_scratch scratch;
+    if (alloc_int4_scratch(&scratch, m, k, groups)) return -1;
+    uint8_t *q = scratch.q;
+    float *xs = scratch.xs, *gs = scratch.gs;
     for (int64_t r = 0; r < m; r++)
         xs[r] = quantize_row((const char *)x + r * ldx * size, bf16, k, k, 0, q + r * k, group, gs + r * groups, NULL);
     const int64_t tiles = (m + TILE_ROWS - 1) / TILE_ROWS, octets = group / 8;
@@ -491,36 +468,17 @@ static TARGET int linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, c
             r0 += rows;
         }
     }
-    free(q);
-    free(xs);
-    free(gs);
+    free_int4_scratch(&scratch);
     return 0;
 }
 
-/* x: (m, k) float32 or bf16 rows with row stride ldx; w: packed (n64/64, k/8, 64, 4) nibble pairs; s, z: (n64/64,
- * k/group, 64) bf16; group a multiple of 16 dividing k; y: (m, n) in x's dtype with row stride ldy. Returns 0, or
- * -1 when scratch memory ran out. */
-TARGET int npumoe_linear_int4(const void *x, int64_t m, int64_t ldx, int bf16, const uint8_t *w, const uint16_t *s,
-                              const uint16_t *z, int64_t group, int64_t n, int64_t k, void *y, int64_t ldy) {
-    return linear_int4(x, m, ldx, bf16, w, s, z, group, n, k, y, ldy, bf16);
+static inline TARGET __m512 round_ps(__m512 t) {
+    return _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-/* e^x for |x| up to 88 (clamped beyond), to about 1e-6 relative: 2^n · 2^f with n = round(x·log2 e), |f| <= 1/2,
- * and 2^f by its Taylor series to the f^6 term. */
-static inline TARGET __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-88.0f));
-    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    static const float terms[] = {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f,
-                                  6.9314718e-1f, 1.0f};
-    __m512 p = _mm512_set1_ps(terms[0]);
-    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(terms[i]));
-    return _mm512_scalef_ps(p, n);
-}
+DEFINE_EXP_PS(TARGET, __m512, _mm512, round_ps, _mm512_scalef_ps)
 
-/* Each of m rows of h (row stride ldh): the first `inter` values become silu(gate) · up, gate the first `inter`
- * and up the next `inter`, in float32. */
+/* silu(gate) · up in float32, 16 values at a time, where npumoe_kernels.h's NPUMOE_EXPORTS says. */
 static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = 0; r < m; r++) {
@@ -535,40 +493,15 @@ static TARGET void silu_glu_rows(float *h, int64_t m, int64_t ldh, int64_t inter
     }
 }
 
-/* A packed weight of any of the formats above (vnni_linear.py's PackedWeight): int8 codes, sums and scale; int4 codes,
- * scale, zero and group. */
-struct npumoe_weight {
-    const void *codes, *sums, *scale, *zero;
-    int64_t group, n, k;
-};
-
-enum { INT8_VNNI, INT8_AMX, INT4_VNNI };
-
-static int run_linear(int kind, const struct npumoe_weight *w, const void *x, int64_t m, int64_t ldx, int bf16, void *y,
-                      int64_t ldy, int ybf16) {
-    switch (kind) {
-    case INT8_VNNI:
-        return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
-    case INT8_AMX:
-        return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
-    default:
-        return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
-    }
+/* The weights of int8 (int4 false): w->codes packed (n64/64, k64/64, 4, 16, 16, 4) int8 with k64 = k rounded up to 64
+ * and n64 = n rounded up to 64, w->sums Σ_k w (n64,) int32, w->scale (n64,) float32; on AMX-INT8 tiles with `amx`
+ * (npumoe_amx_init must have succeeded in this process). int4: w->codes packed (n64/64, k/8, 64, 4) nibble pairs,
+ * w->scale and w->zero (n64/64, k/group, 64) bf16, w->group a multiple of 16 dividing k. */
+static int linear(const void *x, int64_t m, int64_t ldx, int bf16, int int4, int amx, const struct npumoe_weight *w,
+                  void *y, int64_t ldy, int ybf16) {
+    if (int4) return linear_int4(x, m, ldx, bf16, w->codes, w->scale, w->zero, w->group, w->n, w->k, y, ldy, ybf16);
+    if (amx) return linear_int8_amx(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
+    return linear_int8(x, m, ldx, bf16, w->codes, w->sums, w->scale, w->n, w->k, y, ldy, ybf16);
 }
 
-/* One expert's gated FFN in one call: y = (silu(x·Gᵀ) · x·Uᵀ) · Dᵀ, up = [G; U] packed (2I, K), down packed (N, I),
- * through the kernel `kind`. The intermediate stays float32 (each matmul rounds its rows to int8 itself); x and y as
- * in npumoe_linear_int8. Returns 0, or -1 when scratch memory ran out. */
-int npumoe_silu_glu_expert(const void *x, int64_t m, int64_t ldx, int bf16, int kind, const struct npumoe_weight *up,
-                           const struct npumoe_weight *down, void *y, int64_t ldy) {
-    const int64_t inter = down->k, width = up->n;
-    float *h = malloc((size_t)(m * width) * sizeof *h);
-    if (!h) return -1;
-    int failed = run_linear(kind, up, x, m, ldx, bf16, h, width, 0);
-    if (!failed) {
-        silu_glu_rows(h, m, width, inter);
-        failed = run_linear(kind, down, h, m, width, 0, y, ldy, bf16);
-    }
-    free(h);
-    return failed;
-}
+NPUMOE_EXPORTS(npumoe_vnni)

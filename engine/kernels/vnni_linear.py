@@ -19,45 +19,27 @@ rows). Only such rows pay for the second level's arithmetic.
 
 It is built and loaded by native.py. Where the CPU is not x86-64 with AVX512-VNNI, `unavailable()` says why and
 quant_kernels chooses among its other kernels: on AVX2, avx2_linear reads this module's packing (`pack`) through the
-same checks (`check_rows`, `check_expert`) and weight struct (`native_weight`); on arm64 its sibling neon_linear
-(SDOT / SMMLA) keeps the same `pack`/`linear`/`silu_glu_expert` contract with a packing of its own.
+same wrapper (int_linear.IsaKernel); on arm64 its sibling neon_linear (SDOT / SMMLA) keeps the same
+`pack`/`linear`/`silu_glu_expert` contract with a packing of its own.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import platform
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
 from .host import isa_ceiling_refuses
-from .native import NativeKernel
+from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .native import cpu_lacks
 
 BLOCK = 64  # output columns per packed weight block, as in vnni_linear.c
 INT4_GROUP_MULTIPLE = 16  # the kernel sums x codes per group 16 at a time
 # int32 sums of (x + 128) · w: 255 · 127 a product, so K up to 2^31 / 32385 inputs cannot overflow
 MAX_IN_FEATURES = 65536
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """A quantized (N, K) weight in the kernel's layout (see vnni_linear.c):
-    int8: codes (N64/64, K64/64, 4, 16, 16, 4) int8 (per block of 64 columns and chunk of 64 inputs, four runs of 16
-    columns, each 16 quads of inputs x 16 columns x 4: an AMX tile), sums (N64,) int32 (Σ_k of each column's codes),
-    scale (N64,) float32;
-    int4: codes (N64/64, K/8, 64, 4) uint8 nibble pairs, scale and zero (N64/64, K/group, 64) bfloat16."""
-
-    format: str
-    shape: tuple[int, int]
-    codes: torch.Tensor
-    scale: torch.Tensor
-    sums: torch.Tensor | None = None
-    zero: torch.Tensor | None = None
-    group: int = 0
 
 
 def unsupported(weight: QuantizedWeight) -> str | None:
@@ -71,7 +53,12 @@ def unsupported(weight: QuantizedWeight) -> str | None:
 
 
 def pack(weight: QuantizedWeight) -> PackedWeight:
-    """The weight in the kernel's layout, padded to whole blocks of 64 outputs (the padding's scale is 0)."""
+    """The weight in the kernel's layout (see vnni_linear.c), padded to whole blocks of 64 outputs (the padding's
+    scale is 0):
+    int8: codes (N64/64, K64/64, 4, 16, 16, 4) int8 (per block of 64 columns and chunk of 64 inputs, four runs of 16
+    columns, each 16 quads of inputs x 16 columns x 4: an AMX tile), sums (N64,) int32 (Σ_k of each column's codes),
+    scale (N64,) float32;
+    int4: codes (N64/64, K/8, 64, 4) uint8 nibble pairs, scale and zero (N64/64, K/group, 64) bfloat16."""
     if (why := unsupported(weight)) is not None:
         raise ValueError(f"the VNNI kernel cannot take this {weight.format} weight {weight.shape}: {why}")
     n, k = weight.shape
@@ -99,100 +86,13 @@ def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = Non
            amx: bool = False) -> torch.Tensor:
     """(m, K) float32 or bf16 rows times a packed (N, K) weight -> (m, N) in x's dtype, into `out` when given (rows
     may be strided); int8 on AMX tiles with `amx`."""
-    m, k = x.shape
-    n = packed.shape[0]
-    if out is None:
-        out = x.new_empty(m, n)
-    check_rows(f"VNNI {packed.format} linear", x, out, packed.shape)
-    if not m:
-        return out
-    bf16 = int(x.dtype == torch.bfloat16)
-    library = KERNEL.library()
-    if _kind(packed.format, amx) == _INT8_AMX:
-        failed = library.npumoe_linear_int8_amx(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
-                                                packed.sums.data_ptr(), packed.scale.data_ptr(), n, k,
-                                                out.data_ptr(), out.stride(0))
-    elif packed.format == INT8:
-        failed = library.npumoe_linear_int8(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
-                                            packed.sums.data_ptr(), packed.scale.data_ptr(), n, k, out.data_ptr(),
-                                            out.stride(0))
-    else:
-        failed = library.npumoe_linear_int4(x.data_ptr(), m, x.stride(0), bf16, packed.codes.data_ptr(),
-                                            packed.scale.data_ptr(), packed.zero.data_ptr(), packed.group, n, k,
-                                            out.data_ptr(), out.stride(0))
-    if failed:
-        raise MemoryError(f"the VNNI {packed.format} kernel could not allocate {m} rows of scratch")
-    return out
+    return ISA.linear(x, packed, out, variant=amx)
 
 
 def silu_glu_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight, out: torch.Tensor | None = None, *,
                     amx: bool = False) -> torch.Tensor:
-    """(m, K) rows through a gated expert, silu(gate)·up times `down`, with up = [gate; up] packed (2I, K) and down
-    packed (N, I) in one format -> (m, N) in x's dtype, into `out` when given; int8 on AMX tiles with `amx`."""
-    check_expert(x, up, down)
-    m, k = x.shape
-    n = down.shape[0]
-    if out is None:
-        out = x.new_empty(m, n)
-    check_rows(f"VNNI {up.format} expert", x, out, (n, k))
-    if not m:
-        return out
-    library = KERNEL.library()
-    kind = _kind(up.format, amx)
-    failed = library.npumoe_silu_glu_expert(x.data_ptr(), m, x.stride(0), int(x.dtype == torch.bfloat16), kind,
-                                            ctypes.byref(native_weight(up)), ctypes.byref(native_weight(down)),
-                                            out.data_ptr(), out.stride(0))
-    if failed:
-        raise MemoryError(f"the VNNI {up.format} expert could not allocate {m} rows of scratch")
-    return out
-
-
-def check_expert(x: torch.Tensor, up: PackedWeight, down: PackedWeight) -> None:
-    """Refuse a gated expert's weights unless they are gate-up (2I, K) and down (N, I) of one format for x's K."""
-    inter = down.shape[1]
-    if up.format != down.format or up.shape != (2 * inter, x.shape[1]):
-        raise ValueError(f"a gated expert needs gate-up (2I, K) and down (N, I) weights of one format, got "
-                         f"{up.format} {up.shape} and {down.format} {down.shape}")
-
-
-class _Weight(ctypes.Structure):
-    """vnni_linear.c's struct npumoe_weight: one packed weight's tensors and sizes."""
-
-    _fields_ = [("codes", ctypes.c_void_p), ("sums", ctypes.c_void_p), ("scale", ctypes.c_void_p),
-                ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
-
-
-def native_weight(packed: PackedWeight) -> _Weight:
-    """The packed weight as the C kernels' struct npumoe_weight (its tensors' addresses: keep `packed` alive)."""
-
-    def address(t: torch.Tensor | None) -> int | None:
-        return None if t is None else t.data_ptr()
-
-    return _Weight(packed.codes.data_ptr(), address(packed.sums), packed.scale.data_ptr(), address(packed.zero),
-                   packed.group, *packed.shape)
-
-
-_INT8_VNNI, _INT8_AMX, _INT4_VNNI = range(3)  # vnni_linear.c's kinds of kernel
-
-
-def _kind(format: str, amx: bool) -> int:
-    """vnni_linear.c's number for the kernel that runs `format`, after checking that AMX can take it."""
-    if amx:
-        why = "it takes int8 weights" if format != INT8 else amx_unavailable()
-        if why is not None:
-            raise ValueError(f"the AMX kernel cannot run this: {why}")
-        return _INT8_AMX
-    return _INT8_VNNI if format == INT8 else _INT4_VNNI
-
-
-def check_rows(what: str, x: torch.Tensor, out: torch.Tensor, shape: tuple[int, int]) -> None:
-    """Refuse x and out unless they are (m, K) and (m, N) float32 or bf16 rows of one dtype, unit-stride, for a
-    product of shape (N, K)."""
-    m, k = x.shape
-    if (x.dtype not in (torch.float32, torch.bfloat16) or out.dtype != x.dtype or k != shape[1]
-            or out.shape != (m, shape[0]) or x.stride(1) != 1 or out.stride(1) != 1):
-        raise ValueError(f"{what}: x {x.dtype} {tuple(x.shape)}, weight {shape}, out {out.dtype} "
-                         f"{tuple(out.shape)}; float32 or bf16 rows, unit-stride")
+    """(m, K) rows through a gated expert (IsaKernel.silu_glu_expert); int8 on AMX tiles with `amx`."""
+    return ISA.silu_glu_expert(x, up, down, out, variant=amx)
 
 
 def unavailable() -> str | None:
@@ -221,22 +121,8 @@ def _amx_granted(library: ctypes.CDLL) -> bool:
 
 def unsupported_cpu() -> str | None:
     """Why this CPU cannot run the kernel whatever the compiler does, or None when it can."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"the VNNI kernel is for x86-64 CPUs, this is {platform.machine()}"
-    if not torch.cpu._is_vnni_supported():
-        return "this CPU lacks AVX512-VNNI"
-    return isa_ceiling_refuses("avx512_vnni")
+    return cpu_lacks("the VNNI kernel", "x86-64", "AVX512-VNNI", torch.cpu._is_vnni_supported, "avx512_vnni")
 
 
-_POINTER, _SIZE, _FLAG = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-KERNEL = NativeKernel(
-    "vnni_linear", "the VNNI int8/int4 kernel",
-    {"npumoe_linear_int8": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _POINTER,
-                            _SIZE),
-     "npumoe_linear_int8_amx": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE,
-                                _POINTER, _SIZE),
-     "npumoe_amx_init": (),
-     "npumoe_linear_int4": (_POINTER, _SIZE, _SIZE, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE, _SIZE, _SIZE,
-                            _POINTER, _SIZE),
-     "npumoe_silu_glu_expert": (_POINTER, _SIZE, _SIZE, _FLAG, _FLAG, _POINTER, _POINTER, _POINTER, _SIZE)},
-    unsupported_cpu, restype=ctypes.c_int)
+KERNEL = native_kernel("vnni_linear", "the VNNI int8/int4 kernel", unsupported_cpu, npumoe_amx_init=())
+ISA = IsaKernel("VNNI", KERNEL, "AMX", amx_unavailable)

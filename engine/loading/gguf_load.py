@@ -42,6 +42,7 @@ from ..formats.gguf_blocks import dequantized, engine_weight, stored_format
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
+from .gguf_header import read_gguf
 from .quant_store import QuantizedReader
 from .resolve import GGUF_SUFFIX
 from .stream_load import NotStreamable, attach_packed, finish_loading, put_tensor
@@ -77,7 +78,7 @@ def gguf_config(path: Path) -> PretrainedConfig:
     """The model's config from the file's metadata, as transformers reads it, with what its mappings miss: the
     widths of qwen3moe's and qwen2moe's experts and of qwen2moe's shared expert, and the experts of a llama file
     that has them (llama.cpp writes Mixtral as llama with `llama.expert_count`), which make it a Mixtral."""
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     if arch not in GGUF_ARCHITECTURES.values():
         why = _UNREAD.get(arch, "transformers' GGUF mapping and this loader do not map it")
@@ -105,7 +106,7 @@ def experts_format(path: Path) -> str | None:
     the block type most of their weights are in: a Q4_K_M file keeps some down projections in Q6_K); None for
     float experts or a file without any."""
     counts: dict[int, int] = defaultdict(int)
-    for tensor in gguf.GGUFReader(path).tensors:
+    for tensor in read_gguf(path).tensors:
         if EXPERTS_TENSOR.fullmatch(tensor.name):
             counts[int(tensor.tensor_type)] += int(tensor.n_elements)
     return stored_format(max(counts, key=counts.__getitem__)) if counts else None
@@ -118,7 +119,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
     model quantize` wrote from this file) where it holds them. experts_layout.LayoutError for experts the engine
     does not run."""
     config = gguf_config(path)
-    reader = gguf.GGUFReader(path)
+    reader = read_gguf(path)
     arch = reader.fields["general.architecture"].contents()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=experts_implementation)

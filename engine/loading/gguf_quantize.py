@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import gguf
 import torch
 
 from ..formats.gguf_blocks import engine_weight
 from ..formats.quantize import INT4_GROUP, QuantizedWeight, check_format
+from .gguf_header import read_gguf
 from .gguf_load import EXPERTS_TENSOR, expert_bytes, gguf_shape, read_expert, stored_expert
 from .quant_store import QuantizedStoreError, QuantizeReport, write_store
 
@@ -27,7 +27,7 @@ def quantize_gguf(source: Path, target: Path, format: str,
                   progress: Callable[[int, int], None] | None = None) -> QuantizeReport:
     """Write the GGUF file `source`'s routed experts in `format` into the folder `target`, one expert at a time."""
     check_format(format)
-    tensors = gguf.GGUFReader(source).tensors
+    tensors = read_gguf(source).tensors
     experts = [t for t in tensors if EXPERTS_TENSOR.fullmatch(t.name)]
     if not experts:
         raise QuantizedStoreError(f"{source}: no routed experts tensors (blk.<n>.ffn_gate_exps/up_exps/down_exps)")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import gguf
 
+from .gguf_header import read_gguf
 from .gguf_load import EXPERTS_TENSOR, GGUF_ARCHITECTURES
 from .model_size import ModelSize, checkpoint_tensors, model_size
 
@@ -28,7 +29,7 @@ class GgufSummary:
 def summarize(files: Sequence[Path]) -> GgufSummary:
     """The model in `files` (one GGUF file, or each part of a split one); HEADER_ERRORS for one that is unreadable
     or not GGUF."""
-    readers = [gguf.GGUFReader(path) for path in files]
+    readers = [read_gguf(path) for path in files]
     first = readers[0]  # a split model's metadata is in its first part
     architecture = _field(first, "general.architecture")
     if not isinstance(architecture, str):

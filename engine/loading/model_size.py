@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import torch
 
 from ..formats.mxfp4 import BLOCKS, dequantized_shape, stored_part
 from ..formats.quantize import INT4, INT4_GROUP, INT8
+from .gguf_header import read_gguf
 from .gguf_load import EXPERTS_TENSOR, gguf_shape, is_gguf
 from .quant_store import is_expert_weight, read_header
 
@@ -86,7 +86,7 @@ def checkpoint_tensors(folder: Path) -> list[Tensor]:
     """The tensors of a checkpoint folder's safetensors files (or of a GGUF file), from their headers."""
     if is_gguf(folder):
         return [Tensor(t.name, gguf_shape(t), EXPERTS_TENSOR.fullmatch(t.name) is not None)
-                for t in gguf.GGUFReader(folder).tensors]
+                for t in read_gguf(folder).tensors]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"{folder}: no safetensors files")

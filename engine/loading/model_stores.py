@@ -31,6 +31,7 @@ GGUF_SUFFIX = ".gguf"
 OLLAMA, LMSTUDIO, HF = "ollama", "lmstudio", "hf"
 STORES = (OLLAMA, LMSTUDIO, HF)
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")  # how Ollama names a layer, and its blob file
 OLLAMA_SERVICE_MODELS = Path("/usr/share/ollama/.ollama/models")  # the Linux install script's `ollama` user
 _OLLAMA_REGISTRY, _OLLAMA_NAMESPACE, _OLLAMA_TAG = "registry.ollama.ai", "library", "latest"
 SPLIT_PART = re.compile(r"(?P<stem>.+)-(?P<part>\d{5})-of-(?P<parts>\d{5})\.gguf")
@@ -187,6 +188,9 @@ def _ollama_entry(root: Path, manifest: Path, name: str) -> StoredModel:
                                              "with a digest each)")
     if not digests or not isinstance(digests[0], str):
         return StoredModel(full, OLLAMA, (), f"manifest {manifest} has no model layer ({OLLAMA_MODEL_LAYER})")
+    if not OLLAMA_DIGEST.fullmatch(digests[0]):  # it names a file: nothing but a digest may reach outside blobs/
+        return StoredModel(full, OLLAMA, (), f"manifest {manifest} names its model layer by {digests[0]!r}, not a "
+                                             "sha256 digest (sha256:<64 hex digits>)")
     blob = root / "blobs" / digests[0].replace(":", "-")
     if not blob.is_file():
         return StoredModel(full, OLLAMA, (), f"its model blob {blob} is missing (pulled only in part?)")

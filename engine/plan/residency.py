@@ -11,14 +11,16 @@ the cost model's estimate for that group. Three more rules, for the backends the
 - fp16 range: on a backend that computes in fp16, a group whose calibrated values would overflow fp16
   runs scaled (its graph computes the values divided by a power of two, which the host multiplies back)
   or, where scaling cannot help (the gate projection alone overflows), on the CPU;
-- placement: a group whose compiled graph Core ML would run mostly off the Neural Engine stays on the CPU.
+- placement: a group whose compiled graph Core ML would run mostly off the Neural Engine stays on the CPU;
+- device memory: on a backend whose device holds its groups' weights (a GPU), the groups that save the most
+  stay on it while their experts fit in the room it measured; the rest run on the CPU.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from .cost import CostModel
@@ -35,6 +37,7 @@ CHEAPER = "cheaper"  # its measured or modelled cost is lower there
 IDLE = "idle"  # calibration routed no token to its experts
 FP16_RANGE = "fp16 range"  # its values overflow fp16 even scaled
 PLACEMENT = "placement"  # Core ML places most of its ops off the Neural Engine
+MEMORY = "device memory"  # its experts' weights do not fit beside the groups that save more
 NO_GRAPHS = "no static graphs"  # the backend runs every expert on the CPU
 UNMEASURED = "unmeasured"  # no costs measured yet: every group calibration saw load for is a candidate
 
@@ -67,16 +70,19 @@ class MeasuredCosts:
     measured_on: str  # the backend whose graphs were timed, and the machine: "coreml on Apple M3 (Darwin arm64)"
     groups: dict[str, GroupMeasure] = field(default_factory=dict)  # by `group_key`
     fallback: str | None = None  # why the backend's graphs ran through torch instead of its device
+    device_experts: int | None = None  # experts whose weights fit in the device's room (None: no limit)
 
     def to_dict(self) -> dict[str, Any]:
         return {"cost": vars(self.cost), "hidden": self.hidden, "ffn": self.ffn, "measured_on": self.measured_on,
-                "fallback": self.fallback, "groups": {key: vars(m) for key, m in self.groups.items()}}
+                "fallback": self.fallback, "groups": {key: vars(m) for key, m in self.groups.items()},
+                "device_experts": self.device_experts}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MeasuredCosts:
         return cls(cost=CostModel(**data["cost"]), hidden=int(data["hidden"]), ffn=int(data["ffn"]),
                    measured_on=str(data["measured_on"]), fallback=data["fallback"],
-                   groups={str(key): GroupMeasure(**m) for key, m in data["groups"].items()})
+                   groups={str(key): GroupMeasure(**m) for key, m in data["groups"].items()},
+                   device_experts=data.get("device_experts"))
 
 
 @dataclass(frozen=True)
@@ -142,9 +148,28 @@ def decide_residency(plan: ExpertPlan, backend: BackendTraits, costs: MeasuredCo
         for g, group in enumerate(layer.groups):
             capacity = aligned_capacity(plan.tiers[group.tier], backend.capacity_multiple, plan.chunk_tokens)
             placements.append(_place(plan, i, g, group, capacity, backend, costs))
-        layers.append(tuple(placements))
+        layers.append(placements)
+    if costs is not None and costs.device_experts is not None:
+        _within_device_memory(plan, layers, costs, costs.device_experts)
     return Residency(backend=backend.name, measured_on=costs.measured_on if costs else None,
-                     fallback=costs.fallback if costs else None, layers=tuple(layers))
+                     fallback=costs.fallback if costs else None, layers=tuple(tuple(layer) for layer in layers))
+
+
+def _within_device_memory(plan: ExpertPlan, layers: list[list[Placement]], costs: MeasuredCosts, room: int) -> None:
+    """Keep on the accelerator the groups that save the most seconds per chunk while their experts fit in `room`;
+    move the others to the CPU (in place)."""
+    saving = {}
+    for i, (layer, placements) in enumerate(zip(plan.layers, layers, strict=True)):
+        for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
+            if placement.accelerator:
+                cpu_s = costs.cost.cpu_seconds([layer.load.mean[e] for e in group.experts], costs.hidden, costs.ffn)
+                saving[i, g] = cpu_s - _static_seconds(costs, i, g, len(group.experts), placement.capacity)
+    for i, g in sorted(saving, key=saving.__getitem__, reverse=True):
+        experts = len(plan.layers[i].groups[g].experts)
+        if experts <= room:
+            room -= experts
+        else:
+            layers[i][g] = replace(layers[i][g], accelerator=False, scale=1.0, reason=MEMORY)
 
 
 def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, backend: BackendTraits,

@@ -9,33 +9,40 @@ every 1-D tensor, is stored as F16 or F32 instead, as llama.cpp does. Architectu
 shared expert and the shared expert's gate, a 1-D tensor as llama.cpp keeps it) and Mixtral, which llama.cpp writes
 as llama with `llama.expert_count`.
 
-Tensors are converted and written one at a time, each quantized a few thousand rows at a time, so a real-size model
-needs no second copy of its weights in memory (nor a float32 one of its largest tensor).
+Tensors are converted and written one at a time, each quantized and written a few thousand rows at a time
+(`write_streamed`), so a real-size model needs no second copy of its weights in memory (nor a float32 one of its
+largest tensor). random_gguf.py writes a model at a real geometry through the same layout with random blocks.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from ..loading.gguf_load import GGUF_ARCHITECTURES
 
 F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
-_VALUES_AT_ONCE = 1 << 22
+VALUES_AT_ONCE = 1 << 22  # values converted at once (16 MiB of float32)
 _EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
-class _Tensor:
+class GgufTensor:
     """One GGUF tensor to write: its name, float shape, storage type, and how to get its float32 values."""
     name: str
     shape: tuple[int, ...]
@@ -62,29 +69,57 @@ def write_model_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase 
     """`model` in memory (llama, mixtral, qwen2_moe or qwen3_moe, any float dtype) as the GGUF file `out`, as
     write_gguf lays it out; `tokenizer` None: llama.cpp's "none" vocabulary of the config's vocab_size (a model fed
     token ids only)."""
-    config = model.config
+    arch = GGUF_ARCHITECTURES[model.config.model_type]
+    writer = model_writer(out, model.config, tokenizer)
+    tensors = list(gguf_tensors(model, arch, experts, weights))
+    write_streamed(writer, tensors, lambda tensor: _quantized(tensor.values(), tensor.qtype))
+    return out
+
+
+def model_writer(out: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase | None) -> gguf.GGUFWriter:
+    """A writer for `out` holding the metadata of a model of `config` and its tokenizer (None: llama.cpp's "none"
+    vocabulary of the config's vocab_size; a tokenizer with fewer tokens than that is padded with unused ones)."""
     arch = GGUF_ARCHITECTURES[config.model_type]
     writer = gguf.GGUFWriter(out, arch)
-    _write_config(writer, arch, model)
+    _write_config(writer, config)
     if tokenizer is None:
         writer.add_tokenizer_model("none")
     else:
-        _write_tokenizer(writer, tokenizer)
-    tensors = list(_tensors(model, arch, experts, weights))
+        _write_tokenizer(writer, tokenizer, config.vocab_size)
+    return writer
+
+
+def write_streamed(writer: gguf.GGUFWriter, tensors: Sequence[GgufTensor],
+                   data: Callable[[GgufTensor], Iterator[np.ndarray]],
+                   progress: Callable[[int], None] | None = None) -> None:
+    """Every tensor's info, then its bytes as `data` yields them, a few rows at a time (the gguf package's
+    write_tensor_data takes a whole tensor at once: a layer of experts would be in memory whole); `progress` is
+    told the bytes of each part written. Closes the writer."""
     for tensor in tensors:  # the header lists every tensor's type and size before any data
         writer.add_tensor_info(tensor.name, gguf.quant_shape_to_byte_shape(tensor.shape, tensor.qtype), np.uint8,
                                tensor.nbytes, raw_dtype=tensor.qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
+    out = writer.fout[0]
     for tensor in tensors:
-        writer.write_tensor_data(_quantized(tensor.values(), tensor.qtype))
+        writer.write_padding(out, out.tell())  # each tensor starts at the file's alignment
+        written = 0
+        for part in data(tensor):
+            part.tofile(out)
+            written += part.nbytes
+            if progress is not None:
+                progress(part.nbytes)
+        if written != tensor.nbytes:
+            raise ValueError(f"{tensor.name}: {written} bytes written, its {tensor.qtype.name} shape takes "
+                             f"{tensor.nbytes}")
     writer.close()
-    return out
 
 
-def _tensors(model: PreTrainedModel, arch: str, experts: gguf.GGMLQuantizationType,
-             weights: gguf.GGMLQuantizationType) -> Iterator[_Tensor]:
+def gguf_tensors(model: PreTrainedModel, arch: str, experts: gguf.GGMLQuantizationType,
+                 weights: gguf.GGMLQuantizationType) -> Iterator[GgufTensor]:
+    """`model`'s tensors as the file lists them: gguf names, shapes, storage types (a model on the meta device
+    gives every one but their values)."""
     config = model.config
     names = {hf: name for name, hf in get_gguf_hf_weights_map(
         model, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict()), model_type=arch).items()}
@@ -111,18 +146,16 @@ def _permuted(values: Callable[[], torch.Tensor], heads: int) -> Callable[[], to
     return lambda: torch.from_numpy(_llama_permute(values().float().numpy(), heads))
 
 
-def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> np.ndarray:
-    """The tensor's GGUF bytes, (…, row bytes), quantized a few thousand rows at a time: a float32 copy of a real
-    embedding or layer of experts (and the quantizer's temporaries) would be gigabytes."""
+def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterator[np.ndarray]:
+    """The tensor's GGUF bytes, (rows, row bytes), quantized a few thousand rows at a time: a float32 copy of a
+    real embedding or layer of experts (and the quantizer's temporaries) would be gigabytes."""
     rows = tensor.reshape(-1, tensor.shape[-1])
-    step = max(1, _VALUES_AT_ONCE // rows.shape[1])
-    parts = [gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
-             for i in range(0, len(rows), step)]
-    return np.concatenate(parts).reshape(*tensor.shape[:-1], -1)
+    step = max(1, VALUES_AT_ONCE // rows.shape[1])
+    for i in range(0, len(rows), step):
+        yield gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
 
 
-def _write_config(writer: gguf.GGUFWriter, arch: str, model: PreTrainedModel) -> None:
-    config = model.config
+def _write_config(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_block_count(config.num_hidden_layers)
@@ -146,16 +179,21 @@ def _write_config(writer: gguf.GGUFWriter, arch: str, model: PreTrainedModel) ->
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
-def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase) -> None:
-    """A byte-level BPE tokenizer as llama.cpp's "gpt2" tokenizer model: tokens by id, merges, special ids."""
+def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer as llama.cpp's "gpt2" tokenizer model: tokens by id, merges, special ids; padded
+    with unused tokens up to the model's `vocab_size` (an embedding wider than the tokenizer, as real models have)."""
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.get)
     special = set(tokenizer.all_special_tokens) | set(tokenizer.added_tokens_encoder)
+    types = [gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens]
+    padding = [f"<|unused_{i}|>" for i in range(vocab_size - len(tokens))]
+    tokens += padding
+    types += [gguf.TokenType.UNUSED] * len(padding)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * len(tokens))  # transformers reads them where a file has no merges
-    writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_types(types)
     model = tokenizer.backend_tokenizer.model
     merges = [" ".join(pair) if isinstance(pair, tuple) else pair for pair in getattr(model, "merges", None) or []]
     writer.add_token_merges(merges)
@@ -168,7 +206,7 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase
         writer.add_chat_template(tokenizer.chat_template)
 
 
-def _experts(module: str, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterator[_Tensor]:
+def _experts(module: str, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterator[GgufTensor]:
     """A fused (E, 2I, H) gate-up or (E, H, I) down parameter as llama.cpp's stacked per-projection tensors."""
     layer = re.search(r"layers\.(\d+)\.", module).group(1)
     if name == "down_proj":
@@ -180,14 +218,14 @@ def _experts(module: str, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuant
 
 
 def _stored(name: str, shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType,
-            values: Callable[[], torch.Tensor]) -> _Tensor:
+            values: Callable[[], torch.Tensor]) -> GgufTensor:
     """The tensor in `qtype`, or F32 when 1-D, or F16 when its rows are not whole blocks of `qtype`."""
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     if len(shape) < 2:
         qtype = F32
     elif shape[-1] % block:
         qtype = F16
-    return _Tensor(name, shape, qtype, values)
+    return GgufTensor(name, shape, qtype, values)
 
 
 def _llama_permute(w: np.ndarray, heads: int) -> np.ndarray:

@@ -19,7 +19,9 @@ class DaemonRows:
 
     @reconnecting
     def write(self, **values: Any) -> None:
-        """Write this daemon's row (this home's; on a shared queue, this home on this host's)."""
+        """Write this daemon's row (this home's; on a shared queue, this home on this host's); IdentityInUse
+        while another live daemon has this one's identity, whose row it is."""
+        self.db.hold_identity()
         for key in JSON_COLUMNS:
             if key in values and not isinstance(values[key], str | None):
                 values[key] = json.dumps(values[key])

@@ -18,8 +18,9 @@ from typing import Any
 from sqlalchemy import Connection
 from sqlalchemy.exc import DatabaseError, DBAPIError
 
-from ..errors import DatabaseUnusable
+from ..errors import DatabaseUnusable, IdentityInUse
 from .dialects import open_dialect
+from .identity import IDENTITY_FILE, machine_identity
 from .schema import migrate
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,21 @@ def reconnecting(method: Callable[..., Any]) -> Callable[..., Any]:
 
 class Database:
     """`location` is a SQLite file, or a `postgresql://…` URL for a queue that several machines share.
-    `host` and `home` say which daemon this is, for its row in the daemon table."""
+    `host` and `home` say which daemon this is, for its row in the daemon table: on a shared queue `host` is
+    by default the home's machine identity (identity.py), which neither repeats nor changes; a home's own
+    file has one worker, whose host name only labels its rows, as it does a home given only as a name."""
 
     def __init__(self, location: Path | str, *, read_only: bool = False, host: str | None = None,
                  home: Path | str | None = None) -> None:
         self.dialect = open_dialect(location)
         self.path = getattr(self.dialect, "path", None)  # the SQLite file; None for a server
         self.location = str(location)
-        self.host = host or socket.gethostname()
         self.home = str(home if home is not None else self.path.parent if self.path else "")
+        has_home = bool(self.home) and Path(self.home).is_dir()  # not "", which is the working folder
+        self.host = host or (machine_identity(Path(self.home)) if self.dialect.shared and has_home
+                             else socket.gethostname())
         self.writer, self.reader = self.dialect.engines(read_only=read_only)
+        self._identity_held: Connection | None = None
         if read_only:
             return
         try:
@@ -94,7 +100,26 @@ class Database:
     def read(self) -> AbstractContextManager[Connection]:
         return self.reader.connect()
 
+    def hold_identity(self) -> None:
+        """Hold, while this database stays open, the mark that a daemon of this identity and home is alive;
+        IdentityInUse while another process holds it (a home copied, identity and all, to another machine).
+        What only a daemon does on a shared queue (reap, claim, write its row) takes it first. A home's own
+        file needs none: its lock says the same, and neither does a queue opened with no home (a benchmark's
+        workers, a test's): only a home has an identity. A killed daemon's mark goes with its connection."""
+        if self._identity_held is not None or not self.dialect.shared or not self.home:
+            return
+        conn = self.writer.connect()  # kept out of the pool: the mark lives as long as this connection
+        if not self.dialect.try_hold(conn, f"{self.host}\0{self.home}"):
+            conn.close()
+            raise IdentityInUse(f"a live npumoed on this queue is already known as {self.host!r} with the home "
+                                f"{self.home}: this home was copied from another machine, its identity too; "
+                                f"delete {Path(self.home) / IDENTITY_FILE} here to give this one its own")
+        self._identity_held = conn
+
     def close(self) -> None:
+        if self._identity_held is not None:
+            self._identity_held.close()
+            self._identity_held = None
         for engine in (self.writer, self.reader):
             if engine is not None:
                 engine.engine.dispose()

@@ -12,13 +12,13 @@ IMMEDIATE` already serialises writers).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
-from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, Insert, Table, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
@@ -76,8 +76,7 @@ class SQLite:
         return self._engine(immediate=True), self._engine(immediate=False)
 
     def _engine(self, *, immediate: bool, read_only: bool = False) -> Engine:
-        # A URI with the path quoted: a home may contain `#`, `?` or `%`, which a URL would read as its own syntax.
-        uri = f"file:{quote(str(self.path.absolute()))}" + ("?mode=ro" if read_only else "")
+        uri = sqlite_driver.uri(self.path, read_only=read_only)
 
         def connect() -> Any:
             return sqlite_driver.driver.connect(uri, uri=True, timeout=30, check_same_thread=False)
@@ -188,6 +187,14 @@ class PostgreSQL:
         thread = threading.Thread(target=_listen, args=(conninfo, wake, stop), name="queue-listen", daemon=True)
         thread.start()
         return thread
+
+    @staticmethod
+    def try_hold(conn: Connection, name: str) -> bool:
+        """Take the session lock named `name` on `conn` if no other session holds it; it lasts as long as `conn`."""
+        key = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big", signed=True)
+        held = bool(conn.exec_driver_sql("SELECT pg_try_advisory_lock(%s)", (key,)).scalar_one())
+        conn.commit()  # a session lock outlives the transaction; the connection must not sit idle in one
+        return held
 
     @staticmethod
     def now(conn: Connection) -> float:

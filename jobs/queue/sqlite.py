@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import ModuleType
+from urllib.parse import quote
 
 import sqlean
 import sqlite_vec
@@ -30,12 +31,18 @@ def load_extensions(conn: Connection) -> None:
         conn.enable_load_extension(False)
 
 
+def uri(path: Path, *, read_only: bool = False) -> str:
+    """The `file:` URI that opens the database at `path`, the path quoted: a home may contain `#`, `?` or `%`,
+    which a URI would read as its own syntax and open (and create) another file."""
+    return f"file:{quote(str(Path(path).absolute()))}" + ("?mode=ro" if read_only else "")
+
+
 def connect(path: Path, *, read_only: bool = False) -> Connection:
     """A connection with sqlite-vec loaded, in autocommit mode (callers open their own transactions)."""
     if read_only:
         if not Path(path).exists():
             raise FileNotFoundError(f"no database at {path}")
-        conn = driver.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
+        conn = driver.connect(uri(path, read_only=True), uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
     else:
         conn = driver.connect(str(path), isolation_level=None, timeout=BUSY_TIMEOUT_MS / 1000)
         conn.execute("PRAGMA journal_mode=WAL")

@@ -214,7 +214,9 @@ class Queue:
 
     def claim(self, worker_pid: int, *, lease_seconds: float,
               open_windows: Sequence[str] = ()) -> Job | None:
-        """Take the most urgent runnable job, or None. Batch jobs run only while their window is open."""
+        """Take the most urgent runnable job, or None. Batch jobs run only while their window is open.
+        IdentityInUse while another live daemon has this one's identity (see Database.hold_identity)."""
+        self.db.hold_identity()
         # One token per call, not per try: a try run again after its commit's answer was lost finds its job.
         return self._claim(uuid.uuid4().hex, worker_pid, lease_seconds, open_windows)
 
@@ -339,8 +341,10 @@ class Queue:
         A worker is lost when its lease expired, or, for a worker on this host only, when its process is gone:
         `alive(pid)` says, by default whether that pid is still the process that claimed the job. Rows another
         transaction holds are left for the next reap. Cheap enough to run periodically: it only reads unless
-        there is a job to requeue.
+        there is a job to requeue. IdentityInUse while another live daemon has this one's identity: its jobs
+        would look like this machine's.
         """
+        self.db.hold_identity()
         with self.db.read() as conn:
             now = self.now(conn)
             running = conn.execute(select(jobs).where(jobs.c.state == RUNNING)).all()

@@ -37,8 +37,9 @@ from npumoe.engine.generate.sentences import sentence_spans
 from npumoe.engine.vocabulary import MEAN
 
 from ..meta import read_meta
-from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, SUMMARY_FILE, TMP_PREFIX, read_text
+from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
+from ..summary_file import read_summary
 from .passages import passage_spans, query_terms, widened_to_sentences
 
 if TYPE_CHECKING:
@@ -148,14 +149,14 @@ class IndexEntry:
     def read(cls, folder: Path, vectors: VectorSource = search_model_vectors) -> IndexEntry:
         try:
             meta = read_meta(folder)
-            summary = (folder / SUMMARY_FILE).read_text()
+            summary = read_summary(folder).first_line
             text = read_text(folder)
             made = vectors(folder, meta, text)
         except OutputsUnreadable:
             raise
         except (OSError, ValueError) as e:
             raise OutputsUnreadable(f"{folder}: {e}") from e
-        return cls(meta["job_id"], made.model_key, str(folder), meta["source"], _first_summary_line(summary),
+        return cls(meta["job_id"], made.model_key, str(folder), meta["source"], summary,
                    made.chunks, made.document, made.spans, text)
 
 
@@ -163,13 +164,6 @@ def vectors_key(model_key: str, pooling: str) -> str:
     """The key the index keeps one model's vectors of one pooling under: the model's own for mean pooling (as
     before there was a choice), with the pooling after it otherwise."""
     return model_key if pooling == MEAN else f"{model_key}#{pooling}"
-
-
-def _first_summary_line(markdown: str) -> str:
-    """The summary file is "# name", a line of facts, then the summary (jobs/pipeline.py `_summary_markdown`)."""
-    body = markdown.split("\n\n", 2)[2:]
-    lines = body[0].strip().splitlines() if body else []
-    return lines[0] if lines else ""
 
 
 def create_tables(conn: sqlite.Connection) -> None:

@@ -91,7 +91,7 @@ def test_importing_the_bench_commands_does_not_import_torch():
 
 
 def test_dtype_auto_is_the_float_dtype_weights_auto_measures_fastest_for_each_geometry(monkeypatch):
-    from npumoe.bench.cli import _geometries, _measured_dtypes
+    from npumoe.bench.options import measured_dtypes, parse_geometries
     from npumoe.engine.loading import auto_weights
 
     asked = []
@@ -101,7 +101,7 @@ def test_dtype_auto_is_the_float_dtype_weights_auto_measures_fastest_for_each_ge
         return {"fp32": 2.0, "bf16": 1.0} if hidden == 64 else {"fp32": 1.0, "bf16": 2.0}
 
     monkeypatch.setattr(auto_weights, "float_seconds", seconds)
-    geometries = _geometries(["64x8x2x32", "128x8x2x32"])
-    assert _measured_dtypes(["auto"], geometries) == ("bfloat16", "float32") and asked == [(64, 32), (128, 32)]
-    assert _measured_dtypes(["bfloat16", "auto"], geometries[:1]) == ("bfloat16",)  # each dtype once
-    assert _measured_dtypes(["float32"], geometries) == ("float32",) and len(asked) == 3  # nothing to measure
+    geometries = parse_geometries(["64x8x2x32", "128x8x2x32"])
+    assert measured_dtypes(["auto"], geometries) == ("bfloat16", "float32") and asked == [(64, 32), (128, 32)]
+    assert measured_dtypes(["bfloat16", "auto"], geometries[:1]) == ("bfloat16",)  # each dtype once
+    assert measured_dtypes(["float32"], geometries) == ("float32",) and len(asked) == 3  # nothing to measure

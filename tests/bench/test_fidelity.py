@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from npumoe.bench.fidelity import FidelitySettings, agreement, run_fidelity_bench, scaled
-from npumoe.bench.plot import fidelity_figure
+from npumoe.bench.fidelity.capacity import FidelitySettings, agreement, run_fidelity_bench, scaled
+from npumoe.bench.fidelity.plot import fidelity_figure
 from npumoe.engine.calibration.calibrate import Calibration
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.plan.expert_plan import ExpertLoad

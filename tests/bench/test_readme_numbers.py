@@ -69,8 +69,9 @@ def occurs(figure: str, values: list[float]) -> bool:
 def file_values(names: list[str]) -> list[float]:
     values = []
     for name in names:
-        values += [v for v in (float(n.replace(",", "")) for n in NUMBER.findall((ROOT / name).read_text()))
-                   if math.isfinite(v)]
+        # A range printed as `1.89-2.64` reads as 1.89 and -2.64, so a figure's magnitude counts too.
+        values += [w for v in (float(n.replace(",", "")) for n in NUMBER.findall((ROOT / name).read_text()))
+                   if math.isfinite(v) for w in {v, abs(v)}]
     return values
 
 

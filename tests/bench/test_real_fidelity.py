@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from npumoe.bench.real_fidelity import (
+from npumoe.bench.fidelity.real_text import (
     FLOAT,
     FLOORS,
     RealFidelitySettings,

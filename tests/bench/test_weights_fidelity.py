@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from npumoe.bench import weights_fidelity
-from npumoe.bench.weights_fidelity import WeightsFidelitySettings, fit_readout, layer_errors, run_weights_fidelity
+from npumoe.bench.fidelity import weights as weights_fidelity
+from npumoe.bench.fidelity.weights import WeightsFidelitySettings, fit_readout, layer_errors, run_weights_fidelity
 from npumoe.engine.formats.quantize import quantize
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.synthetic.geometry import (

@@ -112,3 +112,18 @@ def test_config_show_hides_the_queue_servers_password(tmp_path: Path, monkeypatc
     assert shown.exit_code == 0, shown.output
     assert "s3cret" not in shown.output
     assert "postgresql://npumoed:***@db.local:5433/jobs?password=***" in shown.output
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_config_show_hides_every_secret_the_queue_url_can_carry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                as_json: bool) -> None:
+    """libpq reads a password from more keys than `password`: the client key's passphrase is `sslpassword`."""
+    monkeypatch.setenv("NPUMOED_HOME", str(tmp_path))
+    url = ("postgresql://npumoed@db.local/jobs?sslmode=verify-full&sslkey=/keys/client.key&sslpassword=k3y-pass"
+           "&PASSWORD=upper-s3cret")
+    write(tmp_path, f'[queue]\nurl = "{url}"\n')
+    shown = CliRunner().invoke(main, ["config", "show", *(["--json"] if as_json else [])])
+    assert shown.exit_code == 0, shown.output
+    assert "k3y-pass" not in shown.output and "upper-s3cret" not in shown.output
+    assert ("postgresql://npumoed@db.local/jobs?sslmode=verify-full&sslkey=/keys/client.key&sslpassword=***"
+            "&PASSWORD=***") in shown.output  # where the key file is helps; its passphrase is hidden

@@ -19,6 +19,7 @@ from npumoe.engine.backends.coreml.env import coreml_availability
 from npumoe.engine.calibration import planner
 from npumoe.engine.plan.cost_cache import CostCache
 from npumoe.engine.plan.expert_plan import ExpertPlan
+from npumoe.jobs.summary_file import read_summary
 
 CONFIG = """# my settings
 [scheduler]
@@ -134,7 +135,7 @@ def test_prepare_for_coreml_off_macos_then_run_once_equals_torch_static(home: Pa
     assert meta["coreml"]["residency"]["fallback"] and meta["torch-static"]["residency"]["fallback"] is None
     np.testing.assert_allclose(np.load(outputs["coreml"] / "embeddings.npy"),
                                np.load(outputs["torch-static"] / "embeddings.npy"), rtol=1e-4, atol=1e-5)
-    summary = {name: (out / "summary.md").read_text().split("\n", 3)[3] for name, out in outputs.items()}
+    summary = {name: read_summary(out).text for name, out in outputs.items()}
     assert summary["coreml"] == summary["torch-static"]
 
 

@@ -105,6 +105,26 @@ def test_a_waiting_daemon_says_why(queue: Queue) -> None:
     assert "waiting: on battery (42%)" in render_text(snapshot(queue, now=NOW))
 
 
+def test_a_reason_naming_a_folder_reaches_the_terminal_without_its_escape_sequences(queue: Queue) -> None:
+    """The daemon's reason can quote a folder's name, and a name can hold what a terminal obeys."""
+    queue.daemons.write(
+        pid=os.getpid(),
+        started_at=NOW - 10,
+        heartbeat_at=NOW,
+        stopped_at=None,
+        activity="waiting",
+        reason="inbox /home/p/\x1b]0;owned\x07\x1b[2Jdocs is not a folder",
+        current_job=None,
+        model="demo",
+        backend="cpu",
+    )
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render_rich(snapshot(queue, now=NOW)))
+    for drawn in (render_text(snapshot(queue, now=NOW)), console.export_text()):
+        assert "\x1b" not in drawn and "\x07" not in drawn
+        assert "waiting: inbox /home/p/?]0;owned??[2Jdocs is not a folder" in drawn
+
+
 def test_a_daemon_that_stopped_cleanly_or_was_killed_is_shown_stopped(queue: Queue) -> None:
     queue.daemons.write(
         pid=os.getpid(),

@@ -20,7 +20,7 @@ from npumoe.engine.errors import ModelError
 from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
 from npumoe.engine.formats.quantize import quantize
-from npumoe.engine.loading import gguf_load
+from npumoe.engine.loading import gguf_header, gguf_load
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
@@ -69,6 +69,17 @@ def test_a_qwen3_moe_gguf_loads_as_transformers_reads_it(tiny, tmp_path, qtype):
     assert (_logits(loaded.model) - _reference_logits(file)).abs().max() < 1e-4
     assert loaded.tokenizer("hello <|im_start|>").input_ids == [104, 101, 108, 108, 111, 32, 257]
     assert "<|im_start|>" in loaded.tokenizer.chat_template  # from the file's metadata
+
+
+def test_the_engine_parses_a_gguf_header_once_a_load_and_again_when_the_file_changes(tiny, tmp_path):
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=Q.Q8_0, weights=Q.Q8_0)
+    gguf_header._reader.cache_clear()
+    load_model(file)
+    first = gguf_header._reader.cache_info()
+    assert first.misses == 1 and first.hits >= 1  # the config and the tensors read from one parse
+    file.write_bytes(file.read_bytes()[:-1] + b"\0")  # rewritten: a new file as far as the cache knows
+    gguf_header.read_gguf(file)
+    assert gguf_header._reader.cache_info().misses == 2
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])

@@ -167,3 +167,20 @@ def test_a_store_that_cannot_be_read_is_said_and_the_others_are_still_listed(hom
     assert [m.name for m in found.models] == ["ollama:mine:latest"]
     assert len(found.unreadable) == 1 and found.unreadable[0].startswith(f"{service}: ")
     assert "Permission denied" in found.unreadable[0]
+
+
+@pytest.mark.parametrize("digest", ["../../../secret.gguf", "sha256:../../../secret.gguf", f"sha256:{'A' * 64}",
+                                    f"sha256:{'a' * 63}"])
+def test_a_manifest_digest_that_is_not_a_sha256_names_no_file(home, ggufs, digest: str) -> None:
+    """A digest is joined onto blobs/: unchecked, `../..` in it would name any file the user can read."""
+    root = home / ".ollama/models"
+    outside = home / "secret.gguf"  # what blobs/../../../secret.gguf reaches
+    outside.write_bytes(ggufs["qwen3moe"].read_bytes())
+    (root / "blobs").mkdir(parents=True)
+    layer = {"mediaType": "application/vnd.ollama.image.model", "digest": digest, "size": 1}
+    ollama_manifest(root, {"layers": [layer]}, *LIBRARY, "crafted", "latest")
+
+    crafted = next(m for m in find_models().models if m.name == "ollama:crafted:latest")
+    assert crafted.files == ()
+    assert crafted.problem == (f"manifest {root / 'manifests' / Path(*LIBRARY, 'crafted', 'latest')} names its model "
+                               f"layer by {digest!r}, not a sha256 digest (sha256:<64 hex digits>)")

@@ -57,7 +57,7 @@ def test_each_dtype_has_one_spelling_and_the_old_short_ones_map_onto_it():
 def test_the_registry_holds_every_backend_the_vocabulary_names():
     assert tuple(REGISTRY) == vocabulary.BACKENDS
     assert all(backend_class(name).name == name for name in vocabulary.BACKENDS)
-    with pytest.raises(ValueError, match="unknown backend 'tpu'; choose one of cpu, torch-static, coreml"):
+    with pytest.raises(ValueError, match="unknown backend 'tpu'; choose one of cpu, torch-static, coreml, cuda"):
         get_backend("tpu")
 
 

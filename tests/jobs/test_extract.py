@@ -13,6 +13,7 @@ from pathlib import Path
 import hostile_files
 import psutil
 import pytest
+from extraction import LIMITS, extraction_error, words
 from pdf_writer import pdf_bytes
 from pypdf import PdfReader
 
@@ -21,7 +22,6 @@ from npumoe.jobs.errors import ExtractionError
 from npumoe.jobs.extract import isolated
 from npumoe.jobs.extract.isolated import ExtractLimits, child_failure, detect_format, extract_text
 
-LIMITS = ExtractLimits(timeout_s=30, memory_mb=256, max_bytes=8 * 2**20, max_chars=1_000_000)
 FORMAT_OF_SUFFIX = {".txt": "text", ".md": "markdown", ".html": "html", ".pdf": "pdf", ".docx": "docx"}
 
 
@@ -35,16 +35,6 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return hostile_files.make_all(
         tmp_path_factory.mktemp("hostile"), bomb_bytes=96 * 2**20, huge_bytes=LIMITS.max_bytes + 1
     )
-
-
-def words(text: str) -> str:
-    return " ".join(text.split())
-
-
-def extraction_error(path: Path, limits: ExtractLimits = LIMITS) -> ExtractionError:
-    with pytest.raises(ExtractionError) as caught:
-        extract_text(path, limits)
-    return caught.value
 
 
 @pytest.mark.parametrize("document", sample_documents(), ids=lambda document: document.filename)

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 from blocked_imports import block_imports
+from extraction import LIMITS
 
 from npumoe.jobs.errors import MissingDependency
 from npumoe.jobs.extract.decode import declared_charset
 from npumoe.jobs.extract.formats import extract_bytes
 from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
-
-LIMITS = ExtractLimits(timeout_s=30, memory_mb=512, max_bytes=8 * 2**20, max_chars=1_000_000)
 
 RUSSIAN = (
     "Совет директоров собрался во вторник и утвердил ночной бюджет. Сервер обрабатывает документы, пока все "

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,7 +18,9 @@ from npumoe.jobs.errors import FileRefused
 from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
 from npumoe.jobs.files import (
     CHANGED,
+    DELETE,
     MOVE,
+    SET_ASIDE,
     Folders,
     Version,
     identify,
@@ -26,11 +31,25 @@ from npumoe.jobs.files import (
     snapshot,
 )
 
+F_GETPATH = 50  # macOS: the path of an open descriptor
+
 
 def refusal(path: Path, max_bytes: int | None = None) -> FileRefused:
     with pytest.raises(FileRefused) as caught:
         open_regular(path, max_bytes)
     return caught.value
+
+
+def renamed_from(src: object, src_dir_fd: int | None = None) -> Path:
+    """The path a rename takes its file from: given whole, or (how an original is moved) as a name in a folder
+    held open by a descriptor."""
+    if src_dir_fd is None:
+        return Path(os.fsdecode(src))  # type: ignore[arg-type]
+    if sys.platform == "darwin":
+        folder = fcntl.fcntl(src_dir_fd, F_GETPATH, bytes(1024)).rstrip(b"\0").decode()
+    else:
+        folder = os.readlink(f"/proc/self/fd/{src_dir_fd}")
+    return Path(folder) / os.fsdecode(src)  # type: ignore[arg-type]
 
 
 def test_a_regular_file_within_the_limit_opens(tmp_path: Path) -> None:
@@ -116,13 +135,6 @@ def save_atomically(path: Path, data: bytes) -> None:
     os.replace(path.parent / ".saving", path)
 
 
-@pytest.fixture
-def inbox_folders(tmp_path: Path) -> Folders:
-    for name in ("inbox", "outbox", "processed", "failed"):
-        (tmp_path / name).mkdir()
-    return Folders(tmp_path / "outbox", tmp_path / "processed", tmp_path / "failed", ((tmp_path / "inbox").resolve(),))
-
-
 def test_a_rewrite_that_keeps_size_and_mtime_is_not_the_file_that_was_read(inbox_folders: Folders,
                                                                            tmp_path: Path) -> None:
     source = tmp_path / "inbox" / "a.txt"
@@ -143,11 +155,11 @@ def test_a_save_while_moving_across_file_systems_keeps_the_new_version(
     _, read = identify(source)
     real_rename = os.rename
 
-    def cross_device_with_a_save(src: object, dst: object) -> None:
-        if Path(str(src)) == source:  # the inbox on another file system, and the person saving meanwhile
+    def cross_device_with_a_save(src: object, dst: object, **kwargs: int) -> None:
+        if renamed_from(src, **kwargs) == source:  # the inbox on another file system, and the person saving meanwhile
             save(source, b"later")
             raise OSError(18, "Invalid cross-device link")
-        real_rename(src, dst)  # type: ignore[arg-type]
+        real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "rename", cross_device_with_a_save)
     assert settle_original(source, MOVE, inbox_folders, read) == CHANGED
@@ -167,10 +179,10 @@ def test_moving_never_overwrites_a_file_already_there(tmp_path: Path) -> None:
 
 
 def test_moving_across_file_systems_copies_then_removes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_cross_device_rename(src: object, dst: object) -> None:
-        if Path(str(src)).parent == tmp_path:
+    def no_cross_device_rename(src: object, dst: object, **kwargs: int) -> None:
+        if renamed_from(src, **kwargs).parent == tmp_path:
             raise OSError(18, "Invalid cross-device link")
-        os.replace(src, dst)  # type: ignore[arg-type]
+        os.replace(src, dst, **kwargs)  # type: ignore[arg-type]
 
     (tmp_path / "done").mkdir()
     source = tmp_path / "a.txt"
@@ -212,7 +224,7 @@ def test_a_file_whose_every_open_fails_with_an_io_error_is_set_aside_all_the_sam
     opened: list[str] = []
 
     def failing_open(path: object, *args: object, **kwargs: object) -> int:
-        if os.fsdecode(path).endswith("bad.txt"):  # type: ignore[arg-type]
+        if os.fsdecode(path) in ("bad.txt", str(source)):  # type: ignore[arg-type]  # by name in its folder, or whole
             opened.append(os.fsdecode(path))  # type: ignore[arg-type]
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_open(path, *args, **kwargs)  # type: ignore[arg-type]
@@ -224,3 +236,139 @@ def test_a_file_whose_every_open_fails_with_an_io_error_is_set_aside_all_the_sam
     assert moved == inbox_folders.failed / "bad.txt" and not source.exists()
     assert (inbox_folders.failed / "bad.txt.error.txt").read_text() == "kind: machine, I/O error"
 
+
+
+@pytest.mark.parametrize("across_file_systems", [False, True], ids=["same file system", "across file systems"])
+def test_two_same_named_files_moved_at_once_both_survive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         across_file_systems: bool) -> None:
+    """The worker and the watcher each set aside an `x.pdf` from different folders at the same moment: both
+    movers choose their names before either one lands, so a name that is only checked, not claimed, is taken
+    twice and the second file replaces the first."""
+    (tmp_path / "failed").mkdir()
+    sources = []
+    for folder, content in (("a", "small and corrupt"), ("b", "large")):
+        (tmp_path / folder).mkdir()
+        sources.append(tmp_path / folder / "x.pdf")
+        sources[-1].write_text(content)
+    both_chose = threading.Barrier(2, timeout=10)
+    real_rename = os.rename
+    landed: list[str] = []
+
+    def rename_once_both_have_chosen(src: object, dst: object, **kwargs: int) -> None:
+        if renamed_from(src, **kwargs) in sources:
+            both_chose.wait()  # each mover has picked its destination by now
+            landed.append(os.fsdecode(src))  # type: ignore[arg-type]
+            if across_file_systems:
+                raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename_once_both_have_chosen)
+    moved: list[Path | None] = [None, None]
+
+    def mover(index: int) -> None:
+        moved[index] = move_file(sources[index], tmp_path / "failed", "x.pdf")
+
+    threads = [threading.Thread(target=mover, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(landed) == 2  # both moves went through the forced race
+    assert sorted(p.read_text() for p in (tmp_path / "failed").iterdir()) == ["large", "small and corrupt"]
+    assert sorted(p.name for p in (tmp_path / "failed").iterdir()) == ["x (2).pdf", "x.pdf"]
+    assert {moved[0], moved[1]} == {tmp_path / "failed" / "x.pdf", tmp_path / "failed" / "x (2).pdf"}
+    assert not any(source.exists() for source in sources)
+
+
+def no_rename_across(boundary: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Renames from inside `boundary` to outside it fail as they do between two file systems."""
+    real_rename = os.rename
+
+    def rename(src: object, dst: object, **kwargs: int) -> None:
+        inside = [p.is_relative_to(boundary) for p in (renamed_from(src, **kwargs), renamed_from(dst))]
+        if inside[0] != inside[1]:
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV))
+        real_rename(src, dst, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "rename", rename)
+
+
+@pytest.fixture
+def copies(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every copy of a file's bytes shutil is asked to make."""
+    made: list[str] = []
+    real_copyfileobj = shutil.copyfileobj
+
+    def copyfileobj(source: object, target: object, *args: object) -> None:
+        made.append(str(getattr(source, "name", source)))
+        real_copyfileobj(source, target, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(shutil, "copyfileobj", copyfileobj)
+    return made
+
+
+def test_a_file_in_an_inbox_on_another_file_system_is_set_aside_there_never_copied(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: list[str]) -> None:
+    """A sparse 1 TB file copied into failed/ would fill the home's disk, on the watcher's thread."""
+    huge = tmp_path / "inbox" / "reports" / "huge.pdf"
+    huge.parent.mkdir()
+    with huge.open("wb") as file:
+        file.truncate(2**26)  # sparse: a size, no blocks
+    no_rename_across(tmp_path / "inbox", monkeypatch)
+
+    moved = set_aside(huge, "not queued: the file is 67,108,864 bytes, over the 1 MB limit\n", inbox_folders)
+    assert copies == []
+    assert list(inbox_folders.failed.iterdir()) == []
+    assert moved == tmp_path / "inbox" / SET_ASIDE / "huge.pdf" and moved.stat().st_size == 2**26
+    assert not huge.exists()
+    assert Path(f"{moved}.error.txt").read_text().startswith("not queued: the file is 67,108,864 bytes")
+
+
+def test_a_file_that_cannot_leave_its_file_system_without_a_copy_stays_where_it_is(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, copies: list[str]) -> None:
+    """A folder mounted inside an inbox: neither failed/ nor the inbox's set-aside folder is on its file system."""
+    huge = tmp_path / "inbox" / "mounted" / "huge.pdf"
+    huge.parent.mkdir()
+    huge.write_bytes(b"%PDF-1.7 and much more")
+    no_rename_across(huge.parent, monkeypatch)
+
+    assert set_aside(huge, "not queued: too large\n", inbox_folders) is None
+    assert copies == [] and huge.read_bytes() == b"%PDF-1.7 and much more"
+    assert list(inbox_folders.failed.iterdir()) == list((tmp_path / "inbox" / SET_ASIDE).iterdir()) == []
+
+
+@pytest.mark.parametrize("originals", [MOVE, DELETE])
+def test_a_folder_swapped_for_a_link_after_the_check_redirects_no_move_and_no_delete(
+        inbox_folders: Folders, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, originals: str) -> None:
+    """In an inbox others can write to, the folder holding a finished document is swapped for a link to a
+    folder with a file of the same name, between the look at the document and the act on it."""
+    reports = tmp_path / "inbox" / "reports"
+    reports.mkdir()
+    source = reports / "a.txt"
+    source.write_text("processed")
+    _, read = identify(source)
+    (tmp_path / "private").mkdir()
+    (tmp_path / "private" / "a.txt").write_text("someone's own")
+    real_lstat, real_stat = os.lstat, os.stat
+    looks = []
+
+    def swap_after_the_look(real: Callable[..., os.stat_result], path: object, *args: object,
+                            **kwargs: object) -> os.stat_result:
+        looked = real(path, *args, **kwargs)
+        if os.fsdecode(path) in ("a.txt", str(source)) and looked.st_ino == read.inode:  # type: ignore[arg-type]
+            looks.append(path)
+            if len(looks) == 2 and not reports.is_symlink():  # the check before the act (the first: settling)
+                reports.rename(tmp_path / "inbox" / "moved-away")
+                reports.symlink_to(tmp_path / "private")
+        return looked
+
+    monkeypatch.setattr(os, "lstat", lambda path, *a, **k: swap_after_the_look(real_lstat, path, *a, **k))
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: swap_after_the_look(real_stat, path, *a, **k))
+    settled = settle_original(source, originals, inbox_folders, read)
+    monkeypatch.undo()
+    assert reports.is_symlink()  # the swap happened while it settled
+    assert (tmp_path / "private" / "a.txt").read_text() == "someone's own"
+    assert settled == ("deleted" if originals == DELETE else f"moved to {inbox_folders.processed / 'a.txt'}")
+    assert not (tmp_path / "inbox" / "moved-away" / "a.txt").exists()
+    if originals == MOVE:
+        assert (inbox_folders.processed / "a.txt").read_text() == "processed"

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from sample_meta import document_meta
 
-from npumoe.jobs.outputs import OFFSETS_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
+from npumoe.jobs.outputs import OFFSETS_FILE, SUMMARY_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
 from npumoe.jobs.queue import sqlite
 from npumoe.jobs.queue.store import Queue
 from npumoe.jobs.search import index as index_module
@@ -25,6 +25,7 @@ from npumoe.jobs.search.index import (
 )
 from npumoe.jobs.search.passages import passage_spans
 from npumoe.jobs.search.sentence_model import MODEL_KEY, sentence_model
+from npumoe.jobs.summary_file import render_summary
 
 PID = 77
 MODEL = "tiny@0"
@@ -63,7 +64,7 @@ class Home:
         starts = [text.index(p) for p in paragraphs]
         spans = np.array([[s, s + len(p)] for s, p in zip(starts, paragraphs, strict=True)], dtype=np.int64)
         rows = np.stack([*vectors, unit(*np.mean(vectors, axis=0))])
-        files = {"summary.md": f"# {name}\n\n_facts_\n\nAbout {name}.\nMore.\n".encode(),
+        files = {SUMMARY_FILE: render_summary(name, model_key, len(paragraphs), 10, f"About {name}.\nMore.").encode(),
                  "embeddings.npy": npy_bytes(rows),
                  "meta.json": document_meta(job_id=job_id, model_key=model_key, source=f"/in/{name}").to_json()}
         if keep_text:
@@ -126,6 +127,14 @@ def test_the_query_words_outrank_vectors_and_the_exact_phrase_outranks_scattered
 
 def test_k_limits_the_chunks_returned(archive: Home) -> None:
     assert len(archive.search("boats", unit(1, 0), k=2)) == 2
+
+
+def test_a_document_is_indexed_with_its_summarys_first_line(archive: Home) -> None:
+    index = SearchIndex(archive.database)
+    try:
+        assert index.document(1).summary == "About tides.txt."
+    finally:
+        index.close()
 
 
 def test_similar_lists_the_document_itself_first_at_one_then_the_nearest(archive: Home) -> None:
@@ -245,3 +254,20 @@ def test_reindex_rebuilds_the_index_with_the_search_models_vectors(archive: Home
     finally:
         index.close()
     assert Path(found[0].document.source).name == "orchard.txt" and found[0].chunks[0].cosine > 0.3
+
+
+@pytest.mark.parametrize("home_name", ["h#9", "h?mode=rwc", "h%41"])
+def test_a_read_only_connection_opens_the_database_of_a_home_whose_name_reads_as_url_syntax(
+        tmp_path: Path, home_name: str) -> None:
+    database = tmp_path / home_name / "npumoed.db"
+    database.parent.mkdir()
+    writer = sqlite.connect(database)
+    writer.execute("CREATE TABLE marker (word TEXT)")
+    writer.execute("INSERT INTO marker VALUES ('this home')")
+    writer.close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    reader = sqlite.connect(database, read_only=True)
+    assert reader.execute("SELECT word FROM marker").fetchall() == [("this home",)]
+    reader.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no other database made beside the home

@@ -1,7 +1,6 @@
 """One document through the pipeline: outputs and a done job, or a recorded reason, never a lost job.
 
-The engine here is a stand-in that reports a few chunks and returns a fixed result, so these tests
-specify the pipeline's own behaviour; the real engine runs in tests/daemon/test_e2e.py.
+The engine here is a stand-in (stand_in_engine.py), so these tests specify the pipeline's own behaviour.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import re
 import sqlite3
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import hostile_files
@@ -25,81 +23,42 @@ import pytest
 from postgres_server import PostgresServer
 from sqlalchemy import update
 from sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
+from stand_in_engine import StandInModel
 
 from npumoe.daemon.energy.measure import Meter
-from npumoe.engine import DocumentResult, EngineSettings, Progress, RunStats
-from npumoe.engine.moe.dispatch import DispatchStats
-from npumoe.jobs import files, outputs, pipeline
+from npumoe.jobs import files, outputs, reading
 from npumoe.jobs.errors import ExtractionError, FileRefused, MissingDependency, Stop
 from npumoe.jobs.extract.isolated import ExtractLimits
 from npumoe.jobs.faults import READ_FAULTS, MachineFault
 from npumoe.jobs.files import Folders
+from npumoe.jobs.outcomes import Outcome
 from npumoe.jobs.outputs import displaced_path, output_name, read_text
-from npumoe.jobs.pipeline import Outcome, Pipeline, Policy
+from npumoe.jobs.pipeline import Pipeline, Policy
 from npumoe.jobs.queue.schema import jobs
 from npumoe.jobs.queue.store import HANDBACKS, Backoff, Job, Queue
 from npumoe.jobs.search import sentence_model as sentence_model_module
 from npumoe.jobs.search.index import SearchIndex, reindex, stale_reason
 
-PID = 4242
 TEXT = "A short document about queues.\n\nIt has two paragraphs, which is plenty for a stand-in engine.\n"
-
-
-@dataclass
-class StandInEngine:
-    chunks: int = 3
-    error: Exception | None = None
-    model_key: str = "stand-in@0"
-    residency: None = None  # no plan: every expert on the exact CPU path
-    settings: EngineSettings = field(default_factory=lambda: EngineSettings(model="stand-in", weights="bf16"))
-    texts: list[str] = field(default_factory=list)
-
-    def process(self, text: str, on_progress: Callable[[Progress], None] | None = None,
-                check: Callable[[], None] | None = None) -> DocumentResult:
-        self.texts.append(text)
-        for done in range(1, self.chunks + 1):
-            assert on_progress is not None and check is not None
-            check()  # as the engine runs it, within every chunk
-            on_progress(Progress("prefill", done, self.chunks, 10 * done, 10 * self.chunks, 0.5 * done))
-        if self.error is not None:
-            raise self.error
-        stats = RunStats(tokens=10 * self.chunks, chunks=self.chunks, chunk_tokens=10, sections=1, reduce_rounds=0,
-                         generated_tokens=3,
-                         seconds={"prefill": 0.1, "summary": 0.2, "reduce": 0.0, "total": 0.3},
-                         dispatch=DispatchStats())
-        rows = np.arange((self.chunks + 1) * 4, dtype=np.float32).reshape(self.chunks + 1, 4)
-        cuts = np.linspace(0, len(text), self.chunks + 1).astype(np.int64)
-        spans = np.stack([cuts[:-1], cuts[1:]], axis=1)  # the text in equal parts, one per chunk
-        return DocumentResult(summary="The stand-in summary.", embeddings=rows, spans=spans, stats=stats)
-
-
-@dataclass
-class StandInModel:
-    engine: StandInEngine = field(default_factory=StandInEngine)
-    settings: EngineSettings = field(default_factory=lambda: EngineSettings(model="stand-in", summary_tokens=8))
-
-    def load(self) -> StandInEngine:
-        return self.engine
 
 
 class Setup:
     """A queue, the four folders, and a pipeline over them, as the worker would build them."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.inbox, self.outbox, self.processed, self.failed = (root / n for n in ("inbox", "out", "done", "failed"))
-        for folder in (self.inbox, self.outbox, self.processed, self.failed):
-            folder.mkdir(parents=True)
-        self.queue = Queue(root / "queue.db", backoff=Backoff(base=0.0, cap=0.0))
-        self.model = StandInModel()
+    def __init__(self, root: Path, folders: Folders, queue: Queue, model: StandInModel, claim: Callable[..., Job],
+                 pid: int) -> None:
+        self.root, self.folders, self.queue, self.model, self.pid = root, folders, queue, model, pid
+        self.inbox, self.outbox, self.processed, self.failed = (
+            folders.inboxes[0], folders.outbox, folders.processed, folders.failed)
+        self._claim = claim
         self.checkpoints = 0
         self.stop_at_checkpoint: int | None = None
 
     def pipeline(self, originals: str = "keep", max_bytes: int = 2**20) -> Pipeline:
-        folders = Folders(self.outbox, self.processed, self.failed, (self.inbox.resolve(),))
         policy = Policy(originals, ExtractLimits(timeout_s=20, memory_mb=512, max_bytes=max_bytes), 60.0)
         return Pipeline(
-            self.queue, folders, policy, self.model, worker_pid=PID, meter=Meter, checkpoint=self._checkpoint
+            self.queue, self.folders, policy, self.model, worker_pid=self.pid, meter=Meter,
+            checkpoint=self._checkpoint,
         )
 
     def _checkpoint(self) -> None:
@@ -113,11 +72,7 @@ class Setup:
         return path
 
     def claim(self, path: Path, max_attempts: int = 3) -> Job:
-        sha = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() and not path.is_symlink() else "0" * 64
-        self.queue.add(path, sha, model_key="m", settings_key="s", max_attempts=max_attempts)
-        job = self.queue.claim(PID, lease_seconds=60)
-        assert job is not None
-        return job
+        return self._claim(self.queue, path, max_attempts)
 
     def run(self, path: Path, originals: str = "keep", max_attempts: int = 3) -> tuple[Outcome, Job]:
         job = self.claim(path, max_attempts)
@@ -128,8 +83,9 @@ class Setup:
 
 
 @pytest.fixture
-def setup(tmp_path: Path) -> Setup:
-    return Setup(tmp_path)
+def setup(tmp_path: Path, inbox_folders: Folders, queue: Queue, stand_in_model: StandInModel, claim: Callable[..., Job],
+          worker_pid: int) -> Setup:
+    return Setup(tmp_path, inbox_folders, queue, stand_in_model, claim, worker_pid)
 
 
 def test_a_document_becomes_five_outputs_and_a_done_job(setup: Setup) -> None:
@@ -239,7 +195,7 @@ def test_an_engine_failure_is_retried_with_backoff_then_the_job_dies(setup: Setu
     outcome, job = setup.run(path, max_attempts=2)
     assert (outcome.state, job.error_kind) == ("failed", "engine") and "out of cheese" in (job.last_error or "")
     assert path.exists()  # still in the inbox while it may be retried
-    again = setup.queue.claim(PID, lease_seconds=60)
+    again = setup.queue.claim(setup.pid, lease_seconds=60)
     assert again is not None and again.id == job.id and again.attempts == 2
     assert setup.pipeline().process(again).state == "dead"
     assert (setup.failed / "notes.md.error.txt").exists()
@@ -295,7 +251,7 @@ def test_an_extractor_killed_by_the_same_stop_signal_does_not_fail_the_document(
     def killed(*_: object) -> None:
         raise ExtractionError("corrupt", "the parser crashed on this document (killed by SIGINT)")
 
-    monkeypatch.setattr(pipeline, "extract_text", killed)
+    monkeypatch.setattr(reading, "extract_text", killed)
     setup.stop_at_checkpoint = 2  # Ctrl-C: the daemon is stopping when the extractor's death is reported
     outcome, job = setup.run(setup.document())
     assert (outcome.state, job.state, job.attempts, job.last_error) == ("queued", "queued", 0, None)
@@ -307,7 +263,7 @@ def test_a_document_refused_for_a_permission_is_tried_again_with_the_reason_it_w
     def denied(*_: object) -> None:  # as open_regular refuses a file of mode 000 (root reads it anyway)
         raise FileRefused("unreadable", "cannot read the file: permission denied", denied=True)
 
-    monkeypatch.setattr(pipeline, "snapshot", denied)
+    monkeypatch.setattr(reading, "snapshot", denied)
     path = setup.document()
     outcome, job = setup.run(path)
     assert (outcome.state, job.error_kind, job.last_error) == ("failed", "unreadable",
@@ -332,7 +288,7 @@ def test_outputs_a_killed_attempt_completed_are_kept_not_recomputed(setup: Setup
     first, _ = setup.run(path)
     # As if the daemon died after writing the outputs but before marking the job done:
     with sqlite3.connect(setup.root / "queue.db") as db:
-        db.execute("UPDATE jobs SET state = 'running', worker_pid = ?", (PID,))
+        db.execute("UPDATE jobs SET state = 'running', worker_pid = ?", (setup.pid,))
     job = setup.queue.get(1)
     assert job is not None
     setup.model.engine.texts.clear()
@@ -399,7 +355,7 @@ def test_an_io_error_reading_the_inbox_costs_no_attempt_nor_sets_the_document_as
         after = setup.queue.get(job.id)
         assert after is not None and (after.state, after.attempts, after.last_error) == ("queued", 0, str(fault.value))
         backoff_waited_out(setup.queue)
-        job = setup.queue.claim(PID, lease_seconds=60) or job
+        job = setup.queue.claim(setup.pid, lease_seconds=60) or job
     assert failing.calls == HANDBACKS and path.exists() and list(setup.failed.iterdir()) == []
     failing.failing = False  # the share is back
     assert setup.pipeline().process(job).state == "done"
@@ -417,7 +373,7 @@ def test_a_file_whose_reads_keep_failing_lets_the_queue_go_on_then_is_set_aside_
     claimed, done = [], []
     for _ in range(30):  # at most two attempts of five hand-backs each for the bad file, one claim for the good
         backoff_waited_out(setup.queue)
-        job = setup.queue.claim(PID, lease_seconds=60)
+        job = setup.queue.claim(setup.pid, lease_seconds=60)
         if job is None:
             break
         claimed.append(Path(job.path).name)
@@ -441,7 +397,7 @@ def test_a_missing_package_is_the_machines_fault_and_clears_once_it_imports(
         calls.append(path)
         raise MissingDependency("reading this PDF needs a package that is not installed", "cryptography")
 
-    monkeypatch.setattr(pipeline, "extract_text", without_cryptography)
+    monkeypatch.setattr(reading, "extract_text", without_cryptography)
     path = setup.document()
     job = setup.claim(path, max_attempts=1)
     with pytest.raises(MachineFault, match="the Python module 'cryptography' cannot be imported") as fault:
@@ -473,7 +429,7 @@ def test_a_full_disk_hands_the_job_back_and_says_how_much_is_free(
     assert os.listdir(setup.outbox) == []  # no half-written output, no leftover temporary
     monkeypatch.setattr(outputs, "_write_durably", real_write)
     assert fault.value.cleared()
-    again = setup.queue.claim(PID, lease_seconds=60)
+    again = setup.queue.claim(setup.pid, lease_seconds=60)
     assert again is not None and setup.pipeline().process(again).state == "done"
 
 
@@ -497,7 +453,7 @@ def test_the_queue_database_full_while_marking_a_job_done_blames_no_document(
     assert fault.value.folder == setup.root and fault.value.code == errno.ENOSPC
     after = setup.queue.get(job.id)
     assert after is not None and (after.state, after.attempts, after.error_kind) == ("queued", 0, "machine")
-    again = setup.queue.claim(PID, lease_seconds=60)
+    again = setup.queue.claim(setup.pid, lease_seconds=60)
     assert again is not None and setup.pipeline().process(again).state == "done" and len(tried) == 2
 
 
@@ -514,20 +470,21 @@ def test_a_failure_the_locked_database_would_not_record_is_recorded_later_and_th
         return real_fail(queue, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Queue, "fail", fail_unless_locked)
-    monkeypatch.setattr(pipeline, "extract_text", refuse_as_corrupt)
+    monkeypatch.setattr(reading, "extract_text", refuse_as_corrupt)
     job = setup.claim(setup.document(), max_attempts=1)
     worker = setup.pipeline()
     with pytest.raises(MachineFault, match=r"^the database is busy") as fault:
         worker.process(job)
-    assert fault.value.code == errno.EBUSY and list(worker.unsettled) == [job.id]
+    assert fault.value.code == errno.EBUSY and list(worker.outcomes.unsettled) == [job.id]
     with pytest.raises(MachineFault):
         worker.record_unsettled()  # still locked: it waits for the next call
     running = setup.queue.get(job.id)
-    assert running is not None and running.state == "running" and running.worker_pid == PID  # still this worker's
+    assert running is not None and running.state == "running" and running.worker_pid == setup.pid  # still this worker's
     database["locked"] = False
     worker.record_unsettled()
     after = setup.queue.get(job.id)
-    assert after is not None and (after.state, after.error_kind) == ("dead", "corrupt") and worker.unsettled == {}
+    assert after is not None and (after.state, after.error_kind) == ("dead", "corrupt")
+    assert worker.outcomes.unsettled == {}
     assert (setup.failed / "notes.md").exists()  # set aside once the failure was recorded
 
 
@@ -593,15 +550,13 @@ def test_a_done_document_is_in_the_search_index(setup: Setup) -> None:
 
 
 def test_on_a_shared_queue_a_done_document_is_indexed_in_this_machines_own_database(
-    tmp_path: Path, postgres: object
+    setup: Setup, postgres: PostgresServer
 ) -> None:
-    setup = Setup(tmp_path)
-    setup.queue = Queue(postgres.new_database(), backoff=Backoff(base=0.0, cap=0.0))  # type: ignore[attr-defined]
-    local = tmp_path / "home.db"
+    setup.queue = Queue(postgres.new_database(), backoff=Backoff(base=0.0, cap=0.0))
+    local = setup.root / "home.db"
     job = setup.claim(setup.document())
-    policy = Policy("keep", ExtractLimits(timeout_s=20, memory_mb=512, max_bytes=2**20), 60.0)
-    folders = Folders(setup.outbox, setup.processed, setup.failed, (setup.inbox.resolve(),))
-    pipeline_ = Pipeline(setup.queue, folders, policy, setup.model, worker_pid=PID, meter=Meter, local_index=local)
+    pipeline_ = setup.pipeline()
+    pipeline_.local_index = local
     assert pipeline_.process(job).state == "done"
     index = SearchIndex(local)
     try:
@@ -638,3 +593,20 @@ def test_a_damaged_search_index_fails_no_document_and_is_flagged_for_reindex(set
         assert {n.document.job_id for n in index.similar(job.id, 5)} == {1, 2}
     finally:
         index.close()
+
+
+def test_a_documents_private_copy_is_made_in_the_home_never_in_the_outbox(setup: Setup) -> None:
+    """An outbox may be shared storage that the start-up clean-up never sweeps: a copy left there by a kill
+    would stay for ever, on the share. The home (processed/'s and failed/'s folder) is swept at every start."""
+    seen: list[tuple[list[str], list[Path]]] = []
+
+    def look_while_it_runs() -> None:
+        seen.append(([p.name for p in setup.outbox.iterdir()], sorted(setup.root.glob(".tmp-job*/*"))))
+
+    setup._checkpoint = look_while_it_runs  # type: ignore[method-assign]
+    outcome, _ = setup.run(setup.document())
+    assert outcome.state == "done" and seen
+    in_outbox, in_home = seen[0]  # the first checkpoint comes straight after the copy is made
+    assert in_outbox == []
+    assert [p.name for p in in_home] == ["document.md"]
+    assert list(setup.root.glob(".tmp-job*")) == []  # and it goes when the job ends

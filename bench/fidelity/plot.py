@@ -11,7 +11,7 @@ from matplotlib.figure import Figure
 
 from npumoe.engine.vocabulary import PRUNE, SPILL
 
-from .fidelity import OVERFLOWS
+from .capacity import OVERFLOWS
 
 
 def fidelity_figure(rows: Sequence[dict]) -> Figure:

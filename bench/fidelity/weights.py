@@ -42,8 +42,8 @@ from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, layer_experts, routing_prior
 from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS, CPU, FP32, INT4, INT8, QUANTIZED
 
-from .fidelity import agreement
-from .paths import relative_error
+from ..paths import relative_error
+from .capacity import agreement
 
 FORMATS = (FP32, BF16, INT8, INT4)
 FLOAT_OF = {FP32: FP32, BF16: BF16, INT8: BF16, INT4: BF16}  # the float model each format's non-expert part is

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 from docx_writer import HIDDEN, REVISED, revised_docx
+from extraction import LIMITS
 
-from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
-
-LIMITS = ExtractLimits(timeout_s=30, memory_mb=512, max_bytes=8 * 2**20, max_chars=1_000_000)
+from npumoe.jobs.extract.isolated import extract_text
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 from blocked_imports import block_imports
+from extraction import LIMITS, extraction_error, words
 from pdf_writer import pdf_bytes, text_pdf
 from PIL import Image, ImageDraw
 from pypdf import PdfReader, PdfWriter
 
-from npumoe.jobs.errors import ExtractionError, MissingDependency
-from npumoe.jobs.extract.isolated import ExtractLimits, extract_text
+from npumoe.jobs.errors import MissingDependency
+from npumoe.jobs.extract.isolated import extract_text
 
-LIMITS = ExtractLimits(timeout_s=30, memory_mb=512, max_bytes=8 * 2**20, max_chars=1_000_000)
 PARAGRAPHS = [
     "The quarterly minutes were sealed with a password that nobody needs to read them.",
     "Encryption that only carries permissions still leaves the text open to every viewer.",
@@ -38,16 +38,6 @@ def scanned_pdf(path: Path) -> Path:
         draw.line([(40, y), (385, y)], fill=0, width=4)
     page.save(path, resolution=50)
     return path
-
-
-def words(text: str) -> str:
-    return " ".join(text.split())
-
-
-def extraction_error(path: Path) -> ExtractionError:
-    with pytest.raises(ExtractionError) as caught:
-        extract_text(path, LIMITS)
-    return caught.value
 
 
 @pytest.mark.parametrize("algorithm", AES)

@@ -4,7 +4,7 @@ The model (the demo MoE, or any checkpoint) runs in fp32 over the start of each 
 weights (the float model), then with its experts' weights rounded to each format and back (int8 per output row,
 int4 in groups of a chosen size, `quantize.py`): the experts are what `weights = "int8"` / `"int4"` quantize; the
 rest (attention, embeddings, router) stays float. This measures the formats' rounding alone, with exact fp32
-activations: the floor every kernel of a format sits on (bench/weights_fidelity.py measures the kernels on top).
+activations: the floor every kernel of a format sits on (bench/fidelity/weights.py measures the kernels on top).
 
 The demo's float weights come from a Q4_1 GGUF file, so they sit (to bf16's rounding) on a 4-bit grid of 32-weight
 blocks along each row: int4 in groups of 32 aligned with those blocks can find that grid again and reproduces them
@@ -35,7 +35,7 @@ from npumoe.engine.generate.prefill import new_cache, prefill, windows
 from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.moe.model_experts import moe_experts
 
-from .fidelity import agreement
+from .capacity import agreement
 
 GGUF_BLOCK = 32  # weights per Q4_0 / Q4_1 block: the grid the demo's float weights sit on
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import psutil
@@ -23,6 +25,8 @@ from sqlalchemy import create_engine, inspect, text, update
 from sqlalchemy.exc import DBAPIError
 
 from npumoe.bench.service.queue import run_claim_benchmark
+from npumoe.jobs.errors import IdentityInUse
+from npumoe.jobs.queue.identity import IDENTITY_FILE
 from npumoe.jobs.queue.schema import SCHEMA_VERSION, jobs, migrate, schema_version
 from npumoe.jobs.queue.store import BATCH, FREE_HANDBACKS, HANDBACKS, INTERACTIVE, Backoff, Queue
 
@@ -451,3 +455,41 @@ def test_postgresql_schema_version_is_kept_and_a_newer_one_refused(postgres: Pos
         conn.exec_driver_sql(f"UPDATE npumoed_schema SET version = {SCHEMA_VERSION + 1}")
     with pytest.raises(RuntimeError, match="newer"):
         Queue(url)
+
+
+def test_a_home_on_a_shared_queue_is_known_by_an_identity_made_once_and_kept(
+        postgres: PostgresServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not by its host name, which cloned machines share and macOS changes with the network."""
+    url = postgres.new_database()
+    monkeypatch.setattr(socket, "gethostname", lambda: "mac")
+    first_home, cloned_name = tmp_path / "a", tmp_path / "b"
+    first_home.mkdir(), cloned_name.mkdir()
+    first, other = Queue(url, home=first_home), Queue(url, home=cloned_name)
+    monkeypatch.setattr(socket, "gethostname", lambda: "mac-on-another-network")
+    again = Queue(url, home=first_home)
+    assert first.host.startswith("mac-") and other.host.startswith("mac-") and first.host != other.host
+    assert again.host == first.host == (first_home / IDENTITY_FILE).read_text().strip()
+    job, _ = first.add("/inbox/a.md", "a" * 64, model_key="m", settings_key="s", pinned=True)
+    assert other.claim(1, lease_seconds=60) is None  # a machine of the same host name does not take it
+    assert again.claim(1, lease_seconds=60).id == job.id  # the same machine, renamed, does
+    for queue in (first, other, again):
+        queue.close()
+
+
+def test_a_daemon_does_not_start_beside_a_live_one_with_its_identity(postgres: PostgresServer) -> None:
+    """A home copied whole to another machine (a cloned image) carries its identity file along."""
+    url = postgres.new_database()
+    here, clone = (Queue(url, host="mac-3f2a", home="/Users/p/npumoed") for _ in range(2))
+    here.daemons.write(pid=1, started_at=10.0, activity="idle")
+    running, _ = here.add("/inbox/a.md", "a" * 64, model_key="m", settings_key="s")
+    assert here.claim(1, lease_seconds=60).id == running.id
+    for what_a_daemon_does in (clone.reap, partial(clone.claim, 2, lease_seconds=60),
+                               partial(clone.daemons.write, pid=2, started_at=11.0, activity="idle")):
+        with pytest.raises(IdentityInUse, match="already known as 'mac-3f2a'"):
+            what_a_daemon_does()
+    assert here.daemons.read()["pid"] == 1  # the live one's row is untouched
+    assert here.get(running.id).state == "running"  # and its job is not taken back
+    here.close()  # the first one stops (or is killed: its connection goes with it)
+    clone.daemons.write(pid=2, started_at=12.0, activity="idle")
+    assert clone.daemons.read()["pid"] == 2
+    clone.close()

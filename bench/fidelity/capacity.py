@@ -27,7 +27,7 @@ from npumoe.engine.plan.cost_cache import machine
 from npumoe.engine.plan.residency import MeasuredCosts, decide_residency
 from npumoe.engine.vocabulary import PRUNE, SPILL, TORCH_STATIC
 
-from .paths import dispatch_fractions
+from ..paths import dispatch_fractions
 
 OVERFLOWS = (PRUNE, SPILL)  # the sweep's order: the policy that loses assignments, then the one that keeps them
 

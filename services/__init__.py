@@ -1,1 +1,0 @@
-"""Service definitions (a LaunchAgent plist and a systemd --user unit), shipped as package data."""
