@@ -80,7 +80,9 @@ class SentenceModel:
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.enable_truncation(MAX_TOKENS)
         self.tokenizer.enable_padding()
-        self.weights = load_file(folder / "model.safetensors")
+        # Each layer's matrices transposed once, contiguous: x @ w is then one BLAS call on (tokens, width) rows
+        self.weights = {name: np.ascontiguousarray(w.T) if w.ndim == 2 and name.startswith("encoder.") else w
+                        for name, w in load_file(folder / "model.safetensors").items()}
         self.layers = 1 + max(int(name.split(".")[2]) for name in self.weights if name.startswith("encoder.layer."))
         self.heads = json.loads((folder / "config.json").read_text())["num_attention_heads"]
         self.calls = 0  # texts embedded, for tests that must see the model run
@@ -107,21 +109,21 @@ class SentenceModel:
         for i in range(self.layers):
             p = f"encoder.layer.{i}."
             batch, tokens, width = x.shape
-            # (batch, heads, tokens, 32), contiguous: numpy's matmul runs BLAS only on contiguous stacks
-            q, k, v = (np.ascontiguousarray(self._dense(x, f"{p}attention.self.{n}")
-                                            .reshape(batch, tokens, self.heads, -1).transpose(0, 2, 1, 3))
-                       for n in ("query", "key", "value"))
-            scores = q @ np.ascontiguousarray(k.transpose(0, 1, 3, 2)) / math.sqrt(q.shape[-1]) + hidden_mask
+            q, k, v = (self._dense(x, f"{p}attention.self.{n}").reshape(batch, tokens, self.heads, -1)
+                       for n in ("query", "key", "value"))  # (batch, tokens, heads, 32)
+            # einsum, not a stacked matmul of transposed copies: measured faster here, and no copies
+            scores = np.einsum("bthd,bshd->bhts", q, k) / math.sqrt(q.shape[-1]) + hidden_mask
             scores = np.exp(scores - scores.max(-1, keepdims=True))
-            attended = (scores / scores.sum(-1, keepdims=True)) @ v
-            attended = attended.transpose(0, 2, 1, 3).reshape(batch, tokens, width)
+            probabilities = scores / scores.sum(-1, keepdims=True)  # (batch, heads, tokens, tokens)
+            attended = np.einsum("bhts,bshd->bthd", probabilities, v).reshape(batch, tokens, width)
             x = self._norm(x + self._dense(attended, f"{p}attention.output.dense"), f"{p}attention.output.LayerNorm")
             inner = _gelu(self._dense(x, f"{p}intermediate.dense"))
             x = self._norm(x + self._dense(inner, f"{p}output.dense"), f"{p}output.LayerNorm")
         return x
 
     def _dense(self, x: np.ndarray, name: str) -> np.ndarray:
-        return x @ self.weights[f"{name}.weight"].T + self.weights[f"{name}.bias"]
+        rows = x.reshape(-1, x.shape[-1]) @ self.weights[f"{name}.weight"] + self.weights[f"{name}.bias"]
+        return rows.reshape(*x.shape[:-1], -1)
 
     def _norm(self, x: np.ndarray, name: str) -> np.ndarray:
         centred = x - x.mean(-1, keepdims=True)
