@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from demo_run import PASSAGE_RECALL_BAR
+from demo_run import ENGINE_WEIGHTS, PASSAGE_RECALL_BAR
 
 from npumoe.bench.cli import bench
 from npumoe.bench.service.questions import QUESTIONS, Question, written_set
@@ -79,7 +79,7 @@ def test_bench_retrieval_prints_its_table_and_writes_its_figures(tmp_path: Path)
     assert result.exit_code == 0, result.output
     assert "passage R@1" in result.output and "chance:" in result.output
     written = json.loads(out.read_text())
-    (default,) = [r for r in written["results"] if r["weights"] == {"cosine": WEIGHTS.cosine, "words": WEIGHTS.words,
-                                                                     "phrase": WEIGHTS.phrase}]
+    (default,) = [r for r in written["results"] if r["weights"] == {
+        "cosine": ENGINE_WEIGHTS.cosine, "words": ENGINE_WEIGHTS.words, "phrase": ENGINE_WEIGHTS.phrase}]
     assert default["questions"] == len(QUESTIONS)
     assert default["passage_recall_at_1"] >= PASSAGE_RECALL_BAR
