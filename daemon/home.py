@@ -31,11 +31,6 @@ class Home:
         return self.root / "npumoed.lock"
 
     @property
-    def socket(self) -> Path:
-        """Where the running daemon answers searches (daemon/queries.py)."""
-        return self.root / "npumoed.sock"
-
-    @property
     def inbox(self) -> Path:
         return self.root / "inbox"
 
