@@ -19,7 +19,7 @@ from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.errors import ModelError
 from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
-from npumoe.engine.formats.quantize import quantize
+from npumoe.engine.formats.quantize import quantize, unpack_int4
 from npumoe.engine.loading import gguf_header, gguf_load
 from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
 from npumoe.engine.loading.load import load_model
@@ -121,17 +121,59 @@ def test_q4_0_codes_pair_as_the_engines_nibbles(tmp_path):
     assert torch.equal(got, torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_0)))
 
 
-def test_a_k_quant_weight_is_dequantized_and_quantized_again():
-    # Q4_K blocks of 256 (gguf can read but not write them): f16 d and dmin, 12 bytes of 6-bit scales, 128 of codes
-    rng = np.random.default_rng(0)
-    rows, blocks = 8, 2
-    raw = rng.integers(0, 256, size=(rows, blocks, 144), dtype=np.uint8)
-    raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    raw[..., 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
-    raw = raw.reshape(rows, -1)
+def _random_blocks(qtype: gguf.GGMLQuantizationType, rows: int, blocks: int, scales: dict[int, np.ndarray],
+                   seed: int = 0) -> np.ndarray:
+    """(rows, row bytes) of random blocks of `qtype` (the gguf package reads K-quants but does not write them),
+    with the floats at each byte offset of `scales` set to values drawn from that array."""
+    rng = np.random.default_rng(seed)
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    raw = rng.integers(0, 256, size=(rows, blocks, size), dtype=np.uint8)
+    for at, values in scales.items():
+        drawn = rng.choice(values, size=(rows, blocks))
+        raw[..., at:at + values.itemsize] = drawn[..., None].view(np.uint8).reshape(rows, blocks, values.itemsize)
+    return raw.reshape(rows, -1)
+
+
+def test_a_q4_k_weight_is_mapped_into_int4_without_a_float_copy(monkeypatch):
+    # f16 d and dmin of a few magnitudes, the eight 6-bit scales and mins and the codes random bytes
+    raw = _random_blocks(Q.Q4_K, 8, 3, {0: np.float16([0.01, 3e-4, 0.07]), 2: np.float16([0.005, 1e-3, 0.02])})
+    floats: list[str] = []
+    monkeypatch.setattr(gguf_blocks, "quantize", lambda *a, **k: floats.append("quantize"))
+    monkeypatch.setattr(gguf.quants, "dequantize", lambda *a, **k: floats.append("dequantize"))
     CONVERSIONS.clear()
-    got = engine_weight(torch.from_numpy(raw), Q.Q4_K, 256 * blocks, "int4", torch.float32)
-    want = quantize(torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_K)), "int4")
+    got = engine_weight(torch.from_numpy(raw), Q.Q4_K, 3 * 256, "int4", torch.float32)
+    assert dict(CONVERSIONS) == {MAPPED: 1} and floats == []
+    monkeypatch.undo()
+    want = torch.from_numpy(gguf.quants.dequantize(raw, Q.Q4_K)).double()
+    # the only error is the rounding of each group's scale and zero to bf16 (8 significant bits: off by at most
+    # 2^-8 of the value): a weight of code q is off by at most |q - 8| times the scale's error and the zero's
+    scale, zero = (t.double().repeat_interleave(32, dim=1) for t in (got.scale, got.zero))
+    centred = (unpack_int4(got.codes).double() - 8).abs()
+    bound = (centred * scale.abs() + zero.abs()) * 2.0**-8 * (1 + 1e-6)
+    assert ((got.dequantize(torch.float64) - want).abs() <= bound).all()
+    assert (got.dequantize(torch.float64) - want).abs().max() > 0  # the bf16 rounding is real, and bounded
+
+
+def test_a_q8_k_weight_is_mapped_into_int8_by_rescaling_its_codes():
+    # Q8_K: an f32 scale, 256 int8 codes and sums for llama.cpp's kernels; the gguf package has no reader for it
+    raw = _random_blocks(Q.Q8_K, 4, 2, {0: np.float32([0.01, 0.002, 0.03])})
+    blocks = raw.reshape(4, 2, -1)
+    values = blocks[..., 4:260].view(np.int8) * blocks[..., :4].copy().view(np.float32)
+    CONVERSIONS.clear()
+    got = engine_weight(torch.from_numpy(raw), Q.Q8_K, 512, "int8", torch.float32)
+    assert dict(CONVERSIONS) == {MAPPED: 1}
+    want = torch.from_numpy(values.reshape(4, 512))
+    assert ((got.dequantize() - want).abs() <= got.scale[:, None] / 2 + 1e-7).all()  # half a step of the row's
+
+
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q5_K])
+def test_k_quants_the_formats_cannot_express_are_dequantized_and_quantized_again(qtype):
+    # Q6_K: 6-bit codes in sub-blocks of 16; Q5_K: 5-bit codes; int8 has one scale a row, int4 4-bit codes
+    at = {Q.Q6_K: 208, Q.Q5_K: 0}[qtype]
+    raw = _random_blocks(qtype, 8, 2, {at: np.float16([0.01, 0.002])})
+    CONVERSIONS.clear()
+    got = engine_weight(torch.from_numpy(raw), qtype, 512, "int8", torch.float32)
+    want = quantize(torch.from_numpy(gguf.quants.dequantize(raw, qtype)), "int8")
     assert dict(CONVERSIONS) == {DEQUANTIZED: 1}
     assert torch.equal(got.codes, want.codes) and torch.equal(got.scale, want.scale)
 
