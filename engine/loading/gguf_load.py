@@ -38,7 +38,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Pretra
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from ..errors import ModelError
-from ..formats.gguf_blocks import dequantized, engine_weight, stored_format
+from ..formats.gguf_blocks import dequantized, engine_weight, file_type_format, stored_format
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
@@ -102,14 +102,19 @@ def gguf_config(path: Path) -> PretrainedConfig:
 
 
 def experts_format(path: Path) -> str | None:
-    """The engine's format the file's routed experts are stored in, or no wider than (gguf_blocks.stored_format of
-    the block type most of their weights are in: a Q4_K_M file keeps some down projections in Q6_K); None for
-    float experts or a file without any."""
+    """The engine's format the file's routed experts are stored in, or no wider than: that of the file's type
+    (gguf_blocks.file_type_format: a Q4_K_M file is int4 although llama.cpp stores some of its experts in Q5_0 or
+    Q6_K), else gguf_blocks.stored_format of the block type most of their weights are in; None for float experts
+    or a file without any."""
     counts: dict[int, int] = defaultdict(int)
-    for tensor in read_gguf(path).tensors:
+    reader = read_gguf(path)
+    for tensor in reader.tensors:
         if EXPERTS_TENSOR.fullmatch(tensor.name):
             counts[int(tensor.tensor_type)] += int(tensor.n_elements)
-    return stored_format(max(counts, key=counts.__getitem__)) if counts else None
+    stored = stored_format(max(counts, key=counts.__getitem__)) if counts else None
+    file_type = reader.fields.get("general.file_type")
+    declared = None if file_type is None else file_type_format(int(file_type.contents()))
+    return declared if stored is not None and declared is not None else stored
 
 
 def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, pack: bool = False,

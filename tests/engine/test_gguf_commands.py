@@ -24,6 +24,7 @@ from npumoe.engine.loading.model_size import MIN_RESERVE_BYTES, checkpoint_tenso
 from npumoe.engine.loading.quant_store import quantized_folder
 from npumoe.engine.loading.resolve import fingerprint
 from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.gguf_writer import write_gguf
 
 PLENTY = 2**40
 Q = gguf.GGMLQuantizationType
@@ -58,6 +59,19 @@ def test_auto_keeps_a_quantized_files_experts_in_their_format_and_times_no_float
     choice = choose_weights(tiny_gguf("qwen3_moe", type_name), PLENTY)  # room for bf16 and to spare
     assert choice.weights == format and choice.fits and "never a float format" in choice.reason
     assert timed == []  # no float dtype was considered
+
+
+@pytest.mark.parametrize(("file_type", "format"), [(gguf.LlamaFileType.MOSTLY_Q4_K_M, "int4"),
+                                                     (gguf.LlamaFileType.MOSTLY_Q5_K_M, "int8"), (None, "int8")])
+def test_auto_reads_a_files_type_not_the_wider_blocks_llama_cpp_fell_back_to(tiny, tmp_path, timed, file_type,
+                                                                             format):
+    # llama-quantize stores a weight whose rows are not whole super-blocks of 256 (all of the tiny model's) in Q5_0
+    # for Q4_K_M: such a file is 4-bit all the same, and loads into int4, not widened to int8
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=Q.Q5_0, weights=Q.Q5_0, file_type=file_type)
+    assert experts_format(file) == format
+    choice = choose_weights(file, PLENTY)
+    assert choice.weights == format and f"{format} holds them without widening" in choice.reason
+    assert timed == []
 
 
 def test_auto_goes_down_to_int4_when_a_q8_0_files_int8_does_not_fit(tiny_gguf, timed):
