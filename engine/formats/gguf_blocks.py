@@ -17,12 +17,13 @@ straight into them, from the codes, with no float copy of the weight:
 F32, F16 and BF16 stay float. Every other type is dequantized by the gguf package, one weight (one expert) at a
 time, and quantized again into the format asked for: Q5_K's codes have 5 bits and Q6_K's 6 (in sub-blocks of 16),
 more than int4 holds, and int8's one scale per row cannot express their per-block scales; likewise Q5_x, Q2_K,
-Q3_K and the IQ types. `CONVERSIONS` counts which way each weight went.
+Q3_K and the IQ types. `CONVERSIONS` counts which way each weight went, `SECONDS` the time each way took.
 """
 
 from __future__ import annotations
 
 import re
+import time
 from collections import Counter
 
 import gguf
@@ -36,6 +37,7 @@ Q4_0, Q4_1, Q4_K, Q8_0, Q8_K = Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0, Q.Q8_K
 FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 MAPPED, FLOAT, DEQUANTIZED = "mapped", "float", "dequantized"
 CONVERSIONS: Counter[str] = Counter()  # weights converted each way since the process started
+SECONDS: Counter[str] = Counter()  # the time those conversions took, each way
 ROWS_AT_ONCE = 64  # Q8_0 rows rescaled at once: the float temporaries stay a few of the weight's rows
 INT4_BITS = 4 + 2 * 16 / INT4_GROUP  # bits a weight in int4: the code, and a bf16 scale and zero per group
 _Q8_SCALES = {Q8_0: torch.float16, Q8_K: torch.float32}  # the dtype of the scale that starts each int8 block
@@ -77,18 +79,32 @@ def file_type_format(file_type: int) -> str | None:
 def engine_weight(raw: torch.Tensor, ggml_type: int, k: int, format: str | None,
                   dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
     """The (N, K) weight whose GGUF bytes are `raw` (N, row bytes, uint8), in `format` (None: float in `dtype`)."""
+    start = time.perf_counter()
+    way, weight = _converted(raw, ggml_type, k, format, dtype)
+    CONVERSIONS[way] += 1
+    SECONDS[way] += time.perf_counter() - start
+    return weight
+
+
+def _converted(raw: torch.Tensor, ggml_type: int, k: int, format: str | None,
+               dtype: torch.dtype) -> tuple[str, torch.Tensor | QuantizedWeight]:
     if format is not None and direct_format(ggml_type) == format:
-        CONVERSIONS[MAPPED] += 1
         if ggml_type in _Q8_SCALES:
-            return _q8(raw, ggml_type, k)
-        return _q4_k(raw, k) if ggml_type == Q4_K else _q4(raw, ggml_type, k)
+            return MAPPED, _q8(raw, ggml_type, k)
+        return MAPPED, _q4_k(raw, k) if ggml_type == Q4_K else _q4(raw, ggml_type, k)
     if ggml_type in FLOATS:
-        CONVERSIONS[FLOAT] += 1
         w = raw.view(FLOATS[ggml_type]).reshape(raw.shape[0], k)
-        return w.to(dtype) if format is None else quantize(w, format)
-    CONVERSIONS[DEQUANTIZED] += 1
+        return FLOAT, w.to(dtype) if format is None else quantize(w, format)
     w = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q(ggml_type)))
-    return w.to(dtype) if format is None else quantize(w, format)
+    return DEQUANTIZED, w.to(dtype) if format is None else quantize(w, format)
+
+
+def conversions_since(counts: Counter[str], seconds: Counter[str]) -> str:
+    """What the weights converted since CONVERSIONS and SECONDS held `counts` and `seconds` cost, in one line
+    ("" when none was)."""
+    done, spent = CONVERSIONS - counts, SECONDS - seconds
+    ways = {MAPPED: "mapped from their blocks", FLOAT: "from float", DEQUANTIZED: "dequantized and quantized again"}
+    return ", ".join(f"{done[way]} {ways[way]} in {spent[way]:.1f} s" for way in ways if done[way])
 
 
 def _blocks(raw: torch.Tensor, ggml_type: int, k: int) -> torch.Tensor:

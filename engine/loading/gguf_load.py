@@ -26,6 +26,7 @@ raises stream_load.NotStreamable before the experts are read.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -38,7 +39,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Pretra
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from ..errors import ModelError
-from ..formats.gguf_blocks import dequantized, engine_weight, file_type_format, stored_format
+from ..formats.gguf_blocks import (
+    CONVERSIONS,
+    SECONDS,
+    conversions_since,
+    dequantized,
+    engine_weight,
+    file_type_format,
+    stored_format,
+)
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
@@ -47,6 +56,8 @@ from .quant_store import QuantizedReader
 from .resolve import GGUF_SUFFIX
 from .stream_load import NotStreamable, attach_packed, finish_loading, put_tensor
 from .tensor_reader import read_into
+
+log = logging.getLogger(__name__)
 
 # transformers' model types and the GGUF architecture names llama.cpp writes for them
 GGUF_ARCHITECTURES = {"llama": "llama", "mixtral": "llama", "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe"}
@@ -148,6 +159,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             if target is None:
                 continue  # a tensor the model has no place for: transformers drops it too
             put_tensor(model, target, _float(file, tensor, processor, dtype))
+        counts, seconds = CONVERSIONS.copy(), SECONDS.copy()
         for name, tensors in experts.items():
             module = model.get_submodule(name)
             if pack:
@@ -156,6 +168,10 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
                 attach_packed(module, layouts[name].weight_names, cpu)
             else:
                 _fill(model, name, layouts[name], file, tensors, dtype)
+    if pack and format is not None and (cost := conversions_since(counts, seconds)):
+        # what each load costs until `model quantize` keeps the experts converted (then a load converts nothing)
+        log.info("%s: experts converted into %s as they were read: %s (`npumoed model quantize %s --weights %s` "
+                 "keeps them converted)", path.name, format, cost, path, format)
     del reader  # its map of the file
     model.tie_weights()
     finish_loading(model)

@@ -4,6 +4,7 @@ writes its experts into the home and a load takes them from there, `calibrate` t
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import gguf
@@ -16,7 +17,7 @@ from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, stored_format
 from npumoe.engine.kernels import choice as mechanism
-from npumoe.engine.loading import auto_weights, quant_store
+from npumoe.engine.loading import auto_weights, gguf_load, quant_store
 from npumoe.engine.loading.auto_weights import choose_weights
 from npumoe.engine.loading.gguf_load import experts_format
 from npumoe.engine.loading.load import load_model
@@ -102,7 +103,7 @@ def _packed_logits(file: Path, format: str, models_dir: Path | None) -> torch.Te
 
 
 def test_model_quantize_writes_a_gguf_files_experts_once_and_a_load_takes_them_from_the_home(tiny_gguf, tmp_path,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, caplog):
     file = tiny_gguf("qwen3_moe", "F16")  # float experts: each load would quantize them again
     home = tmp_path / "home"
     monkeypatch.setenv("NPUMOED_HOME", str(home))
@@ -124,10 +125,13 @@ def test_model_quantize_writes_a_gguf_files_experts_once_and_a_load_takes_them_f
     monkeypatch.setattr(quant_store.QuantizedReader, "weight",
                         lambda self, name: read.append(name) or weight(self, name))
     CONVERSIONS.clear()
+    caplog.set_level(logging.INFO, logger=gguf_load.log.name)
     from_store = _packed_logits(file, "int4", models)
     assert len(read) == 3 * experts and not CONVERSIONS  # every expert from the store, none converted at load
-    # the store holds what the load would have made from the file
+    assert "converted" not in caplog.text
+    # the store holds what the load would have made from the file, a load whose log says what converting cost
     assert torch.equal(from_store, _packed_logits(file, "int4", None)) and CONVERSIONS
+    assert f"{file.name}: experts converted into int4 as they were read: {3 * experts} from float in " in caplog.text
 
 
 def test_a_store_made_from_another_file_is_refused(tiny_gguf, tmp_path):
