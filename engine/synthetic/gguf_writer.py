@@ -35,8 +35,9 @@ from transformers import (
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from ..loading.gguf_load import GGUF_ARCHITECTURES
+from .k_quants import q4_k_blocks
 
-F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+F16, F32, Q4_K = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q4_K
 VALUES_AT_ONCE = 1 << 22  # values converted at once (16 MiB of float32)
 _EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
@@ -157,7 +158,9 @@ def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterat
     rows = tensor.reshape(-1, tensor.shape[-1])
     step = max(1, VALUES_AT_ONCE // rows.shape[1])
     for i in range(0, len(rows), step):
-        yield gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
+        part = np.ascontiguousarray(rows[i:i + step].float().numpy())
+        # the gguf package reads K-quants but writes none of them
+        yield q4_k_blocks(part) if qtype == Q4_K else gguf.quants.quantize(part, qtype)
 
 
 def _write_config(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:
