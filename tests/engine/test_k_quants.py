@@ -16,4 +16,4 @@ def test_q4_k_blocks_read_back_within_about_half_a_step_of_each_sub_block():
     back = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)
     step = np.ptp(w.reshape(8, 16, 32), axis=2) / 15  # each sub-block's range in 15 steps
     # half a step from rounding the code, a little more from storing its scale and min as 6-bit multiples
-    assert (np.abs(back - w).reshape(8, 16, 32).max(axis=2) <= 0.75 * step).all()
+    assert (np.abs(back - w).reshape(8, 16, 32).max(axis=2) <= 0.6 * step).all()  # measured 0.505
