@@ -38,10 +38,9 @@ FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 MAPPED, FLOAT, DEQUANTIZED = "mapped", "float", "dequantized"
 CONVERSIONS: Counter[str] = Counter()  # weights converted each way since the process started
 SECONDS: Counter[str] = Counter()  # the time those conversions took, each way
-ROWS_AT_ONCE = 64  # Q8_0 rows rescaled at once: the float temporaries stay a few of the weight's rows
+ROWS_AT_ONCE = 64  # Q8_0 and Q8_K rows rescaled at once: the float temporaries stay a few of the weight's rows
 INT4_BITS = 4 + 2 * 16 / INT4_GROUP  # bits a weight in int4: the code, and a bf16 scale and zero per group
 _Q8_SCALES = {Q8_0: torch.float16, Q8_K: torch.float32}  # the dtype of the scale that starts each int8 block
-_K_SUB_BLOCKS = 8  # Q4_K: groups of 32 in a super-block of 256
 _FILE_TYPE_BITS = re.compile(r"Q(\d)_|FP(\d)")  # LlamaFileType names: MOSTLY_Q4_K_M, MOSTLY_IQ2_XS, MOSTLY_MXFP4_MOE
 
 
