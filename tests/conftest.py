@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from demo_run import DemoRun, process_samples
-from postgres_server import PostgresServer
+from support.demo_run import DemoRun, process_samples
+from support.postgres_server import PostgresServer
 
 from npumoe.engine.synthetic.smollm2 import models_cache
 from npumoe.jobs.search.sentence_model import NAME as SEARCH_MODEL_NAME

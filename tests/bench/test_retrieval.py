@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from demo_run import ENGINE_WEIGHTS, PASSAGE_RECALL_BAR
+from support.demo_run import ENGINE_WEIGHTS, PASSAGE_RECALL_BAR
 
 from npumoe.bench.cli import bench
 from npumoe.bench.service.questions import QUESTIONS, Question, written_set

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-from postgres_server import PostgresServer
+from support.postgres_server import PostgresServer
 
 from npumoe.daemon.config import Config, ExtractConfig, ModelConfig, QueueConfig
 from npumoe.daemon.intake import InboxIntake, enqueue, enqueue_paths, is_ignored, iter_documents, job_keys

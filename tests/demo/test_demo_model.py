@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from demo_run import (
+from support.demo_run import (
     DOCUMENT_RECALL_BAR,
     ENGINE_WEIGHTS,
     LONG,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sample_meta import document_meta
+from support.sample_meta import document_meta
 
 from npumoe.jobs.outputs import OFFSETS_FILE, SUMMARY_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
 from npumoe.jobs.queue import sqlite

@@ -16,14 +16,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import hostile_files
-import meta_fields
 import numpy as np
 import pytest
-from postgres_server import PostgresServer
 from sqlalchemy import update
-from sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
 from stand_in_engine import StandInModel
+from support import hostile_files, meta_fields
+from support.postgres_server import PostgresServer
+from support.sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
 
 from npumoe.daemon.energy.measure import Meter
 from npumoe.jobs import files, outputs, reading
