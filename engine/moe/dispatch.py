@@ -151,6 +151,7 @@ class MoeLayer:
         self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
         self.group_of = torch.full((E,), -1, dtype=torch.long, device=device)
         self.group_rows: list[slice] = []
+        self.group_row: dict[int, tuple[int, int]] = {}  # expert -> (its group, its first row in the group's output)
         row = 0
         for g, group in enumerate(self.groups):
             ids = torch.tensor(group.experts, dtype=torch.long, device=device)
@@ -160,6 +161,7 @@ class MoeLayer:
             self.capacity[ids] = group.capacity
             self.group_of[ids] = g
             self.slot_base[ids] = row + torch.arange(len(ids), device=device) * group.capacity
+            self.group_row.update({e: (g, j * group.capacity) for j, e in enumerate(group.experts)})
             self.group_rows.append(slice(row, row + len(ids) * group.capacity))
             row += len(ids) * group.capacity
         self.rows = row
@@ -206,7 +208,6 @@ class MoeLayer:
 
     def _planned(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        H = x.shape[1]
         expert = top_k_index.reshape(-1)  # (S,)
         # Sort by expert; under prune, the most important first within each expert.
         if self.overflow == PRUNE:
@@ -219,11 +220,7 @@ class MoeLayer:
 
         # Each resident expert's first static_counts[e] assignments go into its buffer slice.
         static_counts = self._static_per_expert(counts)  # (E,)
-        rank = torch.arange(order.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[routed.expert]
-        static = rank < static_counts[routed.expert]  # (S,)
-        slots = self.slot_base[routed.expert[static]] + rank[static]  # (N,) buffer row of each static assignment
-        packed = _workspace.get("packed", self.rows, x).zero_()  # (rows, H): every group's (G, C, H) buffer
-        packed[slots] = x[routed.token[static]]
+        packed = self._pack(x, routed, static_counts)
         launched = [g for g, work in enumerate(self._group_work(counts).tolist()) if work]
         pending = self.submit([(self.groups[g].graph, self._buffer(packed, g)) for g in launched])
 
@@ -235,11 +232,41 @@ class MoeLayer:
         skip = counts * self.resident if self.overflow == PRUNE else static_counts
         run_tasks(self._cpu_tasks(out, x, routed, skip=skip.tolist()))
 
-        for g, y in zip(launched, pending.result(), strict=True):
-            packed[self.group_rows[g]] = y.reshape(-1, H)  # the buffer now holds each slot's output
-        out[static] = packed[slots]
-        self._normalise(out, dropped=self.resident[routed.expert] & ~static if self.overflow == PRUNE else None)
+        self._unpack(out, dict(zip(launched, pending.result(), strict=True)), routed, static_counts)
+        pruned = self.overflow == PRUNE and self.post_norm is not None
+        self._normalise(out, dropped=self._over_capacity(routed, static_counts) if pruned else None)
         return combine(out, order, top_k_weights)
+
+    def _pack(self, x: torch.Tensor, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
+        """Every group's (G, C, H) buffer, back to back in one (rows, H): each resident expert's first
+        static_counts[e] assignments' token rows in its slice, gathered in one pass. Padding rows repeat token 0's
+        row rather than being zeroed: a graph computes each row alone, and their outputs are never read."""
+        slots = self._slots(routed, static_counts)
+        source = torch.zeros(self.rows, dtype=torch.long, device=x.device)  # (rows,) the token each row reads
+        source[slots[1]] = routed.token[slots[0]]
+        return torch.index_select(x, 0, source, out=_workspace.get("packed", self.rows, x))
+
+    def _unpack(self, out: torch.Tensor, outputs: dict[int, torch.Tensor], routed: Routed,
+                static_counts: torch.Tensor) -> None:
+        """Each static assignment's output from its group graph's (G, C, H) output into its row of `out` (sorted).
+        An expert's static assignments are one slice of its run in `out` and one slice of its graph's output, so
+        each is one contiguous copy: no gather through an index, no boolean mask."""
+        H = out.shape[1]
+        flat = {g: y.reshape(-1, H) for g, y in outputs.items()}
+        for e, n in enumerate(static_counts.tolist()):
+            if n:
+                g, row = self.group_row[e]
+                out[routed.first[e]:routed.first[e] + n].copy_(flat[g][row:row + n])
+
+    def _slots(self, routed: Routed, static_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(places in sorted order, buffer rows) of the static assignments: expert e's first static_counts[e]."""
+        rank = _rank(routed)
+        static = torch.nonzero(rank < static_counts[routed.expert]).squeeze(1)  # (N,)
+        return static, self.slot_base[routed.expert[static]] + rank[static]
+
+    def _over_capacity(self, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
+        """(S,) whether each assignment (sorted) is a resident expert's beyond its capacity."""
+        return self.resident[routed.expert] & (_rank(routed) >= static_counts[routed.expert])
 
     def _normalise(self, out: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
         """Apply the post-expert norm, if any, to every expert output in `out`; rows of dropped assignments
@@ -296,6 +323,12 @@ class MoeLayer:
         stats.padding_slots += slots - int(static.sum())
         stats.launches += int(launched.sum())
         stats.expert_launches += int((static > 0).sum())
+
+
+def _rank(routed: Routed) -> torch.Tensor:
+    """(S,) each sorted assignment's place in its expert's run."""
+    first = torch.tensor(routed.first, device=routed.order.device)
+    return torch.arange(routed.order.numel(), device=routed.order.device) - first[routed.expert]
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -207,3 +207,10 @@ def test_forced_placement_runs_the_planned_path_end_to_end_with_the_cpu_paths_ou
 def test_an_unknown_residency_policy_is_refused():
     with pytest.raises(ValueError, match="residency must be one of measured, accelerator"):
         EngineSettings(model="m", residency="always")
+
+
+def test_the_hosts_packing_and_unpacking_count_in_a_graphs_cost():
+    plan = synthetic_plan()
+    slow_host = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 1.0})  # a second a buffer row
+    assert decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED)).accelerator_groups > 0
+    assert decide_residency(plan, TORCH_STATIC, measured(slow_host)).accelerator_groups == 0
