@@ -85,13 +85,15 @@ class Workspace(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]."""
+    def get(self, name: str, rows: int, like: torch.Tensor, *, zeroed: bool = False) -> torch.Tensor:
+        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]; `zeroed`: zeros when
+        it is made, and whatever earlier calls wrote after that (rows never written hold finite values)."""
         buffer = self.buffers.get(name)
         if (buffer is None or buffer.shape[0] < rows or buffer.shape[1] != like.shape[1]
                 or buffer.dtype != like.dtype or buffer.device != like.device):
             with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
-                buffer = self.buffers[name] = like.new_empty(rows, like.shape[1])
+                make = like.new_zeros if zeroed else like.new_empty
+                buffer = self.buffers[name] = make(rows, like.shape[1])
         return buffer[:rows]
 
 
@@ -148,10 +150,10 @@ class MoeLayer:
         E = self.num_experts
         self.resident = torch.zeros(E, dtype=torch.bool, device=device)
         self.capacity = torch.zeros(E, dtype=torch.long, device=device)
-        self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
         self.group_of = torch.full((E,), -1, dtype=torch.long, device=device)
         self.group_rows: list[slice] = []
         self.group_row: dict[int, tuple[int, int]] = {}  # expert -> (its group, its first row in the group's output)
+        self.expert_row: dict[int, int] = {}  # expert -> its first row in the packed buffers
         row = 0
         for g, group in enumerate(self.groups):
             ids = torch.tensor(group.experts, dtype=torch.long, device=device)
@@ -160,8 +162,8 @@ class MoeLayer:
             self.resident[ids] = True
             self.capacity[ids] = group.capacity
             self.group_of[ids] = g
-            self.slot_base[ids] = row + torch.arange(len(ids), device=device) * group.capacity
             self.group_row.update({e: (g, j * group.capacity) for j, e in enumerate(group.experts)})
+            self.expert_row.update({e: row + j * group.capacity for j, e in enumerate(group.experts)})
             self.group_rows.append(slice(row, row + len(ids) * group.capacity))
             row += len(ids) * group.capacity
         self.rows = row
@@ -219,10 +221,10 @@ class MoeLayer:
         routed = Routed.from_order(top_k_index, order, counts)
 
         # Each resident expert's first static_counts[e] assignments go into its buffer slice.
-        static_counts = self._static_per_expert(counts)  # (E,)
-        packed = self._pack(x, routed, static_counts)
+        static_counts = self.static_per_expert(counts)  # (E,)
+        packed = self.pack(x, routed, static_counts)
         launched = [g for g, work in enumerate(self._group_work(counts).tolist()) if work]
-        pending = self.submit([(self.groups[g].graph, self._buffer(packed, g)) for g in launched])
+        pending = self.submit([(self.groups[g].graph, self.buffer(packed, g)) for g in launched])
 
         # Meanwhile the CPU runs the rest of every run: cold experts whole, resident ones' overflow under
         # spill; under prune that overflow is dropped, and its rows of `out` (sorted) stay zero.
@@ -232,21 +234,24 @@ class MoeLayer:
         skip = counts * self.resident if self.overflow == PRUNE else static_counts
         run_tasks(self._cpu_tasks(out, x, routed, skip=skip.tolist()))
 
-        self._unpack(out, dict(zip(launched, pending.result(), strict=True)), routed, static_counts)
+        self.unpack(out, dict(zip(launched, pending.result(), strict=True)), routed, static_counts)
         pruned = self.overflow == PRUNE and self.post_norm is not None
         self._normalise(out, dropped=self._over_capacity(routed, static_counts) if pruned else None)
         return combine(out, order, top_k_weights)
 
-    def _pack(self, x: torch.Tensor, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
+    def pack(self, x: torch.Tensor, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
         """Every group's (G, C, H) buffer, back to back in one (rows, H): each resident expert's first
-        static_counts[e] assignments' token rows in its slice, gathered in one pass. Padding rows repeat token 0's
-        row rather than being zeroed: a graph computes each row alone, and their outputs are never read."""
-        slots = self._slots(routed, static_counts)
-        source = torch.zeros(self.rows, dtype=torch.long, device=x.device)  # (rows,) the token each row reads
-        source[slots[1]] = routed.token[slots[0]]
-        return torch.index_select(x, 0, source, out=_workspace.get("packed", self.rows, x))
+        static_counts[e] assignments' token rows gathered straight into its slice, one pass over those rows only.
+        Padding rows are not written: a graph computes each row alone and their outputs are never read, so they
+        keep what they held (zeros when the buffer was made, else an earlier call's rows: finite either way)."""
+        packed = _workspace.get("packed", self.rows, x, zeroed=True)
+        for e, n in enumerate(static_counts.tolist()):
+            if n:
+                row = self.expert_row[e]
+                torch.index_select(x, 0, routed.token[routed.first[e]:routed.first[e] + n], out=packed[row:row + n])
+        return packed
 
-    def _unpack(self, out: torch.Tensor, outputs: dict[int, torch.Tensor], routed: Routed,
+    def unpack(self, out: torch.Tensor, outputs: dict[int, torch.Tensor], routed: Routed,
                 static_counts: torch.Tensor) -> None:
         """Each static assignment's output from its group graph's (G, C, H) output into its row of `out` (sorted).
         An expert's static assignments are one slice of its run in `out` and one slice of its graph's output, so
@@ -257,12 +262,6 @@ class MoeLayer:
             if n:
                 g, row = self.group_row[e]
                 out[routed.first[e]:routed.first[e] + n].copy_(flat[g][row:row + n])
-
-    def _slots(self, routed: Routed, static_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(places in sorted order, buffer rows) of the static assignments: expert e's first static_counts[e]."""
-        rank = _rank(routed)
-        static = torch.nonzero(rank < static_counts[routed.expert]).squeeze(1)  # (N,)
-        return static, self.slot_base[routed.expert[static]] + rank[static]
 
     def _over_capacity(self, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
         """(S,) whether each assignment (sorted) is a resident expert's beyond its capacity."""
@@ -277,7 +276,7 @@ class MoeLayer:
         if dropped is not None:
             out[dropped] = 0
 
-    def _buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
+    def buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
         """Group g's (G, C, H) view of the packed buffers."""
         group = self.groups[g]
         return packed[self.group_rows[g]].view(len(group.experts), group.capacity, packed.shape[1])
@@ -299,17 +298,17 @@ class MoeLayer:
         pieces.sort(key=lambda piece: piece[0] - piece[1])
         return [task(e, lo, hi) for lo, hi, e in pieces]
 
-    def _static_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
+    def static_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
         """(E,) assignments each expert runs in its group graph."""
         return torch.minimum(counts, self.capacity) * self.resident
 
     def _group_work(self, counts: torch.Tensor) -> torch.Tensor:
         """(n_groups,) static assignments per group; a group with none is not launched."""
         work = torch.zeros(len(self.groups), dtype=torch.long, device=counts.device)
-        return work.index_add_(0, self.group_of[self.resident], self._static_per_expert(counts)[self.resident])
+        return work.index_add_(0, self.group_of[self.resident], self.static_per_expert(counts)[self.resident])
 
     def _count(self, stats: DispatchStats, counts: torch.Tensor) -> None:
-        static = self._static_per_expert(counts)  # (E,)
+        static = self.static_per_expert(counts)  # (E,)
         over = int(((counts - static) * self.resident).sum())
         launched = self._group_work(counts) > 0  # (n_groups,)
         slots = int(self.group_slots[launched].sum())
