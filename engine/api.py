@@ -156,7 +156,8 @@ class Engine:
         backend = get_backend(settings.backend, settings.backend_options)
         cache = CostCache(settings.costs_dir) if settings.costs_dir is not None else None
         # where the plan's groups run on this backend, here
-        self.residency = place(plan, backend, loaded.model, cache, settings.residency) if plan is not None else None
+        self.residency = (place(plan, backend, loaded.model, cache, settings.residency, settings.weights)
+                          if plan is not None else None)
         # the engine runs the model only through its runtime, so the packed experts are the one copy kept
         quantized = settings.weights if settings.weights in QUANTIZED else None
         self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,

@@ -18,7 +18,7 @@ from ..moe.model_experts import moe_layouts
 from ..plan.cost_cache import CostCache, machine
 from ..plan.expert_plan import ExpertPlan
 from ..plan.residency import MeasuredCosts, Residency, decide_residency, group_key
-from ..vocabulary import ACCELERATOR, MEASURED, TORCH_STATIC
+from ..vocabulary import ACCELERATOR, DTYPE_WEIGHTS, MEASURED, QUANTIZED, TORCH_STATIC
 from .base import Backend, GroupSpec
 from .graph_check import graph_refusal
 
@@ -32,8 +32,16 @@ def plan_experts(plan: ExpertPlan, model: nn.Module) -> list[tuple[ExpertWeights
     return [(expert_weights(*modules[layer.name]), modules[layer.name][1]) for layer in plan.layers]
 
 
+def conditions(model: nn.Module, plan: ExpertPlan, weights: str | None) -> dict[str, str]:
+    """What costs measured now depend on besides the machine: the experts' dtype, the run's weights format (its
+    quantized format, else the dtype's own, however it was asked for) and the torch threads they run on."""
+    dtype = str(plan_experts(plan, model)[0][0].down.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "weights": weights if weights in QUANTIZED else DTYPE_WEIGHTS.get(dtype, dtype),
+            "threads": str(torch.get_num_threads())}
+
+
 @torch.inference_mode()
-def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCosts:
+def measure(plan: ExpertPlan, backend: Backend, model: nn.Module, weights: str | None = None) -> MeasuredCosts:
     """Time `backend`'s graphs and the exact CPU path at the model's expert geometry, and each group graph the
     backend can time on its device (every group calibration saw load for); how many experts its device has
     room for, where it holds their weights; and which groups' graphs the accuracy gate refuses (it probes every
@@ -51,7 +59,7 @@ def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCos
     return MeasuredCosts(cost=cost, hidden=hidden, ffn=ffn, measured_on=measured_on,
                          groups=backend.time_groups({key: spec for key, (spec, _, _) in timed.items()}),
                          fallback=fallback, device_experts=backend.device_room(hidden, ffn, first.down.dtype),
-                         refused=refused)
+                         refused=refused, conditions=conditions(model, plan, weights))
 
 
 def _specs(plan: ExpertPlan, backend: Backend, residency: Residency, experts: list[tuple[ExpertWeights, ExpertsLayout]],
@@ -69,14 +77,15 @@ def _specs(plan: ExpertPlan, backend: Backend, residency: Residency, experts: li
 
 
 def place(plan: ExpertPlan, backend: Backend, model: nn.Module, cache: CostCache | None,
-          policy: str = MEASURED) -> Residency:
-    """`plan`'s residency on `backend` here under `policy` (vocabulary.RESIDENCY_POLICIES): from the cached costs
-    when there are, else measured now (and cached)."""
+          policy: str = MEASURED, weights: str | None = None) -> Residency:
+    """`plan`'s residency on `backend` here under `policy` (vocabulary.RESIDENCY_POLICIES) for a run in `weights`
+    (None: the experts' dtype): from the cached costs when there are, measured with what this run uses (costs
+    given without conditions, as a test does, are taken as they are), else measured now (and cached)."""
     if not backend.static:
         return decide_residency(plan, backend, policy=policy)
     costs = cache.get(backend.name, plan) if cache is not None else None
-    if costs is None:
-        costs = measure(plan, backend, model)
+    if costs is None or (costs.conditions and costs.conditions != conditions(model, plan, weights)):
+        costs = measure(plan, backend, model, weights)
         if cache is not None:
             cache.put(backend.name, plan, costs)
     return decide_residency(plan, backend, costs, policy)

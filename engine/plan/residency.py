@@ -80,11 +80,13 @@ class MeasuredCosts:
     fallback: str | None = None  # why the backend's graphs ran through torch instead of its device
     device_experts: int | None = None  # experts whose weights fit in the device's room (None: no limit)
     refused: dict[str, str] = field(default_factory=dict)  # by `group_key`: why the accuracy gate refused its graph
+    # what they were measured with: the experts' dtype, the run's weights format, the torch threads (placement.py)
+    conditions: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"cost": vars(self.cost), "hidden": self.hidden, "ffn": self.ffn, "measured_on": self.measured_on,
                 "fallback": self.fallback, "groups": {key: vars(m) for key, m in self.groups.items()},
-                "device_experts": self.device_experts, "refused": self.refused}
+                "device_experts": self.device_experts, "refused": self.refused, "conditions": self.conditions}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MeasuredCosts:
@@ -92,7 +94,8 @@ class MeasuredCosts:
                    measured_on=str(data["measured_on"]), fallback=data["fallback"],
                    groups={str(key): GroupMeasure(**m) for key, m in data["groups"].items()},
                    device_experts=data.get("device_experts"),
-                   refused={str(key): str(why) for key, why in data.get("refused", {}).items()})
+                   refused={str(key): str(why) for key, why in data.get("refused", {}).items()},
+                   conditions={str(key): str(value) for key, value in data.get("conditions", {}).items()})
 
 
 @dataclass(frozen=True)
