@@ -85,15 +85,13 @@ class Workspace(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, rows: int, like: torch.Tensor, *, zeroed: bool = False) -> torch.Tensor:
-        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]; `zeroed`: zeros when
-        it is made, and whatever earlier calls wrote after that (rows never written hold finite values)."""
+    def get(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]."""
         buffer = self.buffers.get(name)
         if (buffer is None or buffer.shape[0] < rows or buffer.shape[1] != like.shape[1]
                 or buffer.dtype != like.dtype or buffer.device != like.device):
             with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
-                make = like.new_zeros if zeroed else like.new_empty
-                buffer = self.buffers[name] = make(rows, like.shape[1])
+                buffer = self.buffers[name] = like.new_empty(rows, like.shape[1])
         return buffer[:rows]
 
 
@@ -153,7 +151,7 @@ class MoeLayer:
         self.group_of = torch.full((E,), -1, dtype=torch.long, device=device)
         self.group_rows: list[slice] = []
         self.group_row: dict[int, tuple[int, int]] = {}  # expert -> (its group, its first row in the group's output)
-        self.expert_row: dict[int, int] = {}  # expert -> its first row in the packed buffers
+        self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
         row = 0
         for g, group in enumerate(self.groups):
             ids = torch.tensor(group.experts, dtype=torch.long, device=device)
@@ -163,7 +161,7 @@ class MoeLayer:
             self.capacity[ids] = group.capacity
             self.group_of[ids] = g
             self.group_row.update({e: (g, j * group.capacity) for j, e in enumerate(group.experts)})
-            self.expert_row.update({e: row + j * group.capacity for j, e in enumerate(group.experts)})
+            self.slot_base[ids] = row + torch.arange(len(ids), device=device) * group.capacity
             self.group_rows.append(slice(row, row + len(ids) * group.capacity))
             row += len(ids) * group.capacity
         self.rows = row
@@ -241,15 +239,15 @@ class MoeLayer:
 
     def pack(self, x: torch.Tensor, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
         """Every group's (G, C, H) buffer, back to back in one (rows, H): each resident expert's first
-        static_counts[e] assignments' token rows gathered straight into its slice, one pass over those rows only.
-        Padding rows are not written: a graph computes each row alone and their outputs are never read, so they
-        keep what they held (zeros when the buffer was made, else an earlier call's rows: finite either way)."""
-        packed = _workspace.get("packed", self.rows, x, zeroed=True)
-        for e, n in enumerate(static_counts.tolist()):
-            if n:
-                row = self.expert_row[e]
-                torch.index_select(x, 0, routed.token[routed.first[e]:routed.first[e] + n], out=packed[row:row + n])
-        return packed
+        static_counts[e] assignments' token rows in its slice, gathered in one pass (one op: a loop of small copies,
+        one per expert, waits on its threads as often, which on a busy machine costs more than it saves). Padding
+        rows repeat token 0's row rather than being zeroed: a graph computes each row alone, and their outputs are
+        never read."""
+        rank = _rank(routed)
+        static = torch.nonzero(rank < static_counts[routed.expert]).squeeze(1)  # (N,) places in sorted order
+        source = torch.zeros(self.rows, dtype=torch.long, device=x.device)  # (rows,) the token each row reads
+        source[self.slot_base[routed.expert[static]] + rank[static]] = routed.token[static]
+        return torch.index_select(x, 0, source, out=_workspace.get("packed", self.rows, x))
 
     def unpack(self, out: torch.Tensor, outputs: dict[int, torch.Tensor], routed: Routed,
                 static_counts: torch.Tensor) -> None:
