@@ -132,6 +132,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
+        residency=m.residency,
         models_dir=home.models,
     )
 
