@@ -44,7 +44,7 @@ from npumoe.jobs.faults import MachineFault, machine_fault
 from npumoe.jobs.files import KEEP
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
-from npumoe.jobs.queue.schema import FAILED, QUEUED
+from npumoe.jobs.queue.schema import DEAD, DONE, FAILED, QUEUED
 from npumoe.jobs.queue.store import Job, Queue
 from npumoe.jobs.search.index import vectors_key
 
@@ -287,6 +287,8 @@ class Worker:
                 self.model.touch()
                 self.row.set("working", "", current_job=None)
         self.summary.outcomes[outcome.state] += 1
+        if outcome.state in (DONE, DEAD):  # copies of its document that waited for its end: settled or followed
+            self.intake.recheck(job.id)
         where = f" → {outcome.output_dir}" if outcome.output_dir else f": {outcome.reason}"
         log.info("job %d %s%s", job.id, outcome.state, where)
 

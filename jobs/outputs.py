@@ -49,8 +49,12 @@ def output_name(source_name: str, sha256: str, model_key: str, settings_key: str
     """`<stem>-<key16>`: a single safe path component, whatever the source was called; key16 is 64 bits of
     the hash of the job's keys (the content, the model, its settings), so one document made with other
     settings, or another document, never gets the same folder."""
-    key = hashlib.sha256("\0".join((sha256, model_key, settings_key)).encode()).hexdigest()[:_KEY_HEX]
-    return f"{safe_stem(source_name)}-{key}"
+    return f"{safe_stem(source_name)}-{output_key(sha256, model_key, settings_key)}"
+
+
+def output_key(sha256: str, model_key: str, settings_key: str) -> str:
+    """The part of an output folder's name that the job's keys decide, whatever its document is called now."""
+    return hashlib.sha256("\0".join((sha256, model_key, settings_key)).encode()).hexdigest()[:_KEY_HEX]
 
 
 def safe_stem(name: str) -> str:
