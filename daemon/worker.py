@@ -184,7 +184,9 @@ class Worker:
     # -- start and finish -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        remove_leftovers(self.folders.outbox)
+        # What a killed run left: in an outbox other homes may share, only what this home's mark names.
+        remove_leftovers(self.folders.outbox, self.folders.mark)
+        remove_leftovers(self.folders.work)
         # The home's lock is held: no other worker of this home runs, so every running job was
         # left by a dead one. A shared queue's running jobs are other workers' unless their worker is gone.
         for job_id in self.queue.reap(alive=None if self.queue.shared else lambda pid: False):

@@ -53,9 +53,9 @@ class Run:
     meter: Measurement
 
 
-def write_outputs(outbox: Path, job: Job, run: Run) -> Path:
+def write_outputs(outbox: Path, job: Job, run: Run, *, mark: str = "") -> Path:
     """Write the output folder of `job` in `outbox`, replacing one of that name; a fault of the disk is the
-    outbox's (faults.blamed_on)."""
+    outbox's (faults.blamed_on). `mark`: the home's, on its temporary names (outputs.temporary_path)."""
     result = run.result
     files = {
         SUMMARY_FILE: render_summary(Path(job.path).name, run.settings.model, result.stats.chunks,
@@ -66,7 +66,7 @@ def write_outputs(outbox: Path, job: Job, run: Run) -> Path:
         META_FILE: document_meta(job, run).to_json(),
     }
     with blamed_on(outbox):
-        return write_folder(outbox, _folder_name(job), files)
+        return write_folder(outbox, _folder_name(job), files, mark=mark)
 
 
 def finished_output(outbox: Path, job: Job) -> Path | None:

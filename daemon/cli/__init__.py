@@ -17,7 +17,7 @@ from rich.text import Text
 from npumoe.jobs.queue.schema import STATES
 from npumoe.jobs.queue.store import Job
 
-from ..home import document_folders
+from ..home import inbox_folders
 from ..intake import Enqueued, content_now, enqueue_paths
 from .app import App, emit_json, pass_app
 from .terminal import printable
@@ -163,7 +163,7 @@ def retry(app: App, job_id: int, given: Path | None) -> None:
     if job is None:
         raise click.ClickException(f"no job {job_id}")
     try:
-        moved = content_now(job, app.config, document_folders(app.config, app.home).inboxes, given)
+        moved = content_now(job, app.config, inbox_folders(app.config, app.home), given)
         job = app.queue.retry(job_id, path=moved)
     except (OSError, ValueError) as e:
         raise click.ClickException(str(e)) from e
