@@ -41,7 +41,7 @@ from npumoe.jobs.faults import MachineFault, machine_fault
 from npumoe.jobs.files import KEEP
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
-from npumoe.jobs.queue.schema import FAILED, QUEUED
+from npumoe.jobs.queue.schema import DEAD, DONE, FAILED, QUEUED
 from npumoe.jobs.queue.store import Job, Queue
 
 from .config import Config
@@ -178,7 +178,9 @@ class Worker:
     # -- start and finish -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        remove_leftovers(self.folders.outbox)
+        # What a killed run left: in an outbox other homes may share, only what this home's mark names.
+        remove_leftovers(self.folders.outbox, self.folders.mark)
+        remove_leftovers(self.folders.work)
         # The home's lock is held: no other worker of this home runs, so every running job was
         # left by a dead one. A shared queue's running jobs are other workers' unless their worker is gone.
         for job_id in self.queue.reap(alive=None if self.queue.shared else lambda pid: False):
@@ -275,6 +277,8 @@ class Worker:
                 self.model.touch()
                 self.row.set("working", "", current_job=None)
         self.summary.outcomes[outcome.state] += 1
+        if outcome.state in (DONE, DEAD):  # copies of its document that waited for its end: settled or followed
+            self.intake.recheck(job.id)
         where = f" → {outcome.output_dir}" if outcome.output_dir else f": {outcome.reason}"
         log.info("job %d %s%s", job.id, outcome.state, where)
 

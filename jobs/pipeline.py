@@ -154,7 +154,7 @@ class Pipeline:
                 result = run_engine(engine, extracted.text, progress, self.checkpoint)
 
         run = Run(self.model.settings, engine, extracted, extract_s, result, meter)
-        return self._complete(job, write_outputs(self.folders.outbox, job, run), identity)
+        return self._complete(job, write_outputs(self.folders.outbox, job, run, mark=self.folders.mark), identity)
 
     @contextmanager
     def _work_folder(self, job: Job) -> Iterator[Path]:
