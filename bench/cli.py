@@ -8,7 +8,9 @@ commands, so `npumoed --help` stays fast. Each command prints a table (bench/ren
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -29,6 +31,9 @@ from .options import (
     timing_options,
     write_json,
 )
+
+if TYPE_CHECKING:
+    from npumoe.engine.synthetic.geometry import Geometry
 from .render import (
     err_console,
     print_memory,
@@ -109,10 +114,27 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
                f"{threads} threads, copy bandwidth {machine['copy_bandwidth_gbps']} GB/s, {machine['cpu']}; "
                f"routing Zipf skew {skew}.")
     print_results(results, ("geometry", "tokens", "dtype"), caption, machine, baseline="roofline")
+    _print_host_packing(parsed, tokens, dtypes, seed=seed, skew=skew, repeats=repeats)
     write_json(json_path, machine, {"warmup": warmup, "repeats": repeats, "min_seconds": min_seconds,
                                     "own_process": own_process, "seed": seed, "skew": skew,
                                     "calibration_chunks": calibration_chunks, "weights": list(weights),
                                     "roofline_model": MODEL}, results)
+
+
+def _print_host_packing(geometries: Sequence[Geometry], tokens: tuple[int, ...], dtypes: Sequence[str], *,
+                        seed: int, skew: float, repeats: int) -> None:
+    """One line per case: the host's packing and unpacking of a layer call with every expert resident (forced
+    placement), on the accelerator's critical path whatever the accelerator."""
+    from npumoe.engine.loading.load import TORCH_DTYPES
+
+    from .host_packing import host_packing_seconds
+
+    for geometry in geometries:
+        for dtype in dtypes:
+            for n in tokens:
+                host = host_packing_seconds(geometry, n, TORCH_DTYPES[dtype], seed=seed, skew=skew, repeats=repeats)
+                click.echo(f"host packing per layer call, every expert resident ({geometry.name}, {n} tokens, "
+                           f"{dtype}): pack {host['pack_s'] * 1e3:.2f} ms, unpack {host['unpack_s'] * 1e3:.2f} ms")
 
 
 @bench.command("prefill")

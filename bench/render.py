@@ -275,11 +275,12 @@ def print_search(results: Sequence, k: int, title: str) -> None:
 
 
 def print_retrieval(results: Sequence, title: str) -> None:
-    table = Table("pooling", "cosine/words/phrase", "passage R@1", "passage MRR", "document R@1", "document MRR",
-                  title=title)
+    table = Table("vectors", "cosine/words/phrase", "passage R@1", "passage MRR", "document R@1", "document R@3",
+                  "document MRR", title=title)
     for r in results:
         w = r.weights
-        table.add_row(r.pooling, f"{w.cosine:.2f}/{w.words:.3f}/{w.phrase:.3f}", f"{r.passage_recall_at_1:.3f}",
-                      f"{r.passage_mrr:.3f}", f"{r.document_recall_at_1:.3f}", f"{r.document_mrr:.3f}")
+        table.add_row(r.vectors, f"{w.cosine:.2f}/{w.words:.3f}/{w.phrase:.3f}", f"{r.passage_recall_at_1:.3f}",
+                      f"{r.passage_mrr:.3f}", f"{r.document_recall_at_1:.3f}", f"{r.document_recall_at_3:.3f}",
+                      f"{r.document_mrr:.3f}")
     Console().print(table)
     click.echo(f"chance: passage R@1 {results[0].passage_chance:.3f}, document R@1 {results[0].document_chance:.3f}")

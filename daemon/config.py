@@ -30,8 +30,10 @@ from npumoe.engine.vocabulary import (
     DTYPE_WEIGHTS,
     DTYPES,
     MEAN,
+    MEASURED,
     OVERFLOW_POLICIES,
     POOLINGS,
+    RESIDENCY_POLICIES,
     SPILL,
     SUMMARY_TOKENS,
     WEIGHTS,
@@ -76,6 +78,9 @@ class ModelConfig:
     coreml_compute_units: str = choice(DEFAULT_COMPUTE_UNITS, COMPUTE_UNITS)
     chunk_tokens: int = positive(CHUNK_TOKENS)  # prefill chunk length; 0: the length measured fastest here (at load)
     overflow: str = choice(SPILL, OVERFLOW_POLICIES)
+    # measured: a static backend runs a group on its accelerator where that costs less here; accelerator: every
+    # group it can build, whatever the costs say (to run and see the planned path on any machine)
+    residency: str = choice(MEASURED, RESIDENCY_POLICIES)
     # What the weights run in, the one key for it: auto (the fastest float dtype measured here that fits memory, else
     # the smallest format that does), fp32, bf16, int8 or int4 (the experts quantized, the rest bf16)
     weights: str = choice(AUTO, WEIGHTS, note="auto | fp32 | bf16 | int8 | int4; auto: chosen at load, "

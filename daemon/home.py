@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from npumoe.jobs.files import Folders
+from npumoe.jobs.outputs import home_mark
+from npumoe.jobs.queue.identity import machine_identity
 
 from .config import Config, home_dir
 
@@ -29,11 +31,6 @@ class Home:
     def lock(self) -> Path:
         """Held by the running daemon (one per home); the kernel lets it go when the process ends."""
         return self.root / "npumoed.lock"
-
-    @property
-    def socket(self) -> Path:
-        """Where the running daemon answers searches (daemon/queries.py)."""
-        return self.root / "npumoed.sock"
 
     @property
     def inbox(self) -> Path:
@@ -104,4 +101,5 @@ def document_folders(config: Config, home: Home, inboxes: Sequence[Path] | None 
     """Every folder a document passes through: `inboxes` (else the configured ones), the outbox, and the home's
     processed/ and failed/."""
     watched = [Path(p).resolve() for p in inboxes] if inboxes else inbox_folders(config, home)
-    return Folders(outbox_folder(config, home), home.processed, home.failed, tuple(watched))
+    mark = home_mark(machine_identity(home.root)) if config.outbox.folder else ""  # the outbox may be shared
+    return Folders(outbox_folder(config, home), home.processed, home.failed, tuple(watched), mark)

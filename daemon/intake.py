@@ -8,16 +8,18 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from npumoe.engine.vocabulary import MEAN
-from npumoe.jobs.errors import FileRefused
+from npumoe.jobs.errors import MISSING, FileRefused
 from npumoe.jobs.faults import machine_fault
 from npumoe.jobs.files import Folders, identify, real_folder, set_aside
-from npumoe.jobs.queue.schema import DONE
-from npumoe.jobs.queue.store import INTERACTIVE, Job, Queue
+from npumoe.jobs.queue.schema import DEAD, DONE, FAILED, QUEUED, RUNNING
+from npumoe.jobs.queue.store import CLAIMABLE, INTERACTIVE, Job, Queue
+from npumoe.jobs.results import finished_output
 
 from .config import Config
 from .model_choice import DEMO, output_settings
@@ -90,6 +92,31 @@ def enqueue(queue: Queue, path: Path, config: Config, *, priority: int = INTERAC
                      pinned=pinned or not config.queue.is_shared(where))
 
 
+def content_now(job: Job, config: Config, inboxes: Iterable[Path], given: Path | None = None) -> Path | None:
+    """Where the job's content is now, when its own file no longer holds it (renamed, deleted while a copy waited):
+    `given` if it holds that content (else FileRefused or ValueError say why not), or else the first document in
+    `inboxes` that does. None: the job's own file still holds it, or no file could be found that does."""
+    max_bytes = int(config.extract.max_mb * 2**20)
+    if given is not None:
+        if sha256_of(given, max_bytes) != job.sha256:
+            raise ValueError(f"{given} does not hold the content of job {job.id}")
+        return real_folder(given)
+    if _holds(job, max_bytes):
+        return None
+    for path in iter_documents(inboxes, recursive=config.inbox.recursive):
+        if _holds(job, max_bytes, path):
+            return real_folder(path)
+    return None
+
+
+def _holds(job: Job, max_bytes: int, path: Path | None = None) -> bool:
+    """Whether `path` (by default the job's own file) is there and holds the job's content."""
+    try:
+        return sha256_of(path or Path(job.path), max_bytes) == job.sha256
+    except (OSError, ValueError):
+        return False
+
+
 @dataclass
 class Enqueued:
     """What `enqueue_paths` made of its paths."""
@@ -133,6 +160,8 @@ class InboxIntake:
         self.settle = settle  # the original of a document finished before: kept, moved or deleted by policy
         self.queued = queued  # a new job: ends the worker's idle wait
         self.rejected = 0  # files that could not even be queued (links, FIFOs, unreadable)
+        self._copies: dict[int, set[Path]] = {}  # job id → copies of its document waiting for its end
+        self._lock = threading.Lock()  # taken on the watcher's thread, rechecked on the worker's
 
     def take(self, path: Path) -> bool:
         """Queue a document the watcher found complete, or set it aside with the reason it cannot be.
@@ -146,7 +175,7 @@ class InboxIntake:
             if (fault := machine_fault(e, path.parent)) is not None:
                 log.warning("not queued yet: %s: %s", path, fault)
                 return False
-            if isinstance(e, FileRefused) and e.kind == "missing":
+            if isinstance(e, FileRefused) and e.kind == MISSING:
                 log.info("%s disappeared before it could be queued", path)
                 return True
             if isinstance(e, FileRefused) and e.denied:  # a person may put that right: offered again at the rescan
@@ -159,6 +188,34 @@ class InboxIntake:
         if created:
             log.info("queued job %d: %s", job.id, path)
             self.queued()
-        elif job.state == DONE:  # finished earlier, e.g. stopped between "done" and moving the original
-            self.settle(job, path)
-        return True
+            return True
+        return self._known(job, real_folder(path))
+
+    def _known(self, job: Job, path: Path) -> bool:
+        """A document whose content is the known `job`'s: settled if that job is done and its outputs are in this
+        machine's outbox; otherwise the job follows its content here when it needs to (its outputs are gone, its
+        own file was renamed or deleted, it died because that file was gone). A copy waiting behind the job's own
+        file is not dealt with yet: the job's end offers it again (`recheck`), and so does every rescan."""
+        if job.state == DONE and finished_output(self.folders.outbox, job) is not None:
+            self.settle(job, path)  # finished earlier, e.g. stopped between "done" and moving the original
+            return True
+        lost_without_it = job.state == DONE or (job.state == DEAD and job.error_kind == MISSING)
+        if job.state != RUNNING and (lost_without_it or not _holds(job, int(self.config.extract.max_mb * 2**20))):
+            followed = self.queue.follow(job.id, job.path, path, pinned=True)
+            if followed is not None:
+                log.info("job %d follows its content to %s (%s)", job.id, path, followed.state)
+                if followed.state in CLAIMABLE:
+                    self.queued()
+                return True
+        if str(path) == job.path or job.state not in (QUEUED, FAILED, RUNNING):
+            return True
+        with self._lock:
+            self._copies.setdefault(job.id, set()).add(path)
+        return False
+
+    def recheck(self, job_id: int) -> None:
+        """The job `job_id` ended: the copies of its document that waited for it are taken again."""
+        with self._lock:
+            copies = self._copies.pop(job_id, set())
+        for path in sorted(copies):
+            self.take(path)

@@ -132,6 +132,7 @@ def engine_settings(config: Config, home: Home, *, threads: int | None) -> Engin
         compiled_dir=home.compiled,
         coreml_compute_units=m.coreml_compute_units,
         costs_dir=home.costs,
+        residency=m.residency,
         models_dir=home.models,
     )
 
@@ -205,6 +206,9 @@ class ModelSlot:
         gc.collect()  # the weights are only freed once the last reference cycle is broken
 
 
-if __name__ == "__main__":  # `make setup`: fetch the weights and build the demo MoE, so tests and the demo find it
+if __name__ == "__main__":  # `make setup`: fetch the models and build the demo MoE, so tests and the demo find them
+    from npumoe.jobs.search.sentence_model import fetch_model
+
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     print(f"demo model: {demo_model()}")
+    print(f"search model: {fetch_model()}")

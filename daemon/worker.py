@@ -9,8 +9,6 @@
            intake    the watcher's files queued, or set aside with the reason (daemon/intake.py)
            gate      batch reports, the power assertion, pauses and stops of the running job (daemon/gate.py)
            heartbeat the status row, the running job's lease, the stall watchdog (daemon/heartbeat.py)
-           searches  a query on the home's socket is embedded by this process's model, on this thread, between
-                     two chunks of the running job or at once when idle (daemon/queries.py)
     stop (SIGTERM/SIGINT): the running job is handed back to the queue before the next model layer runs
 
 One daemon per home, enforced by a lock file the kernel releases when the process dies, so whoever
@@ -34,7 +32,6 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from filelock import FileLock, Timeout
 
@@ -44,9 +41,8 @@ from npumoe.jobs.faults import MachineFault, machine_fault
 from npumoe.jobs.files import KEEP
 from npumoe.jobs.outputs import remove_leftovers
 from npumoe.jobs.pipeline import Pipeline, Policy
-from npumoe.jobs.queue.schema import FAILED, QUEUED
+from npumoe.jobs.queue.schema import DEAD, DONE, FAILED, QUEUED
 from npumoe.jobs.queue.store import Job, Queue
-from npumoe.jobs.search.index import vectors_key
 
 from .config import Config
 from .energy.awake import PowerAssertion
@@ -57,7 +53,6 @@ from .heartbeat import Heartbeat, StallWatch, StatusRow
 from .home import Home, document_folders
 from .intake import InboxIntake
 from .model_choice import ModelSlot, backend_description
-from .queries import QueryServer
 from .scheduler import Scheduler
 from .watcher import InboxWatcher
 
@@ -162,7 +157,6 @@ class Worker:
         # run that stopped between "done" and moving it must be seen again, to be moved.
         memory = queue.handed if config.inbox.originals == KEEP else None
         self.watcher = InboxWatcher(list(self.folders.inboxes), config.inbox, self.intake.take, memory=memory)
-        self.queries = QueryServer(home.socket, wake=self._wake.set)
 
     def run(self) -> RunSummary:
         """Work until stopped (or, with `once`, until nothing runnable is left); raises AlreadyRunning."""
@@ -184,7 +178,9 @@ class Worker:
     # -- start and finish -------------------------------------------------------------------------------
 
     def _start(self) -> None:
-        remove_leftovers(self.folders.outbox)
+        # What a killed run left: in an outbox other homes may share, only what this home's mark names.
+        remove_leftovers(self.folders.outbox, self.folders.mark)
+        remove_leftovers(self.folders.work)
         # The home's lock is held: no other worker of this home runs, so every running job was
         # left by a dead one. A shared queue's running jobs are other workers' unless their worker is gone.
         for job_id in self.queue.reap(alive=None if self.queue.shared else lambda pid: False):
@@ -194,10 +190,6 @@ class Worker:
         self.row.open(pid=self.pid, model=self.config.model.name,
                       backend=backend_description(self.config.model.backend))
         log.info("npumoed %d started; watching %s", self.pid, ", ".join(map(str, self.folders.inboxes)))
-        try:
-            self.queries.start()
-        except OSError as e:
-            log.warning("not answering searches (each `npumoed search` loads the model itself): %s", e)
         self.heartbeat.start()
         self.queue.listen(self._wake.set, self._stopping)  # a shared queue's NOTIFY ends an idle wait at once
         if self.once:
@@ -206,7 +198,6 @@ class Worker:
             self.watcher.start()
 
     def _finish(self) -> None:
-        self.queries.stop()
         self.watcher.stop()
         self._stopping.set()
         self.heartbeat.join()
@@ -244,7 +235,6 @@ class Worker:
     def _turn(self) -> bool:
         """One pass of the loop: wait, or run a job, or idle. False: `--once` found nothing left to do."""
         poll = self.config.scheduler.poll_seconds
-        self.queries.answer(self._embed_query)  # searches asked of the daemon, between jobs
         decision = self.gate.decide()
         if not decision.run and not decision.idle:
             self.row.set("waiting", decision.reason)
@@ -287,6 +277,8 @@ class Worker:
                 self.model.touch()
                 self.row.set("working", "", current_job=None)
         self.summary.outcomes[outcome.state] += 1
+        if outcome.state in (DONE, DEAD):  # copies of its document that waited for its end: settled or followed
+            self.intake.recheck(job.id)
         where = f" → {outcome.output_dir}" if outcome.output_dir else f": {outcome.reason}"
         log.info("job %d %s%s", job.id, outcome.state, where)
 
@@ -294,18 +286,9 @@ class Worker:
         self._wake.wait(seconds)
         self._wake.clear()
 
-    # -- searches asked of the daemon ---------------------------------------------------------------------
-
     def _progressed(self, phase: str) -> None:
-        """The running job moved on (between two chunks, or two steps of the pipeline; no forward pass is
-        running): the stall watch hears it, and waiting searches are answered."""
+        """The running job moved on (between two chunks, or two steps of the pipeline): the stall watch hears it."""
         self.heartbeat.stall.moved(phase)
-        self.queries.answer(self._embed_query)
-
-    def _embed_query(self, text: str) -> tuple[str, Any]:
-        """A query's vector by the engine's own public `embed`, which leaves the running document's counts alone."""
-        engine = self.model.load()  # idle and unloaded, the daemon loads it once for this and later queries
-        return vectors_key(engine.model_key, engine.settings.pooling), engine.embed(text)
 
     def _counters(self) -> dict[str, int]:
         """What the status row counts."""

@@ -42,10 +42,12 @@ from .vocabulary import (
     DEFAULT_COMPUTE_UNITS,
     DTYPES,
     MEAN,
+    MEASURED,
     OVERFLOW_POLICIES,
     PREFILL,
     PROMPT,
     QUANTIZED,
+    RESIDENCY_POLICIES,
     SPILL,
     SUMMARY_TOKENS,
     WEIGHTS,
@@ -86,6 +88,9 @@ class EngineSettings:
     # the home's models folder: int8/int4 experts that `npumoed model quantize` wrote there are read, not made again
     models_dir: Path | None = None
     pooling: str = MEAN  # one of vocabulary.POOLINGS: how chunk vectors are made (chosen by `bench retrieval`)
+    # one of vocabulary.RESIDENCY_POLICIES: measured (groups run where they cost less) or accelerator (every group a
+    # static backend can build runs on it, whatever the costs say: to run and see the planned path anywhere)
+    residency: str = MEASURED
 
     def __post_init__(self) -> None:
         check_pooling(self.pooling)
@@ -95,6 +100,8 @@ class EngineSettings:
                              f"got {self.coreml_compute_units!r}")
         if self.overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {self.overflow!r}")
+        if self.residency not in RESIDENCY_POLICIES:
+            raise ValueError(f"residency must be one of {', '.join(RESIDENCY_POLICIES)}, got {self.residency!r}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.weights not in WEIGHTS:
@@ -156,7 +163,8 @@ class Engine:
             raise ModelError(f"{loaded.name}: {why}")
         cache = CostCache(settings.costs_dir) if settings.costs_dir is not None else None
         # where the plan's groups run on this backend, here
-        self.residency = place(plan, backend, loaded.model, cache) if plan is not None else None
+        self.residency = (place(plan, backend, loaded.model, cache, settings.residency, settings.weights)
+                          if plan is not None else None)
         # the engine runs the model only through its runtime, so the packed experts are the one copy kept
         quantized = settings.weights if settings.weights in QUANTIZED else None
         self.runtime = MoeRuntime(loaded.model, backend, plan, settings.overflow, self.residency,

@@ -22,6 +22,11 @@ SPILL = "spill"  # they run on the exact CPU path: nothing is lost
 PRUNE = "prune"  # the least important are dropped
 OVERFLOW_POLICIES = (SPILL, PRUNE)
 
+# How a static backend's residency is decided.
+MEASURED = "measured"  # a group runs on the accelerator where its measured cost is lower
+ACCELERATOR = "accelerator"  # every group the backend can build runs there, whatever the costs say
+RESIDENCY_POLICIES = (MEASURED, ACCELERATOR)
+
 # Model and expert dtypes, spelled as torch spells them.
 FLOAT32 = "float32"
 BFLOAT16 = "bfloat16"

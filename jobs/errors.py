@@ -7,10 +7,11 @@ raises ExtractionError, so nothing here may pull in a heavy dependency.
 from __future__ import annotations
 
 # What an extraction failure can be; the pipeline records the kind with the job.
-# `no_text_layer`: a PDF of images only (a scan), which would need OCR. `missing`: the file is gone.
+# `no_text_layer`: a PDF of images only (a scan), which would need OCR. MISSING: the file is gone.
+MISSING = "missing"
 KINDS = frozenset({
     "encrypted", "corrupt", "unsupported", "empty", "no_text_layer", "too_large", "timeout", "memory", "unreadable",
-    "missing",
+    MISSING,
 })
 
 

@@ -272,6 +272,7 @@ class Folders:
     processed: Path
     failed: Path
     inboxes: tuple[Path, ...]  # resolved; originals are only ever moved or deleted from inside these
+    mark: str = ""  # on this home's temporary names in an outbox other homes share (outputs.temporary_path)
 
     def holds(self, path: Path) -> bool:
         return containing_inbox(path, self.inboxes) is not None

@@ -4,12 +4,14 @@ Everything is first written under a hidden temporary name (`.tmp-…`) in the fo
 flushed to disk, then renamed in one step: an output folder appears complete or not at all. A run
 killed half-way leaves only `.tmp-…` entries, which `remove_leftovers` clears at the next start: it deletes
 them all, except that an output folder set aside while being replaced (`.tmp-…-<hex8>.old`) is put back
-when its replacement never took its place. Output folders are named for the document, the model and its
-settings together (`output_name`), so no other job's outputs ever replace them.
+when its replacement never took its place. In an outbox other homes share, a home's temporary names carry its
+mark (`.tmp-<mark>-…`), and its start sweeps those only: the others' may be in flight. Output folders are named
+for the document, the model and its settings together (`output_name`), so no other job's outputs ever replace them.
 """
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import io
@@ -34,9 +36,11 @@ NAME_MAX_BYTES = 255  # the longest file name most file systems take (ext4, APFS
 MAX_STEM = 80  # characters, for names people read
 _KEY_HEX = 16  # 64 bits of the job's keys in an output name: no two jobs' outputs share a folder
 _TMP_TOKEN = 9  # "-" and 8 hex digits: a temporary name's random part
+MARK_HEX = 8  # a home's mark on its temporary names in an outbox other homes share (`.tmp-<mark>-…`)
 # The longest name made from a stem: the old output folder a rewrite sets aside,
-# `.tmp-<stem>-<key16>-<hex8>.old`; capping the stem so that fits keeps every name derived from it legal.
-MAX_STEM_BYTES = NAME_MAX_BYTES - len(TMP_PREFIX) - (1 + _KEY_HEX) - _TMP_TOKEN - len(DISPLACED_SUFFIX)
+# `.tmp-<mark>-<stem>-<key16>-<hex8>.old`; capping the stem so that fits keeps every name derived from it legal.
+MAX_STEM_BYTES = (NAME_MAX_BYTES - len(TMP_PREFIX) - (MARK_HEX + 1) - (1 + _KEY_HEX) - _TMP_TOKEN
+                  - len(DISPLACED_SUFFIX))
 # The files of a document's output folder (outbox/<stem>-<key16>/).
 SUMMARY_FILE = "summary.md"  # the document's name, what made the summary, the summary: see summary_file.py
 EMBEDDINGS_FILE = "embeddings.npy"  # float32 (chunks + 1, dim): one row per chunk, then the document vector
@@ -49,8 +53,12 @@ def output_name(source_name: str, sha256: str, model_key: str, settings_key: str
     """`<stem>-<key16>`: a single safe path component, whatever the source was called; key16 is 64 bits of
     the hash of the job's keys (the content, the model, its settings), so one document made with other
     settings, or another document, never gets the same folder."""
-    key = hashlib.sha256("\0".join((sha256, model_key, settings_key)).encode()).hexdigest()[:_KEY_HEX]
-    return f"{safe_stem(source_name)}-{key}"
+    return f"{safe_stem(source_name)}-{output_key(sha256, model_key, settings_key)}"
+
+
+def output_key(sha256: str, model_key: str, settings_key: str) -> str:
+    """The part of an output folder's name that the job's keys decide, whatever its document is called now."""
+    return hashlib.sha256("\0".join((sha256, model_key, settings_key)).encode()).hexdigest()[:_KEY_HEX]
 
 
 def safe_stem(name: str) -> str:
@@ -101,27 +109,39 @@ def read_text(folder: Path) -> str | None:
         return None
 
 
-def temporary_path(folder: Path, label: str) -> Path:
+def temporary_path(folder: Path, label: str, mark: str = "") -> Path:
     """A fresh hidden name in `folder`, recognised (and cleaned) as a leftover if its writer dies.
 
-    The label is only a hint for people, cut so that the name stays within NAME_MAX_BYTES.
+    The label is only a hint for people, cut so that the name stays within NAME_MAX_BYTES. `mark`: the writing
+    home's (`home_mark`), in a folder other homes share, so that a start sweeps its own leftovers only.
     """
-    label = truncate_utf8(label, NAME_MAX_BYTES - len(TMP_PREFIX) - _TMP_TOKEN)
-    return folder / f"{TMP_PREFIX}{label}-{secrets.token_hex(4)}"
+    prefix = _temporary_prefix(mark)
+    label = truncate_utf8(label, NAME_MAX_BYTES - len(prefix) - _TMP_TOKEN)
+    return folder / f"{prefix}{label}-{secrets.token_hex(4)}"
 
 
-def displaced_path(folder: Path, name: str) -> Path:
+def home_mark(identity: str) -> str:
+    """The mark of a home's temporary names, made from its machine identity (queue/identity.py)."""
+    return hashlib.sha256(identity.encode()).hexdigest()[:MARK_HEX]
+
+
+def _temporary_prefix(mark: str) -> str:
+    return f"{TMP_PREFIX}{mark}-" if mark else TMP_PREFIX
+
+
+def displaced_path(folder: Path, name: str, mark: str = "") -> Path:
     """Where the folder `name` is set aside while its replacement moves in: a temporary name that says which
     name it held, so that a start after a crash can put it back (`remove_leftovers`)."""
     if len(name.encode("utf-8", "surrogateescape")) > MAX_STEM_BYTES + 1 + _KEY_HEX:
         raise ValueError(f"a folder name of at most {MAX_STEM_BYTES + 1 + _KEY_HEX} bytes can be replaced safely")
-    return folder / f"{temporary_path(folder, name).name}{DISPLACED_SUFFIX}"
+    return folder / f"{temporary_path(folder, name, mark).name}{DISPLACED_SUFFIX}"
 
 
-def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
-    """Create `parent/name` holding `files`, all at once; an existing folder of that name is replaced."""
+def write_folder(parent: Path, name: str, files: Mapping[str, bytes], *, mark: str = "") -> Path:
+    """Create `parent/name` holding `files`, all at once; an existing folder of that name is replaced. `mark`: see
+    temporary_path."""
     final = parent / name
-    tmp = temporary_path(parent, name)
+    tmp = temporary_path(parent, name, mark)
     tmp.mkdir(mode=0o700)
     try:
         for filename, data in files.items():
@@ -131,7 +151,7 @@ def write_folder(parent: Path, name: str, files: Mapping[str, bytes]) -> Path:
             # rename() cannot replace a non-empty folder; between these two renames the name is absent,
             # which a reader sees as "not written yet", never as half written. Killed in between, the old
             # folder is put back at the next start; failing in between, at once.
-            old = displaced_path(parent, name)
+            old = displaced_path(parent, name, mark)
             os.rename(final, old)
             try:
                 os.rename(tmp, final)
@@ -161,12 +181,14 @@ def write_file(path: Path, data: bytes, *, mode: int = 0o600) -> Path:
     return path
 
 
-def remove_leftovers(folder: Path) -> list[Path]:
-    """Delete the `.tmp-…` entries a killed writer left in `folder`; returns what was removed. An output folder
-    set aside while being replaced is put back if nothing took its name, and removed if its replacement did."""
+def remove_leftovers(folder: Path, mark: str = "") -> list[Path]:
+    """Delete the `.tmp-…` entries a killed writer left in `folder` (with a `mark`, only those of the home it marks:
+    see temporary_path); returns what was removed. An output folder set aside while being replaced is put back if
+    nothing took its name, and removed if its replacement did."""
     removed = []
-    for entry in folder.glob(f"{TMP_PREFIX}*"):
-        held = _displaced_from(entry)
+    prefix = _temporary_prefix(mark)
+    for entry in folder.glob(f"{glob.escape(prefix)}*"):
+        held = _displaced_from(entry, prefix)
         if held is not None and not os.path.lexists(folder / held):
             os.rename(entry, folder / held)
             fsync_dir(folder)
@@ -181,11 +203,12 @@ def remove_leftovers(folder: Path) -> list[Path]:
     return removed
 
 
-def _displaced_from(entry: Path) -> str | None:
-    """The name the folder set aside as `entry` held (see displaced_path); None if it is no such folder."""
+def _displaced_from(entry: Path, prefix: str) -> str | None:
+    """The name the folder set aside as `entry` (named `prefix…`) held (see displaced_path); None if it is no such
+    folder."""
     if not entry.name.endswith(DISPLACED_SUFFIX) or entry.is_symlink() or not entry.is_dir():
         return None
-    name, dash, token = entry.name[len(TMP_PREFIX):-len(DISPLACED_SUFFIX)].rpartition("-")
+    name, dash, token = entry.name[len(prefix):-len(DISPLACED_SUFFIX)].rpartition("-")
     return name if dash and name and len(token) == _TMP_TOKEN - 1 and re.fullmatch("[0-9a-f]+", token) else None
 
 

@@ -154,7 +154,7 @@ class Pipeline:
                 result = run_engine(engine, extracted.text, progress, self.checkpoint)
 
         run = Run(self.model.settings, engine, extracted, extract_s, result, meter)
-        return self._complete(job, write_outputs(self.folders.outbox, job, run), identity)
+        return self._complete(job, write_outputs(self.folders.outbox, job, run, mark=self.folders.mark), identity)
 
     @contextmanager
     def _work_folder(self, job: Job) -> Iterator[Path]:
@@ -171,22 +171,22 @@ class Pipeline:
         """Mark the job done, index its outputs, then settle the original: only the very file that was read
         (`identity`; None when this attempt did not read it), and a file saved again meanwhile is queued as a new
         document instead."""
-        entry = IndexEntry.read(out)  # from the files just written: what `npumoed reindex` would read too
         if not self.queue.complete(job.id, self.pid, output_dir=str(out)):
             raise Lost
-        self._index(job, entry)
+        self._index(job, out)
         self.originals.settle(job, Path(job.path), identity)
         return Outcome(job.id, DONE, output_dir=out)
 
-    def _index(self, job: Job, entry: IndexEntry) -> None:
+    def _index(self, job: Job, out: Path) -> None:
         """Add a done document to the search index, in a transaction of its own after the one that marked it done:
-        the index is derived from the outbox, so a failure to write it (a damaged index, a full disk) flags it for
-        `npumoed reindex` and fails no document."""
+        the index is derived from the outbox, so a failure to make or write its entry (the search model missing, a
+        damaged index, a full disk) flags it for `npumoed reindex` and fails no document."""
         database = self.local_index if self.queue.shared else self.queue.path
         if database is None:
             return
         try:
-            write_local(database, entry)
+            # from the files just written, as `npumoed reindex` reads them: the search model embeds the passages
+            write_local(database, IndexEntry.read(out))
         except Exception as e:
             log.warning("job %d: done, but not added to the search index (%s: %s); `npumoed reindex` rebuilds it",
                         job.id, type(e).__name__, e)

@@ -22,6 +22,7 @@ from .outputs import (
     TEXT_FILE,
     compressed_text,
     npy_bytes,
+    output_key,
     output_name,
     readable,
     write_folder,
@@ -52,9 +53,9 @@ class Run:
     meter: Measurement
 
 
-def write_outputs(outbox: Path, job: Job, run: Run) -> Path:
+def write_outputs(outbox: Path, job: Job, run: Run, *, mark: str = "") -> Path:
     """Write the output folder of `job` in `outbox`, replacing one of that name; a fault of the disk is the
-    outbox's (faults.blamed_on)."""
+    outbox's (faults.blamed_on). `mark`: the home's, on its temporary names (outputs.temporary_path)."""
     result = run.result
     files = {
         SUMMARY_FILE: render_summary(Path(job.path).name, run.settings.model, result.stats.chunks,
@@ -65,17 +66,21 @@ def write_outputs(outbox: Path, job: Job, run: Run) -> Path:
         META_FILE: document_meta(job, run).to_json(),
     }
     with blamed_on(outbox):
-        return write_folder(outbox, _folder_name(job), files)
+        return write_folder(outbox, _folder_name(job), files, mark=mark)
 
 
 def finished_output(outbox: Path, job: Job) -> Path | None:
-    """The output folder an earlier attempt of `job` wrote whole (it stopped before marking the job done), if any."""
-    out = outbox / _folder_name(job)
-    try:
-        meta = read_meta(out)
-    except ValueError:
-        return None
-    return out if (meta["job_id"], meta["sha256"]) == (job.id, job.sha256) else None
+    """The output folder of `job` written whole in `outbox`, if any: by an earlier attempt that stopped before
+    marking the job done, or by the run that did. Found by the job's keys, under whichever name its document had
+    then (a file renamed after its outputs were written keeps one output folder)."""
+    for out in sorted(outbox.glob(f"*-{output_key(job.sha256, job.model_key, job.settings_key)}")):
+        try:
+            meta = read_meta(out)
+        except ValueError:
+            continue
+        if (meta["job_id"], meta["sha256"]) == (job.id, job.sha256):
+            return out
+    return None
 
 
 def document_meta(job: Job, run: Run) -> DocumentMeta:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from demo_run import DemoRun, process_samples
-from postgres_server import PostgresServer
+from support.demo_run import DemoRun, process_samples
+from support.postgres_server import PostgresServer
 
 from npumoe.engine.synthetic.smollm2 import models_cache
+from npumoe.jobs.search.sentence_model import NAME as SEARCH_MODEL_NAME
 
 # The models cache `make setup` filled (the demo model), read before the run points NPUMOE_MODELS elsewhere. xdist's
 # workers start after that, with the run's environment: the run passes them the folder (pytest_configure).
@@ -28,10 +29,13 @@ SETUP_MODELS = Path(os.environ.get(SETUP_MODELS_VARIABLE) or models_cache())
 def pytest_configure(config: pytest.Config) -> None:
     """Compiled kernels go to a folder of this run's, not the user's cache; set before collection, which
     asks whether the kernel builds, and inherited by every child process. Likewise an empty models cache: no
-    test sees the demo model `make setup` made unless it asks for it (`demo_run`)."""
+    test sees the demo model `make setup` made unless it asks for it (`demo_run`); but every test sees the search
+    model setup fetched, as indexing a done document embeds its passages with it."""
     os.environ.setdefault(SETUP_MODELS_VARIABLE, str(SETUP_MODELS))  # for the workers
     os.environ["NPUMOE_CACHE"] = tempfile.mkdtemp(prefix="npumoe-test-cache-")
     os.environ["NPUMOE_MODELS"] = tempfile.mkdtemp(prefix="npumoe-test-models-")
+    search_model = Path(os.environ["NPUMOE_MODELS"]) / SEARCH_MODEL_NAME
+    search_model.symlink_to(SETUP_MODELS / SEARCH_MODEL_NAME, target_is_directory=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,9 +1,10 @@
 """`npumoed bench` commands that measure the service around the engine: the queue's claims, search queries,
-whole search commands, and retrieval on the sample documents."""
+whole search commands, and retrieval on the written question set or the sample documents."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -11,6 +12,9 @@ from npumoe.engine.vocabulary import POOLINGS
 
 from ..options import json_option, write_json
 from ..render import err_console, print_claim_runs, print_retrieval, print_search
+
+if TYPE_CHECKING:
+    from npumoe.engine import Engine
 
 
 @click.command("queue")
@@ -71,11 +75,11 @@ def search_bench(documents: int, chunks: int, dims: tuple[int, ...], k: int, que
 @click.command("query-latency")
 @click.option("--home", type=click.Path(file_okay=False, exists=True, path_type=Path), required=True,
               help="A home whose documents are processed and indexed (e.g. the demo's: make demo).")
-@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed searches each way.")
+@click.option("--runs", type=click.IntRange(min=1), default=5, show_default=True, help="Timed searches.")
 @click.option("--query", default=None, help="The query (default: the README's example).")
 @json_option
 def query_latency_bench(home: Path, runs: int, query: str | None, json_path: Path | None) -> None:
-    """Whole `npumoed search` commands without the daemon (they load the model) and with it running (they ask it)."""
+    """Whole `npumoed search` commands, each embedding its query with the search model."""
     from ..machine import describe_machine
     from .query_latency import QUERY, measure, summary_lines
 
@@ -86,37 +90,65 @@ def query_latency_bench(home: Path, runs: int, query: str | None, json_path: Pat
 
 
 @click.command("retrieval")
+@click.option("--set", "question_set", type=click.Choice(["written", "samples"]), default="written", show_default=True,
+              help="The questions: the written set's (bench/retrieval_set) or the six samples'.")
+@click.option("--vectors", "vector_kinds", multiple=True, type=click.Choice(["search-model", "engine"]),
+              default=("search-model", "engine"), show_default=True,
+              help="Whose vectors are measured: the search model's or the engine's (repeatable).")
 @click.option("--model", "model_name",
-              help="Model: \"demo\", a checkpoint folder or a Hugging Face id (default: the home config's).")
+              help="The engine's model: \"demo\", a checkpoint folder or a Hugging Face id (default: the config's).")
 @click.option("--pooling", "poolings", multiple=True, type=click.Choice(POOLINGS), default=POOLINGS,
-              show_default=True, help="How chunk vectors are made (repeatable).")
+              show_default=True, help="How the engine's chunk vectors are made (repeatable).")
+@click.option("--documents", "n_documents", type=click.IntRange(min=1),
+              help="Only the first N documents (by file name) and their questions: the engine is slow.")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: leave as is).")
 @json_option
-def retrieval_bench(model_name: str | None, poolings: tuple[str, ...], threads: int | None,
+def retrieval_bench(question_set: str, vector_kinds: tuple[str, ...], model_name: str | None,
+                    poolings: tuple[str, ...], n_documents: int | None, threads: int | None,
                     json_path: Path | None) -> None:
-    """Retrieval on the sample documents: recall@1 and MRR of paraphrased questions, for each pooling and each
+    """Retrieval: recall@1, recall@3 and MRR of paraphrased questions, for each way of making vectors and each
     weighting of vectors against words."""
     import dataclasses
 
     import torch
 
+    from npumoe.jobs.search.sentence_model import sentence_model
+
+    from ..machine import describe_machine
+    from .questions import QUESTIONS, written_set
+    from .retrieval import EngineVectors, SearchModelVectors, compare, sample_texts
+
+    texts, questions = written_set() if question_set == "written" else (sample_texts(), QUESTIONS)
+    if n_documents is not None:
+        texts = dict(sorted(texts.items())[:n_documents])
+        questions = tuple(q for q in questions if q.filename in texts)
+    makers: list = [SearchModelVectors(sentence_model())] if "search-model" in vector_kinds else []
+    engine = _retrieval_engine(model_name, threads) if "engine" in vector_kinds else None
+    settings = {"set": question_set, "documents": len(texts), "vectors": list(vector_kinds)}
+    if engine is not None:
+        makers += [EngineVectors(engine, pooling) for pooling in poolings]
+        settings |= {"model_key": engine.model_key, "chunk_tokens": engine.chunk_tokens, "poolings": list(poolings)}
+    try:
+        results = compare(makers, texts, questions=questions)
+    finally:
+        if engine is not None:
+            engine.close()
+    print_retrieval(results, f"retrieval: {len(questions)} questions on {len(texts)} documents")
+    write_json(json_path, describe_machine(torch.get_num_threads()), settings,
+               [dataclasses.asdict(r) for r in results])
+
+
+def _retrieval_engine(model_name: str | None, threads: int | None) -> Engine:
+    """The configured engine (or `model_name`'s), as the daemon would load it."""
+    import dataclasses
+
     from npumoe.daemon.config import load_config
     from npumoe.daemon.home import Home
     from npumoe.daemon.model_choice import engine_settings, load_engine
-
-    from ..machine import describe_machine
-    from .retrieval import measure, sample_texts
 
     config = load_config(None)
     if model_name is not None:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, name=model_name))
     engine = load_engine(engine_settings(config, Home.current().ensure(), threads=threads))
     err_console.print(f"measuring {engine.model_key}", style="dim")
-    try:
-        results = measure(engine, sample_texts(), poolings)
-    finally:
-        engine.close()
-    print_retrieval(results, f"retrieval: {results[0].questions} questions on the samples, {engine.model_key}")
-    write_json(json_path, describe_machine(torch.get_num_threads()), {
-        "model": config.model.name, "model_key": engine.model_key, "chunk_tokens": engine.chunk_tokens,
-        "poolings": list(poolings)}, [dataclasses.asdict(r) for r in results])
+    return engine

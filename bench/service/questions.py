@@ -1,4 +1,5 @@
-"""Questions about the sample documents, in other words than theirs, for `npumoed bench retrieval`.
+"""Questions about documents, in other words than theirs, for `npumoed bench retrieval`: the samples' here, and the
+written set's (`written_set`: documents of many kinds and their questions, in bench/retrieval_set).
 
 Each question paraphrases one sentence of its sample, the anchor. The samples are written from one pool
 of sentences, so an anchor is usually in two or three samples (the long night-shift log holds most of
@@ -8,7 +9,11 @@ The night-shift log's own questions ask for its nightly facts, which no other sa
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
+from pathlib import Path
+
+WRITTEN_SET = Path(__file__).parent.parent / "retrieval_set"
 
 
 @dataclass(frozen=True)
@@ -89,3 +94,10 @@ QUESTIONS = (
     Question("night-shift-log.txt", "At dusk the inbox held 6 documents, the largest of them a 34-page contract.",
              "Which evening brought only six files, the longest an agreement of 34 pages?"),
 )
+
+
+def written_set(folder: Path = WRITTEN_SET) -> tuple[dict[str, str], tuple[Question, ...]]:
+    """The written set's texts by file name, and its questions (questions.toml), each anchored in one text."""
+    texts = {path.name: path.read_text(encoding="utf-8") for path in sorted(folder.glob("*.txt"))}
+    asked = tomllib.loads((folder / "questions.toml").read_text(encoding="utf-8"))["question"]
+    return texts, tuple(Question(q["file"], q["anchor"], q["question"]) for q in asked)

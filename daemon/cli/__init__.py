@@ -17,7 +17,8 @@ from rich.text import Text
 from npumoe.jobs.queue.schema import STATES
 from npumoe.jobs.queue.store import Job
 
-from ..intake import Enqueued, enqueue_paths
+from ..home import inbox_folders
+from ..intake import Enqueued, content_now, enqueue_paths
 from .app import App, emit_json, pass_app
 from .terminal import printable
 
@@ -152,10 +153,20 @@ def _change(app: App, job_id: int, action: str) -> Job:
 
 @main.command()
 @click.argument("job_id", type=int)
+@click.option("--path", "given", type=click.Path(path_type=Path),
+              help="Where the job's file is now, if it was renamed or moved.")
 @pass_app
-def retry(app: App, job_id: int) -> None:
-    """Queue a failed, dead or cancelled job again."""
-    job = _change(app, job_id, "retry")
+def retry(app: App, job_id: int, given: Path | None) -> None:
+    """Queue a failed, dead or cancelled job again. A job whose file is gone follows its content: to --path, or to
+    the document in the inboxes that holds it."""
+    job = app.queue.get(job_id)
+    if job is None:
+        raise click.ClickException(f"no job {job_id}")
+    try:
+        moved = content_now(job, app.config, inbox_folders(app.config, app.home), given)
+        job = app.queue.retry(job_id, path=moved)
+    except (OSError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
     click.echo(f"#{job.id} queued again: {printable(job.path)}")
 
 

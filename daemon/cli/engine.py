@@ -243,7 +243,7 @@ def _show(plan: ExpertPlan, console: Console) -> None:
 
 def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | None, multiple: int,
                     console: Console) -> None:
-    from npumoe.engine.plan.residency import padding_cost
+    from npumoe.engine.plan.residency import key_group, padding_cost
 
     console.print(f"[bold]on {placed.backend}[/]: {placed.accelerator_groups} groups on the accelerator, "
                   f"{placed.cpu_groups} on the CPU")
@@ -272,6 +272,10 @@ def _show_residency(plan: ExpertPlan, placed: Residency, costs: MeasuredCosts | 
     console.print("groups by reason: " + ", ".join(f"{n} {reason}" for reason, n in sorted(reasons.items())))
     if scaled:
         console.print("fp16 range: scaled in the graph, back on the host: " + "; ".join(scaled))
+    if costs is not None and costs.refused:
+        refusals = [(key_group(key), why) for key, why in costs.refused.items()]
+        console.print("[yellow]graphs the accuracy gate refused[/] (their groups run on the CPU): " + "; ".join(
+            f"{plan.layers[i].name} group {g}: {why}" for (i, g), why in sorted(refusals)))
 
 
 def quiet_transformers() -> None:

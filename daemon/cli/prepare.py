@@ -271,7 +271,7 @@ def _costs(backend: str, plan: ExpertPlan, model: Model, home: Home, units: str,
 
     backend_here = get_backend(backend, BackendOptions(compiled_dir=home.compiled, compute_units=units,
                                                        weights=weights))
-    costs = measure(plan, backend_here, model.get().model)
+    costs = measure(plan, backend_here, model.get().model, weights)
     cache.put(backend, plan, costs)
     return costs, False
 

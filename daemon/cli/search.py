@@ -1,8 +1,8 @@
 """`npumoed search`, `similar` and `reindex`: finding things in what was processed.
 
-`search` asks the running daemon to embed the query with the model it holds (daemon/queries.py), so
-no second copy is loaded; with no daemon, or one that does not answer (said on stderr), it loads the
-configured model itself. `similar` and `reindex` need no model.
+`search` embeds the query with the search's own small model (jobs/search/sentence_model.py), here, in
+about a second, daemon or not: it never loads the LLM. `reindex` embeds every document's passages with it;
+`similar` needs no model.
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ from npumoe.jobs.search.index import (
     SearchIndex,
     reindex,
     stale_reason,
-    vectors_key,
 )
 from npumoe.jobs.search.passages import Passage, passage, query_terms
 
 from ..home import Home, outbox_folder
-from ..queries import NoAnswer, ask_daemon
 from .app import App, emit_json, holding_home, pass_app
 from .terminal import printable
 
@@ -46,9 +44,8 @@ HIGHLIGHT = "bold yellow"
 def search(app: App, query: str, k: int, as_json: bool) -> None:
     """The passages of processed documents that best match QUERY.
 
-    The query is embedded by the configured model exactly as document chunks are, and each chunk is scored
-    by that vector's cosine similarity and by how much of the query's words it holds. The running daemon
-    embeds the query; without one, the model is loaded here.
+    The query is embedded by the search model exactly as each document's passages are, and each passage is
+    scored by that vector's cosine similarity and by how much of the query's words it holds.
     """
     if not query.strip():
         raise click.BadParameter("the query is empty", param_hint="QUERY")
@@ -58,7 +55,7 @@ def search(app: App, query: str, k: int, as_json: bool) -> None:
             raise click.ClickException("nothing is indexed yet: process some documents (or run `npumoed reindex`)")
         if stale := stale_reason(app.home.database):
             click.echo(f"warning: the search index misses documents ({stale}); `npumoed reindex` rebuilds it", err=True)
-        key, vector = _embedded(app, query)
+        key, vector = _embedded(query)
         results = index.search(key, vector, query, k)
     except (NotIndexed, IndexDamaged) as e:
         raise click.ClickException(str(e)) from e
@@ -112,27 +109,11 @@ def reindex_command(app: App) -> None:
     click.echo(f"indexed {done.documents} document(s) from {printable(str(outbox))}")
 
 
-def _embedded(app: App, query: str) -> tuple[str, Any]:
-    """(the index's vectors key, the query's vector): from the running daemon, else from the model loaded here."""
-    try:
-        answered = ask_daemon(app.home.socket, query)
-    except NoAnswer as e:
-        click.echo(f"npumoed: {e}; loading the model here instead", err=True)
-        answered = None
-    if answered is not None:
-        return answered
-    from ..model_choice import engine_settings, load_engine
-    from .engine import quiet_transformers
+def _embedded(query: str) -> tuple[str, Any]:
+    """(the index's vectors key, the query's vector) by the search model."""
+    from npumoe.jobs.search.sentence_model import MODEL_KEY, sentence_model
 
-    quiet_transformers()
-    try:
-        engine = load_engine(engine_settings(app.config, app.home, threads=None))
-    except Exception as e:  # any failure to load is the model's, and the person needs its words
-        raise click.ClickException(f"cannot load the model {app.config.model.name}: {e}") from e
-    try:
-        return vectors_key(engine.model_key, engine.settings.pooling), engine.embed(query)
-    finally:
-        engine.close()
+    return MODEL_KEY, sentence_model().embed([query])[0]
 
 
 def _open(home: Home) -> SearchIndex:
@@ -197,12 +178,14 @@ def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
         console.print("no matches")
     words = re.compile(r"(?<![^\W_])(" + "|".join(map(re.escape, terms)) + r")(?![^\W_])", re.IGNORECASE)
     for rank, row in enumerate(rows, 1):
-        heading = Text(f"{rank:>2}. {row['score']:.3f}  ")  # Text, not markup: names and passages print as they are
-        heading.append(printable(row["source"]), style="bold")
-        heading.append(f"  (#{row['job_id']})")
-        console.print(heading)
-        if row["summary"]:
-            console.print(Text(f"    {printable(row['summary'], lines=True)}", style="dim"))
+        # Text, not markup: names and passages print as they are. The file name first, whole: the part a person
+        # knows the document by; its folder after it, which may be cut.
+        source = Path(row["source"])
+        heading = Text(f"{rank:>2}. {row['score']:.3f}  ")
+        heading.append(printable(source.name), style="bold")
+        heading.append(f"  (#{row['job_id']})  ")
+        heading.append(printable(str(source.parent)), style="dim")
+        console.print(heading, overflow="ellipsis", no_wrap=True)
         for shown in row["passages"]:
             line = Text(f"    {shown['score']:.3f}  ")
             body = Text(printable(shown["text"], lines=True) if shown["text"] is not None
@@ -210,3 +193,5 @@ def _print_results(rows: list[dict[str, Any]], terms: list[str]) -> None:
             if terms:
                 body.highlight_regex(words, HIGHLIGHT)
             console.print(line + body)
+        if row["summary"]:
+            console.print(Text(f"    summary: {printable(row['summary'], lines=True)}", style="dim"))

@@ -167,7 +167,8 @@ def doctor(app: App, as_json: bool, verbose: bool, rebuild_queue: bool) -> None:
     checks = [*_service_checks(), _database_check(app.config, app.home),
               *(_inbox_check(folder) for folder in inbox_folders(app.config, app.home)),
               _power_check(), _load_check(), _cpu_check(app), _energy_check(), _kernel_check(),
-              _measured_choices_check(), _weights_check(app), *_backend_checks(), _placement_check(app)]
+              _measured_choices_check(), _weights_check(app), *_backend_checks(), _placement_check(app),
+              _graph_accuracy_check(app)]
     if as_json:
         emit_json({"checks": checks})
     else:
@@ -416,6 +417,17 @@ def _placement_check(app: App) -> dict[str, str]:
     if off:
         detail += f"; {off} graphs have ops off it (those mostly off it run on the CPU instead)"
     return _check("Neural Engine placement", "warn" if off else "ok", detail)
+
+
+def _graph_accuracy_check(app: App) -> dict[str, str]:
+    """The accelerator graphs the accuracy gate refused, over the costs measured in this home."""
+    from npumoe.engine.plan.cost_cache import CostCache
+
+    refused = [f"{name.rsplit('-', 2)[0]} group {key}: {why}" for name, costs in CostCache(app.home.costs).everything()
+               for key, why in costs.refused.items()]
+    return _check("accelerator graphs", "warn" if refused else "ok",
+                  "; ".join(refused) + " (those groups run on the CPU)" if refused
+                  else "none refused by the accuracy gate (each placed graph matched the CPU path on a probe)")
 
 
 def _backend_ready(name: str) -> tuple[bool, str]:

@@ -22,7 +22,7 @@ from ..moe.cpu_experts import CpuExperts
 from ..moe.dispatch import GraphCalls, GroupGraph, run_now
 from ..moe.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from ..moe.grouped import GroupedExperts
-from ..plan.cost import CostModel, expert_flops, fit_call_cost
+from ..plan.cost import CostModel, expert_flops, fit_call_cost, seconds_of
 from ..vocabulary import CPU, DEFAULT_COMPUTE_UNITS, STATIC_BACKENDS, TORCH_STATIC
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ class TorchStaticBackend(Backend):
             flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
         calls_s, cpu_flops = cpu_path_costs(weights)
         return CostModel(launch_s=launch_s, static_flops=static_flops, cpu_call_s=calls_s / group_size,
-                         cpu_flops=cpu_flops)
+                         cpu_flops=cpu_flops, host_row_s=host_row_seconds(hidden, dtype))
 
 
 def sample_weights(group_size: int, hidden: int, ffn: int, dtype: torch.dtype) -> ExpertWeights:
@@ -151,3 +151,18 @@ def cpu_path_costs(weights: ExpertWeights) -> tuple[float, float]:
         run_tasks([lambda e=e: cpu(e, x) for e in range(group_size)])
 
     return fit_call_cost(cpu_path, *FIT_ROWS, flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
+
+
+def host_row_seconds(hidden: int, dtype: torch.dtype, rows: int = 2048, repeats: int = 10) -> float:
+    """Seconds per row of the host's work around a graph, as dispatch does it: `rows` token rows gathered into a
+    group buffer, then as many output rows copied out contiguously; best of `repeats`."""
+    x = torch.ones(rows, hidden, dtype=dtype)
+    source = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+    packed, out = torch.empty_like(x), torch.empty_like(x)
+
+    def run(_: int) -> None:
+        torch.index_select(x, 0, source, out=packed)
+        out.copy_(packed)
+
+    run(rows)
+    return min(seconds_of(run, rows) for _ in range(repeats)) / rows

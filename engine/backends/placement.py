@@ -3,8 +3,9 @@
 Costs are measured once per backend, machine and plan and kept in a `CostCache` (the daemon's is its
 home's `costs/`), so a daemon start reads them instead of timing again. A backend with a device of
 its own also times each compiled group graph there and reads where its ops run; those figures go into
-the same file. A backend whose graphs run through torch here (Core ML off macOS) is measured as torch
-runs them, and says so: its residency is decided again where its device exists.
+the same file, with the groups whose graphs the accuracy gate refused (`graph_check.py`) and why. A
+backend whose graphs run through torch here (Core ML off macOS) is measured as torch runs them, and
+says so: its residency is decided again where its device exists.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from ..moe.model_experts import moe_layouts
 from ..plan.cost_cache import CostCache, machine
 from ..plan.expert_plan import ExpertPlan
 from ..plan.residency import MeasuredCosts, Residency, decide_residency, group_key
-from ..vocabulary import TORCH_STATIC
+from ..vocabulary import ACCELERATOR, DTYPE_WEIGHTS, MEASURED, QUANTIZED, TORCH_STATIC
 from .base import Backend, GroupSpec
+from .graph_check import graph_refusal
 
 
 def plan_experts(plan: ExpertPlan, model: nn.Module) -> list[tuple[ExpertWeights, ExpertsLayout]]:
@@ -30,36 +32,60 @@ def plan_experts(plan: ExpertPlan, model: nn.Module) -> list[tuple[ExpertWeights
     return [(expert_weights(*modules[layer.name]), modules[layer.name][1]) for layer in plan.layers]
 
 
+def conditions(model: nn.Module, plan: ExpertPlan, weights: str | None) -> dict[str, str]:
+    """What costs measured now depend on besides the machine: the experts' dtype, the run's weights format (its
+    quantized format, else the dtype's own, however it was asked for) and the torch threads they run on."""
+    dtype = str(plan_experts(plan, model)[0][0].down.dtype).removeprefix("torch.")
+    return {"dtype": dtype, "weights": weights if weights in QUANTIZED else DTYPE_WEIGHTS.get(dtype, dtype),
+            "threads": str(torch.get_num_threads())}
+
+
 @torch.inference_mode()
-def measure(plan: ExpertPlan, backend: Backend, model: nn.Module) -> MeasuredCosts:
+def measure(plan: ExpertPlan, backend: Backend, model: nn.Module, weights: str | None = None) -> MeasuredCosts:
     """Time `backend`'s graphs and the exact CPU path at the model's expert geometry, and each group graph the
-    backend can time on its device (every group calibration saw load for); and how many experts its device has
-    room for, where it holds their weights."""
+    backend can time on its device (every group calibration saw load for); how many experts its device has
+    room for, where it holds their weights; and which groups' graphs the accuracy gate refuses (it probes every
+    group the backend can build, so that either policy places only graphs that passed)."""
     experts = plan_experts(plan, model)
     first = experts[0][0]
     hidden, ffn = first.hidden, first.ffn
     cost = backend.measure_costs(hidden, ffn, first.down.dtype, plan.group_size)
-    candidates = decide_residency(plan, backend)
-    specs = {}
-    for i, (layer, placements) in enumerate(zip(plan.layers, candidates.layers, strict=True)):
-        for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
-            if placement.accelerator:
-                weights, layout = experts[i]
-                specs[group_key(i, g)] = GroupSpec(weights.select(group.experts), layout, placement.capacity,
-                                                   placement.scale)
+    timed = _specs(plan, backend, decide_residency(plan, backend), experts)
+    buildable = _specs(plan, backend, decide_residency(plan, backend, policy=ACCELERATOR), experts)
+    refused = {key: why for key, (spec, i, g) in buildable.items()
+               if (why := graph_refusal(backend, spec, plan.layers[i].magnitudes, plan.layers[i].groups[g].experts))}
     fallback = backend.fallback_reason()
     measured_on = f"{TORCH_STATIC if fallback else backend.name} on {machine()}"
-    return MeasuredCosts(cost=cost, hidden=hidden, ffn=ffn, measured_on=measured_on, groups=backend.time_groups(specs),
-                         fallback=fallback, device_experts=backend.device_room(hidden, ffn, first.down.dtype))
+    return MeasuredCosts(cost=cost, hidden=hidden, ffn=ffn, measured_on=measured_on,
+                         groups=backend.time_groups({key: spec for key, (spec, _, _) in timed.items()}),
+                         fallback=fallback, device_experts=backend.device_room(hidden, ffn, first.down.dtype),
+                         refused=refused, conditions=conditions(model, plan, weights))
 
 
-def place(plan: ExpertPlan, backend: Backend, model: nn.Module, cache: CostCache | None) -> Residency:
-    """`plan`'s residency on `backend` here: from the cached costs when there are, else measured now (and cached)."""
+def _specs(plan: ExpertPlan, backend: Backend, residency: Residency, experts: list[tuple[ExpertWeights, ExpertsLayout]],
+           ) -> dict[str, tuple[GroupSpec, int, int]]:
+    """The graph of each group `residency` places on the accelerator (of a layout `backend` converts), with its plan
+    layer and group, by group_key."""
+    specs = {}
+    for i, (layer, placements) in enumerate(zip(plan.layers, residency.layers, strict=True)):
+        for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
+            weights, layout = experts[i]
+            if placement.accelerator and backend.static_problem(layout) is None:
+                specs[group_key(i, g)] = (GroupSpec(weights.select(group.experts), layout, placement.capacity,
+                                                    placement.scale), i, g)
+    return specs
+
+
+def place(plan: ExpertPlan, backend: Backend, model: nn.Module, cache: CostCache | None,
+          policy: str = MEASURED, weights: str | None = None) -> Residency:
+    """`plan`'s residency on `backend` here under `policy` (vocabulary.RESIDENCY_POLICIES) for a run in `weights`
+    (None: the experts' dtype): from the cached costs when there are, measured with what this run uses (costs
+    given without conditions, as a test does, are taken as they are), else measured now (and cached)."""
     if not backend.static:
-        return decide_residency(plan, backend)
+        return decide_residency(plan, backend, policy=policy)
     costs = cache.get(backend.name, plan) if cache is not None else None
-    if costs is None:
-        costs = measure(plan, backend, model)
+    if costs is None or (costs.conditions and costs.conditions != conditions(model, plan, weights)):
+        costs = measure(plan, backend, model, weights)
         if cache is not None:
             cache.put(backend.name, plan, costs)
-    return decide_residency(plan, backend, costs)
+    return decide_residency(plan, backend, costs, policy)

@@ -14,7 +14,8 @@ kernels, the attention kernel, `auto` weights and the prefill chunk length).
   figures and not timed, so a fast wrong kernel is never chosen.
 - The record: `Choice`, the winner, every candidate's figure, the candidates that cannot run here with why, and
   those the probe refused with why.
-- The cache: one JSON file per machine (CPU model, torch version) in the user cache, every kind of choice in it;
+- The cache: one JSON file per machine (CPU model and feature flags, instruction-set ceilings, torch version) in the
+  user cache, every kind of choice in it;
   each entry keeps the digest of the sources it was measured with (this module's among them), so an edited kernel
   is probed and timed again.
 """
@@ -37,7 +38,7 @@ from typing import TypeVar
 
 import torch
 
-from .host import cache_root, cpu_model
+from .host import cache_root, machine_fingerprint
 
 T = TypeVar("T")
 LAGGARD = 5.0  # how many times the fastest's first figure takes a candidate out of the rounds that follow
@@ -231,7 +232,7 @@ def on_threads(threads: int, fn: Callable[[], T]) -> T:
 
 
 def _machine() -> dict[str, str]:
-    return {"cpu": cpu_model(), "torch": torch.__version__}
+    return {**machine_fingerprint(), "torch": torch.__version__}
 
 
 def _path() -> Path:

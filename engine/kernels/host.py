@@ -14,6 +14,7 @@ implying those before it.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import platform
 import re
@@ -24,6 +25,8 @@ from pathlib import Path
 import platformdirs
 
 MAX_ISA_VARIABLE = "NPUMOE_MAX_CPU_ISA"
+# Every ceiling on the instruction sets that code run here uses: the engine's own kernels', torch's and oneDNN's.
+ISA_CEILINGS = (MAX_ISA_VARIABLE, "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
 # Lowest first; the kernels name the level they need: AVX-VNNI (256-bit), AVX-512, AVX512-VNNI, AVX512-BF16, AMX.
 ISA_LEVELS = ("avx2", "avx2_vnni", "avx512", "avx512_vnni", "avx512_bf16", "amx")
 
@@ -65,6 +68,16 @@ def cpu_model() -> str:
         if found.returncode == 0 and found.stdout.strip():
             return found.stdout.strip()
     return platform.processor() or platform.machine()
+
+
+def machine_fingerprint() -> dict[str, str]:
+    """What a figure measured here depends on besides the work: the CPU's name, a digest of its feature flags (on
+    a VM the name is often the generic "Intel(R) Xeon(R) Processor" whatever runs underneath) and the
+    instruction-set ceilings set for this process."""
+    features = " ".join(sorted(cpu_flags() | arm_features()))
+    ceilings = ";".join(f"{name}={os.environ.get(name, '').strip().lower()}" for name in ISA_CEILINGS)
+    return {"cpu": cpu_model(), "cpu_flags": hashlib.sha256(features.encode()).hexdigest()[:12],
+            "isa_ceilings": ceilings}
 
 
 @cache

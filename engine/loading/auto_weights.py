@@ -6,9 +6,12 @@ machine's memory in it (model_size's rule: the weights' bytes with their run ove
 leaves the daemon); then the first smaller format that fits, from bf16 through int8 to int4 (the least rounding
 that fits), and int4 when none does.
 
-A GGUF file whose experts are stored quantized is never widened to a float format: auto starts from the format its
-blocks load into without widening (gguf_blocks.stored_format: Q4_x and the K-quants of 4 bits and fewer int4,
-Q5_x, Q6_K and Q8_0 int8), and goes down to int4 only if that does not fit. Float GGUF files go as checkpoints do.
+A GGUF file whose experts are stored quantized is never widened to a float format: auto starts from the format the
+file's type loads into without widening (gguf_load.experts_format: a Q4_K_M, Q4_0 or IQ3 file int4, even where
+llama.cpp stored some experts in Q5_0 or Q6_K; Q5_x, Q6_K and Q8_0 files int8; without a recorded type, that of
+the block type most expert weights are in), and goes down to int4 only if that does not fit. int4 runs on every
+machine (its dequantizing kernel at least), so a 4-bit file is never widened to int8. Float GGUF files go as
+checkpoints do.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def _stored_choice(file: Path, stored: str, total_memory: int | None) -> Weights
     chosen = next((f for f in (INT8, INT4) if _bytes(size, f) <= _bytes(size, stored) and _fits(size, f, usable)),
                   INT4)
     fits = _fits(size, chosen, usable)
-    why = f"the file's experts are stored quantized ({stored} without widening them; never a float format)"
+    why = f"the file's experts are stored quantized ({stored} holds them without widening them; never a float format)"
     if chosen == stored:
         return WeightsChoice(chosen, f"{chosen}: {why}; needs {_gib(size, chosen)} of {usable / _GIB:.1f} GiB usable",
                              fits)

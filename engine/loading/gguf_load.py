@@ -27,6 +27,7 @@ raises stream_load.NotStreamable before the experts are read.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections import defaultdict
 from collections.abc import Iterator
@@ -39,7 +40,15 @@ from transformers import AutoConfig, AutoModelForCausalLM, MixtralConfig, Pretra
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from ..errors import ModelError
-from ..formats.gguf_blocks import dequantized, engine_weight, stored_format
+from ..formats.gguf_blocks import (
+    CONVERSIONS,
+    SECONDS,
+    conversions_since,
+    dequantized,
+    engine_weight,
+    file_type_format,
+    stored_format,
+)
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
@@ -48,6 +57,8 @@ from .quant_store import QuantizedReader
 from .resolve import GGUF_SUFFIX
 from .stream_load import NotStreamable, attach_packed, finish_loading, put_tensor
 from .tensor_reader import read_into
+
+log = logging.getLogger(__name__)
 
 # transformers' model types and the GGUF architecture names llama.cpp writes for them
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
@@ -107,14 +118,19 @@ def gguf_config(path: Path) -> PretrainedConfig:
 
 
 def experts_format(path: Path) -> str | None:
-    """The engine's format the file's routed experts are stored in, or no wider than (gguf_blocks.stored_format of
-    the block type most of their weights are in: a Q4_K_M file keeps some down projections in Q6_K); None for
-    float experts or a file without any."""
+    """The engine's format the file's routed experts are stored in, or no wider than: that of the file's type
+    (gguf_blocks.file_type_format: a Q4_K_M file is int4 although llama.cpp stores some of its experts in Q5_0 or
+    Q6_K), else gguf_blocks.stored_format of the block type most of their weights are in; None for float experts
+    or a file without any."""
     counts: dict[int, int] = defaultdict(int)
-    for tensor in read_gguf(path).tensors:
+    reader = read_gguf(path)
+    for tensor in reader.tensors:
         if EXPERTS_TENSOR.fullmatch(tensor.name):
             counts[int(tensor.tensor_type)] += int(tensor.n_elements)
-    return stored_format(max(counts, key=counts.__getitem__)) if counts else None
+    stored = stored_format(max(counts, key=counts.__getitem__)) if counts else None
+    file_type = reader.fields.get("general.file_type")
+    declared = None if file_type is None else file_type_format(int(file_type.contents()))
+    return declared if stored is not None and declared is not None else stored
 
 
 def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, pack: bool = False,
@@ -148,6 +164,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             if target is None:
                 continue  # a tensor the model has no place for: transformers drops it too
             put_tensor(model, target, _float(file, tensor, processor, dtype))
+        counts, seconds = CONVERSIONS.copy(), SECONDS.copy()
         for name, tensors in experts.items():
             module = model.get_submodule(name)
             if pack:
@@ -156,6 +173,10 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
                 attach_packed(module, layouts[name].weight_names, cpu)
             else:
                 _fill(model, name, layouts[name], file, tensors, dtype)
+    if pack and format is not None and (cost := conversions_since(counts, seconds)):
+        # what each load costs until `model quantize` keeps the experts converted (then a load converts nothing)
+        log.info("%s: experts converted into %s as they were read: %s (`npumoed model quantize %s --weights %s` "
+                 "keeps them converted)", path.name, format, cost, path, format)
     del reader  # its map of the file
     model.tie_weights()
     finish_loading(model)

@@ -1,10 +1,10 @@
 """`npumoed model quantize` for a GGUF file: its routed experts in the engine's format, written once into the home.
 
-A Q8_0, Q4_0 or Q4_1 file's experts map into int8 or int4 as they are read, so the store saves little for them;
-for the other block types (the K-quants, Q5_x, Q6_K, the IQ types) and float files, each load would otherwise
-dequantize and quantize every expert again. The store holds one (N, K) weight per expert and projection, named
-`<GGUF tensor>.<expert>` (gguf_load.stored_expert), in quant_store's layout and manifest; the other tensors stay
-in the file.
+A Q8_0, Q4_0, Q4_1 or Q4_K file's experts map into int8 or int4 as they are read, so the store saves little for
+them; for the other block types (Q5_x, Q5_K, Q6_K, Q2_K, Q3_K, the IQ types) and float files, each load would
+otherwise dequantize and quantize every expert again (the load's log says what that cost).
+The store holds one (N, K) weight per expert and projection, named `<GGUF tensor>.<expert>`
+(gguf_load.stored_expert), in quant_store's layout and manifest; the other tensors stay in the file.
 """
 
 from __future__ import annotations

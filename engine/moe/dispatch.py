@@ -148,9 +148,10 @@ class MoeLayer:
         E = self.num_experts
         self.resident = torch.zeros(E, dtype=torch.bool, device=device)
         self.capacity = torch.zeros(E, dtype=torch.long, device=device)
-        self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
         self.group_of = torch.full((E,), -1, dtype=torch.long, device=device)
         self.group_rows: list[slice] = []
+        self.group_row: dict[int, tuple[int, int]] = {}  # expert -> (its group, its first row in the group's output)
+        self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
         row = 0
         for g, group in enumerate(self.groups):
             ids = torch.tensor(group.experts, dtype=torch.long, device=device)
@@ -159,6 +160,7 @@ class MoeLayer:
             self.resident[ids] = True
             self.capacity[ids] = group.capacity
             self.group_of[ids] = g
+            self.group_row.update({e: (g, j * group.capacity) for j, e in enumerate(group.experts)})
             self.slot_base[ids] = row + torch.arange(len(ids), device=device) * group.capacity
             self.group_rows.append(slice(row, row + len(ids) * group.capacity))
             row += len(ids) * group.capacity
@@ -206,7 +208,6 @@ class MoeLayer:
 
     def _planned(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  counts: torch.Tensor) -> torch.Tensor:
-        H = x.shape[1]
         expert = top_k_index.reshape(-1)  # (S,)
         # Sort by expert; under prune, the most important first within each expert.
         if self.overflow == PRUNE:
@@ -218,14 +219,10 @@ class MoeLayer:
         routed = Routed.from_order(top_k_index, order, counts)
 
         # Each resident expert's first static_counts[e] assignments go into its buffer slice.
-        static_counts = self._static_per_expert(counts)  # (E,)
-        rank = torch.arange(order.numel(), device=x.device) - (torch.cumsum(counts, 0) - counts)[routed.expert]
-        static = rank < static_counts[routed.expert]  # (S,)
-        slots = self.slot_base[routed.expert[static]] + rank[static]  # (N,) buffer row of each static assignment
-        packed = _workspace.get("packed", self.rows, x).zero_()  # (rows, H): every group's (G, C, H) buffer
-        packed[slots] = x[routed.token[static]]
+        static_counts = self.static_per_expert(counts)  # (E,)
+        packed = self.pack(x, routed, static_counts)
         launched = [g for g, work in enumerate(self._group_work(counts).tolist()) if work]
-        pending = self.submit([(self.groups[g].graph, self._buffer(packed, g)) for g in launched])
+        pending = self.submit([(self.groups[g].graph, self.buffer(packed, g)) for g in launched])
 
         # Meanwhile the CPU runs the rest of every run: cold experts whole, resident ones' overflow under
         # spill; under prune that overflow is dropped, and its rows of `out` (sorted) stay zero.
@@ -235,11 +232,38 @@ class MoeLayer:
         skip = counts * self.resident if self.overflow == PRUNE else static_counts
         run_tasks(self._cpu_tasks(out, x, routed, skip=skip.tolist()))
 
-        for g, y in zip(launched, pending.result(), strict=True):
-            packed[self.group_rows[g]] = y.reshape(-1, H)  # the buffer now holds each slot's output
-        out[static] = packed[slots]
-        self._normalise(out, dropped=self.resident[routed.expert] & ~static if self.overflow == PRUNE else None)
+        self.unpack(out, dict(zip(launched, pending.result(), strict=True)), routed, static_counts)
+        pruned = self.overflow == PRUNE and self.post_norm is not None
+        self._normalise(out, dropped=self._over_capacity(routed, static_counts) if pruned else None)
         return combine(out, order, top_k_weights)
+
+    def pack(self, x: torch.Tensor, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
+        """Every group's (G, C, H) buffer, back to back in one (rows, H): each resident expert's first
+        static_counts[e] assignments' token rows in its slice, gathered in one pass (one op: a loop of small copies,
+        one per expert, waits on its threads as often, which on a busy machine costs more than it saves). Padding
+        rows repeat token 0's row rather than being zeroed: a graph computes each row alone, and their outputs are
+        never read."""
+        rank = _rank(routed)
+        static = torch.nonzero(rank < static_counts[routed.expert]).squeeze(1)  # (N,) places in sorted order
+        source = torch.zeros(self.rows, dtype=torch.long, device=x.device)  # (rows,) the token each row reads
+        source[self.slot_base[routed.expert[static]] + rank[static]] = routed.token[static]
+        return torch.index_select(x, 0, source, out=_workspace.get("packed", self.rows, x))
+
+    def unpack(self, out: torch.Tensor, outputs: dict[int, torch.Tensor], routed: Routed,
+                static_counts: torch.Tensor) -> None:
+        """Each static assignment's output from its group graph's (G, C, H) output into its row of `out` (sorted).
+        An expert's static assignments are one slice of its run in `out` and one slice of its graph's output, so
+        each is one contiguous copy: no gather through an index, no boolean mask."""
+        H = out.shape[1]
+        flat = {g: y.reshape(-1, H) for g, y in outputs.items()}
+        for e, n in enumerate(static_counts.tolist()):
+            if n:
+                g, row = self.group_row[e]
+                out[routed.first[e]:routed.first[e] + n].copy_(flat[g][row:row + n])
+
+    def _over_capacity(self, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
+        """(S,) whether each assignment (sorted) is a resident expert's beyond its capacity."""
+        return self.resident[routed.expert] & (_rank(routed) >= static_counts[routed.expert])
 
     def _normalise(self, out: torch.Tensor, dropped: torch.Tensor | None = None) -> None:
         """Apply the post-expert norm, if any, to every expert output in `out`; rows of dropped assignments
@@ -250,7 +274,7 @@ class MoeLayer:
         if dropped is not None:
             out[dropped] = 0
 
-    def _buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
+    def buffer(self, packed: torch.Tensor, g: int) -> torch.Tensor:
         """Group g's (G, C, H) view of the packed buffers."""
         group = self.groups[g]
         return packed[self.group_rows[g]].view(len(group.experts), group.capacity, packed.shape[1])
@@ -272,17 +296,17 @@ class MoeLayer:
         pieces.sort(key=lambda piece: piece[0] - piece[1])
         return [task(e, lo, hi) for lo, hi, e in pieces]
 
-    def _static_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
+    def static_per_expert(self, counts: torch.Tensor) -> torch.Tensor:
         """(E,) assignments each expert runs in its group graph."""
         return torch.minimum(counts, self.capacity) * self.resident
 
     def _group_work(self, counts: torch.Tensor) -> torch.Tensor:
         """(n_groups,) static assignments per group; a group with none is not launched."""
         work = torch.zeros(len(self.groups), dtype=torch.long, device=counts.device)
-        return work.index_add_(0, self.group_of[self.resident], self._static_per_expert(counts)[self.resident])
+        return work.index_add_(0, self.group_of[self.resident], self.static_per_expert(counts)[self.resident])
 
     def _count(self, stats: DispatchStats, counts: torch.Tensor) -> None:
-        static = self._static_per_expert(counts)  # (E,)
+        static = self.static_per_expert(counts)  # (E,)
         over = int(((counts - static) * self.resident).sum())
         launched = self._group_work(counts) > 0  # (n_groups,)
         slots = int(self.group_slots[launched].sum())
@@ -296,6 +320,12 @@ class MoeLayer:
         stats.padding_slots += slots - int(static.sum())
         stats.launches += int(launched.sum())
         stats.expert_launches += int((static > 0).sum())
+
+
+def _rank(routed: Routed) -> torch.Tensor:
+    """(S,) each sorted assignment's place in its expert's run."""
+    first = torch.tensor(routed.first, device=routed.order.device)
+    return torch.arange(routed.order.numel(), device=routed.order.device) - first[routed.expert]
 
 
 def combine(out: torch.Tensor, order: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The residency cost model: what a group graph launch and an exact CPU expert call cost.
 
-Both are modelled as a fixed cost per call plus FLOPs over throughput. The backend measures the
-four constants on the machine it runs on (`Backend.measure_costs`); the planner compares a group's
-static cost (its padded (G, C, H) graph) with its experts' expected cost on the CPU path.
+Both are modelled as a fixed cost per call plus FLOPs over throughput; a graph launch also costs the host its
+packing and unpacking (each buffer row gathered in, each output row copied out), on the accelerator's critical
+path. The backend measures the constants on the machine it runs on (`Backend.measure_costs`); the planner compares
+a group's static cost (its padded (G, C, H) graph) with its experts' expected cost on the CPU path.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ class CostModel:
     static_flops: float  # static graph: throughput, FLOP/s
     cpu_call_s: float  # exact CPU path: fixed cost of one expert call
     cpu_flops: float  # exact CPU path: throughput, FLOP/s
+    host_row_s: float = 0.0  # static graph: the host's packing of one buffer row and unpacking of its output
 
     def __post_init__(self) -> None:
-        for name in ("launch_s", "static_flops", "cpu_call_s", "cpu_flops"):
+        for name in ("launch_s", "static_flops", "cpu_call_s", "cpu_flops", "host_row_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value < 0 or value != value:
                 raise ValueError(f"cost model {name} must be a non-negative number, got {value!r}")
@@ -33,8 +35,10 @@ class CostModel:
             raise ValueError("cost model throughputs must be positive")
 
     def group_seconds(self, n_experts: int, capacity: int, hidden: int, ffn: int) -> float:
-        """One launch of a (G, C, H) group graph: padding slots cost as much as filled ones."""
-        return self.launch_s + expert_flops(n_experts * capacity, hidden, ffn) / self.static_flops
+        """One launch of a (G, C, H) group graph with its packing and unpacking: padding slots cost as much as
+        filled ones."""
+        rows = n_experts * capacity
+        return self.launch_s + rows * self.host_row_s + expert_flops(rows, hidden, ffn) / self.static_flops
 
     def cpu_seconds(self, mean_loads: Sequence[float], hidden: int, ffn: int) -> float:
         """Expected exact-path cost of experts with these mean loads (an expert rarely hit costs
@@ -49,13 +53,13 @@ def fit_call_cost(run: Callable[[int], None], small: int, large: int, flops: Cal
     run is the one least disturbed by other work on the machine)."""
     run(small)  # warm up allocators and kernels
     run(large)
-    t_small, t_large = (min(_seconds(run, rows) for _ in range(repeats)) for rows in (small, large))
+    t_small, t_large = (min(seconds_of(run, rows) for _ in range(repeats)) for rows in (small, large))
     throughput = (flops(large) - flops(small)) / max(t_large - t_small, 1e-9)
     fixed = max(t_small - flops(small) / throughput, 1e-7)
     return fixed, throughput
 
 
-def _seconds(run: Callable[[int], None], rows: int) -> float:
+def seconds_of(run: Callable[[int], None], rows: int) -> float:
     start = time.perf_counter()
     run(rows)
     return time.perf_counter() - start

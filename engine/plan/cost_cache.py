@@ -1,5 +1,9 @@
 """Where a backend's measured costs for a plan are kept: one JSON file per backend, machine and plan.
 
+The machine is what changes the figures: the CPU's name and feature flags, the instruction-set ceilings set, the
+OS, torch's version and the backend's own package's. What a run measures with (the experts' dtype and format, the
+threads) is recorded in the costs themselves (`MeasuredCosts.conditions`): placing reads them only where they match.
+
 Torch-free, so a command can tell whether costs are measured already without loading the engine.
 """
 
@@ -11,10 +15,11 @@ import os
 import platform
 import tempfile
 from dataclasses import dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from ..kernels.host import cpu_model
+from ..kernels.host import cpu_model, machine_fingerprint
+from ..vocabulary import COREML
 from .expert_plan import ExpertPlan
 from .residency import MeasuredCosts
 
@@ -24,10 +29,23 @@ def machine() -> str:
     return f"{cpu_model()} ({platform.system()} {platform.machine()})"
 
 
-def machine_digest() -> str:
-    """Costs measured under another CPU, OS or torch do not hold here."""
-    torch_version = version("torch")
-    return hashlib.sha256(f"{machine()}|{platform.release()}|torch {torch_version}".encode()).hexdigest()[:12]
+BACKEND_PACKAGES = {COREML: "coremltools"}  # a backend whose graphs another package builds and runs
+
+
+def machine_digest(backend: str) -> str:
+    """Costs measured under another CPU (or its flags, or an instruction-set ceiling), OS, torch or version of the
+    backend's package do not hold here."""
+    package = BACKEND_PACKAGES.get(backend)
+    facts = {**machine_fingerprint(), "system": machine(), "release": platform.release(), "torch": version("torch"),
+             "backend": f"{package} {_version(package)}" if package else ""}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _version(package: str) -> str:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "absent"
 
 
 def write_json(path: Path, data: object) -> None:
@@ -46,7 +64,7 @@ class CostCache:
     folder: Path
 
     def path(self, backend: str, plan: ExpertPlan) -> Path:
-        return self.folder / f"{backend}-{machine_digest()}-{plan.digest()}.json"
+        return self.folder / f"{backend}-{machine_digest(backend)}-{plan.digest()}.json"
 
     def get(self, backend: str, plan: ExpertPlan) -> MeasuredCosts | None:
         try:

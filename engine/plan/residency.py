@@ -12,8 +12,13 @@ the cost model's estimate for that group. Three more rules, for the backends the
   runs scaled (its graph computes the values divided by a power of two, which the host multiplies back)
   or, where scaling cannot help (the gate projection alone overflows), on the CPU;
 - placement: a group whose compiled graph Core ML would run mostly off the Neural Engine stays on the CPU;
+- accuracy: a group whose graph the accuracy gate refused (`backends/graph_check.py`: wrong or not finite on a
+  probe against the exact CPU path) stays on the CPU, whatever the policy;
 - device memory: on a backend whose device holds its groups' weights (a GPU), the groups that save the most
   stay on it while their experts fit in the room it measured; the rest run on the CPU.
+
+Under the `accelerator` policy every group the backend can build (in fp16's range, within its device's memory)
+runs on it, idle or costly ones included: the planned path run end to end on any machine, to see it and test it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+from ..vocabulary import ACCELERATOR, MEASURED
 from .cost import CostModel
 from .expert_plan import ExpertGroup, ExpertMagnitudes, ExpertPlan
 
@@ -40,6 +46,8 @@ PLACEMENT = "placement"  # Core ML places most of its ops off the Neural Engine
 MEMORY = "device memory"  # its experts' weights do not fit beside the groups that save more
 NO_GRAPHS = "no static graphs"  # the backend runs every expert on the CPU
 UNMEASURED = "unmeasured"  # no costs measured yet: every group calibration saw load for is a candidate
+ACCURACY = "accuracy"  # its graph computed something else than the exact CPU path on a probe
+FORCED = "forced"  # the accelerator policy places every group the backend can build
 
 
 class BackendTraits(Protocol):
@@ -71,18 +79,23 @@ class MeasuredCosts:
     groups: dict[str, GroupMeasure] = field(default_factory=dict)  # by `group_key`
     fallback: str | None = None  # why the backend's graphs ran through torch instead of its device
     device_experts: int | None = None  # experts whose weights fit in the device's room (None: no limit)
+    refused: dict[str, str] = field(default_factory=dict)  # by `group_key`: why the accuracy gate refused its graph
+    # what they were measured with: the experts' dtype, the run's weights format, the torch threads (placement.py)
+    conditions: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {"cost": vars(self.cost), "hidden": self.hidden, "ffn": self.ffn, "measured_on": self.measured_on,
                 "fallback": self.fallback, "groups": {key: vars(m) for key, m in self.groups.items()},
-                "device_experts": self.device_experts}
+                "device_experts": self.device_experts, "refused": self.refused, "conditions": self.conditions}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> MeasuredCosts:
         return cls(cost=CostModel(**data["cost"]), hidden=int(data["hidden"]), ffn=int(data["ffn"]),
                    measured_on=str(data["measured_on"]), fallback=data["fallback"],
                    groups={str(key): GroupMeasure(**m) for key, m in data["groups"].items()},
-                   device_experts=data.get("device_experts"))
+                   device_experts=data.get("device_experts"),
+                   refused={str(key): str(why) for key, why in data.get("refused", {}).items()},
+                   conditions={str(key): str(value) for key, value in data.get("conditions", {}).items()})
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,12 @@ def group_key(layer: int, group: int) -> str:
     return f"{layer}/{group}"
 
 
+def key_group(key: str) -> tuple[int, int]:
+    """(plan layer, group) a `group_key` names."""
+    layer, group = key.split("/")
+    return int(layer), int(group)
+
+
 def aligned_capacity(capacity: int, multiple: int, chunk_tokens: int) -> int:
     """`capacity` padded up to a multiple of `multiple`, but never past the chunk (no expert gets more tokens)."""
     return min(-(-capacity // multiple) * multiple, max(capacity, chunk_tokens))
@@ -137,8 +156,10 @@ def fp16_scale(magnitudes: ExpertMagnitudes | None, experts: Sequence[int]) -> f
     return 1.0 if peak <= FP16_LIMIT else 2.0 ** math.ceil(math.log2(peak / FP16_LIMIT))
 
 
-def decide_residency(plan: ExpertPlan, backend: BackendTraits, costs: MeasuredCosts | None = None) -> Residency:
-    """Place every group of `plan` for `backend` from `costs`.
+def decide_residency(plan: ExpertPlan, backend: BackendTraits, costs: MeasuredCosts | None = None,
+                     policy: str = MEASURED) -> Residency:
+    """Place every group of `plan` for `backend` from `costs`, or every one it can build under the accelerator
+    `policy` (vocabulary.RESIDENCY_POLICIES).
 
     Without costs every group calibration saw load for is on the accelerator where the other rules allow:
     the groups a compiler builds graphs for, before a machine has measured which of them pay."""
@@ -147,7 +168,7 @@ def decide_residency(plan: ExpertPlan, backend: BackendTraits, costs: MeasuredCo
         placements = []
         for g, group in enumerate(layer.groups):
             capacity = aligned_capacity(plan.tiers[group.tier], backend.capacity_multiple, plan.chunk_tokens)
-            placements.append(_place(plan, i, g, group, capacity, backend, costs))
+            placements.append(_place(plan, i, g, group, capacity, backend, costs, policy == ACCELERATOR))
         layers.append(placements)
     if costs is not None and costs.device_experts is not None:
         _within_device_memory(plan, layers, costs, costs.device_experts)
@@ -173,7 +194,7 @@ def _within_device_memory(plan: ExpertPlan, layers: list[list[Placement]], costs
 
 
 def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, backend: BackendTraits,
-           costs: MeasuredCosts | None) -> Placement:
+           costs: MeasuredCosts | None, forced: bool) -> Placement:
     def cpu(reason: str) -> Placement:
         return Placement(accelerator=False, capacity=capacity, scale=1.0, reason=reason)
 
@@ -181,11 +202,15 @@ def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, 
     if not backend.static:
         return cpu(NO_GRAPHS)
     loads = [layer.load.mean[e] for e in group.experts]
-    if not any(loads):
+    if not any(loads) and not forced:
         return cpu(IDLE)
     scale = fp16_scale(layer.magnitudes, group.experts) if backend.fp16 else 1.0
     if scale is None:
         return cpu(FP16_RANGE)
+    if costs is not None and group_key(i, g) in costs.refused:
+        return cpu(ACCURACY)
+    if forced:
+        return Placement(accelerator=True, capacity=capacity, scale=scale, reason=FORCED)
     if costs is None:
         return Placement(accelerator=True, capacity=capacity, scale=scale, reason=UNMEASURED)
     measure = costs.groups.get(group_key(i, g))

@@ -36,8 +36,9 @@ from transformers import (
 from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
 from ..loading.gguf_load import GGUF_ARCHITECTURES
+from .k_quants import q4_k_blocks
 
-F16, F32 = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32
+F16, F32, Q4_K = gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q4_K
 VALUES_AT_ONCE = 1 << 22  # values converted at once (16 MiB of float32)
 _EXPERTS = re.compile(r"(?P<module>.*\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 
@@ -56,22 +57,27 @@ class GgufTensor:
 
 
 def write_gguf(folder: Path, out: Path, *, experts: gguf.GGMLQuantizationType = F16,
-               weights: gguf.GGMLQuantizationType = F16) -> Path:
+               weights: gguf.GGMLQuantizationType = F16, file_type: gguf.LlamaFileType | None = None) -> Path:
     """The checkpoint in `folder` (llama, mixtral, qwen2_moe or qwen3_moe) as the GGUF file `out`: routed experts
-    in `experts`, the other 2-D weights in `weights`. The checkpoint is read in its own dtype (a bf16 one is not
-    widened in memory)."""
+    in `experts`, the other 2-D weights in `weights`, `file_type` (what llama-quantize was asked for) recorded as
+    `general.file_type` where given. The checkpoint is read in its own dtype (a bf16 one is not widened in
+    memory)."""
     model = AutoModelForCausalLM.from_pretrained(folder, dtype="auto")
-    return write_model_gguf(model, AutoTokenizer.from_pretrained(folder), out, experts=experts, weights=weights)
+    return write_model_gguf(model, AutoTokenizer.from_pretrained(folder), out, experts=experts, weights=weights,
+                            file_type=file_type)
 
 
 def write_model_gguf(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, out: Path, *,
                      experts: gguf.GGMLQuantizationType = F16,
-                     weights: gguf.GGMLQuantizationType = F16) -> Path:
+                     weights: gguf.GGMLQuantizationType = F16,
+                     file_type: gguf.LlamaFileType | None = None) -> Path:
     """`model` in memory (llama, mixtral, qwen2_moe or qwen3_moe, any float dtype) as the GGUF file `out`, as
     write_gguf lays it out; `tokenizer` None: llama.cpp's "none" vocabulary of the config's vocab_size (a model fed
     token ids only)."""
     arch = GGUF_ARCHITECTURES[model.config.model_type]
     writer = model_writer(out, model.config, tokenizer)
+    if file_type is not None:
+        writer.add_file_type(file_type)
     tensors = list(gguf_tensors(model, arch, experts, weights))
     write_streamed(writer, tensors, lambda tensor: _quantized(tensor.values(), tensor.qtype))
     return out
@@ -159,7 +165,9 @@ def _quantized(tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterat
     rows = tensor.reshape(-1, tensor.shape[-1])
     step = max(1, VALUES_AT_ONCE // rows.shape[1])
     for i in range(0, len(rows), step):
-        yield gguf.quants.quantize(np.ascontiguousarray(rows[i:i + step].float().numpy()), qtype)
+        part = np.ascontiguousarray(rows[i:i + step].float().numpy())
+        # the gguf package reads K-quants but writes none of them
+        yield q4_k_blocks(part) if qtype == Q4_K else gguf.quants.quantize(part, qtype)
 
 
 def _write_config(writer: gguf.GGUFWriter, config: PretrainedConfig) -> None:

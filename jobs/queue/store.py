@@ -32,6 +32,7 @@ from typing import Any
 import psutil
 from sqlalchemy import Connection, Select, func, select, update
 
+from ..errors import MISSING
 from .controls import Controls
 from .daemons import DaemonRows
 from .database import Database, reconnecting
@@ -198,6 +199,27 @@ class Queue:
                                    jobs.c.settings_key == settings_key)
             ).one()
             return Job.from_row(existing), False
+
+    @reconnecting
+    def follow(self, job_id: int, from_path: str, to_path: str | Path, *, pinned: bool = False) -> Job | None:
+        """The job's content is now at `to_path` (its file renamed, or a copy while the first is gone): the job
+        takes that path, unless it is running or its path is no longer `from_path` (someone else moved it first).
+        A job that could not end well without it is queued again: a done one (the caller found its outputs gone)
+        and one that died because its file was gone. Returns the job as it is now; None if left alone."""
+        with self.db.tx() as conn:
+            now = self.now(conn)
+            job = conn.execute(select(jobs).where(jobs.c.id == job_id, jobs.c.path == from_path,
+                                                  jobs.c.state != RUNNING).with_for_update()).first()
+            if job is None:
+                return None
+            values: dict[str, Any] = dict(path=str(to_path), updated_at=now,
+                                          pinned_host=self.host if pinned and self.shared else job.pinned_host)
+            if job.state == DONE or (job.state == DEAD and job.error_kind == MISSING):
+                values |= dict(state=QUEUED, attempts=0, handbacks=0, run_after=now, finished_at=None)
+            row = conn.execute(update(jobs).where(jobs.c.id == job_id).values(**values).returning(*jobs.c)).one()
+            if row.state in CLAIMABLE:
+                self.db.dialect.notify(conn)
+        return Job.from_row(row)
 
     def record_done(self, job_id: int, path: str, sha256: str, *, model_key: str, settings_key: str,
                     output_dir: str, finished_at: float) -> bool:
@@ -386,10 +408,12 @@ class Queue:
     # -- the person's side ------------------------------------------------------------------------
 
     @reconnecting
-    def retry(self, job_id: int) -> Job:
-        """Queue a failed, dead or cancelled job again now, with its attempts reset."""
+    def retry(self, job_id: int, *, path: str | Path | None = None) -> Job:
+        """Queue a failed, dead or cancelled job again now, with its attempts reset; `path`: where its content is
+        now (the caller checked), when its file moved."""
+        moved = {} if path is None else {"path": str(path)}
         return self._set_state(job_id, QUEUED, (FAILED, DEAD, CANCELLED),
-                               lambda now: dict(attempts=0, handbacks=0, run_after=now, finished_at=None))
+                               lambda now: dict(attempts=0, handbacks=0, run_after=now, finished_at=None, **moved))
 
     @reconnecting
     def cancel(self, job_id: int) -> Job:

@@ -1,5 +1,10 @@
 """The search index: every done document's chunk and document vectors, and its chunks' words.
 
+The vectors are the search model's (sentence_model.py) over ~200-word passages of the document's text, not the
+engine's prefill vectors (embeddings.npy, still written for the person): the retrieval benchmark measured the
+search model better, and a query then embeds in milliseconds without the LLM. `engine_vectors` indexes the
+engine's own, for that benchmark and for the index's tests.
+
 It lives in the home's SQLite database beside the queue, and a document enters it right after its job is
 marked done, in a transaction of its own: the index is derived, so damage to it must not fail documents. A
 write that fails flags the index (`mark_stale`) until `reindex` has rebuilt it. Its tables:
@@ -24,7 +29,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -35,7 +40,10 @@ from ..meta import read_meta
 from ..outputs import EMBEDDINGS_FILE, OFFSETS_FILE, TMP_PREFIX, read_text
 from ..queue import sqlite
 from ..summary_file import read_summary
-from .passages import query_terms, widened_to_sentences
+from .passages import passage_spans, query_terms, widened_to_sentences
+
+if TYPE_CHECKING:
+    from .sentence_model import SentenceModel
 
 log = logging.getLogger(__name__)
 STALE_SUFFIX = "-reindex"
@@ -51,9 +59,10 @@ class Weights:
     phrase: float
 
 
-# Half the vectors, a quarter each the words and the phrase: the words decide where the vectors cannot (see
-# docs/search.md for the measurement that chose them).
-WEIGHTS = Weights(cosine=0.5, words=0.25, phrase=0.25)
+# Three quarters the search model's vectors, an eighth each the words and the phrase: the best of the weightings
+# `npumoed bench retrieval` measured on its written question set (docs/benchmarks.md, Retrieval); the words decide
+# where the vectors cannot tell two passages apart.
+WEIGHTS = Weights(cosine=0.75, words=0.125, phrase=0.125)
 CANDIDATES = 100  # chunks taken from each of the two searches before scoring, at least
 MAX_KNN = 4096  # sqlite-vec's limit on k
 
@@ -77,6 +86,52 @@ class OutputsUnreadable(ValueError):
 
 
 @dataclass(frozen=True)
+class Vectors:
+    """A document's vectors as the index keeps them: one per chunk, one for the whole document."""
+
+    model_key: str  # a `vectors_key`
+    chunks: np.ndarray  # float32 (n, dim)
+    document: np.ndarray  # float32 (dim,)
+    spans: np.ndarray | None  # int64 (n, 2) character offsets; None for outputs from before they were kept
+
+
+# How a document's vectors are made from its output folder, its meta.json and its text (None when not kept).
+VectorSource = Callable[[Path, dict[str, Any], str | None], Vectors]
+
+
+def search_model_vectors(folder: Path, meta: dict[str, Any], text: str | None) -> Vectors:
+    """The search model's vectors (sentence_model.py) of the text's ~200-word passages: the index's default,
+    chosen by measurement (docs/benchmarks.md, Retrieval)."""
+    from .sentence_model import MODEL_KEY, sentence_model
+
+    if text is None or not passage_spans(text):
+        raise OutputsUnreadable(f"{folder}: no text kept to search (outputs from an older npumoed: process it again)")
+    return Vectors(MODEL_KEY, *embedded_passages(text, sentence_model()))
+
+
+def embedded_passages(text: str, model: SentenceModel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(one vector per ~200-word passage of `text`, the document's vector: their normalised mean, the passages'
+    character spans) by `model`."""
+    spans = passage_spans(text)
+    chunks = model.embed([text[a:b] for a, b in spans])
+    mean = chunks.mean(axis=0)
+    return chunks, (mean / np.linalg.norm(mean)).astype(np.float32), np.array(spans, dtype=np.int64)
+
+
+def engine_vectors(folder: Path, meta: dict[str, Any], text: str | None) -> Vectors:
+    """The engine's own vectors, pooled from the prefill (embeddings.npy, offsets.npy): what the retrieval
+    benchmark compares the search model with."""
+    rows = np.load(folder / EMBEDDINGS_FILE).astype(np.float32)
+    spans = np.load(folder / OFFSETS_FILE) if (folder / OFFSETS_FILE).exists() else None
+    if rows.ndim != 2 or len(rows) < 2:
+        raise OutputsUnreadable(f"{folder}: {EMBEDDINGS_FILE} holds {rows.shape}, not chunk rows and a document row")
+    if spans is not None and spans.shape != (len(rows) - 1, 2):
+        raise OutputsUnreadable(f"{folder}: {OFFSETS_FILE} holds {spans.shape}, not one span per chunk")
+    key = vectors_key(meta["model_key"], meta.get("embeddings", {}).get("pooling", MEAN))
+    return Vectors(key, rows[:-1], rows[-1], spans)
+
+
+@dataclass(frozen=True)
 class IndexEntry:
     """What the index holds of one document, read from its output folder."""
 
@@ -91,23 +146,18 @@ class IndexEntry:
     text: str | None  # the extracted text; None likewise
 
     @classmethod
-    def read(cls, folder: Path) -> IndexEntry:
+    def read(cls, folder: Path, vectors: VectorSource = search_model_vectors) -> IndexEntry:
         try:
             meta = read_meta(folder)
-            rows = np.load(folder / EMBEDDINGS_FILE).astype(np.float32)
-            spans = np.load(folder / OFFSETS_FILE) if (folder / OFFSETS_FILE).exists() else None
             summary = read_summary(folder).first_line
             text = read_text(folder)
-            model_key = vectors_key(meta["model_key"], meta.get("embeddings", {}).get("pooling", MEAN))
+            made = vectors(folder, meta, text)
+        except OutputsUnreadable:
+            raise
         except (OSError, ValueError) as e:
             raise OutputsUnreadable(f"{folder}: {e}") from e
-        if rows.ndim != 2 or len(rows) < 2:
-            raise OutputsUnreadable(f"{folder}: {EMBEDDINGS_FILE} holds {rows.shape}, "
-                                    "not chunk rows and a document row")
-        if spans is not None and spans.shape != (len(rows) - 1, 2):
-            raise OutputsUnreadable(f"{folder}: {OFFSETS_FILE} holds {spans.shape}, not one span per chunk")
-        return cls(meta["job_id"], model_key, str(folder), meta["source"], summary,
-                   rows[:-1], rows[-1], spans, text)
+        return cls(meta["job_id"], made.model_key, str(folder), meta["source"], summary,
+                   made.chunks, made.document, made.spans, text)
 
 
 def vectors_key(model_key: str, pooling: str) -> str:
@@ -225,7 +275,7 @@ def stale_reason(database: Path) -> str | None:
         return None
 
 
-def reindex(database: Path, outbox: Path) -> Reindexed:
+def reindex(database: Path, outbox: Path, vectors: VectorSource = search_model_vectors) -> Reindexed:
     """Drop the index and build it again from every output folder, in one transaction: a search meanwhile sees
     the old index whole, then the new one."""
     documents, skipped = 0, []
@@ -236,7 +286,7 @@ def reindex(database: Path, outbox: Path) -> Reindexed:
             if not folder.is_dir() or folder.name.startswith(TMP_PREFIX):
                 continue
             try:
-                write_entry(conn, IndexEntry.read(folder))
+                write_entry(conn, IndexEntry.read(folder, vectors))
                 documents += 1
             except OutputsUnreadable as e:
                 skipped.append(str(e))
@@ -350,7 +400,8 @@ class SearchIndex:
     def search(self, model_key: str, vector: np.ndarray, query: str, k: int,
                weights: Weights = WEIGHTS) -> list[DocumentHits]:
         """The k best chunks for the query among the documents of `model_key` (a `vectors_key`), grouped by
-        document in order of their best chunk. `vector` is the query embedded by that model (`Engine.embed`)."""
+        document in order of their best chunk. `vector` is the query embedded by that model (`SentenceModel.embed`, or
+        `Engine.embed` for the engine's own vectors)."""
         model_id = self._model(model_key)
         vector = np.asarray(vector, dtype=np.float32)
         candidates = max(CANDIDATES, 4 * k)
@@ -430,7 +481,8 @@ class SearchIndex:
             "SELECT id FROM search_models WHERE model_key = ?", (model_key,)).fetchone()
         if not row:
             indexed = ", ".join(self.models()) or "none"
-            raise NotIndexed(f"no documents are indexed for model {model_key} (indexed models: {indexed})")
+            raise NotIndexed(f"no documents are indexed for model {model_key} (indexed models: {indexed}); "
+                             "`npumoed reindex` indexes the outbox with the search model")
         return row[0]
 
     def _exists(self, table: str) -> bool:

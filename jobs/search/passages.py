@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from npumoe.engine.generate.sentences import sentence_spans
 
+PASSAGE_WORDS = 200  # what the search model embeds at once: about its 256 tokens, a paragraph or two
 MAX_TERMS = 32  # a pasted paragraph is searched by its first words; FTS5 and the weighting stay cheap
 PASSAGE_CHARS = 400  # about four lines of a terminal
 _WORD = re.compile(r"[^\W_]+")  # letters and digits: what SQLite FTS5's unicode61 tokenizer calls a token
@@ -23,6 +24,22 @@ _WORD = re.compile(r"[^\W_]+")  # letters and digits: what SQLite FTS5's unicode
 def query_terms(query: str) -> list[str]:
     """The query's distinct words, case-folded, in order, at most MAX_TERMS."""
     return list(dict.fromkeys(_WORD.findall(query.casefold())))[:MAX_TERMS]
+
+
+def passage_spans(text: str, words: int = PASSAGE_WORDS) -> list[tuple[int, int]]:
+    """[start, end) of runs of whole sentences of about `words` words each, covering the text in order: a run ends
+    before the sentence that would take it past `words` (a longer sentence is a run of its own)."""
+    spans: list[tuple[int, int]] = []
+    count = 0
+    for a, b in sentence_spans(text):
+        n = len(text[a:b].split())
+        if spans and count + n <= words:
+            spans[-1] = (spans[-1][0], b)
+            count += n
+        else:
+            spans.append((a, b))
+            count = n
+    return spans
 
 
 def widened_to_sentences(sentences: list[tuple[int, int]], start: int, end: int) -> tuple[int, int]:

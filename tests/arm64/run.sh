@@ -16,7 +16,7 @@ HOST_PYTHON=$REPO/.venv/bin/python  # `make setup`'s venv: its pip unpacks the a
 # float64; right without SVE), so a test comparing with transformers' eager attention (gpt-oss's) failed.
 export QEMU_CPU=${QEMU_CPU:-max,sve=off}
 # The demo run takes over ten times the host's time under emulation (over 30 minutes for the six samples, and for
-# two with the long one's vectors): the shortest sample shows the pipeline works (tests/demo_run.py).
+# two with the long one's vectors): the shortest sample shows the pipeline works (tests/support/demo_run.py).
 export NPUMOE_TEST_DEMO_SAMPLES=${NPUMOE_TEST_DEMO_SAMPLES:-1}
 # The engine's tests: kernels, quantization, equivalence, prefill, and the demo's pipeline.
 DEFAULT_TESTS=(tests/engine/test_neon_linear.py tests/engine/test_vnni_linear.py tests/engine/test_quantize.py

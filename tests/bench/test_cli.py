@@ -20,6 +20,8 @@ def test_bench_moe_prints_a_table_and_writes_machine_and_results(tmp_path):
     assert result.exit_code == 0, result.output
     # "fp32" is the short spelling the option still takes; tables and results say "float32"
     assert "geometry 64x8x2x32, tokens 32, dtype float32" in result.output and "roofline" in result.output
+    assert "host packing per layer call, every expert resident (64x8x2x32, 32 tokens, float32): pack " in \
+        " ".join(result.output.split())
     data = json.loads(out.read_text())
     assert data["machine"]["threads"] == 1 and data["machine"]["copy_bandwidth_gbps"] > 0
     assert {"cpu", "torch", "torch_cpu_capability", "memory_gib", "omp_wait_policy", "cpu_governor",

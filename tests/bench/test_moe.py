@@ -256,3 +256,22 @@ def test_the_engines_best_path_is_an_exact_one_that_passed_the_check():
             {"impl": "transformers-grouped_mm", "status": "ok", "tokens_per_s": 50.0}]
     assert best_engine_row(rows)["impl"] == "npumoe-cpu"
     assert best_engine_row(rows[1:]) is None
+
+
+def test_host_packing_times_a_layer_calls_packing_and_unpacking_with_every_expert_resident(monkeypatch):
+    from npumoe.bench import host_packing
+    from npumoe.engine.moe.dispatch import MoeLayer
+    from npumoe.engine.synthetic.geometry import parse_geometry
+
+    calls = {"pack": 0, "unpack": 0}
+    for name in calls:
+        real = getattr(MoeLayer, name)
+
+        def counted(self, *args, name=name, real=real):
+            calls[name] += 1
+            return real(self, *args)
+
+        monkeypatch.setattr(MoeLayer, name, counted)
+    seconds = host_packing.host_packing_seconds(parse_geometry("64x8x2x32"), 16, torch.float32, repeats=3)
+    assert seconds["pack_s"] > 0 and seconds["unpack_s"] > 0
+    assert calls["pack"] >= 3 and calls["unpack"] >= 3  # the timed calls are the layer's own

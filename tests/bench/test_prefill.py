@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpus import fake_projection_timings
+from support.cpus import fake_projection_timings
 
 from npumoe.bench.fair.workloads import build_model
 from npumoe.bench.paths import IMPLS, QUANTIZED_TOLERANCE, TOLERANCE

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from cpus import fake_projection_timings
+from support.cpus import fake_projection_timings
 
 from npumoe.bench.fair.workloads import build_model
 from npumoe.bench.profile import PARTS, depths_to_report, profile_prefill, profile_rows

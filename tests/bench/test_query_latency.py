@@ -2,29 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from npumoe.bench.service import query_latency
-from npumoe.daemon.home import Home
 
 
 def test_a_home_with_nothing_processed_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no queue database"):
         query_latency.measure(tmp_path, runs=1)
-
-
-def test_a_home_whose_daemon_runs_already_is_refused_before_any_search(tmp_path, monkeypatch):
-    home = Home(tmp_path)
-    home.database.write_bytes(b"")
-    searched = []
-    monkeypatch.setattr(query_latency, "timed_search", lambda *a: searched.append(a))
-    with socket.socket(socket.AF_UNIX) as listening:
-        listening.bind(str(home.socket))
-        with pytest.raises(ValueError, match="socket is there already"):
-            query_latency.measure(tmp_path, runs=1)
-    assert searched == []
 
 
 def test_the_hits_are_each_documents_source_and_score_in_order():

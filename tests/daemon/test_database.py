@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from postgres_server import PostgresServer
-from sample_meta import document_meta
+from support.postgres_server import PostgresServer
+from support.sample_meta import document_meta
 
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.service import _database_check

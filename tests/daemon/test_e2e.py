@@ -9,11 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import hostile_files
-import meta_fields
 import numpy as np
 import pytest
 from sqlalchemy.exc import OperationalError
+from support import hostile_files, meta_fields
 
 from npumoe.jobs.queue.store import Queue
 

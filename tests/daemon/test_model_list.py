@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
-from gguf_stores import fake_home, hf_download, lmstudio_download, ollama_manifest, ollama_pull, tiny_ggufs
+from support.gguf_stores import fake_home, hf_download, lmstudio_download, ollama_manifest, ollama_pull, tiny_ggufs
 
 from npumoe.daemon.cli import main
 from npumoe.engine.loading import gguf_summary

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -17,6 +19,7 @@ from npumoe.daemon.cli import main
 from npumoe.daemon.model_choice import backend_description
 from npumoe.engine.backends.coreml.env import coreml_availability
 from npumoe.engine.calibration import planner
+from npumoe.engine.plan.cost import CostModel
 from npumoe.engine.plan.cost_cache import CostCache
 from npumoe.engine.plan.expert_plan import ExpertPlan
 from npumoe.jobs.summary_file import read_summary
@@ -137,6 +140,38 @@ def test_prepare_for_coreml_off_macos_then_run_once_equals_torch_static(home: Pa
                                np.load(outputs["torch-static"] / "embeddings.npy"), rtol=1e-4, atol=1e-5)
     summary = {name: read_summary(out).text for name, out in outputs.items()}
     assert summary["coreml"] == summary["torch-static"]
+
+
+def test_run_once_with_forced_placement_runs_the_plan_in_graphs_with_the_cpu_paths_outputs(
+        home: Path, tmp_path: Path, tiny_model: Path, document: Path, orchard: str) -> None:
+    """Costs under which no graph pays here: measured residency runs every expert on the CPU, the accelerator policy
+    runs the plan's groups as torch-static graphs, and under spill the document's outputs are the same."""
+    home.mkdir(parents=True)
+    (home / "config.toml").write_text(CONFIG)
+    assert prepare("--model", str(tiny_model), "--data", str(document), "--backend", "torch-static",
+                   "--chunk", "128").exit_code == 0
+    plan = ExpertPlan.load(Path(tomllib.loads((home / "config.toml").read_text())["model"]["plan"]))
+    cache = CostCache(home / "costs")
+    no_graph_pays = CostModel(launch_s=10.0, static_flops=1.0, cpu_call_s=1e-12, cpu_flops=1e18)
+    cache.put("torch-static", plan, dataclasses.replace(cache.get("torch-static", plan), cost=no_graph_pays))
+    outputs = {}
+    for policy in ("measured", "accelerator"):
+        policy_home = tmp_path / policy
+        shutil.copytree(home, policy_home)
+        config = policy_home / "config.toml"
+        config.write_text(config.read_text().replace("[model]\n", f'[model]\nresidency = "{policy}"\n'))
+        (policy_home / "inbox").mkdir(exist_ok=True)
+        (policy_home / "inbox" / "orchard.txt").write_text(orchard[:3000])
+        ran = subprocess.run([sys.executable, "-m", "npumoe.daemon", "run", "--once"], capture_output=True, text=True,
+                             timeout=900, env={**os.environ, "NPUMOED_HOME": str(policy_home)})
+        assert ran.returncode == 0, ran.stderr
+        outputs[policy] = next((policy_home / "outbox").iterdir())
+    static = {policy: json.loads((out / "meta.json").read_text())["dispatch"]["static"]
+              for policy, out in outputs.items()}
+    assert static["measured"] == 0 and static["accelerator"] > 0
+    np.testing.assert_allclose(np.load(outputs["accelerator"] / "embeddings.npy"),
+                               np.load(outputs["measured"] / "embeddings.npy"), rtol=1e-4, atol=1e-5)
+    assert read_summary(outputs["accelerator"]).text == read_summary(outputs["measured"]).text
 
 
 def test_status_says_when_coreml_graphs_run_through_torch() -> None:

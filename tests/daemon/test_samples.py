@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-from pdf_writer import text_pdf
 from pypdf import PdfReader
+from support.pdf_writer import text_pdf
 
 from npumoe.daemon.samples import sample_documents, write_samples
 from npumoe.jobs.extract.isolated import FORMATS, detect_format, extract_text

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import psutil
 import pytest
-from sample_meta import document_meta
+from support.sample_meta import document_meta
 
 from npumoe.daemon.batch import BatchWindow, write_batch_report
 from npumoe.daemon.config import SchedulerConfig, load_config

@@ -9,10 +9,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -21,13 +19,12 @@ import pytest
 from click.testing import CliRunner
 from filelock import FileLock
 
-from npumoe.daemon import model_choice, queries
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.search import _print_neighbours, _print_results
 from npumoe.daemon.samples import FILENAMES, sample_documents, write_samples
-from npumoe.jobs.errors import Stop
 from npumoe.jobs.queue import sqlite
 from npumoe.jobs.search.index import Document, Neighbour, _drop_tables
+from npumoe.jobs.search.sentence_model import MODEL_KEY
 
 CONFIG = """
 [model]
@@ -150,121 +147,46 @@ def test_reindex_reads_the_outbox_folder_the_config_names(home: Path, tmp_path: 
 def test_search_prints_documents_with_their_passages(home: Path) -> None:
     copied = identifying_text("battery-budget.html")
     shown = npumoed(home, "search", copied, "-k", "3")
-    assert "battery-budget.html" in shown.splitlines()[0] and flat(copied) in flat(shown)
+    heading, first_passage = shown.splitlines()[:2]
+    assert heading.split()[2] == "battery-budget.html"  # the file name, whole, before its folder
+    assert "summary:" not in first_passage and flat(copied)[:40] in flat(first_passage)
 
 
 def test_names_and_passages_print_as_they_are_not_as_markup(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = [{"job_id": 3, "source": "/in/[bold]notes[/bold].txt", "summary": "[red]first[/red] line", "score": 0.9,
+    rows = [{"job_id": 3, "source": "/in/[bold]notes[red].txt", "summary": "[red]first[/red] line", "score": 0.9,
              "passages": [{"chunk": 0, "score": 0.9, "text": "A [link=x]tide[/link] came in."},
                           {"chunk": 1, "score": 0.4, "text": None}]}]
     _print_results(rows, ["tide"])
     shown = capsys.readouterr().out
-    assert "/in/[bold]notes[/bold].txt" in shown and "[red]first[/red] line" in shown
+    assert "[bold]notes[red].txt" in shown and "[red]first[/red] line" in shown
     assert "A [link=x]tide[/link] came in." in shown and "(chunk 1: no text kept)" in shown
 
 
-# -- searches the running daemon answers ------------------------------------------------------------------
+# -- the query embedded by the search model, here -------------------------------------------------------
 
-REPORTS_TORCH = """import sys
+# Runs the CLI where importing torch, transformers or the engine's model loading fails, and says which was tried.
+BLOCKS_THE_LLM = """import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torch", "transformers") or name.startswith(
+                ("npumoe.engine.api", "npumoe.engine.loading")):
+            print(f"blocked: {name}", file=sys.stderr)
+            raise ImportError(f"{name} is blocked by the test")
+sys.meta_path.insert(0, Blocked())
 from npumoe.daemon.cli import main
-try:
-    main(sys.argv[1:])
-finally:
-    print(f"torch imported: {'torch' in sys.modules}", file=sys.stderr)
+main(sys.argv[1:])
 """
 
-
-def ranked(found: dict[str, Any]) -> list[tuple[str, float]]:
-    return [(r["source"], r["score"]) for r in found["results"]]
-
-
-def test_with_the_daemon_running_a_search_is_answered_by_it_and_the_cli_never_imports_torch(
-        home: Path, wait_for: Callable[..., bool]) -> None:
+def test_search_embeds_the_query_itself_without_a_daemon_and_never_imports_the_llm(home: Path) -> None:
     query = identifying_text("paper-archive.pdf")
-    alone = npumoed(home, "search", query, "--json")  # no daemon: the model is loaded in this process
     env = {**os.environ, "NPUMOED_HOME": str(home)}
-    with (home / "daemon.log").open("wb") as log:
-        daemon = subprocess.Popen([sys.executable, "-m", "npumoe.daemon", "run"], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT)
-    try:
-        assert wait_for(lambda: (home / "npumoed.sock").exists(), timeout=120), (home / "daemon.log").read_text()
-        assert (home / "npumoed.sock").stat().st_mode & 0o777 == 0o600
-        asked = subprocess.run([sys.executable, "-c", REPORTS_TORCH, "search", query, "--json"], env=env,
-                               capture_output=True, text=True, timeout=120)
-    finally:
-        daemon.terminate()
-        daemon.wait(timeout=60)
+    asked = subprocess.run([sys.executable, "-c", BLOCKS_THE_LLM, "search", query, "--json"], env=env,
+                           capture_output=True, text=True, timeout=120)
     assert asked.returncode == 0, asked.stderr
-    assert "torch imported: False" in asked.stderr and "loading the model" not in asked.stderr
-    answered = json.loads(asked.stdout)
-    assert [s for s, _ in ranked(answered)] == [s for s, _ in ranked(alone)]
-    assert [score for _, score in ranked(answered)] == pytest.approx([score for _, score in ranked(alone)], abs=2e-3)
-    assert not (home / "npumoed.sock").exists()  # a daemon that stopped leaves no socket behind
-
-
-@pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The models `npumoed search` loads in this process, counted (and loaded)."""
-    loaded: list[str] = []
-    real = model_choice.load_engine
-
-    def counted(settings: Any) -> Any:
-        loaded.append(settings.model)
-        return real(settings)
-
-    monkeypatch.setattr(model_choice, "load_engine", counted)
-    return loaded
-
-
-def search_alone(home: Path, query: str) -> Any:
-    result = CliRunner().invoke(main, ["search", query, "--json"], env={"NPUMOED_HOME": str(home)},
-                                catch_exceptions=False)
-    assert result.exit_code == 0, result.output
-    return result
-
-
-def test_a_stale_socket_left_by_a_dead_daemon_is_said_and_the_search_loads_the_model(
-        home: Path, loads: list[str]) -> None:
-    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    stale.bind(str(home / "npumoed.sock"))
-    stale.close()  # the file stays, with nobody listening: what a killed daemon leaves
-    try:
-        result = search_alone(home, identifying_text("waiting-well.md"))
-    finally:
-        (home / "npumoed.sock").unlink()
-    assert "stale socket" in result.stderr and "loading the model here instead" in result.stderr
-    assert len(loads) == 1
-    assert Path(json.loads(result.stdout)["results"][0]["source"]).name == "waiting-well.md"
-
-
-def test_a_daemon_that_does_not_answer_in_time_is_said_and_the_search_loads_the_model(
-        home: Path, loads: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(queries, "ANSWER_SECONDS", 0.2)
-    monkeypatch.setattr(queries, "CONNECT_SECONDS", 0.2)
-    silent = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # accepts (the kernel's backlog) and never replies
-    silent.bind(str(home / "npumoed.sock"))
-    silent.listen(1)
-    try:
-        result = search_alone(home, identifying_text("field-note.txt"))
-    finally:
-        silent.close()
-        (home / "npumoed.sock").unlink()
-    assert "did not answer within" in result.stderr and "loading the model here instead" in result.stderr
-    assert len(loads) == 1
-    assert Path(json.loads(result.stdout)["results"][0]["source"]).name == "field-note.txt"
-
-
-def test_the_worker_hands_a_stop_raised_while_it_answers_back_after_telling_the_asker(tmp_path: Path) -> None:
-    server = queries.QueryServer(tmp_path / "s.sock", wake=lambda: None)
-    request = queries._Request("a query")
-    server._pending.put(request)
-
-    def stopped(text: str) -> tuple[str, Any]:
-        raise Stop
-
-    with pytest.raises(Stop):
-        server.answer(stopped)
-    assert request.done.is_set() and "handing its running job back" in request.reply["error"]
+    assert "blocked:" not in asked.stderr
+    found = json.loads(asked.stdout)
+    assert found["model_key"] == MODEL_KEY and Path(found["results"][0]["source"]).name == "paper-archive.pdf"
+    assert found == npumoed(home, "search", query, "--json")  # as in a process where torch is loaded
 
 
 ESCAPES = "\x1b]0;owned\x07\x1b[2J\x9b31m"  # set the window title, clear the screen, a C1 CSI
@@ -280,4 +202,4 @@ def test_names_passages_and_summaries_reach_the_terminal_without_escape_sequence
     _print_neighbours([Neighbour(document=document, score=1.0)])
     shown = capsys.readouterr().out
     assert not {"\x1b", "\x07", "\x9b"} & set(shown)
-    assert "/in/notes" in shown and "came in." in shown and "/in/other" in shown
+    assert " notes" in shown and "came in." in shown and "/in/other" in shown

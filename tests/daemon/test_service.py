@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner, Result
-from cpus import APPLE_SILICON, ICE_LAKE, SAPPHIRE_RAPIDS, ZEN4, Cpu, fake_build, fake_timings, simulate
+from support.cpus import APPLE_SILICON, ICE_LAKE, SAPPHIRE_RAPIDS, ZEN4, Cpu, fake_build, fake_timings, simulate
 
 from npumoe.daemon.cli import main
 from npumoe.daemon.cli.service import _linger_check

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import errno
-import json
 import os
 import threading
 import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 import pytest
 from filelock import FileLock
 
 from npumoe.daemon.home import Home
 from npumoe.daemon.intake import sha256_of
-from npumoe.daemon.model_choice import load_engine
-from npumoe.daemon.queries import ask_daemon
 from npumoe.daemon.worker import AlreadyRunning, Worker
 from npumoe.jobs import files
 from npumoe.jobs.errors import ModelUnavailable
@@ -204,45 +200,3 @@ def test_a_model_that_cannot_load_hands_the_job_back_instead_of_failing_it(
         worker.run()
     [job] = queue.list()
     assert (job.state, job.attempts, job.last_error) == ("queued", 0, None)
-
-
-def test_a_search_asked_mid_document_is_answered_between_chunks_and_leaves_the_documents_counts_alone(
-    npumoed_home: Home, queue: Queue, make_worker: Callable[..., Worker]
-) -> None:
-    (npumoed_home.inbox / "report.md").write_text(PARAGRAPH * 12)
-    query = "who writes down what could not be finished"
-    asked: dict[str, Any] = {}
-    searched = threading.Event()  # the query is waiting for the worker
-
-    def asking_after_the_first_chunk(settings: Any) -> Any:
-        engine = load_engine(settings)
-        process = engine.process
-
-        def process_while_asked(text: str, on_progress: Callable[..., None], check: Callable[[], None]) -> Any:
-            def progress(step: Any) -> None:
-                if "asker" not in asked:  # the first chunk is done: a search arrives before the worker hears so
-                    asked["asker"] = threading.Thread(
-                        target=lambda: asked.update(reply=ask_daemon(npumoed_home.socket, query)))
-                    asked["asker"].start()
-                    assert searched.wait(30)
-                on_progress(step)
-
-            asked["text"] = text
-            return process(text, on_progress=progress, check=check)
-
-        engine.process = process_while_asked
-        return engine
-
-    worker = make_worker(loader=asking_after_the_first_chunk)
-    wake = worker.queries.wake
-    worker.queries.wake = lambda: (searched.set(), wake())
-    assert dict(worker.run().outcomes) == {"done": 1}
-    asked["asker"].join(timeout=30)
-
-    engine = load_engine(worker.model.settings)  # the same document and query again, each alone
-    alone = engine.process(asked["text"]).stats.dispatch.to_dict()
-    key, vector = asked["reply"]
-    assert key.startswith(engine.model_key) and vector == pytest.approx(engine.embed(query), abs=1e-4)
-    [job] = queue.list()
-    recorded = json.loads((Path(job.output_dir or "") / "meta.json").read_text())["dispatch"]
-    assert recorded == alone  # the query's own layer calls, run between two of the document's chunks, are not its

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlite_errors import as_sqlalchemy_raises_it, locked
+from support.sqlite_errors import as_sqlalchemy_raises_it, locked
 
 from npumoe.daemon import intake
 from npumoe.daemon.cli.status_view import render_text, snapshot

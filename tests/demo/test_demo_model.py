@@ -14,7 +14,15 @@ from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from demo_run import DOCUMENT_RECALL_BAR, LONG, PASSAGE_RECALL_BAR, PROCESSED_VARIABLE, SUMMARY_TOKENS, Processed
+from support.demo_run import (
+    DOCUMENT_RECALL_BAR,
+    ENGINE_WEIGHTS,
+    LONG,
+    PASSAGE_RECALL_BAR,
+    PROCESSED_VARIABLE,
+    SUMMARY_TOKENS,
+    Processed,
+)
 
 from npumoe.bench.service.questions import QUESTIONS
 from npumoe.bench.service.retrieval import measure, sample_texts
@@ -23,7 +31,6 @@ from npumoe.engine.generate.summary import COMBINE, COMBINE_AGAIN, OUTLINE_HEADI
 from npumoe.engine.synthetic.upcycle import DTYPE
 from npumoe.engine.vocabulary import MEAN
 from npumoe.jobs.meta import SummaryCheck
-from npumoe.jobs.search.index import WEIGHTS
 
 if TYPE_CHECKING:
     from npumoe.engine import DocumentResult
@@ -187,7 +194,7 @@ def test_the_long_samples_summary_is_combined_from_its_sections_and_names_their_
 def test_the_demo_model_finds_the_answers_at_least_as_often_as_reported(demo_run) -> None:
     if len(demo_run.texts) < len(sample_texts()):
         pytest.skip(f"the demo run processed {len(demo_run.texts)} of the samples ({PROCESSED_VARIABLE})")
-    (default,) = [r for r in measure(Processed(demo_run), demo_run.texts, [MEAN]) if r.weights == WEIGHTS]
+    (default,) = [r for r in measure(Processed(demo_run), demo_run.texts, [MEAN]) if r.weights == ENGINE_WEIGHTS]
     assert default.questions == len(QUESTIONS)
     assert default.passage_recall_at_1 >= PASSAGE_RECALL_BAR > default.passage_chance
     assert default.document_recall_at_1 >= DOCUMENT_RECALL_BAR > default.document_chance

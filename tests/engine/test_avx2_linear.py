@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 import torch
-from cpus import APPLE_SILICON, INTEL_MAC, SAPPHIRE_RAPIDS, fake_build, fresh_process, simulate
+from support.cpus import APPLE_SILICON, INTEL_MAC, SAPPHIRE_RAPIDS, fake_build, fresh_process, simulate
 from test_vnni_linear import EXPERT_SHAPES, ROW_COUNTS, SHAPES, assert_matches, randn, reference, silu_glu_reference
 
 from npumoe.engine.formats.quantize import FORMATS, INT4, INT8, quantize, relative_error

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
+from support.cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
 
 from npumoe.engine.kernels import bf16_linear
 

@@ -229,3 +229,32 @@ def test_one_token_skips_the_sort_and_gives_what_the_sorted_path_gives(monkeypat
     assert torch.equal(alone, sorted_path[:1])
     want = reference(x.float(), (gate_up.float(), down.float()), index.tolist(), weights.tolist())
     torch.testing.assert_close(alone.float(), want[:1], rtol=2e-2, atol=2e-2)
+
+
+def test_padding_rows_outputs_are_never_read(weights, tokens):
+    """A graph computes each buffer row alone, so the padding rows need no zeroing: a graph that writes NaN into
+    every row it was not given a token for changes nothing."""
+    experts_weights = ExpertWeights(*weights)
+    filled: list[int] = []
+
+    def nan_in_padding(graph):
+        def run(x: torch.Tensor) -> torch.Tensor:
+            y = graph(x).clone()
+            # packing leaves padding rows holding token 0's row; mark every row but the first `n` of each expert
+            for g, n in enumerate(filled_rows(x)):
+                y[g, n:] = float("nan")
+            filled.append(1)
+            return y
+        return run
+
+    def filled_rows(x: torch.Tensor) -> list[int]:  # e0: 4 of 4, e1: 2 of 4 (ROUTING), e2: 2 of 2
+        return {(2, 4): [4, 2], (1, 2): [2]}[tuple(x.shape[:2])]
+
+    backend = get_backend("torch-static")
+    moe = MoeLayer(experts_weights, overflow="spill", groups=[
+        StaticGroup(experts, capacity, nan_in_padding(backend.build_group(experts_weights.select(experts),
+                                                                           DEFAULT_LAYOUT, capacity)))
+        for experts, capacity in GROUPS])
+    y = moe(tokens, *route())
+    assert len(filled) == 2  # both graphs ran
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpus import fake_timings
+from support.cpus import fake_timings
 
 from npumoe.engine import Engine, EngineSettings, load_model
 from npumoe.engine.calibration.calibrate import calibrate

@@ -4,6 +4,7 @@ writes its experts into the home and a load takes them from there, `calibrate` t
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import gguf
@@ -16,7 +17,7 @@ from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, stored_format
 from npumoe.engine.kernels import choice as mechanism
-from npumoe.engine.loading import auto_weights, quant_store
+from npumoe.engine.loading import auto_weights, gguf_load, quant_store
 from npumoe.engine.loading.auto_weights import choose_weights
 from npumoe.engine.loading.gguf_load import experts_format
 from npumoe.engine.loading.load import load_model
@@ -24,6 +25,7 @@ from npumoe.engine.loading.model_size import MIN_RESERVE_BYTES, checkpoint_tenso
 from npumoe.engine.loading.quant_store import quantized_folder
 from npumoe.engine.loading.resolve import fingerprint
 from npumoe.engine.moe.model_experts import moe_experts
+from npumoe.engine.synthetic.gguf_writer import write_gguf
 
 PLENTY = 2**40
 Q = gguf.GGMLQuantizationType
@@ -60,6 +62,19 @@ def test_auto_keeps_a_quantized_files_experts_in_their_format_and_times_no_float
     assert timed == []  # no float dtype was considered
 
 
+@pytest.mark.parametrize(("file_type", "format"), [(gguf.LlamaFileType.MOSTLY_Q4_K_M, "int4"),
+                                                     (gguf.LlamaFileType.MOSTLY_Q5_K_M, "int8"), (None, "int8")])
+def test_auto_reads_a_files_type_not_the_wider_blocks_llama_cpp_fell_back_to(tiny, tmp_path, timed, file_type,
+                                                                             format):
+    # llama-quantize stores a weight whose rows are not whole super-blocks of 256 (all of the tiny model's) in Q5_0
+    # for Q4_K_M: such a file is 4-bit all the same, and loads into int4, not widened to int8
+    file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=Q.Q5_0, weights=Q.Q5_0, file_type=file_type)
+    assert experts_format(file) == format
+    choice = choose_weights(file, PLENTY)
+    assert choice.weights == format and f"{format} holds them without widening" in choice.reason
+    assert timed == []
+
+
 def test_auto_goes_down_to_int4_when_a_q8_0_files_int8_does_not_fit(tiny_gguf, timed):
     file = tiny_gguf("qwen3_moe", "Q8_0")
     int8 = needed_bytes(model_size(checkpoint_tensors(file)).formats["int8"].total_bytes)
@@ -88,7 +103,7 @@ def _packed_logits(file: Path, format: str, models_dir: Path | None) -> torch.Te
 
 
 def test_model_quantize_writes_a_gguf_files_experts_once_and_a_load_takes_them_from_the_home(tiny_gguf, tmp_path,
-                                                                                            monkeypatch):
+                                                                                            monkeypatch, caplog):
     file = tiny_gguf("qwen3_moe", "F16")  # float experts: each load would quantize them again
     home = tmp_path / "home"
     monkeypatch.setenv("NPUMOED_HOME", str(home))
@@ -110,10 +125,13 @@ def test_model_quantize_writes_a_gguf_files_experts_once_and_a_load_takes_them_f
     monkeypatch.setattr(quant_store.QuantizedReader, "weight",
                         lambda self, name: read.append(name) or weight(self, name))
     CONVERSIONS.clear()
+    caplog.set_level(logging.INFO, logger=gguf_load.log.name)
     from_store = _packed_logits(file, "int4", models)
     assert len(read) == 3 * experts and not CONVERSIONS  # every expert from the store, none converted at load
-    # the store holds what the load would have made from the file
+    assert "converted" not in caplog.text
+    # the store holds what the load would have made from the file, a load whose log says what converting cost
     assert torch.equal(from_store, _packed_logits(file, "int4", None)) and CONVERSIONS
+    assert f"{file.name}: experts converted into int4 as they were read: {3 * experts} from float in " in caplog.text
 
 
 def test_a_store_made_from_another_file_is_refused(tiny_gguf, tmp_path):

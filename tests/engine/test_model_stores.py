@@ -9,7 +9,7 @@ from pathlib import Path
 
 import gguf
 import pytest
-from gguf_stores import fake_home, hf_download, lmstudio_download, ollama_manifest, ollama_pull, tiny_ggufs
+from support.gguf_stores import fake_home, hf_download, lmstudio_download, ollama_manifest, ollama_pull, tiny_ggufs
 
 from npumoe.engine.errors import ModelError
 from npumoe.engine.loading import model_stores

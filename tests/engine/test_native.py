@@ -7,7 +7,7 @@ import ctypes
 import re
 from pathlib import Path
 
-from cpus import fake_build, fresh_process
+from support.cpus import fake_build, fresh_process
 
 from npumoe.engine.kernels import int_linear, native
 from npumoe.engine.kernels.int_linear import HEADER, NativeWeight

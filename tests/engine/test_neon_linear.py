@@ -9,7 +9,7 @@ import platform
 
 import pytest
 import torch
-from cpus import fresh_process
+from support.cpus import fresh_process
 from test_vnni_linear import ROW_COUNTS, assert_matches, randn, reference, silu_glu_float, silu_glu_reference
 
 from npumoe.engine.formats.quantize import FORMATS, INT4, INT8, quantize, relative_error, unpack_int4

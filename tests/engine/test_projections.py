@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from cpus import fake_projection_timings
+from support.cpus import fake_projection_timings
 from torch import nn
 
 from npumoe.engine.attach import projections

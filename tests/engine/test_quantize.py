@@ -11,7 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
-from cpus import APPLE_SILICON, CPUS, SAPPHIRE_RAPIDS, fresh_process, simulate, within_this_host
+from support.cpus import APPLE_SILICON, CPUS, SAPPHIRE_RAPIDS, fresh_process, simulate, within_this_host
 
 from npumoe.engine.formats import quantize as quantize_module
 from npumoe.engine.formats.quantize import (

@@ -17,6 +17,7 @@ from npumoe.engine.plan.cost_cache import CostCache
 from npumoe.engine.plan.expert_plan import ExpertLoad, ExpertMagnitudes
 from npumoe.engine.plan.residency import (
     CHEAPER,
+    FORCED,
     FP16_LIMIT,
     FP16_RANGE,
     IDLE,
@@ -33,6 +34,7 @@ from npumoe.engine.plan.residency import (
 ACCELERATOR_FAVOURED = CostModel(launch_s=1e-9, static_flops=1e15, cpu_call_s=1e-3, cpu_flops=1e9)
 CPU_FAVOURED = CostModel(launch_s=1.0, static_flops=1e9, cpu_call_s=1e-9, cpu_flops=1e15)
 TORCH_STATIC, COREML, CPU = (backend_class(name) for name in ("torch-static", "coreml", "cpu"))
+CPU_BETTER_EVERYWHERE = CostModel(launch_s=10.0, static_flops=1.0, cpu_call_s=1e-12, cpu_flops=1e18)
 
 
 def measured(cost: CostModel, groups: dict[str, GroupMeasure] | None = None) -> MeasuredCosts:
@@ -167,3 +169,48 @@ def test_a_plan_runs_on_any_backend_with_the_outputs_of_torch_static(tiny, harbo
     torch.testing.assert_close(logits[backend], logits["torch-static"], rtol=1e-4, atol=1e-4)
     cached = sorted(path.name.rpartition("-")[0].rpartition("-")[0] for path in (tmp_path / "costs").iterdir())
     assert cached == (["torch-static"] if backend == "cpu" else ["coreml", "torch-static"])
+
+
+def test_the_accelerator_policy_places_every_group_whatever_the_costs_say():
+    plan = synthetic_plan()
+    measured_policy = decide_residency(plan, TORCH_STATIC, measured(CPU_FAVOURED))
+    forced = decide_residency(plan, TORCH_STATIC, measured(CPU_FAVOURED), policy="accelerator")
+    assert measured_policy.accelerator_groups == 0
+    assert forced.cpu_groups == 0 and {p.reason for p in forced.placements()} == {FORCED}  # the idle group too
+    assert decide_residency(plan, CPU, measured(CPU_FAVOURED), policy="accelerator").accelerator_groups == 0
+
+
+def test_the_accelerator_policy_still_keeps_a_group_out_of_fp16_range_on_the_cpu():
+    big_gate = ExpertMagnitudes(gate=(FP16_LIMIT * 2,) * 6, activation=(1.0,) * 6, output=(1.0,) * 6)
+    placed = decide_residency(synthetic_plan(big_gate), COREML, measured(CPU_FAVOURED), policy="accelerator")
+    assert placed.accelerator_groups == 0 and {p.reason for p in placed.placements()} == {FP16_RANGE}
+
+
+def test_forced_placement_runs_the_planned_path_end_to_end_with_the_cpu_paths_outputs(tiny, harbour, orchard,
+                                                                                      tmp_path):
+    """On a machine where every graph costs more than the CPU path (the cached costs say so), the accelerator policy
+    still runs the plan's groups as graphs, and spill keeps the outputs those of the exact CPU path."""
+    folder = tiny("qwen3_moe")
+    plan = calibrate_plan(folder, [("harbour", harbour)], tmp_path / "plan.json", chunk_tokens=128)
+    CostCache(tmp_path / "costs").put("torch-static", plan, MeasuredCosts(CPU_BETTER_EVERYWHERE, 64, 32, "test"))
+    logits, static = {}, {}
+    for policy in ("measured", "accelerator"):
+        engine = Engine.load(EngineSettings(model=str(folder), backend="torch-static", plan=tmp_path / "plan.json",
+                                            costs_dir=tmp_path / "costs", weights="fp32", residency=policy))
+        ids = engine.loaded.tokenizer(orchard)["input_ids"][:256]
+        logits[policy], static[policy] = engine.logits(ids), engine.stats.static
+        engine.close()
+    assert static == {"measured": 0, "accelerator": static["accelerator"]} and static["accelerator"] > 0
+    torch.testing.assert_close(logits["accelerator"], logits["measured"], rtol=1e-4, atol=1e-4)
+
+
+def test_an_unknown_residency_policy_is_refused():
+    with pytest.raises(ValueError, match="residency must be one of measured, accelerator"):
+        EngineSettings(model="m", residency="always")
+
+
+def test_the_hosts_packing_and_unpacking_count_in_a_graphs_cost():
+    plan = synthetic_plan()
+    slow_host = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 1.0})  # a second a buffer row
+    assert decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED)).accelerator_groups > 0
+    assert decide_residency(plan, TORCH_STATIC, measured(slow_host)).accelerator_groups == 0

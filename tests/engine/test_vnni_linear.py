@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
+from support.cpus import APPLE_SILICON, ICE_LAKE, INTEL_MAC, SAPPHIRE_RAPIDS, ZEN4, fake_build, fresh_process, simulate
 
 from npumoe.engine.formats.quantize import FORMATS, INT4, INT8, QuantizedWeight, quantize, relative_error, unpack_int4
 from npumoe.engine.kernels import quant_kernels, vnni_linear

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from docx_writer import HIDDEN, REVISED, revised_docx
 from extraction import LIMITS
+from support.docx_writer import HIDDEN, REVISED, revised_docx
 
 from npumoe.jobs.extract.isolated import extract_text
 

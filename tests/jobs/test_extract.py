@@ -10,12 +10,12 @@ import tracemalloc
 import zipfile
 from pathlib import Path
 
-import hostile_files
 import psutil
 import pytest
 from extraction import LIMITS, extraction_error, words
-from pdf_writer import pdf_bytes
 from pypdf import PdfReader
+from support import hostile_files
+from support.pdf_writer import pdf_bytes
 
 from npumoe.daemon.samples import SampleDocument, sample_documents, write_samples
 from npumoe.jobs.errors import ExtractionError

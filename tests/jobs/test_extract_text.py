@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from blocked_imports import block_imports
 from extraction import LIMITS
+from support.blocked_imports import block_imports
 
 from npumoe.jobs.errors import MissingDependency
 from npumoe.jobs.extract.decode import declared_charset

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import sqlean
-from sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked, not_a_database
+from support.sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked, not_a_database
 
 from npumoe.jobs.faults import machine_fault
 

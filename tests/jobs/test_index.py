@@ -6,21 +6,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sample_meta import document_meta
+from support.sample_meta import document_meta
 
 from npumoe.jobs.outputs import OFFSETS_FILE, SUMMARY_FILE, TEXT_FILE, compressed_text, npy_bytes, write_folder
 from npumoe.jobs.queue import sqlite
 from npumoe.jobs.queue.store import Queue
 from npumoe.jobs.search import index as index_module
 from npumoe.jobs.search.index import (
+    WEIGHTS,
     IndexEntry,
     NotIndexed,
     OutputsUnreadable,
     SearchIndex,
+    engine_vectors,
     reindex,
     write_entry,
     write_local,
 )
+from npumoe.jobs.search.passages import passage_spans
+from npumoe.jobs.search.sentence_model import MODEL_KEY, sentence_model
 from npumoe.jobs.summary_file import render_summary
 
 PID = 77
@@ -49,7 +53,7 @@ class Home:
         claimed = self.queue.claim(PID, lease_seconds=60)
         assert claimed is not None and claimed.id == job.id
         folder = self.write(name, job.id, paragraphs, vectors, model_key=model_key, keep_text=keep_text)
-        entry = IndexEntry.read(folder)
+        entry = IndexEntry.read(folder, engine_vectors)
         assert self.queue.complete(job.id, PID, output_dir=str(folder))
         write_local(self.database, entry)  # as the pipeline indexes it: after the job is done
         return job.id
@@ -109,7 +113,7 @@ def test_a_completed_job_is_searchable_by_vector(archive: Home) -> None:
     hits = archive.search("zzz", unit(0, 1, 0.01))  # no word matches: the vectors alone rank
     assert hits[0][:2] == ("orchard.txt", 0) and hits[1][:2] == ("orchard.txt", 1)
     assert [name for name, _, _ in hits][2:] == ["ledger.txt", "tides.txt", "tides.txt"]
-    assert hits[0][2] == pytest.approx(0.5 * float(unit(0, 1) @ unit(0, 1, 0.01)), abs=1e-5)
+    assert hits[0][2] == pytest.approx(WEIGHTS.cosine * float(unit(0, 1) @ unit(0, 1, 0.01)), abs=1e-5)
 
 
 def test_the_query_words_outrank_vectors_and_the_exact_phrase_outranks_scattered_words(archive: Home) -> None:
@@ -117,7 +121,8 @@ def test_the_query_words_outrank_vectors_and_the_exact_phrase_outranks_scattered
     assert archive.search("harbour wall", far)[0][:2] == ("tides.txt", 1)
     exact, scattered = archive.search("boats rocked", far)[0], archive.search("rocked boats", far)[0]
     assert exact[:2] == scattered[:2] == ("tides.txt", 0)
-    assert exact[2] == pytest.approx(0.5) and scattered[2] == pytest.approx(0.25)  # all words; in order or not
+    assert exact[2] == pytest.approx(WEIGHTS.words + WEIGHTS.phrase)  # all words, in order
+    assert scattered[2] == pytest.approx(WEIGHTS.words)  # all words, out of order
 
 
 def test_k_limits_the_chunks_returned(archive: Home) -> None:
@@ -142,7 +147,7 @@ def test_similar_lists_the_document_itself_first_at_one_then_the_nearest(archive
 def test_a_failing_index_write_leaves_the_index_unchanged(home: Home, monkeypatch: pytest.MonkeyPatch) -> None:
     home.done("before.txt", ["Already here."], [unit(1)])
     folder = home.write("a.txt", 2, ["Some words."], [unit(1)])
-    entry = IndexEntry.read(folder)
+    entry = IndexEntry.read(folder, engine_vectors)
 
     def write_then_fail(conn: sqlite.Connection, entry: IndexEntry) -> None:
         write_entry(conn, entry)
@@ -160,7 +165,7 @@ def test_a_rerun_replaces_its_rows_and_a_job_that_takes_over_a_folder_replaces_t
     conn = sqlite.connect(home.database)
     try:
         conn.execute("BEGIN IMMEDIATE")
-        write_entry(conn, IndexEntry.read(folder))  # the same job indexed again
+        write_entry(conn, IndexEntry.read(folder, engine_vectors))  # the same job indexed again
         conn.execute("COMMIT")
     finally:
         conn.close()
@@ -180,7 +185,7 @@ def test_reindex_after_deleting_the_index_gives_the_same_results(archive: Home) 
     conn.close()
     with pytest.raises(NotIndexed):
         archive.similar(1)
-    done = reindex(archive.database, archive.outbox)
+    done = reindex(archive.database, archive.outbox, engine_vectors)
     assert (done.documents, done.skipped) == (3, [])
     assert ([archive.search(q, v) for q, v in queries], [archive.similar(j) for j in (1, 2, 3)]) == before
 
@@ -188,13 +193,13 @@ def test_reindex_after_deleting_the_index_gives_the_same_results(archive: Home) 
 def test_reindex_skips_unreadable_folders_and_names_them(archive: Home) -> None:
     (archive.outbox / "broken").mkdir()
     (archive.outbox / ".tmp-half-written").mkdir()
-    done = reindex(archive.database, archive.outbox)
+    done = reindex(archive.database, archive.outbox, engine_vectors)
     assert done.documents == 3 and len(done.skipped) == 1 and "broken" in done.skipped[0]
 
 
 def test_outputs_from_before_text_was_kept_are_indexed_by_their_vectors(home: Home) -> None:
     job = home.done("old.txt", ["Words nobody can search."], [unit(1)], keep_text=False)
-    assert home.search("words", unit(1)) == [("old.txt", 0, pytest.approx(0.5))]
+    assert home.search("words", unit(1)) == [("old.txt", 0, pytest.approx(WEIGHTS.cosine))]
     index = SearchIndex(home.database)
     chunk = index.search(MODEL, unit(1), "words", 1)[0].chunks[0]
     index.close()
@@ -217,7 +222,38 @@ def test_a_folder_whose_embeddings_do_not_match_its_offsets_is_refused(home: Hom
     folder = home.write("a.txt", 1, ["One.", "Two."], [unit(1), unit(0, 1)])
     (folder / OFFSETS_FILE).write_bytes(npy_bytes(np.zeros((3, 2), dtype=np.int64)))
     with pytest.raises(OutputsUnreadable, match="one span per chunk"):
+        IndexEntry.read(folder, engine_vectors)
+
+
+def test_by_default_a_document_is_indexed_by_the_search_model_over_its_passages(home: Home) -> None:
+    paragraphs = ["The tide came in at dusk and the boats rocked.", "Gulls watched the harbour wall. " * 60]
+    folder = home.write("tides.txt", 1, paragraphs, [unit(1), unit(0, 1)])
+    text = "\n\n".join(paragraphs)
+    model = sentence_model()
+    before = model.calls
+    entry = IndexEntry.read(folder)
+    assert entry.model_key == MODEL_KEY and entry.spans.tolist() == [list(s) for s in passage_spans(text)]
+    assert len(entry.chunks) == len(passage_spans(text)) > 1 and model.calls == before + len(entry.chunks)
+    assert np.allclose(entry.chunks, model.embed([text[a:b] for a, b in passage_spans(text)]), atol=1e-5)
+
+
+def test_the_search_model_cannot_index_outputs_without_their_text(home: Home) -> None:
+    folder = home.write("old.txt", 1, ["Words nobody kept."], [unit(1)], keep_text=False)
+    with pytest.raises(OutputsUnreadable, match="no text kept"):
         IndexEntry.read(folder)
+
+
+def test_reindex_rebuilds_the_index_with_the_search_models_vectors(archive: Home) -> None:
+    done = reindex(archive.database, archive.outbox)
+    assert (done.documents, done.skipped) == (3, [])
+    index = SearchIndex(archive.database)
+    try:
+        assert index.models() == {MODEL_KEY: 3}
+        query = "When did the fruit on the trees become ready to pick?"
+        found = index.search(MODEL_KEY, sentence_model().embed([query])[0], query, 3)
+    finally:
+        index.close()
+    assert Path(found[0].document.source).name == "orchard.txt" and found[0].chunks[0].cosine > 0.3
 
 
 @pytest.mark.parametrize("home_name", ["h#9", "h?mode=rwc", "h%41"])

@@ -8,7 +8,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from sample_meta import document_meta
+from support.sample_meta import document_meta
 
 from npumoe.jobs.meta import read_meta
 from npumoe.jobs.outputs import META_FILE

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from npumoe.engine.generate.sentences import sentence_spans
-from npumoe.jobs.search.passages import passage, query_terms, widened_to_sentences
+from npumoe.jobs.search.passages import passage, passage_spans, query_terms, widened_to_sentences
 
 TEXT = ("The tide came in at dusk. Boats rocked at their moorings!\n\nA gull watched the harbour wall. "
         "Nobody counted the ropes? The night was long and quiet.")
@@ -37,3 +37,12 @@ def test_a_passage_reaches_at_most_one_sentence_past_the_chunk() -> None:
     chunk = (0, TEXT.index("Boats") - 1)  # the first sentence only
     shown = passage(TEXT, *chunk, query_terms("tide quiet"), limit=1000)
     assert shown.text == "The tide came in at dusk. Boats rocked at their moorings!"
+
+
+def test_passages_are_runs_of_whole_sentences_of_at_most_the_word_budget_covering_the_text() -> None:
+    spans = passage_spans(TEXT, words=12)
+    assert [TEXT[a:b] for a, b in spans] == [
+        "The tide came in at dusk. Boats rocked at their moorings!",
+        "A gull watched the harbour wall. Nobody counted the ropes?",
+        "The night was long and quiet."]
+    assert passage_spans("One two three four five six.", words=3) == [(0, 28)]  # a longer sentence stands alone

@@ -7,11 +7,11 @@ import io
 from pathlib import Path
 
 import pytest
-from blocked_imports import block_imports
 from extraction import LIMITS, extraction_error, words
-from pdf_writer import pdf_bytes, text_pdf
 from PIL import Image, ImageDraw
 from pypdf import PdfReader, PdfWriter
+from support.blocked_imports import block_imports
+from support.pdf_writer import pdf_bytes, text_pdf
 
 from npumoe.jobs.errors import MissingDependency
 from npumoe.jobs.extract.isolated import extract_text

@@ -16,14 +16,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import hostile_files
-import meta_fields
 import numpy as np
 import pytest
-from postgres_server import PostgresServer
 from sqlalchemy import update
-from sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
 from stand_in_engine import StandInModel
+from support import hostile_files, meta_fields
+from support.postgres_server import PostgresServer
+from support.sqlite_errors import as_sqlalchemy_raises_it, disk_full, locked
 
 from npumoe.daemon.energy.measure import Meter
 from npumoe.jobs import files, outputs, reading
@@ -36,6 +35,7 @@ from npumoe.jobs.outputs import displaced_path, output_name, read_text
 from npumoe.jobs.pipeline import Pipeline, Policy
 from npumoe.jobs.queue.schema import jobs
 from npumoe.jobs.queue.store import HANDBACKS, Backoff, Job, Queue
+from npumoe.jobs.search import sentence_model as sentence_model_module
 from npumoe.jobs.search.index import SearchIndex, reindex, stale_reason
 
 TEXT = "A short document about queues.\n\nIt has two paragraphs, which is plenty for a stand-in engine.\n"
@@ -563,6 +563,18 @@ def test_on_a_shared_queue_a_done_document_is_indexed_in_this_machines_own_datab
     finally:
         index.close()
     assert itself.document.job_id == job.id
+
+
+def test_a_search_model_that_cannot_load_fails_no_document_and_flags_the_index(
+        setup: Setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing() -> None:
+        raise OSError("the search model is not in the models cache")
+
+    monkeypatch.setattr(sentence_model_module, "sentence_model", missing)
+    outcome, job = setup.run(setup.document())
+    assert outcome.state == job.state == "done" and job.last_error is None
+    reason = stale_reason(setup.root / "queue.db")
+    assert reason is not None and "the search model is not in the models cache" in reason
 
 
 def test_a_damaged_search_index_fails_no_document_and_is_flagged_for_reindex(setup: Setup) -> None:

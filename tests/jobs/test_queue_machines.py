@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from postgres_server import PostgresServer
+from support.postgres_server import PostgresServer
 
 TEXT = "The night clerk reads the harbour ledger and writes a short note on each page before the tide turns.\n"
 

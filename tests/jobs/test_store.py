@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from postgres_server import PostgresServer
 from sqlalchemy import create_engine, inspect, text, update
 from sqlalchemy.exc import DBAPIError
+from support.postgres_server import PostgresServer
 
 from npumoe.bench.service.queue import run_claim_benchmark
 from npumoe.jobs.errors import IdentityInUse

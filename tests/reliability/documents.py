@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 
 import docx
-from pdf_writer import text_pdf
+from support.pdf_writer import text_pdf
 
 FORMATS = (".md", ".txt", ".html", ".docx", ".pdf")
 WORDS = (

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import hostile_files
 from audited_npumoed import run_audited
 from daemon_toml import daemon_toml
 from home_audit import read_jobs
+from support import hostile_files
 
 from npumoe.jobs.queue.store import Job
 

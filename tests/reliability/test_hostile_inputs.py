@@ -1,4 +1,4 @@
-"""Hostile inputs: every case from tests/hostile_files.py, and a few more, through one real daemon run.
+"""Hostile inputs: every case from tests/support/hostile_files.py, and a few more, through one real daemon run.
 
 The run (hostile_run.py) must exit normally; each input must end with a recorded reason (a job's error kind
 and message, or a `.error.txt` beside the file set aside), readable ones with complete outputs; nothing
@@ -13,10 +13,10 @@ import re
 import tempfile
 from pathlib import Path
 
-import hostile_files
 import pytest
 from home_audit import incomplete
 from hostile_run import ESCAPING_NAMES, FORGED_LOG_LINE, FORGING_NAME, SECRET, HostileRun
+from support import hostile_files
 
 from npumoe.engine.kernels.host import cache_root
 from npumoe.jobs.outputs import TMP_PREFIX

@@ -34,7 +34,7 @@ import pytest
 from chaos_summary import Figures
 from daemon_toml import daemon_toml
 from home_audit import incomplete, output_folders
-from postgres_server import PostgresServer
+from support.postgres_server import PostgresServer
 
 from npumoe.jobs.outputs import TMP_PREFIX
 from npumoe.jobs.queue.store import Job, Queue

@@ -28,7 +28,7 @@ from ...moe.grouped import GroupedExperts
 from ...plan.cost import CostModel, expert_flops, fit_call_cost
 from ...plan.residency import GroupMeasure
 from ...vocabulary import CUDA
-from ..base import FIT_ROWS, Backend, BackendOptions, GroupSpec, cpu_path_costs, sample_weights
+from ..base import FIT_ROWS, Backend, BackendOptions, GroupSpec, cpu_path_costs, host_row_seconds, sample_weights
 from .env import cuda_availability
 from .graph import DeviceGroupGraph
 
@@ -91,7 +91,8 @@ class CudaBackend(Backend):
         launch_s, flops = fit_call_cost(lambda rows: graphs[rows](inputs[rows]), *FIT_ROWS,
                                         flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
         calls_s, cpu_flops = cpu_path_costs(weights)
-        return CostModel(launch_s=launch_s, static_flops=flops, cpu_call_s=calls_s / group_size, cpu_flops=cpu_flops)
+        return CostModel(launch_s=launch_s, static_flops=flops, cpu_call_s=calls_s / group_size, cpu_flops=cpu_flops,
+                         host_row_s=host_row_seconds(hidden, dtype))
 
     def device_room(self, hidden: int, ffn: int, dtype: torch.dtype) -> int | None:
         """Experts (gated: 3·H·I weights each) that fit in the device's free memory, less what is reserved."""

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-OUTPUTS = Path(__file__).resolve().parents[1] / "docs" / "outputs.md"
+OUTPUTS = Path(__file__).resolve().parents[2] / "docs" / "outputs.md"
 JSON_TYPES: dict[str, tuple[type, ...]] = {
     "integer": (int,),
     "number": (int, float),

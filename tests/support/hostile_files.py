@@ -16,8 +16,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import docx
-from pdf_writer import pdf_bytes, text_pdf
 from pypdf import PdfReader, PdfWriter
+
+from support.pdf_writer import pdf_bytes, text_pdf
 
 SENTENCE = "The porter wrote one line in the log and went back to the quiet of the night."
 BOMB_BYTES = 128 * 2**20  # past pypdf's 75 MB stream limit and past a test's max_bytes
