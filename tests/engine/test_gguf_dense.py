@@ -21,7 +21,7 @@ from transformers import (
 
 from npumoe.engine import api
 from npumoe.engine.attach import runtime as engine_runtime
-from npumoe.engine.attach.runtime import MoeRuntime
+from npumoe.engine.attach.runtime import MoeRuntime, dense_refusal
 from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.calibration.calibrate import calibrate
 from npumoe.engine.errors import ModelError
@@ -135,3 +135,12 @@ def test_calibrating_a_dense_model_is_refused_saying_it_has_no_experts(tmp_path)
     loaded = LoadedModel(model=model, tokenizer=None, name="llama.gguf", path=tmp_path, key="llama.gguf@0")
     with pytest.raises(ModelError, match=r"LlamaForCausalLM has no routed-experts modules .*a dense model"):
         calibrate(loaded, [("text", "some words")])
+
+
+def test_a_static_backend_for_a_dense_model_is_refused_naming_it_and_the_cpu_path_is_not():
+    model = AutoModelForCausalLM.from_config(CONFIGS["llama"])
+    assert dense_refusal(model, "coreml", static=True, planned=False) == (
+        "LlamaForCausalLM is a dense model: the coreml backend, which runs planned expert groups as graphs, has no "
+        "experts to place in it (its FFN is one expert every token takes, run on the CPU path); run it without a "
+        "plan on the cpu backend")
+    assert dense_refusal(model, "cpu", static=False, planned=False) is None
