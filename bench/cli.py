@@ -21,6 +21,7 @@ from .document.target import make_target_command
 from .fidelity.run import FIDELITY_FAMILIES
 from .memory import GGUF_TYPES
 from .options import (
+    cuda_option,
     dtype_option,
     json_option,
     measured_dtypes,
@@ -71,10 +72,7 @@ for command in (foreground, queue_bench, search_bench, query_latency_bench, retr
 @click.option("--weights", "weights", multiple=True, type=click.Choice(QUANTIZED),
               help="Also run the engine's CPU path with its experts quantized to this format (repeatable); "
                    "approximate rows, timed when within the format's error bound.")
-@click.option("--cuda", is_flag=True,
-              help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend (its groups "
-                   "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
-                   "on the GPU.")
+@cuda_option
 @threads_option
 @timing_options
 @rounds_options
@@ -161,10 +159,7 @@ def _print_host_packing(geometries: Sequence[Geometry], tokens: tuple[int, ...],
               help="Also run llama.cpp beside them on the same weights: a folder holding llama-bench and "
                    "llama-quantize (or holding them in bin/; bench/peer/build-llama-cpp.sh builds them). "
                    "Default: $NPUMOE_LLAMA_CPP.")
-@click.option("--cuda", is_flag=True,
-              help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend (its groups "
-                   "as CUDA graphs), the same groups and one expert a group without graphs, transformers' experts "
-                   "on the GPU.")
+@cuda_option
 @threads_option
 @timing_options
 @rounds_options

@@ -55,6 +55,13 @@ def json_option(f):
                         help="Also write the machine description and every result row to this JSON file.")(f)
 
 
+def cuda_option(f):
+    return click.option("--cuda", is_flag=True,
+                        help="Run the rows on an NVIDIA GPU instead (bench/gpu/rows.py): the engine's cuda backend "
+                             "(its groups as CUDA graphs), the same groups and one expert a group without graphs, "
+                             "transformers' experts on the GPU.")(f)
+
+
 def parse_geometries(names: Sequence[str]) -> list:
     from npumoe.engine.synthetic.geometry import parse_geometry
 
