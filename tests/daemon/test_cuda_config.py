@@ -38,4 +38,5 @@ def test_doctor_says_whether_the_cuda_backend_can_run_here_and_why(home: Path, t
     monkeypatch.setenv("NPUMOE_MODELS", str(tmp_path / "models"))  # no demo model made: doctor loads none
     result = CliRunner().invoke(main, ["doctor", "--json"], catch_exceptions=False)
     check = {c["check"]: c for c in json.loads(result.output)["checks"]}["backend cuda"]
-    assert check == {"check": "backend cuda", "status": "ok" if AVAILABLE else "warn", "detail": REASON}
+    assert check == {"check": "backend cuda", "status": "ok" if AVAILABLE else "warn", "summary": REASON,
+                     "detail": REASON}

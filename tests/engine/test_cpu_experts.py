@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from support.cpus import APPLE_SILICON, CPUS, INTEL_MAC, fake_build, fake_timings, fresh_process, simulate
 
-from npumoe.engine.kernels import choice as mechanism
-from npumoe.engine.kernels import float_kernels
+from npumoe.engine.kernels import float_kernels, host
 from npumoe.engine.kernels.float_kernels import KERNELS, choose_kernel, unavailable_kernels
 from npumoe.engine.kernels.host import cpu_model
 from npumoe.engine.kernels.workers import run_tasks
@@ -137,7 +136,7 @@ def test_a_cached_choice_is_timed_again_when_the_machine_or_what_can_run_changed
     choose_kernel(*random_experts(torch.bfloat16))
     fresh_process(monkeypatch)
     if change == "another CPU":
-        monkeypatch.setattr(mechanism, "cpu_model", lambda: "Another CPU")
+        monkeypatch.setattr(host, "cpu_model", lambda: "Another CPU")  # the machine fingerprint reads it
     elif change == "another torch":
         monkeypatch.setattr(torch, "__version__", "0.0.1")
     else:

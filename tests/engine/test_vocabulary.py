@@ -44,7 +44,7 @@ def test_config_offers_exactly_the_vocabulary():
     choices = {f.name: f.metadata["choices"] for f in dataclasses.fields(ModelConfig) if "choices" in f.metadata}
     assert choices == {"backend": vocabulary.BACKENDS, "coreml_compute_units": vocabulary.COMPUTE_UNITS,
                        "overflow": vocabulary.OVERFLOW_POLICIES, "weights": vocabulary.WEIGHTS,
-                       "pooling": vocabulary.POOLINGS,
+                       "pooling": vocabulary.POOLINGS, "residency": vocabulary.RESIDENCY_POLICIES,
                        "dtype": ("", *vocabulary.DTYPES)}  # the deprecated dtype: "", unset, as when left out
 
 
