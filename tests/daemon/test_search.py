@@ -125,6 +125,7 @@ def test_a_damaged_index_is_named_with_its_remedy_not_a_traceback(home: Path) ->
     assert "indexed 6 document(s)" in npumoed(home, "reindex")
 
 
+@pytest.mark.slow  # a whole reindex embeds every sample's passages again (~25 s on 2 cores)
 def test_reindex_refuses_while_a_daemon_holds_the_home(home: Path) -> None:
     with FileLock(home / "npumoed.lock"):  # as a running daemon holds it
         refused = CliRunner().invoke(main, ["reindex"], env={"NPUMOED_HOME": str(home)})
@@ -132,6 +133,7 @@ def test_reindex_refuses_while_a_daemon_holds_the_home(home: Path) -> None:
     assert "indexed 6 document(s)" in npumoed(home, "reindex")
 
 
+@pytest.mark.slow  # a whole reindex embeds every sample's passages again (~25 s on 2 cores)
 def test_reindex_reads_the_outbox_folder_the_config_names(home: Path, tmp_path: Path) -> None:
     other = tmp_path / "other home"  # a second home whose outputs go to the first one's outbox
     other.mkdir()
