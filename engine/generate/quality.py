@@ -29,6 +29,10 @@ ECHO_SHARE = 0.8  # of an answer's words being the instruction's: it says nothin
 ECHO_RUN = 4  # words in a row taken from the instruction (and not from the source): it is quoting the prompt
 FEWEST_WORDS = 3  # in a line: fewer is a fragment ("A", "A good summary"), not something a reader can use
 LOOP_RUN = 5  # words: the same five words twice in one answer is a loop
+# Of an answer's content words, the share that are distinct, at least, once it has this many: the demo's combine
+# wrote "A report is a good report, and a report is a bad report. A summary is a good summary..." (0.44 of 25),
+# where its summaries a reader can use measured 0.67 to 1.0.
+LOOP_VARIETY, LOOP_VARIETY_WORDS = 0.5, 20
 SUPPORTED = 0.5  # of a sentence's content words that its source holds, at least
 CLAIM_WORDS = 3  # content words a sentence needs before it counts as a claim to check
 LANGUAGE_WORDS = 5  # function words a text needs before its language is judged
@@ -141,7 +145,12 @@ def _loop(answer: str, source: str, instruction: str) -> Fault | None:
     words = _WORD.findall(answer.lower())
     runs = Counter(zip(*(words[i:] for i in range(LOOP_RUN)), strict=False))
     repeated = [run for run, n in runs.items() if n > 1]
-    return Fault(LOOP, f"says {' '.join(repeated[0])!r} twice") if repeated else None
+    if repeated:
+        return Fault(LOOP, f"says {' '.join(repeated[0])!r} twice")
+    stems = _stems(answer)
+    if len(stems) >= LOOP_VARIETY_WORDS and len(set(stems)) < LOOP_VARIETY * len(stems):
+        return Fault(LOOP, f"turns over a few words: {len(set(stems))} distinct of {len(stems)}")
+    return None
 
 
 def _unsupported(answer: str, source: str, instruction: str) -> Fault | None:

@@ -3,6 +3,8 @@ language it reads a text as, and the extractive summary that stands in for an an
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from npumoe.engine.generate.quality import (
@@ -89,3 +91,15 @@ def test_an_extractive_summary_longer_than_the_budget_is_cut_with_an_ellipsis() 
     said = extractive("A single long sentence about the queue and the charger and the night of work.",
                       lambda s: len(s.split()) <= 6)
     assert said == "A single long sentence about …"
+
+
+def test_an_answer_that_turns_a_few_of_the_sources_words_over_and_over_is_a_loop():
+    # What the demo's combine wrote for the night-shift log: every word is the document's, no sentence is repeated
+    source = (Path(__file__).parents[2] / "daemon" / "samples" / "night-shift-log.txt").read_text()
+    answer = ("The best schedule keeps both the processor and the accelerator busy at the same time, each with the "
+              "work it does best. A report that is not only a good summary but also a good one is a good one. A report "
+              "is a good report, and a report is a bad report. A report should be a good report. A summary is a good "
+              "summary, and a good one should be a bad one. A summary should be a very good summary, but a very bad "
+              "one.")
+    found = fault(answer, source, COMBINE)
+    assert found is not None and found.kind == LOOP and "distinct" in found.detail, found
