@@ -9,6 +9,7 @@ from pathlib import Path
 import gguf
 import pytest
 import torch
+from support.gguf_logits import logits, reference_logits
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
@@ -32,7 +33,6 @@ from npumoe.engine.plan.expert_plan import ExpertPlan
 from npumoe.engine.synthetic.gguf_writer import write_model_gguf
 
 Q = gguf.GGMLQuantizationType
-IDS = torch.arange(3, 60)[None]
 _SIZES = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, tie_word_embeddings=False)
 CONFIGS: dict[str, PretrainedConfig] = {
@@ -54,18 +54,6 @@ def _written(arch: str, folder: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     return write_model_gguf(model, None, folder / f"{arch}.gguf", weights=qtype)
 
 
-def _reference_logits(file: Path) -> torch.Tensor:
-    """transformers' own load of the file (every tensor dequantized to float32), with the config the engine reads
-    (transformers' qwen3 mapping does not read the head width)."""
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
-                                                 config=gguf_config(file)).eval()
-    with torch.inference_mode():
-        return model(IDS).logits
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(IDS).logits
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0])
@@ -77,13 +65,13 @@ def test_a_dense_gguf_loads_as_transformers_reads_it_and_runs_through_the_engine
     # sliding window)
     assert type(gguf_config(file)) is type(CONFIGS["llama" if arch == "mistral" else arch])
     model = gguf_model(file, torch.float32, experts_implementation="eager")
-    reference = _reference_logits(file)
-    assert (_logits(model) - reference).abs().max() < 1e-4
+    reference = reference_logits(file)
+    assert (logits(model) - reference).abs().max() < 1e-4
     runtimes: list[MoeRuntime] = []
     monkeypatch.setattr(engine_runtime, "DenseProjections", _spy(engine_runtime.DenseProjections, runtimes))
     runtime = MoeRuntime(model, get_backend("cpu"), release=True)
     assert runtime.layers == [] and len(runtimes) == 1  # no experts: attention, projections and norms only
-    error = (_logits(model) - reference).norm() / reference.norm()
+    error = (logits(model) - reference).norm() / reference.norm()
     assert error < 1e-4  # fp32 projections: the engine's kernels sum in another order
     runtime.detach()
 
@@ -124,9 +112,9 @@ def test_a_check_runs_before_every_decoder_layer_of_a_dense_model(tmp_path):
     model = gguf_model(_written("qwen3", tmp_path, Q.F16), torch.float32, experts_implementation="eager")
     calls: list[None] = []
     with checked(model, lambda: calls.append(None)):
-        _logits(model)
+        logits(model)
     assert len(calls) == CONFIGS["qwen3"].num_hidden_layers
-    _logits(model)
+    logits(model)
     assert len(calls) == CONFIGS["qwen3"].num_hidden_layers  # the hooks went with the block
 
 

@@ -11,6 +11,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from support.gguf_logits import logits, reference_logits
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor, get_gguf_hf_weights_map
 
@@ -21,7 +22,7 @@ from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
 from npumoe.engine.formats.quantize import quantize, unpack_int4
 from npumoe.engine.loading import gguf_header, gguf_load
-from npumoe.engine.loading.gguf_load import gguf_config, gguf_model
+from npumoe.engine.loading.gguf_load import gguf_model
 from npumoe.engine.loading.load import load_model
 from npumoe.engine.loading.model_size import checkpoint_tensors, model_size
 from npumoe.engine.loading.resolve import model_key
@@ -30,7 +31,6 @@ from npumoe.engine.synthetic.byte_tokenizer import build_byte_tokenizer
 from npumoe.engine.synthetic.gguf_writer import write_gguf
 
 Q = gguf.GGMLQuantizationType
-IDS = torch.arange(3, 60)[None]
 
 
 @pytest.fixture(scope="module")
@@ -48,17 +48,6 @@ def tiny_llama(tmp_path_factory) -> Path:
     return folder
 
 
-def _reference_logits(file: Path) -> torch.Tensor:
-    """transformers' own load of the file (every tensor dequantized to float32), with the config the engine reads."""
-    model = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=torch.float32,
-                                                 config=gguf_config(file)).eval()
-    with torch.inference_mode():
-        return model(IDS).logits
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(IDS).logits
 
 
 @pytest.mark.parametrize("qtype", [Q.F16, Q.Q8_0, Q.Q4_0, Q.Q4_1])
@@ -66,7 +55,7 @@ def test_a_qwen3_moe_gguf_loads_as_transformers_reads_it(tiny, tmp_path, qtype):
     file = write_gguf(tiny("qwen3_moe"), tmp_path / "model.gguf", experts=qtype, weights=qtype)
     loaded = load_model(file)
     assert loaded.name == "model.gguf" and loaded.path == file.resolve() and loaded.streamed
-    assert (_logits(loaded.model) - _reference_logits(file)).abs().max() < 1e-4
+    assert (logits(loaded.model) - reference_logits(file)).abs().max() < 1e-4
     assert loaded.tokenizer("hello <|im_start|>").input_ids == [104, 101, 108, 108, 111, 32, 257]
     assert "<|im_start|>" in loaded.tokenizer.chat_template  # from the file's metadata
 
@@ -86,7 +75,7 @@ def test_the_engine_parses_a_gguf_header_once_a_load_and_again_when_the_file_cha
 def test_a_llama_gguf_loads_as_transformers_reads_it(tiny_llama, tmp_path, qtype):
     file = write_gguf(tiny_llama, tmp_path / "llama.gguf", weights=qtype)
     model = gguf_model(file, torch.float32, experts_implementation="eager")
-    assert (_logits(model) - _reference_logits(file)).abs().max() < 1e-4
+    assert (logits(model) - reference_logits(file)).abs().max() < 1e-4
 
 
 @pytest.mark.parametrize(("qtype", "format"), [(Q.Q8_0, "int8"), (Q.Q4_0, "int4"), (Q.Q4_1, "int4")])
@@ -104,8 +93,8 @@ def test_experts_in_blocks_the_formats_express_are_mapped_into_them_without_a_fl
     # Q4: no float weight at all; Q8_0: rescaled from its codes a few rows at a time
     assert floats == [] if format == "int4" else max(floats) <= gguf_blocks.ROWS_AT_ONCE
     MoeRuntime(loaded.model, get_backend("cpu"), quantized=format, release=True)
-    reference = _reference_logits(file)
-    error = (_logits(loaded.model) - reference).norm() / reference.norm()
+    reference = reference_logits(file)
+    error = (logits(loaded.model) - reference).norm() / reference.norm()
     # measured 0.7-1%: the kernels round the activations (int8 dynamic kernels) and int4 keeps bf16 scales
     assert error < 0.03
 
@@ -136,10 +125,10 @@ def test_a_q4_k_files_experts_load_into_int4_mapped_from_their_codes(wide_moe, t
     experts = len(moe_experts(loaded.model)) * loaded.model.config.num_experts
     assert dict(CONVERSIONS) == {MAPPED: 3 * experts} and floats == []  # no weight quantized from float
     MoeRuntime(loaded.model, get_backend("cpu"), quantized="int4", release=True)
-    reference = _reference_logits(file)  # transformers dequantizes the Q4_K blocks with the gguf package
+    reference = reference_logits(file)  # transformers dequantizes the Q4_K blocks with the gguf package
     # measured 3.6 %, nearly all of it the kernels' int8 rounding of the activations (a Q4_0 file of this model
     # through the same kernels: 5.2 %); the experts' weights are 0.18 % off the file's, the bf16 scales and zeros
-    assert (_logits(loaded.model) - reference).norm() / reference.norm() < 0.05
+    assert (logits(loaded.model) - reference).norm() / reference.norm() < 0.05
 
 
 def test_q4_0_codes_pair_as_the_engines_nibbles(tmp_path):
@@ -236,7 +225,7 @@ def test_a_qwen2_moe_gguf_with_its_shared_expert_loads_as_transformers_reads_it(
         == (32, 128)  # the widths transformers' mapping does not read, from the file
     # the shared expert's gate, a 1-D tensor in the file, as the model holds it
     assert loaded.model.model.layers[0].mlp.shared_expert_gate.weight.shape == (1, config.hidden_size)
-    assert (_logits(loaded.model) - _reference_logits(file)).abs().max() < 1e-4
+    assert (logits(loaded.model) - reference_logits(file)).abs().max() < 1e-4
 
 
 def _dequantized_mixtral(file: Path, folder: Path) -> torch.nn.Module:
@@ -268,10 +257,10 @@ def test_mixtral_experts_stored_in_a_llama_file_load_as_a_mixtral(tiny, tmp_path
     assert fields["general.architecture"].contents() == "llama" and fields["llama.expert_count"].contents() == 16
     loaded = load_model(file)
     assert loaded.family == "mixtral" and loaded.model.config.num_local_experts == 16
-    got = _logits(loaded.model)
-    assert (got - _logits(_dequantized_mixtral(file, folder))).abs().max() < 1e-4
+    got = logits(loaded.model)
+    assert (got - logits(_dequantized_mixtral(file, folder))).abs().max() < 1e-4
     if qtype == Q.F32:  # the file holds the checkpoint's weights exactly
-        assert (got - _logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))).abs().max() < 1e-5
+        assert (got - logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32))).abs().max() < 1e-5
 
 
 def test_the_other_weights_are_dequantized_a_few_rows_at_a_time_and_laid_out_in_any_dtype(tiny_llama, tmp_path,
@@ -284,7 +273,7 @@ def test_the_other_weights_are_dequantized_a_few_rows_at_a_time_and_laid_out_in_
     monkeypatch.setattr(gguf_load, "_FLOAT_VALUES_AT_ONCE", 4 * 64)  # four rows of the hidden width
     in_rows = gguf_model(file, torch.float32, experts_implementation="eager")
     assert max(rows) == 4 and len(rows) > len(list(whole.parameters()))  # every 2-D weight in several reads
-    assert torch.equal(_logits(in_rows), _logits(whole))
+    assert torch.equal(logits(in_rows), logits(whole))
     # llama's permuted query and key rows, laid out on the bits: bf16 holds the float32 load's values rounded
     half = gguf_model(file, torch.bfloat16, experts_implementation="eager")
     for name in ("q_proj", "k_proj"):
