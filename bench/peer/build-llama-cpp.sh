@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's llama-bench, llama-quantize and llama-completion, the C++ peer `npumoed bench prefill --peer`
-# and `bench document --peer` run beside the engine, from the llama-cpp-python sdist on the package index (its
-# vendor/llama.cpp): nothing from outside the registries. About 15 minutes on 2 cores. Usage: build-llama-cpp.sh
+# Builds llama.cpp's llama-bench, llama-quantize, llama-completion and llama-perplexity, the C++ peer that
+# `npumoed bench prefill`, `bench document` and `bench fidelity` run beside the engine, and keeps its
+# convert_hf_to_gguf.py (with its gguf-py) for turning a checkpoint into GGUF; from the llama-cpp-python sdist on
+# the package index (its vendor/llama.cpp): nothing from outside the registries. About 15 minutes on 2 cores. Usage: build-llama-cpp.sh
 # [DEST] (default ~/.cache/npumoe/llama.cpp); the binaries land in DEST/bin. Needs cmake and ninja (Debian:
 # apt-get install cmake ninja-build) and pip.
 set -euo pipefail
@@ -34,10 +35,15 @@ cmake -S "$src" -B "$work/build" -G Ninja "${flags[@]}" >/dev/null
 # `bench document` times whole documents with the one-shot text tool: llama-completion, llama-cli before it existed
 completion=llama-completion
 [[ -d "$src/tools/completion" ]] || completion=llama-cli
-cmake --build "$work/build" --target llama-bench llama-quantize "$completion" -j "$(nproc)"
+cmake --build "$work/build" --target llama-bench llama-quantize llama-perplexity "$completion" -j "$(nproc)"
 mkdir -p "$dest/bin"
-cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$work/build/bin/$completion" "$dest/bin/"
+cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$work/build/bin/llama-perplexity" \
+    "$work/build/bin/$completion" "$dest/bin/"
+# the converter reads its own gguf-py first (it is newer than the gguf package npumoed uses); it needs sentencepiece
+rm -rf "$dest/convert" && mkdir -p "$dest/convert"
+cp -r "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$dest/convert/"
 # The results' settings block quotes this file: which llama.cpp, built how.
 printf 'llama-cpp-python %s, built %s on %s\ncmake %s\n' "$version" "$(date -u +%FT%TZ)" "$(uname -m)" \
     "${flags[*]}" > "$dest/VERSION"
-echo "built: $dest/bin/llama-bench $dest/bin/llama-quantize $dest/bin/$completion"
+echo "built: $dest/bin/llama-bench $dest/bin/llama-quantize $dest/bin/llama-perplexity $dest/bin/$completion;" \
+    "converter: $dest/convert/convert_hf_to_gguf.py"
