@@ -42,6 +42,7 @@ cp "$work/build/bin/llama-bench" "$work/build/bin/llama-quantize" "$work/build/b
 # the converter reads its own gguf-py first (it is newer than the gguf package npumoed uses); it needs sentencepiece
 rm -rf "$dest/convert" && mkdir -p "$dest/convert"
 cp -r "$src/convert_hf_to_gguf.py" "$src/gguf-py" "$dest/convert/"
+[[ -d "$src/conversion" ]] && cp -r "$src/conversion" "$dest/convert/"  # newer converters are a package
 # The results' settings block quotes this file: which llama.cpp, built how.
 printf 'llama-cpp-python %s, built %s on %s\ncmake %s\n' "$version" "$(date -u +%FT%TZ)" "$(uname -m)" \
     "${flags[*]}" > "$dest/VERSION"
