@@ -211,22 +211,18 @@ def _peer_runs(tool, model: Path, prompts: list[str], engine_row: dict, scratch:
     if completion is None:
         return {**row, "note": f"no llama-completion or llama-cli beside {tool.bench}: no whole-document time"}
     timings: list[dict[str, float]] = []
+    peak = 0
     started, cpu = time.perf_counter(), _cpu_seconds()
     for i, prompt in enumerate(prompts):
         file = scratch / f"prompt-{i}.txt"
         file.write_text(prompt)
-        printed = run_completion(completion_command(completion, model, file, tokens=per_call, threads=threads))
-        timings.append({match["what"]: float(match["ms"]) / 1e3 for match in _PERF.finditer(printed)})
+        done = run_completion(completion_command(completion, model, file, tokens=per_call, threads=threads))
+        timings.append({match["what"]: float(match["ms"]) / 1e3 for match in _PERF.finditer(done.stderr)})
+        peak = max(peak, done.peak_rss)
     seconds, cpu_seconds = time.perf_counter() - started, _cpu_seconds() - cpu
     return {**row, "completion_tool": completion.name, "calls": len(prompts),
             "generated_tokens": per_call * len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "load_s": timings[0].get("load"), "call_seconds": timings, "peak_rss": _children_peak_rss()}
-
-
-def _children_peak_rss() -> int:
-    """The highest resident memory of any child this process waited for, in bytes (Linux counts KiB)."""
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return peak * 1024 if os.uname().sysname == "Linux" else peak
+            "load_s": timings[0].get("load"), "call_seconds": timings, "peak_rss": peak}
 
 
 def results_stem(machine: dict, model: str, when: datetime | None = None) -> str:

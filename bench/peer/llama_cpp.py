@@ -8,7 +8,11 @@ The binaries come from `bench/peer/build-llama-cpp.sh` (or any llama.cpp build):
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,22 +117,77 @@ def completion_command(path: Path, model: Path, prompt: Path, *, tokens: int, th
     return [*command, "-no-cnv"] if path.name == "llama-cli" else command
 
 
-def run_completion(command: list[str]) -> str:
-    """What the tool printed on stderr (where its timings are), after it ran to the end."""
-    return _run_output(command, "llama-completion", timeout=7200).stderr
+@dataclass(frozen=True)
+class ToolRun:
+    """What a tool printed, and its own peak resident memory (its children's and siblings' not counted)."""
+    stdout: str
+    stderr: str
+    peak_rss: int  # bytes
+
+
+def run_completion(command: list[str]) -> ToolRun:
+    """The tool's run to the end: its timings are on stderr."""
+    return _run_output(command, "llama-completion", timeout=7200)
 
 
 def _run(command: list[str], name: str, *, timeout: float) -> str:
     return _run_output(command, name, timeout=timeout).stdout
 
 
-def _run_output(command: list[str], name: str, *, timeout: float) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
-    if done.returncode < 0:
-        raise ToolCrashed(f"{name} was killed by signal {-done.returncode}: {done.stderr.strip()[-300:]}")
-    if done.returncode:
-        raise RuntimeError(f"{name} failed ({done.returncode}): {done.stderr.strip()[-500:]}")
+def _run_output(command: list[str], name: str, *, timeout: float) -> ToolRun:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        expired = threading.Event()
+        timer = threading.Timer(timeout, lambda: (expired.set(), process.kill()))
+        timer.start()
+        watch = _PeakWatch(process.pid)
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        finally:
+            timer.cancel()
+            watch.stop()
+        process.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait again
+        out.seek(0)
+        err.seek(0)
+        peak = watch.peak if watch.peak is not None else usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        done = ToolRun(out.read(), err.read(), peak)
+    if expired.is_set():
+        raise subprocess.TimeoutExpired(command, timeout, done.stdout, done.stderr)
+    if process.returncode < 0:
+        raise ToolCrashed(f"{name} was killed by signal {-process.returncode}: {done.stderr.strip()[-300:]}")
+    if process.returncode:
+        raise RuntimeError(f"{name} failed ({process.returncode}): {done.stderr.strip()[-500:]}")
     return done
+
+
+class _PeakWatch:
+    """A running process's own high-water mark of resident memory, read from /proc while it runs (None where
+    there is no /proc). Not its rusage: on Linux a child's ru_maxrss keeps the size of the process that forked it
+    (the pages it had before exec), so a tool started by a large process would be reported as large as that."""
+
+    def __init__(self, pid: int, every: float = 0.05) -> None:
+        self.peak: int | None = None
+        self._status = Path(f"/proc/{pid}/status")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(every,), daemon=True)
+        if self._status.parent.parent.is_dir():
+            self._thread.start()
+
+    def _watch(self, every: float) -> None:
+        while not self._stop.is_set():
+            try:
+                text = self._status.read_text()
+            except OSError:  # gone: the last reading stands
+                return
+            for line in text.splitlines():
+                if line.startswith("VmHWM:"):  # kB; monotonic while the process lives
+                    self.peak = int(line.split()[1]) * 1024
+            self._stop.wait(every)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _executable(path: Path) -> bool:

@@ -76,7 +76,7 @@ def _fake_tool(folder: Path, name: str, body: str) -> None:
 @pytest.fixture
 def fake_llama_cpp(tmp_path) -> Path:
     """A llama.cpp build folder whose llama-bench answers every test at 100 tokens/s and whose llama-completion
-    prints llama.cpp's timing lines."""
+    prints llama.cpp's timing lines, holding 48 MiB written while it runs."""
     folder = tmp_path / "llama.cpp"
     folder.mkdir()
     _fake_tool(folder, "llama-bench", "args = sys.argv\n"
@@ -84,7 +84,8 @@ def fake_llama_cpp(tmp_path) -> Path:
                                       "print(json.dumps([{'n_prompt': p, 'n_gen': n, 'avg_ts': 100.0, "
                                       "'samples_ns': [1]}]))")
     _fake_tool(folder, "llama-quantize", "")
-    _fake_tool(folder, "llama-completion", "print('llama_perf_context_print:        load time =     250.00 ms', "
+    _fake_tool(folder, "llama-completion", "import time\nheld = bytearray(b'x' * (48 << 20))\ntime.sleep(0.3)\n"
+                                           "print('llama_perf_context_print:        load time =     250.00 ms', "
                                            "file=sys.stderr)\n"
                                            "print('llama_perf_context_print:       total time =    1500.00 ms / 9 "
                                            "tokens', file=sys.stderr)")
@@ -108,6 +109,8 @@ def test_llama_cpp_runs_on_the_same_file_threads_lengths_and_depth_and_does_the_
     assert (peer["status"], peer["prefill_tokens_per_s"], peer["decode_tokens_per_s"]) == ("ran", 100.0, 100.0)
     assert peer["load_s"] == 0.25 and [t["total"] for t in peer["call_seconds"]] == [1.5] * len(completions)
     assert peer["generated_tokens"] == per_call * len(completions) and peer["seconds"] > 0
+    # the tool's own peak: what it held, not the bench process's size that a forked child inherits
+    assert 48 << 20 < peer["peak_rss"] < engine["rss_before_load"]
 
 
 def test_llama_cpp_is_skipped_with_the_reason_when_the_model_is_not_a_gguf_file(tiny, tmp_path, fake_llama_cpp):
