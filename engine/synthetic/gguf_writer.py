@@ -17,6 +17,7 @@ largest tensor). random_gguf.py writes a model at a real geometry through the sa
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -213,9 +214,7 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * len(tokens))  # transformers reads them where a file has no merges
     writer.add_token_types(types)
-    model = tokenizer.backend_tokenizer.model
-    merges = [" ".join(pair) if isinstance(pair, tuple) else pair for pair in getattr(model, "merges", None) or []]
-    writer.add_token_merges(merges)
+    writer.add_token_merges(_merges(tokenizer))
     for token_id, add in ((tokenizer.bos_token_id, writer.add_bos_token_id),
                           (tokenizer.eos_token_id, writer.add_eos_token_id),
                           (tokenizer.pad_token_id, writer.add_pad_token_id)):
@@ -223,6 +222,14 @@ def _write_tokenizer(writer: gguf.GGUFWriter, tokenizer: PreTrainedTokenizerBase
             add(token_id)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
+
+
+def _merges(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The tokenizer's BPE merges as llama.cpp stores them ("a b"), none for another kind. Read from its saved
+    form: the `tokenizers` BPE object does not expose them, and llama.cpp refuses a "gpt2" vocabulary without."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    model = json.loads(backend.to_str())["model"] if backend is not None else {}
+    return [" ".join(pair) if isinstance(pair, list) else pair for pair in model.get("merges", [])]
 
 
 def _experts(module: str, name: str, tensor: torch.Tensor, qtype: gguf.GGMLQuantizationType) -> Iterator[GgufTensor]:

@@ -43,3 +43,16 @@ def test_a_made_target_is_kept_and_its_path_printed(tmp_path, monkeypatch):
     result = CliRunner().invoke(make_target_command, ["--out", str(out)])
     assert result.exit_code == 0 and result.stdout.strip() == str(out)
     assert writes == [] and out.read_bytes() == b"made before"
+
+
+def test_a_bpe_tokenizer_is_written_with_its_merges_which_llama_cpp_needs(tmp_path):
+    from tokenizers import Tokenizer
+    from tokenizers.models import BPE
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "abc": 4}
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(BPE(vocab, [("a", "b"), ("ab", "c")])))
+    out = tmp_path / "target.gguf"
+    make_target(out, TINY, "q8_0", tokenizer, layers=1, show_progress=False)
+    merges = gguf.GGUFReader(out).fields["tokenizer.ggml.merges"]
+    assert [bytes(merges.parts[i]).decode() for i in merges.data] == ["a b", "ab c"]
