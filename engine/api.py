@@ -195,9 +195,12 @@ class Engine:
         if settings.weights == AUTO:
             settings = _auto_weights(settings)
         plan = ExpertPlan.load(settings.plan) if settings.plan is not None else None
-        # without a plan every expert runs on the CPU: packed as it is read, in the format the runtime runs
+        # experts packed as they are read, in the format the runtime runs: every one on the CPU without a plan, and
+        # the placed groups too on a backend that runs them over that copy; only graphs made from float weights
+        # (Core ML's, CUDA's) need the experts loaded unpacked first
+        pack = plan is None or not backend_class(settings.backend).graphs_from_float
         loaded = load_model(settings.model, trust_remote_code=settings.trust_remote_code,
-                            allow_download=settings.allow_download, dtype=settings.dtype, pack=plan is None,
+                            allow_download=settings.allow_download, dtype=settings.dtype, pack=pack,
                             format=settings.weights if settings.weights in QUANTIZED else None,
                             models_dir=settings.models_dir)
         if plan is not None and plan.model_key.rpartition("@")[2] != loaded.key.rpartition("@")[2]:

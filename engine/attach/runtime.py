@@ -30,9 +30,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
-from ..backends.base import Backend
+from ..backends.base import Backend, GroupSpec
 from ..errors import ModelError
-from ..moe.cpu_experts import CpuExperts
+from ..moe.cpu_experts import CpuExperts, held_packed
 from ..moe.dispatch import DispatchStats, MoeLayer, StaticGroup
 from ..moe.experts_layout import GLU, ExpertsLayout, ExpertWeights, expert_weights
 from ..moe.model_experts import expert_layouts
@@ -112,12 +112,12 @@ class MoeRuntime:
                 log.warning("%s: groups beyond fp16 range run on the CPU: a %s layout cannot be scaled", name,
                             layout.describe())
                 resident = [(group, placement) for group, placement in resident if placement.scale == 1.0]
-            if resident and released(module):
+            if resident and backend.graphs_from_float and released(module):
                 raise ValueError(f"{name}: its expert weights were released when the engine packed them, so no "
                                  f"{backend.name} group graphs can be built from them; load the model again")
-            groups = [_static_group(backend, weights, layout, group.experts, placement)
-                      for group, placement in resident]
             cpu = _cpu_experts(module, weights, layout, quantized)
+            groups = [_static_group(backend, weights, layout, cpu, group.experts, placement)
+                      for group, placement in resident]
             if release:
                 release_weights(module, layout.weight_names, cpu)
             self.layers.append(MoeLayer(weights, layout, groups=groups, overflow=overflow, submit=backend.submit,
@@ -222,9 +222,8 @@ def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayou
     """The module's experts packed for the CPU in the format `quantized` (None: float): the copy another runtime
     already holds, if its weights are still the ones it packed in that format, else a new one. The module keeps
     only a weak reference (`_npumoe_packed`), so the copy goes when the last runtime using it does."""
-    held = getattr(module, "_npumoe_packed", None)
-    experts = held() if held is not None else None
-    if experts is None or not experts.packed_from(weights, quantized):
+    experts = held_packed(module, weights, quantized)
+    if experts is None:
         if released(module):
             raise ValueError(f"{type(module).__name__}: its expert weights were released when the engine packed "
                              f"them ({module._npumoe_owned.format or 'float'}), so they cannot be packed "
@@ -234,11 +233,12 @@ def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayou
     return experts
 
 
-def _static_group(backend: Backend, weights: ExpertWeights, layout: ExpertsLayout, ids: tuple[int, ...],
-                  placement: Placement) -> StaticGroup:
-    """The backend's graph for experts `ids` of one experts module, at the placement's capacity and scale."""
-    graph = backend.build_group(weights.select(ids), layout, placement.capacity, placement.scale)
-    return StaticGroup(experts=ids, capacity=placement.capacity, graph=graph)
+def _static_group(backend: Backend, weights: ExpertWeights, layout: ExpertsLayout, cpu: CpuExperts,
+                  ids: tuple[int, ...], placement: Placement) -> StaticGroup:
+    """The backend's graph for experts `ids` of one experts module, at the placement's capacity and scale: over the
+    packed copy `cpu` the CPU path reads, or from the float weights where the backend's graphs hold their own."""
+    spec = GroupSpec(weights.select(ids), layout, placement.capacity, placement.scale, packed=(cpu, ids))
+    return StaticGroup(experts=ids, capacity=placement.capacity, graph=backend.build_spec(spec))
 
 
 def _layer_plans(plan: ExpertPlan | None,

@@ -21,7 +21,7 @@ from ..kernels.workers import run_tasks
 from ..moe.cpu_experts import CpuExperts
 from ..moe.dispatch import GraphCalls, GroupGraph, run_now
 from ..moe.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
-from ..moe.grouped import GroupedExperts
+from ..moe.grouped import GroupedExperts, PackedGroup
 from ..plan.cost import CostModel, expert_flops, fit_call_cost, seconds_of
 from ..vocabulary import CPU, DEFAULT_COMPUTE_UNITS, STATIC_BACKENDS, TORCH_STATIC
 
@@ -46,12 +46,15 @@ NO_OPTIONS = BackendOptions()
 
 @dataclass(frozen=True)
 class GroupSpec:
-    """One group graph a backend may build: G experts' weights of one layout, capacity and fp16 scale."""
+    """One group graph a backend may build: G experts' weights of one layout, capacity and fp16 scale. `packed`:
+    the engine's packed CPU copy of the layer's experts and the group's ids in it, where the engine holds them so
+    (then `weights` may be placeholders: their values live only there)."""
 
     weights: ExpertWeights
     layout: ExpertsLayout
     capacity: int
     scale: float = 1.0
+    packed: tuple[CpuExperts, tuple[int, ...]] | None = None
 
 
 class Backend:
@@ -59,6 +62,9 @@ class Backend:
     static: bool = False  # whether it runs group graphs (and so can use an ExpertPlan)
     capacity_multiple: int = 1  # its graphs' capacities are padded to a multiple of this
     fp16: bool = False  # whether its graphs compute in fp16 (so calibrated magnitudes must fit it)
+    # whether its graphs are made from the experts' float weights (a converted or captured graph holds its own
+    # copy), so a planned run must load them unpacked; else its groups run from the packed copy the CPU path reads
+    graphs_from_float: bool = False
 
     @classmethod
     def check(cls, options: BackendOptions) -> None:
@@ -86,6 +92,13 @@ class Backend:
         `scale` inside its graph and multiplies them back; the others ignore it."""
         raise ValueError(f"the {self.name} backend has no static graphs; plans need a static backend "
                          f"({', '.join(STATIC_BACKENDS)})")
+
+    def build_spec(self, spec: GroupSpec) -> GroupGraph:
+        """The graph `spec` describes: from its experts' float weights (`build_group`), or from the packed copy
+        where the backend runs that."""
+        if spec.packed is not None and not self.graphs_from_float:
+            return PackedGroup(*spec.packed)
+        return self.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
 
     def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Start a layer's group graphs; the future holds their outputs. Here they run at once, in the

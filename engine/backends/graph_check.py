@@ -1,10 +1,11 @@
 """The accuracy gate for accelerator graphs: a group graph is trusted only once it has computed what the CPU does.
 
 Each graph a backend would place runs once on a probe against the exact CPU path (`CpuExperts`) on the same
-experts' weights, as the kernel choice probes a CPU kernel before timing it. The probe is a few seeded rows per
-expert, one of them scaled to the largest input magnitude calibration saw for that expert (where the plan recorded
-magnitudes), since overflow is what an fp16 graph gets wrong first. A graph whose outputs are not finite, or whose
-relative error is over its format's bound, is refused with its measured error and its group stays on the CPU.
+experts' weights (the engine's packed copy where it holds one), as the kernel choice probes a CPU kernel before
+timing it. The probe is a few seeded rows per expert, one of them scaled to the largest input magnitude calibration
+saw for that expert (where the plan recorded magnitudes), since overflow is what an fp16 graph gets wrong first.
+A graph whose outputs are not finite, or whose relative error is over its format's bound, is refused with its
+measured error and its group stays on the CPU.
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def graph_refusal(backend: Backend, spec: GroupSpec, magnitudes: ExpertMagnitude
     x = probe_input(spec, magnitudes, experts)
     rows = min(PROBE_ROWS, spec.capacity)
     try:
-        graph = backend.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
+        graph = backend.build_spec(spec)
     except (OSError, ValueError, KeyError) as e:  # no graph compiled for it, or one that does not load
         return f"its graph cannot be built: {e}"
     got = graph(x)[:, :rows]
-    cpu = CpuExperts(spec.weights, spec.layout)
-    exact = torch.stack([cpu(g, x[g, :rows]) for g in range(len(spec.weights))])
+    cpu, ids = spec.packed if spec.packed is not None else (CpuExperts(spec.weights, spec.layout),
+                                                            tuple(range(len(spec.weights))))
+    exact = torch.stack([cpu(e, x[g, :rows]) for g, e in enumerate(ids)])
     if not bool(torch.isfinite(got).all()):
         return "its outputs on the probe are not finite"
     error, bound = relative_error(got, exact), graph_bound(backend, spec.weights.down.dtype)

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 
 import torch
+from torch import nn
 
 from ..formats.quantize import QuantizedWeight, check_format, quantize
 from ..kernels import quant_kernels
@@ -121,6 +122,14 @@ class CpuExperts:
         if self.down_bias is not None:
             y += self.down_bias[expert]
         return y
+
+
+def held_packed(module: nn.Module, weights: ExpertWeights, format: str | None) -> CpuExperts | None:
+    """The copy of the experts module's `weights` the engine holds packed in `format` (the loader's or a runtime's),
+    if it holds one made from them as they are now. The module keeps it by a weak reference (`_npumoe_packed`)."""
+    held = getattr(module, "_npumoe_packed", None)
+    experts = held() if held is not None else None
+    return experts if experts is not None and experts.packed_from(weights, format) else None
 
 
 def _in_format(w: torch.Tensor | QuantizedWeight, format: str | None) -> torch.Tensor | QuantizedWeight:

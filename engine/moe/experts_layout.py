@@ -27,6 +27,8 @@ from torch import nn
 from transformers.activations import ACT2CLS, ACT2FN
 from transformers.integrations.moe import _default_apply_gate
 
+from .release import is_placeholder
+
 # The gating functions the engine implements, on gate g and up u (the two halves of h):
 GLU = "glu"  # act(g) * u: transformers' default `_apply_gate`
 CLAMPED_GLU = "clamped-glu"  # act(min(g, limit)) * clamp(u, ±limit) (DeepSeek-V4, Hunyuan)
@@ -151,9 +153,10 @@ class ExpertWeights:
         return self.down.shape[2]
 
     def select(self, experts: Sequence[int]) -> ExpertWeights:
-        """These experts' weights only, in the order given."""
+        """These experts' weights only, in the order given. Released weights (placeholders: the values live packed)
+        give placeholders of the selection's shape, not a copy of a placeholder's zeros as large as the weights."""
         index = list(experts)
-        return ExpertWeights(*(None if w is None else w[index] for w in self.tensors()))
+        return ExpertWeights(*(None if w is None else _selected(w, index) for w in self.tensors()))
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
         return self.gate_up, self.down, self.gate_up_bias, self.down_bias
@@ -219,10 +222,16 @@ def engine_form(layout: ExpertsLayout, gate_up: torch.Tensor, down: torch.Tensor
     """Experts' weights as a module of `layout` stores them (E first), in the engine's form."""
     if layout.transposed:
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    if layout.interleaved:
+    if layout.interleaved and not is_placeholder(gate_up):  # a placeholder's rows are all one value: no reorder
         gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
         gate_up_bias = None if gate_up_bias is None else torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], 1)
     return ExpertWeights(gate_up, down, gate_up_bias, down_bias, source=source)
+
+
+def _selected(weight: torch.Tensor, index: list[int]) -> torch.Tensor:
+    if is_placeholder(weight):
+        return weight[:1].expand(len(index), *weight.shape[1:])
+    return weight[index]
 
 
 def _act_class(module: nn.Module) -> str:

@@ -1,8 +1,10 @@
 """The grouped-expert graph: G expert FFNs of one tier run as one static graph.
 
-This module is the single source of every static expert graph: the `torch-static` executor runs it and
-coremltools converts it. Its shapes are fixed at construction, and it holds no routing, gather or scatter:
-the host packs each expert's tokens into a contiguous (C, H) slice before the call.
+This module is the single source of every static expert graph: coremltools converts `GroupedExperts`, and the
+`torch-static` executor measures it; in a run, torch-static computes a placed group as `PackedGroup`, the same
+static contract over the packed copy of the weights the CPU path reads, so they exist once (in the run's format).
+Shapes are fixed at construction, and neither holds routing, gather or scatter: the host packs each expert's
+tokens into a contiguous (C, H) slice before the call.
 
 Each expert's FFN is the one its module's `ExpertsLayout` describes (experts_layout.py): input projection,
 bias, gate or activation, down projection, bias. Two tensor layouts compute the same function from the
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.workers import run_tasks
+from .cpu_experts import CpuExperts
 from .experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 
 LAYOUTS = ("bmm", "ane")
@@ -97,6 +101,23 @@ class GroupedExperts(nn.Module):
         per_chunk = max(1, self.max_channels // max(self.hidden_size, self.intermediate_size))
         return [(first, min(per_chunk, self.group_size - first))
                 for first in range(0, self.group_size, per_chunk)]
+
+
+class PackedGroup:
+    """G experts' (G, C, H) -> (G, C, H) graph computed by the CPU's packed copy of their weights (`CpuExperts`,
+    in the run's format): each expert's C rows, padding included, through its FFN, as a fixed-shape graph computes
+    them, the experts side by side on the workers. A group placed this way reads the weights the CPU path reads
+    for its spills: they exist once, not again as the group's float copy."""
+
+    def __init__(self, experts: CpuExperts, ids: tuple[int, ...]) -> None:
+        self.experts, self.ids = experts, ids
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        out = torch.empty_like(x)
+        run_tasks([lambda g=g, e=e: self.experts(e, x[g], out[g]) for g, e in enumerate(self.ids)])
+        return out
 
 
 def _grouped_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

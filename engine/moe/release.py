@@ -34,6 +34,11 @@ def placeholder(weight: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(torch.zeros((), dtype=weight.dtype, device=device).expand(weight.shape), requires_grad=False)
 
 
+def is_placeholder(weight: torch.Tensor) -> bool:
+    """Whether `weight` is a released weight's placeholder (one element seen at every index), not values."""
+    return weight.numel() > 1 and not any(weight.stride())
+
+
 def release_weights(module: nn.Module, names: tuple[str, ...], packed: PackedCopy) -> None:
     """Free the module's weights `names` now that `packed` holds them: each becomes a placeholder, and the module
     holds `packed` from now on. A module released before is left as it is."""

@@ -69,6 +69,7 @@ class CoreMLBackend(TorchStaticBackend):
     static = True
     capacity_multiple = ANE_CAPACITY_MULTIPLE
     fp16 = True
+    graphs_from_float = True  # a group's graph is found by its float weights' fingerprint
 
     @classmethod
     def check(cls, options: BackendOptions) -> None:

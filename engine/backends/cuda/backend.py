@@ -42,6 +42,7 @@ class CudaBackend(Backend):
     name = CUDA
     static = True
     capacity_multiple = 8  # tensor cores read the capacity axis in steps of 8 rows
+    graphs_from_float = True  # a group's graph holds its own copy of the weights on the GPU
 
     @classmethod
     def check(cls, options: BackendOptions) -> None:
