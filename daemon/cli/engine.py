@@ -122,16 +122,23 @@ def calibrate_documents(model_name: str, documents: Sequence[Path], out: Path, *
                  f"tiers {list(plan.tiers)}; wrote {escape(str(out))}")
 
 
-def float_dtype(ref: str, weights: str, *, trust_remote_code: bool = False,
-                allow_download: bool = False) -> tuple[str, str]:
-    """(the float dtype model `ref` runs in with `weights`, what decided it); auto is decided as the engine does at
-    load, on this machine."""
+def chosen_weights(ref: str, weights: str, *, trust_remote_code: bool = False,
+                   allow_download: bool = False) -> tuple[str, str]:
+    """(the format model `ref` runs in with `weights`, what decided it); auto is decided as the engine does at load,
+    on this machine."""
     if weights != AUTO:
-        return WEIGHTS_DTYPE[weights], f"weights {weights}"
+        return weights, f"weights {weights}"
     from npumoe.engine.loading.auto_weights import choose_model_weights
 
     _, choice = choose_model_weights(ref, trust_remote_code=trust_remote_code, allow_download=allow_download)
-    return WEIGHTS_DTYPE[choice.weights], f"weights auto -> {choice.reason}"
+    return choice.weights, f"weights auto -> {choice.reason}"
+
+
+def float_dtype(ref: str, weights: str, *, trust_remote_code: bool = False,
+                allow_download: bool = False) -> tuple[str, str]:
+    """(the float dtype model `ref` runs in with `weights`, what decided it)."""
+    chosen, why = chosen_weights(ref, weights, trust_remote_code=trust_remote_code, allow_download=allow_download)
+    return WEIGHTS_DTYPE[chosen], why
 
 
 def document_texts(documents: Sequence[Path]) -> list[tuple[str, str]]:

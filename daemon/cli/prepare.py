@@ -79,9 +79,11 @@ class Stages:
 class Model:
     """The checkpoint, loaded the first time a stage needs it."""
 
-    def __init__(self, ref: str, dtype: str, trust_remote_code: bool, allow_download: bool) -> None:
+    def __init__(self, ref: str, dtype: str, trust_remote_code: bool, allow_download: bool, *,
+                 packed: str | None = None, pack: bool = False) -> None:
         self.ref, self.dtype = ref, dtype
         self.trust_remote_code, self.allow_download = trust_remote_code, allow_download
+        self.pack, self.packed = pack, packed  # with `pack`, experts are read straight into format `packed`
         self._loaded: LoadedModel | None = None
 
     def get(self) -> LoadedModel:
@@ -92,7 +94,8 @@ class Model:
 
             quiet_transformers()
             self._loaded = load_model(self.ref, trust_remote_code=self.trust_remote_code,
-                                      allow_download=self.allow_download, dtype=self.dtype)
+                                      allow_download=self.allow_download, dtype=self.dtype, pack=self.pack,
+                                      format=self.packed)
         return self._loaded
 
     def signature(self) -> str:
@@ -126,7 +129,9 @@ class Model:
 def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: str, print_only: bool,
                     chunk: int | None, n_tiers: int, group_size: int, weights: str | None) -> None:
     """From a checkpoint to a ready configuration: calibrate, plan, compile, measure, configure."""
-    from .engine import float_dtype
+    from npumoe.engine.vocabulary import QUANTIZED, WEIGHTS_DTYPE
+
+    from .engine import chosen_weights
 
     home, configured = app.home, app.config.model
     try:
@@ -138,9 +143,12 @@ def prepare_command(app: App, model_name: str, data: tuple[Path, ...], backend: 
     weights = weights or configured.weights
     options = {"chunk_tokens": chunk or configured.plan_chunk_tokens, "n_tiers": n_tiers, "group_size": group_size}
     try:
-        dtype, _ = float_dtype(ref, weights, trust_remote_code=configured.trust_remote_code,
-                               allow_download=configured.allow_download)
-        model = Model(ref, dtype, configured.trust_remote_code, configured.allow_download)
+        runs_in, _ = chosen_weights(ref, weights, trust_remote_code=configured.trust_remote_code,
+                                    allow_download=configured.allow_download)
+        # the experts read straight into the format they run in, as the engine loads them, unless the backend's
+        # graphs are made from their float weights: a quantized file is never held in float
+        model = Model(ref, WEIGHTS_DTYPE[runs_in], configured.trust_remote_code, configured.allow_download,
+                      packed=runs_in if runs_in in QUANTIZED else None, pack=not _graphs_from_float(backend))
         plan, plan_path = _plan_stage(stages, home.plans, model, data, options)
         units = configured.coreml_compute_units
         chosen = _choose_backend(stages, backend, plan, model, home, units)
@@ -197,6 +205,17 @@ def _documents(data: Sequence[Path]) -> Iterator[Sequence[Path]]:
 
     with tempfile.TemporaryDirectory(prefix="npumoed-samples-") as folder:
         yield write_samples(Path(folder))
+
+
+def _graphs_from_float(backend: str) -> bool:
+    """Whether `backend` (or the one auto will choose) makes its group graphs from the experts' float weights."""
+    from npumoe.engine.backends.registry import backend_class
+
+    if backend == AUTO:
+        from npumoe.engine.backends.coreml.env import coreml_availability
+
+        backend = COREML if coreml_availability()[0] else TORCH_STATIC
+    return backend_class(backend).graphs_from_float
 
 
 def _choose_backend(stages: Stages, backend: str, plan: ExpertPlan, model: Model, home: Home, units: str) -> str:

@@ -217,6 +217,13 @@ def _attached(module: nn.Module) -> tuple[MoeRuntime, MoeLayer] | None:
     return getattr(module, "_npumoe_attached", None)
 
 
+def released_format(model: nn.Module) -> str | None:
+    """The quantized format ("int8", "int4") the model's experts were packed in when their own weights were released
+    (by the loader or a runtime); None when they were packed float or are still the module's."""
+    formats = {module._npumoe_owned.format for _, module, _ in expert_layouts(model) if released(module)}
+    return formats.pop() if len(formats) == 1 else None
+
+
 def _cpu_experts(module: nn.Module, weights: ExpertWeights, layout: ExpertsLayout,
                  quantized: str | None) -> CpuExperts:
     """The module's experts packed for the CPU in the format `quantized` (None: float): the copy another runtime

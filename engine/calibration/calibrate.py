@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attach.runtime import MoeRuntime
+from ..attach.runtime import MoeRuntime, released_format
 from ..backends.registry import get_backend
 from ..generate.prefill import new_cache, prefill, windows
 from ..loading.load import LoadedModel
@@ -53,7 +53,8 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
     window = loaded.context_tokens // chunk_tokens * chunk_tokens  # whole chunks that fit the context
     pieces = windows(stream, window)
     chunk_lengths = [len(chunk) for piece in pieces for chunk in windows(piece, chunk_tokens)]
-    runtime = MoeRuntime(loaded.model, get_backend(CPU))
+    # experts loaded packed are measured in the format they were packed in: the one they run in
+    runtime = MoeRuntime(loaded.model, get_backend(CPU), quantized=released_format(loaded.model))
     peaks = [PeakRecorder(layer.experts) for layer in runtime.layers]
     for layer, recorder in zip(runtime.layers, peaks, strict=True):
         layer.experts = recorder  # the cpu backend runs every expert on this path

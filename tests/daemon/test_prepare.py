@@ -195,3 +195,25 @@ def test_prepare_takes_a_gguf_file_and_reuses_its_stages(home: Path, tiny_gguf, 
     assert ExpertPlan.load(Path(config["plan"])).model_key == model_key(file)
     again = prepare(*args)
     assert again.exit_code == 0 and calibrations == [model_key(file)]  # the file unchanged: nothing calibrated again
+
+
+def test_prepare_reads_a_quantized_files_experts_straight_into_the_format_they_run_in(
+        home: Path, tiny_gguf, document: Path, calibrations: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A quantized file is never held in float on the way to a plan: calibration and the costs run on the experts as
+    the engine will hold them."""
+    from npumoe.engine.loading import load as loading
+
+    loads: list[tuple[bool, str | None]] = []
+    real = loading.load_model
+
+    def spied(*args, **kwargs):
+        loads.append((kwargs.get("pack", False), kwargs.get("format")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_model", spied)
+    file = tiny_gguf("qwen3_moe", "Q4_0")
+    result = prepare("--model", str(file), "--data", str(document), "--backend", "torch-static", "--weights", "int4",
+                     "--chunk", "128")
+    assert result.exit_code == 0, result.output
+    assert loads == [(True, "int4")] and len(calibrations) == 1
+    assert "groups on the accelerator" in result.output
