@@ -9,6 +9,7 @@ vnni_linear, avx2_linear and neon_linear each hold one `IsaKernel` and keep thei
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,20 @@ class NativeWeight(ctypes.Structure):
 
     _fields_ = [("codes", ctypes.c_void_p), ("sums", ctypes.c_void_p), ("scale", ctypes.c_void_p),
                 ("zero", ctypes.c_void_p), ("group", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+
+def block_zeros(zero: torch.Tensor, per_block: Callable[[torch.Tensor], torch.Tensor],
+                shape: tuple[int, int, int]) -> torch.Tensor:
+    """An int4 weight's zeros in its kernel's block layout (`per_block`, giving `shape`). Symmetric blocks, whose
+    zeros are all 0 (Q4_0's: w = d·(q - 8)), share one read-only buffer of that shape, so such a file's experts
+    take their own size packed instead of a bf16 zero per group beside each scale (a ninth more)."""
+    return per_block(zero) if bool(zero.any()) else _shared_zeros(shape)
+
+
+@functools.cache
+def _shared_zeros(shape: tuple[int, int, int]) -> torch.Tensor:
+    with torch.inference_mode(False):  # made once, whatever mode the first weight is packed in
+        return torch.zeros(shape, dtype=torch.bfloat16)
 
 
 def native_weight(packed: PackedWeight) -> NativeWeight:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ..formats.quantize import INT4, INT8, QuantizedWeight, unpack_int4
 from . import host
-from .int_linear import IsaKernel, PackedWeight, native_kernel
+from .int_linear import IsaKernel, PackedWeight, block_zeros, native_kernel
 from .native import cpu_lacks
 
 BLOCK = 16  # output columns per packed weight block, as in neon_linear.c
@@ -65,8 +65,8 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
     def per_block(t: torch.Tensor) -> torch.Tensor:  # (N, G) -> (N16/16, G, 16)
         return F.pad(t.to(torch.bfloat16), (0, 0, 0, pad_n)).reshape(blocks, BLOCK, -1).transpose(1, 2).contiguous()
 
-    return PackedWeight(INT4, (n, k), nibbles, per_block(weight.scale), zero=per_block(weight.zero),
-                        group=weight.group)
+    zero = block_zeros(weight.zero, per_block, (blocks, weight.zero.shape[1], BLOCK))
+    return PackedWeight(INT4, (n, k), nibbles, per_block(weight.scale), zero=zero, group=weight.group)
 
 
 def linear(x: torch.Tensor, packed: PackedWeight, out: torch.Tensor | None = None, *,

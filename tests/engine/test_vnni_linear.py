@@ -67,6 +67,22 @@ def test_int4_blocks_hold_k_values_8j_to_8j_plus_3_in_low_nibbles_and_the_next_f
 
 
 @needs_kernel
+def test_symmetric_int4_weights_share_one_zero_buffer_and_compute_what_their_dequantized_weights_do():
+    """Q4_0's blocks have no zero (w = d·(q - 8)): packed, every such weight of a shape reads one shared buffer of
+    zeros instead of holding its own, and computes the same."""
+    weights = []
+    for seed in (0, 1):
+        q = quantize(randn(130, 96, seed=seed), INT4)
+        weights.append(QuantizedWeight(INT4, q.codes, q.scale, torch.zeros_like(q.zero), q.group))
+    first, second = (vnni_linear.pack(w) for w in weights)
+    assert first.zero.data_ptr() == second.zero.data_ptr() and not first.zero.any()
+    asymmetric = vnni_linear.pack(quantize(randn(130, 96, seed=2), INT4))
+    assert asymmetric.zero.data_ptr() != first.zero.data_ptr()
+    x = randn(5, 96, seed=3)
+    assert_matches(vnni_linear.linear(x, second), reference(x, weights[1]))
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("format", FORMATS)
 def test_every_row_count_and_shape_matches_x_rounded_per_row_times_the_dequantized_weight(format, dtype):
