@@ -9,7 +9,8 @@ A table in docs/benchmarks.md (or the README) that a results file backs sits bet
 and `python -m npumoe.bench.readme_tables [FILE ...]` rewrites every such table from the files its marker names,
 one line per matching case of each file (the filter after `|`: a case's keys and values, `a,b` for either).
 A `<!-- rows from FILE | filter -->` marker (closed the same way) renders every row of one file's matching cases
-instead: each path, transformers' and the peer's beside the engine's.
+instead: each path, transformers' and the peer's beside the engine's; a `<!-- documents from FILE ... -->` marker
+renders `bench document`'s rows, the engine's and llama.cpp's for each document.
 Every figure is a field of the file as the benchmark wrote it, rounded: nothing is computed here that the file
 does not hold, so a reader can find each number in the file (tests/bench/test_readme_numbers.py checks). The
 engine's best path is chosen from the file's rows by paired round-by-round ratios (fair/paired.py), as the
@@ -28,13 +29,16 @@ from .fair.paired import best_engine_row
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCUMENTS = (ROOT / "docs" / "benchmarks.md", ROOT / "README.md")
-MARKED = re.compile(r"(?P<open><!-- (?P<kind>rendered|rows) from (?P<files>[^|>]+?)(?: \| (?P<filter>[^>]*?))? -->\n)"
-                    r"(?P<table>.*?)(?P<close><!-- end rendered -->)", re.S)
+MARKED = re.compile(r"(?P<open><!-- (?P<kind>rendered|rows|documents) from (?P<files>[^|>]+?)"
+                    r"(?: \| (?P<filter>[^>]*?))? -->\n)(?P<table>.*?)(?P<close><!-- end rendered -->)", re.S)
 CASE_KEYS = ("geometry", "layers", "document_tokens", "tokens", "chunk_tokens", "dtype", "threads")
 ROWS_HEADER = ("| path | tok/s | × transformers' best | round by round | × the engine's best exact path | load s "
                "| rel. error | what |")
 HEADER = ("| results file | machine | case | engine's best exact path | tok/s | × transformers' best | round by round "
           "| × roofline | load s | transformers' best | the run's load |")
+DOCUMENTS_HEADER = ("| results file | machine | document | impl | tokens | decode depth | generated | load s "
+                    "| prefill tok/s (× llama.cpp) | decode tok/s (× llama.cpp) | seconds (llama.cpp's ÷ the engine's) "
+                    "| CPU s | peak RSS GiB |")
 
 
 def render(text: str, root: Path = ROOT) -> str:
@@ -42,7 +46,8 @@ def render(text: str, root: Path = ROOT) -> str:
     def table(match: re.Match) -> str:
         files = match["files"].split()
         wanted = dict(item.split("=", 1) for item in (match["filter"] or "").split())
-        header, lines_of = (HEADER, engine_lines) if match["kind"] == "rendered" else (ROWS_HEADER, every_row)
+        header, lines_of = {"rendered": (HEADER, engine_lines), "rows": (ROWS_HEADER, every_row),
+                            "documents": (DOCUMENTS_HEADER, document_lines)}[match["kind"]]
         lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
         for name in files:
             lines += lines_of(name, json.loads((root / name).read_text()), wanted)
@@ -104,6 +109,32 @@ def engine_lines(name: str, data: dict, wanted: dict[str, str]) -> list[str]:
                  f"{best['vs_roofline']:.2f}" if "vs_roofline" in best else "",
                  f"{best['load_s']:.1f}" if "load_s" in best else "not recorded",
                  f"{transformers['impl']}, {transformers['tokens_per_s']:,.0f}", run_load]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def document_lines(name: str, data: dict, wanted: dict[str, str]) -> list[str]:
+    """One table line per row of a `bench document` results file: the engine's, then llama.cpp's on the same work,
+    with the engine's ratios over it (llama.cpp's seconds over the engine's for the whole document)."""
+    machine = data["machine"]
+    lines = []
+    for row in data["results"]:
+        if row["status"] != "ran":
+            continue
+        ratios = row.get("vs_llama_cpp", {})
+
+        def cell(key: str, spec: str, row: dict = row) -> str:
+            return format(row[key], spec) if row.get(key) is not None else ""
+
+        def ratio(key: str, ratios: dict = ratios) -> str:
+            return f" ({ratios[key]:.2f}×)" if key in ratios else ""
+
+        cells = [name.removeprefix("bench/results/"), f"{machine['cpu']}, {machine['threads']} threads",
+                 row["document"], row["impl"], cell("tokens", ","), cell("decode_depth", ","),
+                 cell("generated_tokens", ","), cell("load_s", ".1f"),
+                 cell("prefill_tokens_per_s", ",.1f") + ratio("prefill_tokens_per_s"),
+                 cell("decode_tokens_per_s", ",.2f") + ratio("decode_tokens_per_s"),
+                 cell("seconds", ",.1f") + ratio("seconds"), cell("cpu_seconds", ",.1f"), cell("peak_rss_gib", ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 

@@ -116,7 +116,20 @@ def run_document_bench(settings: DocumentBenchSettings,
                               **peer(calls, row, Path(temporary))})
             if on_result is not None:
                 on_result(peer_rows[-1])
+    for row, peer_row in zip(rows, peer_rows, strict=True):
+        if peer_row["status"] == "ran":
+            row["vs_llama_cpp"] = versus(row, peer_row)
     return [row for pair in zip(rows, peer_rows, strict=True) for row in pair]
+
+
+def versus(engine: dict, peer: dict) -> dict[str, float]:
+    """The engine's rates over llama.cpp's, and llama.cpp's seconds for the document over the engine's (above 1:
+    the engine is faster), where both rows hold the figure."""
+    ratios = {key: engine[key] / peer[key] for key in ("prefill_tokens_per_s", "decode_tokens_per_s")
+              if engine.get(key) and peer.get(key)}
+    if engine.get("seconds") and peer.get("seconds"):
+        ratios["seconds"] = peer["seconds"] / engine["seconds"]
+    return ratios
 
 
 def _cpu_seconds() -> float:
@@ -144,7 +157,12 @@ def _engine_row(engine, path: Path) -> tuple[dict, str]:
             "prefill_tokens_per_s": stats.tokens / stats.seconds["prefill"],
             "decode_tokens_per_s": stats.generated_tokens / decoding if decoding else None,
             "extract_s": extract_s, "phase_seconds": dict(stats.seconds), "seconds": seconds,
-            "cpu_seconds": cpu_seconds, "peak_rss": peak_rss(), "summary": result.summary}, extracted.text
+            "cpu_seconds": cpu_seconds, **_peak(peak_rss()), "summary": result.summary}, extracted.text
+
+
+def _peak(peak: int) -> dict[str, float]:
+    """A peak RSS in bytes, and in GiB as the tables show it."""
+    return {"peak_rss": peak, "peak_rss_gib": round(peak / 2**30, 2)}
 
 
 def _peer_prompts(tokenizer, text: str, row: dict) -> list[str]:
@@ -222,7 +240,7 @@ def _peer_runs(tool, model: Path, prompts: list[str], engine_row: dict, scratch:
     seconds, cpu_seconds = time.perf_counter() - started, _cpu_seconds() - cpu
     return {**row, "completion_tool": completion.name, "calls": len(prompts),
             "generated_tokens": per_call * len(prompts), "seconds": seconds, "cpu_seconds": cpu_seconds,
-            "load_s": timings[0].get("load"), "call_seconds": timings, "peak_rss": peak}
+            "load_s": timings[0].get("load"), "call_seconds": timings, **_peak(peak)}
 
 
 def results_stem(machine: dict, model: str, when: datetime | None = None) -> str:

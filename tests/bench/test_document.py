@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from npumoe.bench import readme_tables
 from npumoe.bench.document import run as bench_document
 from npumoe.bench.document.run import DocumentBenchSettings, results_stem, run_document_bench
 from npumoe.engine import api as engine_module
@@ -111,6 +112,16 @@ def test_llama_cpp_runs_on_the_same_file_threads_lengths_and_depth_and_does_the_
     assert peer["generated_tokens"] == per_call * len(completions) and peer["seconds"] > 0
     # the tool's own peak: what it held, not the bench process's size that a forked child inherits
     assert 48 << 20 < peer["peak_rss"] < engine["rss_before_load"]
+    assert engine["vs_llama_cpp"] == {"prefill_tokens_per_s": engine["prefill_tokens_per_s"] / 100.0,
+                                      "decode_tokens_per_s": engine["decode_tokens_per_s"] / 100.0,
+                                      "seconds": peer["seconds"] / engine["seconds"]}
+    results = tmp_path / "bench" / "results" / "document-tiny.json"
+    results.parent.mkdir(parents=True)
+    results.write_text(json.dumps({"machine": {"cpu": "A CPU", "threads": THREADS}, "results": [engine, peer]}))
+    marked = "<!-- documents from bench/results/document-tiny.json -->\n<!-- end rendered -->"
+    lines = readme_tables.render(marked, root=tmp_path).splitlines()[3:-1]
+    assert [line.split(" | ")[3] for line in lines] == ["npumoe", "llama.cpp"]
+    assert f"({engine['vs_llama_cpp']['seconds']:.2f}×)" in lines[0].split(" | ")[10]
 
 
 def test_llama_cpp_is_skipped_with_the_reason_when_the_model_is_not_a_gguf_file(tiny, tmp_path, fake_llama_cpp):
