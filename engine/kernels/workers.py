@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 
 import torch
 
@@ -52,6 +53,19 @@ class Workers:
 def _one_torch_thread() -> None:
     torch.set_num_threads(1)
     torch.get_num_threads()  # fixes this thread's count now, before the global is put back
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The block run with one torch thread, the caller's count put back after: for work made of many short
+    element-wise ops over one expert's weight (converting, packing), which torch's intra-op threads slow down, each
+    op waiting on all of them, far longer when another process holds a core (bench/results/gguf-load-*)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 _workers: Workers | None = None

@@ -31,6 +31,7 @@ import logging
 import re
 from collections import defaultdict
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import gguf
@@ -53,7 +54,7 @@ from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
 from .gguf_header import read_gguf
-from .quant_store import QuantizedReader
+from .quant_store import QuantizedReader, StoreWriter
 from .resolve import GGUF_SUFFIX
 from .stream_load import NotStreamable, attach_packed, finish_loading, put_tensor
 from .tensor_reader import read_into
@@ -72,6 +73,7 @@ _UNREAD = {"gpt-oss": "transformers cannot read llama.cpp's gpt-oss files (its g
 GGUF_MAGIC = b"GGUF"
 _PARTS = {"gate": ("gate_up_proj", 0), "up": ("gate_up_proj", 1), "down": ("down_proj", 0)}
 _FLOAT_VALUES_AT_ONCE = 1 << 22  # values of a float weight dequantized at once (16 MiB of float32)
+STORE_FILE = "experts.safetensors"  # the one file of a GGUF file's quantized store
 
 
 def is_gguf(path: Path) -> bool:
@@ -134,11 +136,13 @@ def experts_format(path: Path) -> str | None:
 
 
 def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, pack: bool = False,
-               format: str | None = None, quantized: QuantizedReader | None = None) -> PreTrainedModel:
+               format: str | None = None, quantized: QuantizedReader | None = None,
+               keep: Path | None = None) -> PreTrainedModel:
     """The model in the GGUF file `path`, its float weights in `dtype`. With `pack`, every experts module's
     weights go straight into the engine's CPU experts in `format` (None: float), from `quantized` (what `npumoed
-    model quantize` wrote from this file) where it holds them. experts_layout.LayoutError for experts the engine
-    does not run."""
+    model quantize`, or a load with `keep`, wrote from this file) where it holds them; with `keep` (and a `format`),
+    the experts converted are also written into the quantized store `keep`, kept once the load is complete, so that
+    the next load converts nothing. experts_layout.LayoutError for experts the engine does not run."""
     config = gguf_config(path)
     reader = read_gguf(path)
     arch = reader.fields["general.architecture"].contents()
@@ -165,18 +169,25 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
                 continue  # a tensor the model has no place for: transformers drops it too
             put_tensor(model, target, _float(file, tensor, processor, dtype))
         counts, seconds = CONVERSIONS.copy(), SECONDS.copy()
-        for name, tensors in experts.items():
-            module = model.get_submodule(name)
-            if pack:
-                weights = _experts(file, tensors, format, dtype, quantized)
-                cpu = CpuExperts.streamed(weights, dtype, layouts[name], format)
-                attach_packed(module, layouts[name].weight_names, cpu)
-            else:
-                _fill(model, name, layouts[name], file, tensors, dtype)
+        keeping = pack and format is not None and keep is not None and bool(experts)
+        # the converted experts are kept only once the whole load is done: a failed load leaves no partial store
+        with StoreWriter(path, keep, format, {STORE_FILE: kept_plan(experts)}) if keeping else nullcontext() \
+                as store:
+            for name, tensors in experts.items():
+                module = model.get_submodule(name)
+                if pack:
+                    weights = _experts(file, tensors, format, dtype, quantized, store)
+                    cpu = CpuExperts.streamed(weights, dtype, layouts[name], format)
+                    attach_packed(module, layouts[name].weight_names, cpu)
+                else:
+                    _fill(model, name, layouts[name], file, tensors, dtype)
+            if store is not None:
+                store.commit()
     if pack and format is not None and (cost := conversions_since(counts, seconds)):
-        # what each load costs until `model quantize` keeps the experts converted (then a load converts nothing)
-        log.info("%s: experts converted into %s as they were read: %s (`npumoed model quantize %s --weights %s` "
-                 "keeps them converted)", path.name, format, cost, path, format)
+        kept = f"kept converted in {keep}: the next load converts nothing" if keep is not None else \
+            f"`npumoed model quantize {path} --weights {format}` keeps them converted"
+        # what each load costs until the experts are kept converted (then a load converts nothing)
+        log.info("%s: experts converted into %s as they were read: %s (%s)", path.name, format, cost, kept)
     del reader  # its map of the file
     model.tie_weights()
     finish_loading(model)
@@ -191,6 +202,19 @@ def gguf_shape(tensor: gguf.ReaderTensor) -> tuple[int, ...]:
 def stored_expert(tensor: str, expert: int) -> str:
     """The name `npumoed model quantize` stores expert `expert` of the stacked experts tensor `tensor` under."""
     return f"{tensor}.{expert}"
+
+
+def kept_plan(experts: dict[str, dict[tuple[str, int], gguf.ReaderTensor]]) -> dict[str, list[int]]:
+    """Each expert weight of these experts modules' tensors by its stored name, with its (N, K) shape, in the order
+    a load converts them (module by module, expert by expert, `_parts`' order)."""
+    return {stored_expert(tensors[key].name, expert): list(gguf_shape(tensors[key])[1:])
+            for tensors in experts.values() for expert in range(gguf_shape(tensors[("down_proj", 0)])[0])
+            for key in _parts(tensors)}
+
+
+def _parts(tensors: dict[tuple[str, int], gguf.ReaderTensor]) -> list[tuple[str, int]]:
+    """An expert's weights in the order they are read: the gate-up's parts (gate first), then the down's."""
+    return [*sorted(key for key in tensors if key[0] == "gate_up_proj"), ("down_proj", 0)]
 
 
 def _rows(tensor: gguf.ReaderTensor) -> int:
@@ -240,24 +264,30 @@ def _float(file, tensor: gguf.ReaderTensor, processor: TensorProcessor, dtype: t
 
 
 def _expert(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], expert: int, format: str | None,
-            dtype: torch.dtype, quantized: QuantizedReader | None = None) -> Expert:
-    """One expert's (n·I, H) gate-up and (H, I) down weights in the engine's form."""
+            dtype: torch.dtype, quantized: QuantizedReader | None = None, store: StoreWriter | None = None) -> Expert:
+    """One expert's (n·I, H) gate-up and (H, I) down weights in the engine's form, each converted one also
+    written into `store`."""
     def weight(key: tuple[str, int]) -> torch.Tensor | QuantizedWeight:
         tensor = tensors[key]
-        if quantized is not None and (name := stored_expert(tensor.name, expert)) in quantized:
+        name = stored_expert(tensor.name, expert)
+        if quantized is not None and name in quantized:
             return quantized.weight(name)
         raw = torch.from_numpy(read_expert(file, tensor, expert))
-        return engine_weight(raw, tensor.tensor_type, gguf_shape(tensor)[-1], format, dtype)
+        converted = engine_weight(raw, tensor.tensor_type, gguf_shape(tensor)[-1], format, dtype)
+        if store is not None:
+            store.write(STORE_FILE, name, converted)
+        return converted
 
-    up = [weight(key) for key in sorted(key for key in tensors if key[0] == "gate_up_proj")]
+    *up, down = (weight(key) for key in _parts(tensors))
     gate_up = stack_rows(up) if isinstance(up[0], QuantizedWeight) else torch.cat(up)
-    return gate_up, weight(("down_proj", 0))
+    return gate_up, down
 
 
 def _experts(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], format: str | None,
-             dtype: torch.dtype, quantized: QuantizedReader | None) -> Iterator[Expert]:
+             dtype: torch.dtype, quantized: QuantizedReader | None,
+             store: StoreWriter | None = None) -> Iterator[Expert]:
     for expert in range(gguf_shape(tensors[("down_proj", 0)])[0]):
-        yield _expert(file, tensors, expert, format, dtype, quantized)
+        yield _expert(file, tensors, expert, format, dtype, quantized, store)
 
 
 def _fill(model: PreTrainedModel, name: str, layout: ExpertsLayout, file,

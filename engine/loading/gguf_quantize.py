@@ -17,10 +17,8 @@ import torch
 from ..formats.gguf_blocks import engine_weight
 from ..formats.quantize import INT4_GROUP, QuantizedWeight, check_format
 from .gguf_header import read_gguf
-from .gguf_load import EXPERTS_TENSOR, expert_bytes, gguf_shape, read_expert, stored_expert
+from .gguf_load import EXPERTS_TENSOR, STORE_FILE, expert_bytes, gguf_shape, read_expert, stored_expert
 from .quant_store import QuantizedStoreError, QuantizeReport, write_store
-
-STORE_FILE = "experts.safetensors"
 
 
 def quantize_gguf(source: Path, target: Path, format: str,

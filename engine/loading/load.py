@@ -14,8 +14,8 @@ from ..moe.experts_layout import LayoutError
 from ..moe.model_experts import expert_layouts
 from ..vocabulary import BFLOAT16, DTYPES, FLOAT32
 from .gguf_load import gguf_model, is_gguf
-from .quant_store import find_quantized
-from .resolve import model_folder, model_key_of
+from .quant_store import find_quantized, quantized_folder
+from .resolve import fingerprint, model_folder, model_key_of
 from .stream_load import NotStreamable, stream_model
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ def load_model(
 
     The weights are read one tensor at a time into memory of their own (stream_load.py). With `pack`, the routed
     experts go straight into the engine's CPU experts in `format` (None: float; "int8", "int4": quantized, taken
-    from the files `npumoed model quantize` wrote under `models_dir` where they exist), which the engine's runtime
+    from the files `npumoed model quantize` wrote under `models_dir` where they exist; a GGUF file's experts
+    converted by a load are written there too, for the next), which the engine's runtime
     then runs as they are: the model's own expert weights are placeholders. A checkpoint the streaming loader
     cannot read is loaded by transformers' from_pretrained, said in the log (its peak memory is higher).
     """
@@ -99,9 +100,12 @@ def _streamed(path: Path, name: str, dtype: torch.dtype, trust_remote_code: bool
     file it cannot read is an error: from_pretrained would widen all of it to float32)."""
     quantized = find_quantized(models_dir, path, format) if pack and format and models_dir is not None else None
     if is_gguf(path):
+        # the experts a GGUF load converts are kept in the home's store, where the next load reads them
+        keep = quantized_folder(models_dir, path, fingerprint(path), format) \
+            if pack and format and models_dir is not None and quantized is None else None
         try:
             model = gguf_model(path, dtype, experts_implementation=experts, pack=pack, format=format,
-                               quantized=quantized)
+                               quantized=quantized, keep=keep)
         except (NotStreamable, LayoutError) as e:
             raise ModelError(f"this GGUF file is not one the engine reads: {e}") from e
         finally:

@@ -124,34 +124,74 @@ def write_store(source: Path, target: Path, format: str, plans: dict[str, dict[s
     whole once complete: per file name of `plans`, its tensors' (N, K) weights, which `quantized(file name)` yields
     in that order, each with the bytes it took in the source; `progress(done, total)` after each."""
     total = sum(map(len, plans.values()))
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     done = source_bytes = quantized_bytes = 0
-    try:
+    with StoreWriter(source, target, format, plans, group=group) as store:
         for name, plan in plans.items():
             if not plan:
                 continue
-            layout = {f"{tensor}.{part}": spec for tensor, shape in plan.items()
-                      for part, spec in _quantized_shapes(shape, format, group).items()}
-            with _SafetensorsWriter(partial / name, layout, {"format": format}) as writer:
-                for tensor, (weight, size) in zip(plan, quantized(name), strict=True):
-                    source_bytes += size
-                    for part, value in weight.tensors().items():
-                        writer.write(f"{tensor}.{part}", value)
-                    quantized_bytes += weight.nbytes
-                    done += 1
-                    if progress:
-                        progress(done, total)
-        manifest = {"version": VERSION, "format": format, "group": group if format == INT4 else None,
-                    "source": str(source.resolve()), "fingerprint": fingerprint(source),
-                    "files": {name: sorted(plan) for name, plan in plans.items() if plan}}
-        (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(partial, target)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+            for tensor, (weight, size) in zip(plan, quantized(name), strict=True):
+                store.write(name, tensor, weight)
+                source_bytes += size
+                quantized_bytes += weight.nbytes
+                done += 1
+                if progress:
+                    progress(done, total)
+        store.commit()
     return QuantizeReport(target, total, kept, source_bytes, quantized_bytes)
+
+
+class StoreWriter:
+    """Quantized experts written into the folder `target` as they come, in `plans`' order (per file name, its
+    tensors' (N, K) shapes): into a temporary folder beside it, which `commit` renames to `target` (replacing
+    it) once every tensor is written; left without a commit, nothing is kept. A load that converts a GGUF file's
+    experts keeps them so (gguf_load), as `npumoed model quantize` does (`write_store`)."""
+
+    def __init__(self, source: Path, target: Path, format: str, plans: dict[str, dict[str, list[int]]], *,
+                 group: int = INT4_GROUP) -> None:
+        check_format(format)
+        self.source, self.target, self.format, self.group = source, target, format, group
+        self.plans = {name: plan for name, plan in plans.items() if plan}
+        target.parent.mkdir(parents=True, exist_ok=True)
+        self._partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+        self._name: str | None = None
+        self._file: _SafetensorsWriter | None = None
+
+    def write(self, name: str, tensor: str, weight: QuantizedWeight) -> None:
+        """Write file `name`'s next tensor, `tensor`: the one its plan announced next."""
+        if name != self._name:
+            self._close()
+            layout = {f"{held}.{part}": spec for held, shape in self.plans[name].items()
+                      for part, spec in _quantized_shapes(shape, self.format, self.group).items()}
+            self._name, self._file = name, _SafetensorsWriter(self._partial / name, layout, {"format": self.format})
+        for part, value in weight.tensors().items():
+            self._file.write(f"{tensor}.{part}", value)
+
+    def commit(self) -> None:
+        """Keep what was written as `target`, with its manifest (refused unless every announced tensor came)."""
+        self._close()
+        missing = [name for name in self.plans if not (self._partial / name).is_file()]
+        if missing:
+            raise QuantizedStoreError(f"{self.target}: {', '.join(missing)} not written")
+        manifest = {"version": VERSION, "format": self.format, "group": self.group if self.format == INT4 else None,
+                    "source": str(self.source.resolve()), "fingerprint": fingerprint(self.source),
+                    "files": {name: sorted(plan) for name, plan in self.plans.items()}}
+        (self._partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        if self.target.exists():
+            shutil.rmtree(self.target)
+        os.rename(self._partial, self.target)
+
+    def _close(self) -> None:
+        if self._file is not None:
+            file, self._file = self._file, None
+            file.finish()
+
+    def __enter__(self) -> StoreWriter:
+        return self
+
+    def __exit__(self, *failure: object) -> None:
+        if self._file is not None:
+            self._file.close()
+        shutil.rmtree(self._partial, ignore_errors=True)  # gone already where committed
 
 
 class _SafetensorsWriter:
@@ -178,14 +218,15 @@ class _SafetensorsWriter:
         if name != expected or tensor.dtype != dtype or list(tensor.shape) != shape:
             raise QuantizedStoreError(f"{self.path}: {name} {tensor.dtype} {list(tensor.shape)} is not the next "
                                       f"tensor announced ({expected})")
-        self._file.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+        self._file.write(tensor.contiguous().view(torch.uint8).numpy())  # its bytes, not a copy of them
 
-    def __enter__(self) -> _SafetensorsWriter:
-        return self
-
-    def __exit__(self, *failure: object) -> None:
+    def close(self) -> None:
         self._file.close()
-        if failure[0] is None and next(self._order, None) is not None:
+
+    def finish(self) -> None:
+        """Close the file, refused unless every tensor announced came."""
+        self.close()
+        if next(self._order, None) is not None:
             raise QuantizedStoreError(f"{self.path}: written before every announced tensor came")
 
 

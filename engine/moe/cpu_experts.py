@@ -30,6 +30,7 @@ from ..formats.quantize import QuantizedWeight, check_format, quantize
 from ..kernels import quant_kernels
 from ..kernels.float_kernels import MAX_ROTATED, PackedLinear, choose_kernel
 from ..kernels.quant_kernels import QuantLinear
+from ..kernels.workers import one_torch_thread
 from .experts_layout import DEFAULT_LAYOUT, GLU, ExpertsLayout, ExpertWeights
 from .release import weights_identity
 
@@ -63,7 +64,13 @@ class CpuExperts:
         return experts_
 
     def _pack(self, experts: Iterator[Expert], dtype: torch.dtype, layout: ExpertsLayout, format: str | None) -> None:
-        """Choose the kernel on the first experts, then pack every expert for it, letting each go once packed."""
+        """Choose the kernel on the first experts, then pack every expert for it, letting each go once packed, on one
+        torch thread (what `experts` converts as it is read too)."""
+        with one_torch_thread():
+            self._pack_each(experts, dtype, layout, format)
+
+    def _pack_each(self, experts: Iterator[Expert], dtype: torch.dtype, layout: ExpertsLayout,
+                   format: str | None) -> None:
         if format is not None:
             check_format(format)
         self.layout, self.format = layout, format

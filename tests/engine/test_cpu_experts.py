@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -162,6 +163,21 @@ def test_kernels_are_timed_single_threaded_as_the_workers_run_them_and_the_calle
     choice = choose_kernel(*weights)
     assert seen == [1] and torch.get_num_threads() == threads
     assert choice.winner in choice.seconds and all(seconds > 0 for seconds in choice.seconds.values())
+
+
+def test_experts_are_converted_and_packed_on_one_torch_thread_and_the_caller_keeps_its_threads(
+        tmp_path, monkeypatch, threads):
+    weights = random_experts(torch.float32)
+    fake_timings(monkeypatch, tmp_path, fastest="torch")
+    seen: list[int] = []
+
+    def read() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:  # as a loader converts each expert when it is read
+        for e in range(E):
+            seen.append(torch.get_num_threads())
+            yield weights[0][e], weights[1][e]
+
+    experts = CpuExperts.streamed(read(), torch.float32, format="int8")
+    assert len(experts) == E and seen == [1] * E and torch.get_num_threads() == threads
 
 
 def test_tasks_run_once_each_on_worker_threads_of_one_torch_thread(threads):

@@ -134,6 +134,35 @@ def test_model_quantize_writes_a_gguf_files_experts_once_and_a_load_takes_them_f
     assert f"{file.name}: experts converted into int4 as they were read: {3 * experts} from float in " in caplog.text
 
 
+@pytest.mark.parametrize(("qtype", "format"), [("Q4_0", "int4"), ("Q8_0", "int8")])
+def test_a_first_load_keeps_the_experts_it_converts_and_the_second_load_converts_nothing(tiny_gguf, tmp_path,
+                                                                                        caplog, qtype, format):
+    file = tiny_gguf("qwen3_moe", qtype)
+    models = tmp_path / "models"
+    target = quantized_folder(models, file, fingerprint(file), format)
+    CONVERSIONS.clear()
+    caplog.set_level(logging.INFO, logger=gguf_load.log.name)
+    first = _packed_logits(file, format, models)
+    converted = sum(CONVERSIONS.values())
+    assert converted and f"kept converted in {target}: the next load converts nothing" in caplog.text
+    manifest = json.loads((target / quant_store.MANIFEST).read_text())
+    assert sum(map(len, manifest["files"].values())) == converted  # every weight converted is kept
+    assert [p.name for p in target.parent.iterdir()] == [format]  # renamed into place: no temporary folder left
+    CONVERSIONS.clear()
+    assert torch.equal(_packed_logits(file, format, models), first) and not CONVERSIONS
+
+
+def test_a_load_that_fails_keeps_no_experts(tiny_gguf, tmp_path, monkeypatch):
+    file = tiny_gguf("qwen3_moe", "Q4_0")
+    models = tmp_path / "models"
+    # the load fails once its first experts are converted and written
+    monkeypatch.setattr(gguf_load.CpuExperts, "streamed",
+                        classmethod(lambda cls, experts, *_, **__: [*experts] and 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        load_model(file, dtype="float32", pack=True, format="int4", models_dir=models)
+    assert not any(models.rglob("*.safetensors")) and not any(models.rglob(quant_store.MANIFEST))
+
+
 def test_a_store_made_from_another_file_is_refused(tiny_gguf, tmp_path):
     file = tiny_gguf("qwen3_moe", "Q4_0")
     target = tmp_path / "store"

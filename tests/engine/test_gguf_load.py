@@ -20,7 +20,7 @@ from npumoe.engine.backends.registry import get_backend
 from npumoe.engine.errors import ModelError
 from npumoe.engine.formats import gguf_blocks
 from npumoe.engine.formats.gguf_blocks import CONVERSIONS, DEQUANTIZED, MAPPED, engine_weight
-from npumoe.engine.formats.quantize import quantize, unpack_int4
+from npumoe.engine.formats.quantize import pack_int4, quantize, unpack_int4
 from npumoe.engine.loading import gguf_header, gguf_load
 from npumoe.engine.loading.gguf_load import gguf_model
 from npumoe.engine.loading.load import load_model
@@ -173,6 +173,26 @@ def test_a_q4_k_weight_is_mapped_into_int4_without_a_float_copy(monkeypatch):
     bound = (centred * scale.abs() + zero.abs()) * 2.0**-8 * (1 + 1e-6)
     assert ((got.dequantize(torch.float64) - want).abs() <= bound).all()
     assert (got.dequantize(torch.float64) - want).abs().max() > 0  # the bf16 rounding is real, and bounded
+
+
+def reference_int4(raw: torch.Tensor, qtype: gguf.GGMLQuantizationType, k: int) -> torch.Tensor:
+    """A Q4_0, Q4_1 or Q4_K weight's codes in the engine's pairs as the mapping first made them, code by code: every
+    code unpacked in order, then paired (what the word-wise mapping must give bit for bit)."""
+    n = raw.shape[0]
+    if qtype == Q.Q4_K:
+        packed = raw.reshape(n, k // 256, 144)[..., 16:].reshape(n, k // 256, 4, 32)
+    else:
+        packed = raw.reshape(n, k // 32, -1)[..., 2 if qtype == Q.Q4_0 else 4:]
+    return pack_int4(torch.cat((packed & 0xF, packed >> 4), dim=-1).reshape(n, k))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q4_K])
+def test_4_bit_blocks_map_into_the_engines_codes_word_by_word_as_code_by_code(qtype):
+    raw = torch.from_numpy(_random_blocks(qtype, 6, 3, {0: np.float16([0.01, 0.002])}))
+    k = 3 * gguf.GGML_QUANT_SIZES[qtype][0]
+    CONVERSIONS.clear()
+    got = engine_weight(raw, qtype, k, "int4", torch.float32)
+    assert dict(CONVERSIONS) == {MAPPED: 1} and torch.equal(got.codes, reference_int4(raw, qtype, k))
 
 
 def test_a_q8_k_weight_is_mapped_into_int8_by_rescaling_its_codes():

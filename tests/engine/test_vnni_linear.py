@@ -66,6 +66,25 @@ def test_int4_blocks_hold_k_values_8j_to_8j_plus_3_in_low_nibbles_and_the_next_f
     assert not packed.scale[2, :, 2:].float().any()  # padding columns: scale 0
 
 
+def reference_int4_codes(q: QuantizedWeight) -> torch.Tensor:
+    """The int4 layout as the packing first built it, code by code: what the word-wise packing must give bit for
+    bit."""
+    n, k = q.shape
+    codes = torch.nn.functional.pad(unpack_int4(q.codes), (0, 0, 0, -n % 64))
+    octets = codes.reshape(-1, 64, k // 8, 2, 4)  # [..., 0, :] low nibbles, [..., 1, :] high
+    return (octets[..., 0, :] | (octets[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES[INT4])
+def test_int4_codes_are_packed_word_by_word_as_code_by_code_bit_for_bit(n, k):
+    # random codes (every nibble value in every place), also from memory that does not start on a word
+    held = torch.randint(0, 256, (n * k // 2 + 1,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    scale = zero = torch.ones(n, k // 32, dtype=torch.bfloat16)
+    for codes in (held[:-1].reshape(n, k // 2), held[1:].reshape(n, k // 2)):
+        q = QuantizedWeight(INT4, codes, scale, zero, 32)
+        assert torch.equal(vnni_linear.pack(q).codes, reference_int4_codes(q))
+
+
 @needs_kernel
 def test_symmetric_int4_weights_share_one_zero_buffer_and_compute_what_their_dequantized_weights_do():
     """Q4_0's blocks have no zero (w = d·(q - 8)): packed, every such weight of a shape reads one shared buffer of
