@@ -51,6 +51,11 @@ def _reader(path: Path, size: int, mtime_ns: int) -> gguf.GGUFReader:
     return gguf.GGUFReader(path)
 
 
+def forget_readers() -> None:
+    """Let the kept readers go (a loaded model's file is not read again while it runs)."""
+    _reader.cache_clear()
+
+
 def check_header(path: Path) -> None:
     """Raise HeaderRefused for a header whose counts or lengths are absurd, naming the first; leave a file that
     is not GGUF, or of a version this walk does not know, to the reader's own errors."""

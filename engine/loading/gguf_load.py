@@ -53,7 +53,7 @@ from ..formats.gguf_blocks import (
 from ..formats.quantize import QuantizedWeight, stack_rows
 from ..moe.cpu_experts import CpuExperts, Expert
 from ..moe.experts_layout import ExpertsLayout, is_experts_module, read_layout
-from .gguf_header import read_gguf
+from .gguf_header import forget_readers, read_gguf
 from .quant_store import QuantizedReader, StoreWriter
 from .resolve import GGUF_SUFFIX
 from .stream_load import NotStreamable, attach_packed, finish_loading, put_tensor
@@ -168,6 +168,9 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             if target is None:
                 continue  # a tensor the model has no place for: transformers drops it too
             put_tensor(model, target, _float(file, tensor, processor, dtype))
+        # the parsed header (half a GB for a 152k-token vocabulary) is not read again: it goes before the experts
+        del reader
+        forget_readers()
         counts, seconds = CONVERSIONS.copy(), SECONDS.copy()
         keeping = pack and format is not None and keep is not None and bool(experts)
         # the converted experts are kept only once the whole load is done: a failed load leaves no partial store
@@ -188,7 +191,6 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             f"`npumoed model quantize {path} --weights {format}` keeps them converted"
         # what each load costs until the experts are kept converted (then a load converts nothing)
         log.info("%s: experts converted into %s as they were read: %s (%s)", path.name, format, cost, kept)
-    del reader  # its map of the file
     model.tie_weights()
     finish_loading(model)
     return model.eval()
