@@ -2,8 +2,9 @@
 
 Both are modelled as a fixed cost per call plus FLOPs over throughput; a graph launch also costs the host its
 packing and unpacking (each buffer row gathered in, each output row copied out), on the accelerator's critical
-path. The backend measures the constants on the machine it runs on (`Backend.measure_costs`); the planner compares
-a group's static cost (its padded (G, C, H) graph) with its experts' expected cost on the CPU path.
+path. The backend measures the constants on the machine it runs on (`Backend.measure_costs`); residency weighs a
+group's static cost (its padded (G, C, H) graph) against its experts' expected cost on the CPU path, per layer: the
+accelerator's groups run beside the CPU's experts and spills, so a layer takes the longer of the two.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class CostModel:
         about its hit rate in calls, approximated by min(1, mean load))."""
         return sum(min(1.0, load) * self.cpu_call_s + expert_flops(load, hidden, ffn) / self.cpu_flops
                    for load in mean_loads)
+
+    def spill_seconds(self, mean_loads: Sequence[float], capacity: int, hidden: int, ffn: int) -> float:
+        """Expected exact-path cost of a resident group's overflow: each expert's load beyond its capacity (at the
+        mean load; a group whose capacity covers its mean spills only on busy chunks, which this leaves out)."""
+        return self.cpu_seconds([max(0.0, load - capacity) for load in mean_loads], hidden, ffn)
 
 
 def fit_call_cost(run: Callable[[int], None], small: int, large: int, flops: Callable[[int], float],
