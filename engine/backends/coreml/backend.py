@@ -150,7 +150,8 @@ class CoreMLBackend(TorchStaticBackend):
     def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Run a layer's hot group graphs, in order, on the backend's worker thread, so the caller can run
         the cold experts on the CPU meanwhile. Core ML's Python predict holds the GIL while the Neural
-        Engine works, so the two overlap only inside torch kernels (which release it). Without Core ML the
+        Engine works (coremltools' `Model::predict` in coremlpython/CoreMLPython.mm never releases it: see
+        docs/design.md), so the two overlap only inside torch kernels (which release it). Without Core ML the
         graphs run in torch at once: on the CPU they would only compete with the cold experts for cores."""
         if not self.available:
             return super().submit(calls)
