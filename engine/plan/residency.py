@@ -66,9 +66,14 @@ class BackendTraits(Protocol):
 class GroupMeasure:
     """A compiled group graph measured on the device: seconds per launch, and where Core ML places its ops."""
 
-    seconds: float
+    seconds: float | None  # None: not timed (mostly off the Neural Engine: it stays on the CPU whatever its time)
     device_ops: int = 0  # its ops Core ML places on the Neural Engine
     ops: int = 0  # all its ops (0: not read)
+
+    @property
+    def mostly_off(self) -> bool:
+        """Whether Core ML places most of its ops off the Neural Engine (then it stays on the CPU)."""
+        return bool(self.ops) and self.device_ops < (1 - MOSTLY_OFF) * self.ops
 
 
 @dataclass(frozen=True)
@@ -304,7 +309,7 @@ def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, 
     if costs is None:
         return Placement(accelerator=True, capacity=capacity, scale=scale, reason=UNMEASURED)
     measure = costs.groups.get(group_key(i, g))
-    if measure is not None and measure.ops and measure.device_ops < (1 - MOSTLY_OFF) * measure.ops:
+    if measure is not None and measure.mostly_off:
         return cpu(PLACEMENT)
     return Placement(accelerator=True, capacity=capacity, scale=scale, reason=CHEAPER)  # a candidate: see _by_makespan
 
@@ -312,7 +317,9 @@ def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, 
 def _static_seconds(costs: MeasuredCosts, i: int, g: int, n_experts: int, capacity: int) -> float:
     """One launch of a group's graph: as timed on the device where it was, else as the cost model expects."""
     measure = costs.groups.get(group_key(i, g))
-    return measure.seconds if measure else costs.cost.group_seconds(n_experts, capacity, costs.hidden, costs.ffn)
+    if measure is not None and measure.seconds is not None:
+        return measure.seconds
+    return costs.cost.group_seconds(n_experts, capacity, costs.hidden, costs.ffn)
 
 
 def expected_seconds(plan: ExpertPlan, residency: Residency, costs: MeasuredCosts) -> float:

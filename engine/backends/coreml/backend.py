@@ -118,21 +118,26 @@ class CoreMLBackend(TorchStaticBackend):
     @torch.inference_mode()
     def time_groups(self, groups: Mapping[str, GroupSpec]) -> dict[str, GroupMeasure]:
         """Each group's compiled function timed on the configured compute units, and the share of its ops
-        Core ML's compute plan places on the Neural Engine."""
+        Core ML's compute plan places on the Neural Engine. The compute plan is read first: a function placed
+        mostly off the Neural Engine stays on the CPU whatever its time, so it is not loaded to be timed. (A function
+        that is, is loaded twice: Core ML loads a compute plan from the compiled package on its own,
+        `MLComputePlan.load_from_path`, and takes no loaded model.)"""
         if not self.available:
             return {}
         placed: dict[Path, dict[str, tuple[int, int]]] = {}  # compiled package -> function -> (on NE, all)
         measured = {}
         for key, spec in groups.items():
             folder, group = self._find(spec)
-            graph = self.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
-            example = torch.zeros(len(group.experts), spec.capacity, spec.weights.hidden)
             package = compiled_package(folder, group.package)
             if package not in placed:
                 placed[package] = neural_engine_ops(package, self.compute_units)
             on_engine, ops = placed[package].get(group.function, (0, 0))
-            seconds = median_seconds(lambda graph=graph, example=example: graph(example))
-            measured[key] = GroupMeasure(seconds=seconds, device_ops=on_engine, ops=ops)
+            measure = GroupMeasure(seconds=None, device_ops=on_engine, ops=ops)
+            if not measure.mostly_off:
+                graph = self.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
+                example = torch.zeros(len(group.experts), spec.capacity, spec.weights.hidden)
+                measure = replace(measure, seconds=median_seconds(lambda graph=graph, example=example: graph(example)))
+            measured[key] = measure
         return measured
 
     def _find(self, spec: GroupSpec) -> tuple[Path, CompiledGroup]:
