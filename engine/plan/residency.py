@@ -194,7 +194,8 @@ def _within_device_memory(plan: ExpertPlan, layers: list[list[Placement]], costs
         for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
             if placement.accelerator:
                 cpu_s = costs.cost.cpu_seconds([layer.load.mean[e] for e in group.experts], costs.hidden, costs.ffn)
-                saving[i, g] = cpu_s - _static_seconds(costs, i, g, len(group.experts), placement.capacity)
+                saving[i, g] = cpu_s - _static_seconds(costs, i, g, [layer.load.mean[e] for e in group.experts],
+                                                       placement.capacity)
     for i, g in sorted(saving, key=saving.__getitem__, reverse=True):
         experts = len(plan.layers[i].groups[g].experts)
         if experts <= room:
@@ -223,7 +224,7 @@ def _by_makespan(plan: ExpertPlan, layers: list[list[Placement]], costs: Measure
         shifts = {}
         for g, placement in candidates[i].items():
             loads = [layer.load.mean[e] for e in layer.groups[g].experts]
-            shifts[g] = (_static_seconds(costs, i, g, len(loads), placement.capacity),
+            shifts[g] = (_static_seconds(costs, i, g, loads, placement.capacity),
                          costs.cost.cpu_seconds(loads, costs.hidden, costs.ffn)
                          - costs.cost.spill_seconds(loads, placement.capacity, costs.hidden, costs.ffn))
             placements[g] = replace(placement, accelerator=False, scale=1.0)
@@ -243,7 +244,7 @@ def layer_sides(plan: ExpertPlan, costs: MeasuredCosts, i: int, placements: Sequ
     for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
         loads = [layer.load.mean[e] for e in group.experts]
         if placement.accelerator:
-            accelerator_s += _static_seconds(costs, i, g, len(loads), placement.capacity)
+            accelerator_s += _static_seconds(costs, i, g, loads, placement.capacity)
             cpu_s += costs.cost.spill_seconds(loads, placement.capacity, costs.hidden, costs.ffn)
         else:
             cpu_s += costs.cost.cpu_seconds(loads, costs.hidden, costs.ffn)
@@ -314,12 +315,13 @@ def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, 
     return Placement(accelerator=True, capacity=capacity, scale=scale, reason=CHEAPER)  # a candidate: see _by_makespan
 
 
-def _static_seconds(costs: MeasuredCosts, i: int, g: int, n_experts: int, capacity: int) -> float:
-    """One launch of a group's graph: as timed on the device where it was, else as the cost model expects."""
+def _static_seconds(costs: MeasuredCosts, i: int, g: int, mean_loads: Sequence[float], capacity: int) -> float:
+    """One launch of a group's graph (as timed on the device where it was, else as the cost model expects) and the
+    host's packing and unpacking of the rows its experts fill at their mean loads."""
     measure = costs.groups.get(group_key(i, g))
-    if measure is not None and measure.seconds is not None:
-        return measure.seconds
-    return costs.cost.group_seconds(n_experts, capacity, costs.hidden, costs.ffn)
+    graph_s = (measure.seconds if measure is not None and measure.seconds is not None
+               else costs.cost.graph_seconds(len(mean_loads), capacity, costs.hidden, costs.ffn))
+    return graph_s + costs.cost.host_seconds(sum(min(load, capacity) for load in mean_loads))
 
 
 def expected_seconds(plan: ExpertPlan, residency: Residency, costs: MeasuredCosts) -> float:

@@ -260,3 +260,12 @@ def test_makespan_placement_keeps_within_the_device_memory_budget_taking_the_big
     assert sum(len(group.experts) for layer, row in zip(plan.layers, on_device, strict=True)
                for group, there in zip(layer.groups, row, strict=True) if there) <= 4
     assert {p.reason for p in tight.placements() if not p.accelerator} == {MEMORY}
+
+
+def test_a_graph_timed_on_the_device_still_pays_the_hosts_packing_of_its_filled_rows():
+    plan = synthetic_plan()
+    timed = {group_key(i, g): GroupMeasure(1e-9) for i, layer in enumerate(plan.layers)
+             for g in range(len(layer.groups))}
+    assert decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED, timed)).accelerator_groups > 0
+    slow_host = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 1.0})
+    assert decide_residency(plan, TORCH_STATIC, measured(slow_host, timed)).accelerator_groups == 0
