@@ -59,9 +59,15 @@ class CoreMLGroupGraph:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.model is None:
             self.model = self.load()
-        packed = (to_ane_layout(x) / self.scale).to(torch.float16).numpy()  # (1, G*H, 1, C)
-        y = torch.from_numpy(self.model.predict({INPUT_NAME: packed})[OUTPUT_NAME])
+        y = torch.from_numpy(self.model.predict({INPUT_NAME: self.input(x).numpy()})[OUTPUT_NAME])
         return from_ane_layout(y, self.n_experts).to(x.dtype) * self.scale
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """(G, C, H) -> (1, G*H, 1, C) float32, divided by the scale: in one pass where unscaled. float32, not the
+        function's fp16: coremltools copies an fp16 input to float32 before Core ML sees it (`MLModel.predict`,
+        `_update_float16_multiarray_input_to_float32`), and Core ML rounds it to the function's fp16 itself."""
+        ane = to_ane_layout(x, torch.float32)
+        return ane.div_(self.scale) if self.scale != 1.0 else ane  # a power of two: exact in float32
 
 
 class CoreMLBackend(TorchStaticBackend):
