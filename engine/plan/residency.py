@@ -5,8 +5,9 @@ The plan says how busy each group was in calibration; the backend's costs, measu
 host's packing and unpacking) against running its experts on the exact CPU path; a compiled graph's own measured
 time, where the backend has one, replaces the cost model's estimate for that group. The accelerator runs a layer's
 groups one after another while the CPU runs the rest of its experts and the groups' spills, so a layer takes the
-longer of the two (its makespan): groups are placed to make each layer's makespan shortest, not each group alone,
-so a group cheaper on the accelerator stays on the CPU when the accelerator is already the bottleneck. On a device
+longer of the two, plus the host's packing before them and unpacking after (its makespan): groups are placed to make
+each layer's makespan shortest, not each group alone, so a group cheaper on the accelerator stays on the CPU when
+the accelerator is already the bottleneck. On a device
 that holds its groups' weights (a GPU) the groups moved are those that shorten a makespan the most per expert, while
 they fit in the room it measured. More rules, for the backends they concern:
 
@@ -193,15 +194,37 @@ def _within_device_memory(plan: ExpertPlan, layers: list[list[Placement]], costs
     for i, (layer, placements) in enumerate(zip(plan.layers, layers, strict=True)):
         for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
             if placement.accelerator:
-                cpu_s = costs.cost.cpu_seconds([layer.load.mean[e] for e in group.experts], costs.hidden, costs.ffn)
-                saving[i, g] = cpu_s - _static_seconds(costs, i, g, [layer.load.mean[e] for e in group.experts],
-                                                       placement.capacity)
+                loads = [layer.load.mean[e] for e in group.experts]
+                saving[i, g] = costs.cost.cpu_seconds(loads, costs.hidden, costs.ffn) - (
+                    _graph_seconds(costs, i, g, len(loads), placement.capacity)
+                    + _host_seconds(costs, loads, placement.capacity))
     for i, g in sorted(saving, key=saving.__getitem__, reverse=True):
         experts = len(plan.layers[i].groups[g].experts)
         if experts <= room:
             room -= experts
         else:
             layers[i][g] = replace(layers[i][g], accelerator=False, scale=1.0, reason=MEMORY)
+
+
+@dataclass(frozen=True)
+class LayerSeconds:
+    """A layer's expected seconds per chunk, by who spends them: the host packing the group buffers before the
+    launches and unpacking after them, the accelerator's launches one after another, and the CPU's experts and
+    spills beside them. The layer takes host + the longer of the other two (its makespan)."""
+
+    host: float = 0.0
+    accelerator: float = 0.0
+    cpu: float = 0.0
+
+    @property
+    def makespan(self) -> float:
+        return self.host + max(self.accelerator, self.cpu)
+
+    def __add__(self, other: LayerSeconds) -> LayerSeconds:
+        return LayerSeconds(self.host + other.host, self.accelerator + other.accelerator, self.cpu + other.cpu)
+
+    def __sub__(self, other: LayerSeconds) -> LayerSeconds:
+        return LayerSeconds(self.host - other.host, self.accelerator - other.accelerator, self.cpu - other.cpu)
 
 
 @dataclass(frozen=True)
@@ -219,16 +242,13 @@ def _by_makespan(plan: ExpertPlan, layers: list[list[Placement]], costs: Measure
     order, until a layer's next does not fit: that group and the rest of its layer's moves stay on the CPU."""
     candidates: list[dict[int, Placement]] = []
     moves = []
-    for i, (layer, placements) in enumerate(zip(plan.layers, layers, strict=True)):
+    for i, placements in enumerate(layers):
         candidates.append({g: p for g, p in enumerate(placements) if p.accelerator})
-        shifts = {}
         for g, placement in candidates[i].items():
-            loads = [layer.load.mean[e] for e in layer.groups[g].experts]
-            shifts[g] = (_static_seconds(costs, i, g, loads, placement.capacity),
-                         costs.cost.cpu_seconds(loads, costs.hidden, costs.ffn)
-                         - costs.cost.spill_seconds(loads, placement.capacity, costs.hidden, costs.ffn))
             placements[g] = replace(placement, accelerator=False, scale=1.0)
-        moves.append(_layer_moves(*layer_sides(plan, costs, i, placements), shifts))
+        shifts = {g: _group_seconds(plan, costs, i, g, p) - _group_seconds(plan, costs, i, g, placements[g])
+                  for g, p in candidates[i].items()}
+        moves.append(_layer_moves(layer_seconds(plan, costs, i, placements), shifts))
     taken = _within_room(plan, moves, room)
     for i, (layer_moves, placements) in enumerate(zip(moves, layers, strict=True)):
         for move in layer_moves:
@@ -236,19 +256,23 @@ def _by_makespan(plan: ExpertPlan, layers: list[list[Placement]], costs: Measure
                                       else replace(placements[move.group], reason=MEMORY))
 
 
-def layer_sides(plan: ExpertPlan, costs: MeasuredCosts, i: int, placements: Sequence[Placement]) -> tuple[float, float]:
-    """(the accelerator's seconds, the CPU's) for plan layer i's expected chunk as `placements` place its groups: the
-    accelerator's launches (with their packing) one after another; the CPU's groups and the resident ones' spills."""
-    layer = plan.layers[i]
-    accelerator_s = cpu_s = 0.0
-    for g, (group, placement) in enumerate(zip(layer.groups, placements, strict=True)):
-        loads = [layer.load.mean[e] for e in group.experts]
-        if placement.accelerator:
-            accelerator_s += _static_seconds(costs, i, g, loads, placement.capacity)
-            cpu_s += costs.cost.spill_seconds(loads, placement.capacity, costs.hidden, costs.ffn)
-        else:
-            cpu_s += costs.cost.cpu_seconds(loads, costs.hidden, costs.ffn)
-    return accelerator_s, cpu_s
+def layer_seconds(plan: ExpertPlan, costs: MeasuredCosts, i: int, placements: Sequence[Placement]) -> LayerSeconds:
+    """Plan layer i's expected seconds per chunk as `placements` place its groups."""
+    total = LayerSeconds()
+    for g, placement in enumerate(placements):
+        total += _group_seconds(plan, costs, i, g, placement)
+    return total
+
+
+def _group_seconds(plan: ExpertPlan, costs: MeasuredCosts, i: int, g: int, placement: Placement) -> LayerSeconds:
+    """What one group adds to its layer's seconds: on the accelerator its launch, the host's packing of its filled
+    rows and its spill on the CPU; on the CPU its experts' cost."""
+    loads = [plan.layers[i].load.mean[e] for e in plan.layers[i].groups[g].experts]
+    if not placement.accelerator:
+        return LayerSeconds(cpu=costs.cost.cpu_seconds(loads, costs.hidden, costs.ffn))
+    return LayerSeconds(host=_host_seconds(costs, loads, placement.capacity),
+                        accelerator=_graph_seconds(costs, i, g, len(loads), placement.capacity),
+                        cpu=costs.cost.spill_seconds(loads, placement.capacity, costs.hidden, costs.ffn))
 
 
 def _within_room(plan: ExpertPlan, moves: list[list[_Move]], room: int | None) -> set[tuple[int, int]]:
@@ -273,19 +297,17 @@ def _within_room(plan: ExpertPlan, moves: list[list[_Move]], room: int | None) -
     return taken
 
 
-def _layer_moves(accelerator_s: float, cpu_s: float, candidates: dict[int, tuple[float, float]]) -> list[_Move]:
-    """One layer's greedy moves, in the order taken: each the candidate whose move leaves the shortest makespan.
-    `candidates`: group -> (seconds it adds to the accelerator's side, seconds it takes off the CPU's)."""
-    left, moves = dict(candidates), []
+def _layer_moves(now: LayerSeconds, shifts: dict[int, LayerSeconds]) -> list[_Move]:
+    """One layer's greedy moves from `now`, in the order taken: each the candidate whose move leaves the shortest
+    makespan. `shifts`: what moving each group changes in the layer's seconds."""
+    left, moves = dict(shifts), []
     while left:
-        now = max(accelerator_s, cpu_s)
-        g = min(left, key=lambda g: (max(accelerator_s + left[g][0], cpu_s - left[g][1]), -left[g][1]))
-        added, relief = left.pop(g)
-        after = max(accelerator_s + added, cpu_s - relief)
-        if after >= now:
+        g = min(left, key=lambda g: ((now + left[g]).makespan, left[g].cpu))
+        after = now + left.pop(g)
+        if after.makespan >= now.makespan:
             break
-        moves.append(_Move(now - after, g))
-        accelerator_s, cpu_s = accelerator_s + added, cpu_s - relief
+        moves.append(_Move(now.makespan - after.makespan, g))
+        now = after
     return moves
 
 
@@ -315,19 +337,23 @@ def _place(plan: ExpertPlan, i: int, g: int, group: ExpertGroup, capacity: int, 
     return Placement(accelerator=True, capacity=capacity, scale=scale, reason=CHEAPER)  # a candidate: see _by_makespan
 
 
-def _static_seconds(costs: MeasuredCosts, i: int, g: int, mean_loads: Sequence[float], capacity: int) -> float:
-    """One launch of a group's graph (as timed on the device where it was, else as the cost model expects) and the
-    host's packing and unpacking of the rows its experts fill at their mean loads."""
+def _graph_seconds(costs: MeasuredCosts, i: int, g: int, n_experts: int, capacity: int) -> float:
+    """One launch of a group's graph: as timed on the device where it was, else as the cost model expects."""
     measure = costs.groups.get(group_key(i, g))
-    graph_s = (measure.seconds if measure is not None and measure.seconds is not None
-               else costs.cost.graph_seconds(len(mean_loads), capacity, costs.hidden, costs.ffn))
-    return graph_s + costs.cost.host_seconds(sum(min(load, capacity) for load in mean_loads))
+    if measure is not None and measure.seconds is not None:
+        return measure.seconds
+    return costs.cost.graph_seconds(n_experts, capacity, costs.hidden, costs.ffn)
+
+
+def _host_seconds(costs: MeasuredCosts, mean_loads: Sequence[float], capacity: int) -> float:
+    """The host's packing and unpacking of the rows a group's experts fill at their mean loads."""
+    return costs.cost.host_seconds(sum(min(load, capacity) for load in mean_loads))
 
 
 def expected_seconds(plan: ExpertPlan, residency: Residency, costs: MeasuredCosts) -> float:
-    """The MoE layers' expected seconds per chunk on the calibrated loads as `residency` places them (each layer the
-    longer of its accelerator's and its CPU's side): how backends compare on one machine."""
-    return sum(max(layer_sides(plan, costs, i, placements)) for i, placements in enumerate(residency.layers))
+    """The MoE layers' expected seconds per chunk on the calibrated loads as `residency` places them (each layer its
+    makespan): how backends compare on one machine."""
+    return sum(layer_seconds(plan, costs, i, placements).makespan for i, placements in enumerate(residency.layers))
 
 
 def padding_cost(plan: ExpertPlan, multiple: int) -> tuple[int, int]:

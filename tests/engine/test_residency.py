@@ -155,7 +155,8 @@ def test_a_plan_runs_on_any_backend_with_the_outputs_of_torch_static(tiny, harbo
     """One plan, no backend in it: cpu and coreml (through torch off macOS) compute what torch-static does."""
     # Every measured group a graph: on a busy machine the timing may find none cheaper than the CPU path, and then
     # torch-static would compare the CPU path with itself.
-    monkeypatch.setattr(residency, "_static_seconds", lambda *_: 0.0)
+    monkeypatch.setattr(residency, "_graph_seconds", lambda *_: 0.0)
+    monkeypatch.setattr(residency, "_host_seconds", lambda *_: 0.0)
     folder = tiny("qwen3_moe")
     calibrate_plan(folder, [("harbour", harbour)], tmp_path / "plan.json", chunk_tokens=128)
     ids = None
@@ -269,3 +270,19 @@ def test_a_graph_timed_on_the_device_still_pays_the_hosts_packing_of_its_filled_
     assert decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED, timed)).accelerator_groups > 0
     slow_host = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 1.0})
     assert decide_residency(plan, TORCH_STATIC, measured(slow_host, timed)).accelerator_groups == 0
+
+
+def test_the_hosts_packing_runs_before_and_after_both_sides_so_it_overlaps_neither():
+    """Free graphs whose packing costs the host 0.6 of a group's CPU time: the host packs before the launches and the
+    CPU experts start, and unpacks after both, so each group moved costs 0.6 and saves 1: all four go (2.4), where
+    counting the packing on the accelerator's side alone would stop at three (max(1.8, 1.0))."""
+    plan = even_plan(20.0)
+    cpu_s = cpu_cost(plan, 0, 0)
+    filled = sum(min(plan.layers[0].load.mean[e], plan.tiers[plan.layers[0].groups[0].tier])
+                 for e in plan.layers[0].groups[0].experts)
+    packing = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 0.6 * cpu_s / filled})
+    costs = measured(packing, {group_key(0, g): GroupMeasure(0.0) for g in range(4)})
+    placed = decide_residency(plan, TORCH_STATIC, costs)
+    assert placed.accelerator_groups == 4
+    assert residency.expected_seconds(plan, placed, costs) == pytest.approx(2.4 * cpu_s)
+    assert residency.layer_seconds(plan, costs, 0, placed.layers[0]).host == pytest.approx(2.4 * cpu_s)
