@@ -7,9 +7,9 @@ time, where the backend has one, replaces the cost model's estimate for that gro
 groups one after another while the CPU runs the rest of its experts and the groups' spills, so a layer takes the
 longer of the two, plus the host's packing before them and unpacking after (its makespan): groups are placed to make
 each layer's makespan shortest, not each group alone, so a group cheaper on the accelerator stays on the CPU when
-the accelerator is already the bottleneck. On a device
-that holds its groups' weights (a GPU) the groups moved are those that shorten a makespan the most per expert, while
-they fit in the room it measured. More rules, for the backends they concern:
+the accelerator is already the bottleneck. On a device that holds its groups' weights (a GPU) the groups moved are
+those that shorten a makespan the most per expert, while they fit in the room it measured. More rules, for the
+backends they concern:
 
 - capacity alignment: each tier's capacity is padded up to the multiple the backend declares (the
   Neural Engine reads its capacity axis in 64-byte steps, 32 fp16 values), never past the chunk length;
