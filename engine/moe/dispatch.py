@@ -85,13 +85,16 @@ class Workspace(threading.local):
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
 
-    def get(self, name: str, rows: int, like: torch.Tensor) -> torch.Tensor:
-        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]."""
+    def get(self, name: str, rows: int, like: torch.Tensor, *, finite: bool = False) -> torch.Tensor:
+        """An uninitialised (rows, H) tensor of `like`'s dtype and device, H = like.shape[1]. `finite`: rows never
+        written hold zeros or what earlier calls wrote, never the allocator's garbage (a NaN or a subnormal there
+        could slow a graph down): the buffer is zeroed once, when it is made."""
         buffer = self.buffers.get(name)
         if (buffer is None or buffer.shape[0] < rows or buffer.shape[1] != like.shape[1]
                 or buffer.dtype != like.dtype or buffer.device != like.device):
             with torch.inference_mode(False):  # a normal tensor, writable in and out of inference mode
-                buffer = self.buffers[name] = like.new_empty(rows, like.shape[1])
+                make = like.new_zeros if finite else like.new_empty
+                buffer = self.buffers[name] = make(rows, like.shape[1])
         return buffer[:rows]
 
 
@@ -151,7 +154,6 @@ class MoeLayer:
         self.group_of = torch.full((E,), -1, dtype=torch.long, device=device)
         self.group_rows: list[slice] = []
         self.group_row: dict[int, tuple[int, int]] = {}  # expert -> (its group, its first row in the group's output)
-        self.slot_base = torch.zeros(E, dtype=torch.long, device=device)  # first row of the expert's (C, H) slice
         row = 0
         for g, group in enumerate(self.groups):
             ids = torch.tensor(group.experts, dtype=torch.long, device=device)
@@ -161,7 +163,6 @@ class MoeLayer:
             self.capacity[ids] = group.capacity
             self.group_of[ids] = g
             self.group_row.update({e: (g, j * group.capacity) for j, e in enumerate(group.experts)})
-            self.slot_base[ids] = row + torch.arange(len(ids), device=device) * group.capacity
             self.group_rows.append(slice(row, row + len(ids) * group.capacity))
             row += len(ids) * group.capacity
         self.rows = row
@@ -239,27 +240,35 @@ class MoeLayer:
 
     def pack(self, x: torch.Tensor, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
         """Every group's (G, C, H) buffer, back to back in one (rows, H): each resident expert's first
-        static_counts[e] assignments' token rows in its slice, gathered in one pass (one op: a loop of small copies,
-        one per expert, waits on its threads as often, which on a busy machine costs more than it saves). Padding
-        rows repeat token 0's row rather than being zeroed: a graph computes each row alone, and their outputs are
-        never read."""
-        rank = _rank(routed)
-        static = torch.nonzero(rank < static_counts[routed.expert]).squeeze(1)  # (N,) places in sorted order
-        source = torch.zeros(self.rows, dtype=torch.long, device=x.device)  # (rows,) the token each row reads
-        source[self.slot_base[routed.expert[static]] + rank[static]] = routed.token[static]
-        return torch.index_select(x, 0, source, out=_workspace.get("packed", self.rows, x))
+        static_counts[e] assignments' token rows gathered straight into its slice (they are the first
+        static_counts[e] of its run in sorted order), one task per expert shared out over the workers. Padding rows
+        are never written: a graph computes each row alone and their outputs are never read, so they keep zeros
+        or an earlier call's rows."""
+        packed = _workspace.get("packed", self.rows, x, finite=True)
+        token = routed.token
+
+        def task(e: int, n: int) -> Task:
+            (g, row), lo = self.group_row[e], routed.first[e]
+            base = self.group_rows[g].start + row
+            return lambda: torch.index_select(x, 0, token[lo:lo + n], out=packed[base:base + n])
+
+        run_tasks(_by_size(task, static_counts))
+        return packed
 
     def unpack(self, out: torch.Tensor, outputs: dict[int, torch.Tensor], routed: Routed,
                 static_counts: torch.Tensor) -> None:
         """Each static assignment's output from its group graph's (G, C, H) output into its row of `out` (sorted).
         An expert's static assignments are one slice of its run in `out` and one slice of its graph's output, so
-        each is one contiguous copy: no gather through an index, no boolean mask."""
+        each is one contiguous copy (no gather through an index, no boolean mask): one task per expert, shared out
+        over the workers."""
         H = out.shape[1]
         flat = {g: y.reshape(-1, H) for g, y in outputs.items()}
-        for e, n in enumerate(static_counts.tolist()):
-            if n:
-                g, row = self.group_row[e]
-                out[routed.first[e]:routed.first[e] + n].copy_(flat[g][row:row + n])
+
+        def task(e: int, n: int) -> Task:
+            (g, row), lo = self.group_row[e], routed.first[e]
+            return lambda: out[lo:lo + n].copy_(flat[g][row:row + n])
+
+        run_tasks(_by_size(task, static_counts))
 
     def _over_capacity(self, routed: Routed, static_counts: torch.Tensor) -> torch.Tensor:
         """(S,) whether each assignment (sorted) is a resident expert's beyond its capacity."""
@@ -320,6 +329,12 @@ class MoeLayer:
         stats.padding_slots += slots - int(static.sum())
         stats.launches += int(launched.sum())
         stats.expert_launches += int((static > 0).sum())
+
+
+def _by_size(task: Callable[[int, int], Task], counts: torch.Tensor) -> list[Task]:
+    """task(e, counts[e]) for every expert with a nonzero count, the largest first (as run_tasks wants them)."""
+    sizes = counts.tolist()
+    return [task(e, sizes[e]) for e in sorted((e for e, n in enumerate(sizes) if n), key=lambda e: -sizes[e])]
 
 
 def _rank(routed: Routed) -> torch.Tensor:

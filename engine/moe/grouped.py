@@ -137,10 +137,11 @@ def _part(weight: torch.Tensor | None, experts: slice, rows: slice | None = None
     return part[:, rows] if rows is not None else part
 
 
-def to_ane_layout(x: torch.Tensor) -> torch.Tensor:
-    """(G, C, H) token slices -> (1, G*H, 1, C), the ANE layout's input."""
+def to_ane_layout(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(G, C, H) token slices -> (1, G*H, 1, C), the ANE layout's input, in `dtype` (default x's): one copy."""
     groups, capacity, hidden = x.shape
-    return x.transpose(1, 2).reshape(1, groups * hidden, 1, capacity)
+    ane = torch.empty(groups, hidden, capacity, dtype=dtype or x.dtype, device=x.device).copy_(x.transpose(1, 2))
+    return ane.view(1, groups * hidden, 1, capacity)
 
 
 def from_ane_layout(y: torch.Tensor, groups: int) -> torch.Tensor:

@@ -1,9 +1,11 @@
 """The residency cost model: what a group graph launch and an exact CPU expert call cost.
 
 Both are modelled as a fixed cost per call plus FLOPs over throughput; a graph launch also costs the host its
-packing and unpacking (each buffer row gathered in, each output row copied out), on the accelerator's critical
-path. The backend measures the constants on the machine it runs on (`Backend.measure_costs`); the planner compares
-a group's static cost (its padded (G, C, H) graph) with its experts' expected cost on the CPU path.
+packing and unpacking (each filled buffer row gathered in, its output row copied out; padding rows are never
+touched), on the accelerator's critical path. The backend measures the constants on the machine it runs on
+(`Backend.measure_costs`); residency weighs a group's static cost (its padded (G, C, H) graph) against its experts'
+expected cost on the CPU path, per layer: the accelerator's groups run beside the CPU's experts and spills, so a
+layer takes the longer of the two.
 """
 
 from __future__ import annotations
@@ -34,17 +36,24 @@ class CostModel:
         if self.static_flops == 0 or self.cpu_flops == 0:
             raise ValueError("cost model throughputs must be positive")
 
-    def group_seconds(self, n_experts: int, capacity: int, hidden: int, ffn: int) -> float:
-        """One launch of a (G, C, H) group graph with its packing and unpacking: padding slots cost as much as
-        filled ones."""
-        rows = n_experts * capacity
-        return self.launch_s + rows * self.host_row_s + expert_flops(rows, hidden, ffn) / self.static_flops
+    def graph_seconds(self, n_experts: int, capacity: int, hidden: int, ffn: int) -> float:
+        """One launch of a (G, C, H) group graph: padding slots cost as much as filled ones."""
+        return self.launch_s + expert_flops(n_experts * capacity, hidden, ffn) / self.static_flops
+
+    def host_seconds(self, filled_rows: float) -> float:
+        """The host's packing of a launch's filled rows into its buffer and unpacking of their outputs."""
+        return filled_rows * self.host_row_s
 
     def cpu_seconds(self, mean_loads: Sequence[float], hidden: int, ffn: int) -> float:
         """Expected exact-path cost of experts with these mean loads (an expert rarely hit costs
         about its hit rate in calls, approximated by min(1, mean load))."""
         return sum(min(1.0, load) * self.cpu_call_s + expert_flops(load, hidden, ffn) / self.cpu_flops
                    for load in mean_loads)
+
+    def spill_seconds(self, mean_loads: Sequence[float], capacity: int, hidden: int, ffn: int) -> float:
+        """Expected exact-path cost of a resident group's overflow: each expert's load beyond its capacity (at the
+        mean load; a group whose capacity covers its mean spills only on busy chunks, which this leaves out)."""
+        return self.cpu_seconds([max(0.0, load - capacity) for load in mean_loads], hidden, ffn)
 
 
 def fit_call_cost(run: Callable[[int], None], small: int, large: int, flops: Callable[[int], float],

@@ -1,5 +1,6 @@
 """The `coreml` backend off macOS, and how it finds a group's compiled graph."""
 
+import json
 import logging
 import sys
 import threading
@@ -131,3 +132,69 @@ def test_the_engine_builds_the_coreml_backend_from_its_settings_and_falls_back_t
     torch.testing.assert_close(coreml.logits(ids), static.logits(ids), rtol=0, atol=0)
     assert coreml.stats.static > 0  # the plan's groups ran (in torch)
 
+
+
+def test_time_groups_loads_only_functions_placed_mostly_on_the_neural_engine(tmp_path: Path, monkeypatch) -> None:
+    """The compute plan is read first: a function Core ML would run mostly off the Neural Engine stays on the CPU
+    whatever its time, so it is never loaded to be timed; the other is loaded once and timed (Core ML faked)."""
+    from npumoe.engine.backends.base import GroupSpec
+    from npumoe.engine.backends.coreml import backend as coreml_backend
+    from npumoe.engine.backends.coreml.cache import OUTPUT_NAME, CompiledGroup
+
+    loads: list[str | None] = []
+
+    class Identity:
+        def predict(self, inputs: dict) -> dict:
+            return {OUTPUT_NAME: next(iter(inputs.values()))}
+
+    def load(path: Path, function: str | None) -> Identity:
+        loads.append(function)
+        return Identity()
+
+    gate_up, down = random_layer(experts=4)
+    weights = ExpertWeights(gate_up, down)
+    functions = {16: "on_engine", 32: "off_engine"}  # found by capacity here
+    backend = CoreMLBackend(tmp_path)
+    backend.available = True
+    monkeypatch.setattr(backend, "_find", lambda spec: (tmp_path, CompiledGroup(
+        functions[spec.capacity], "p.mlpackage", 0, spec.capacity, (0, 1), "w")))
+    monkeypatch.setattr(backend, "_load", load)
+    monkeypatch.setattr(coreml_backend, "compiled_package", lambda folder, package: folder / package)
+    monkeypatch.setattr(coreml_backend, "neural_engine_ops",
+                        lambda package, units: {"on_engine": (9, 10), "off_engine": (2, 10)})
+    specs = {"0/0": GroupSpec(weights.select([0, 1]), DEFAULT_LAYOUT, 16),
+             "0/1": GroupSpec(weights.select([2, 3]), DEFAULT_LAYOUT, 32)}
+    measured = backend.time_groups(specs)
+    assert loads == ["on_engine"]  # loaded once, for its timing; the other never
+    assert measured["0/0"].seconds is not None and measured["0/0"].seconds > 0
+    assert measured["0/1"].seconds is None and measured["0/1"].mostly_off
+    costs = MeasuredCosts(CostModel(1e-9, 1e15, 1e-3, 1e9), 32, 16, "test", groups=measured)
+    assert MeasuredCosts.from_dict(json.loads(json.dumps(costs.to_dict()))).groups == measured  # cached as it is
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 4.0])
+def test_a_core_ml_graph_hands_coremltools_float32_in_one_copy_which_core_ml_rounds_to_what_fp16_was(
+        dtype: torch.dtype, scale: float) -> None:
+    """coremltools turns an fp16 input into float32 before Core ML sees it, so the graph passes float32 (scaled)
+    itself; Core ML rounding it to the function's fp16 gives what the fp16 input gave (Core ML faked: an identity
+    that rounds its input to fp16, as the function's fp16 input does)."""
+    import numpy as np
+
+    from npumoe.engine.backends.coreml.backend import CoreMLGroupGraph
+    from npumoe.engine.backends.coreml.cache import INPUT_NAME, OUTPUT_NAME
+
+    seen: list[np.ndarray] = []
+
+    class Fp16Identity:
+        def predict(self, inputs: dict) -> dict:
+            seen.append(inputs[INPUT_NAME])
+            return {OUTPUT_NAME: inputs[INPUT_NAME].astype(np.float16)}
+
+    x = (torch.randn(3, 8, 16, generator=torch.Generator().manual_seed(0)) * 100).to(dtype)  # (G, C, H)
+    graph = CoreMLGroupGraph(Fp16Identity, n_experts=3, scale=scale)
+    y = graph(x)
+    assert seen[0].dtype == np.float32 and seen[0].shape == (1, 3 * 16, 1, 8)
+    fp16_before = (x.transpose(1, 2).reshape(1, 3 * 16, 1, 8) / scale).to(torch.float16)  # what was passed before
+    assert torch.equal(torch.from_numpy(seen[0].astype(np.float16)), fp16_before)
+    torch.testing.assert_close(y, (fp16_before.reshape(3, 16, 8).transpose(1, 2).to(dtype) * scale), rtol=0, atol=0)

@@ -240,7 +240,7 @@ def test_padding_rows_outputs_are_never_read(weights, tokens):
     def nan_in_padding(graph):
         def run(x: torch.Tensor) -> torch.Tensor:
             y = graph(x).clone()
-            # packing leaves padding rows holding token 0's row; mark every row but the first `n` of each expert
+            # packing never writes padding rows; mark every row but the first `n` of each expert
             for g, n in enumerate(filled_rows(x)):
                 y[g, n:] = float("nan")
             filled.append(1)
@@ -258,3 +258,44 @@ def test_padding_rows_outputs_are_never_read(weights, tokens):
     y = moe(tokens, *route())
     assert len(filled) == 2  # both graphs ran
     torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
+
+
+def test_packing_and_unpacking_share_the_experts_out_over_the_workers_and_leave_padding_rows_alone(
+        weights, tokens, two_threads, monkeypatch):
+    """Each resident expert's static rows are one task in packing and one in unpacking (so two cores share the
+    host's copies); its padding rows keep what the buffer held, and the result is the reference's."""
+    from npumoe.engine.moe import dispatch
+
+    tasks: list[int] = []
+
+    def counting(run):
+        def run_counted(batch):
+            tasks.append(len(batch))
+            return run(batch)
+        return run_counted
+
+    moe = layer(weights, "spill")
+    index, routing_weights = route()
+    counts = torch.bincount(index.reshape(-1), minlength=E)
+    routed = dispatch.Routed.from_order(index, torch.argsort(index.reshape(-1), stable=True), counts)
+    static = moe.static_per_expert(counts)  # e0 4, e1 2, e2 2
+    packed = moe.pack(tokens, routed, static)
+    packed.fill_(-7.0)  # what an earlier call left
+    monkeypatch.setattr(dispatch, "run_tasks", counting(dispatch.run_tasks))
+    packed = moe.pack(tokens, routed, static)
+    assert tasks == [3]  # e0, e1 and e2 each one task; e3 is cold
+    want = {0: [0, 1, 2, 3], 1: [0, 4], 2: [1, 3]}  # each expert's first tokens in sorted order
+    for e, rows in want.items():
+        g, row = moe.group_row[e]
+        base = moe.group_rows[g].start + row
+        assert torch.equal(packed[base:base + len(rows)], tokens[rows])
+    assert torch.equal(packed[6:8], torch.full((2, H), -7.0))  # e1's padding rows, untouched
+    out = torch.zeros(len(index.reshape(-1)), H)
+    moe.unpack(out, {g: moe.buffer(packed, g) for g in range(len(GROUPS))}, routed, static)
+    assert tasks == [3, 3]
+    for e, rows in want.items():
+        assert torch.equal(out[routed.first[e]:routed.first[e] + len(rows)], tokens[rows])
+    tasks.clear()
+    y = moe(tokens, index, routing_weights)
+    torch.testing.assert_close(y, reference(tokens, weights, ROUTING, WEIGHTS), rtol=1e-5, atol=1e-5)
+    assert tasks[0] == 3 and tasks[-1] == 3  # the layer call packed and unpacked through the workers

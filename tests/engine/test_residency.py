@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -21,6 +23,7 @@ from npumoe.engine.plan.residency import (
     FP16_LIMIT,
     FP16_RANGE,
     IDLE,
+    MEMORY,
     NO_GRAPHS,
     PLACEMENT,
     GroupMeasure,
@@ -152,7 +155,8 @@ def test_a_plan_runs_on_any_backend_with_the_outputs_of_torch_static(tiny, harbo
     """One plan, no backend in it: cpu and coreml (through torch off macOS) compute what torch-static does."""
     # Every measured group a graph: on a busy machine the timing may find none cheaper than the CPU path, and then
     # torch-static would compare the CPU path with itself.
-    monkeypatch.setattr(residency, "_static_seconds", lambda *_: 0.0)
+    monkeypatch.setattr(residency, "_graph_seconds", lambda *_: 0.0)
+    monkeypatch.setattr(residency, "_host_seconds", lambda *_: 0.0)
     folder = tiny("qwen3_moe")
     calibrate_plan(folder, [("harbour", harbour)], tmp_path / "plan.json", chunk_tokens=128)
     ids = None
@@ -214,3 +218,71 @@ def test_the_hosts_packing_and_unpacking_count_in_a_graphs_cost():
     slow_host = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 1.0})  # a second a buffer row
     assert decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED)).accelerator_groups > 0
     assert decide_residency(plan, TORCH_STATIC, measured(slow_host)).accelerator_groups == 0
+
+
+def even_plan(*busy: float):
+    """One layer per value: 8 experts in 4 groups of 2, every expert that busy, at one tier (no spill)."""
+    layers = tuple((f"layers.{i}.experts", ExpertLoad(mean=(load,) * 8, p50=(load,) * 8, p95=(load,) * 8,
+                                                       max=(load,) * 8)) for i, load in enumerate(busy))
+    calibration = Calibration(chunk_tokens=64, tokens=640, chunks=10, sources=("synthetic",), layers=layers)
+    return make_plan(calibration, model="synthetic", model_key="synthetic@0", group_size=2, n_tiers=1)
+
+
+def cpu_cost(plan, layer: int, group: int) -> float:
+    load = plan.layers[layer].load.mean
+    return ACCELERATOR_FAVOURED.cpu_seconds([load[e] for e in plan.layers[layer].groups[group].experts], 64, 32)
+
+
+def test_a_group_cheaper_alone_on_the_accelerator_stays_on_the_cpu_when_the_accelerator_is_the_bottleneck():
+    """Each graph takes 0.8 of its experts' CPU time: alone, every group is cheaper as a graph; but the accelerator
+    runs them one after another beside the CPU, so the layer is shortest with two there (max(1.6, 2.0) = 2.0 of one
+    group's CPU time) rather than four (3.2), and the other two stay on the CPU."""
+    plan = even_plan(20.0)
+    cpu_s = cpu_cost(plan, 0, 0)
+    costs = measured(ACCELERATOR_FAVOURED, {group_key(0, g): GroupMeasure(0.8 * cpu_s) for g in range(4)})
+    placed = decide_residency(plan, TORCH_STATIC, costs)
+    assert [p.accelerator for p in placed.layers[0]].count(True) == 2
+    assert {p.reason for p in placed.placements()} == {CHEAPER}
+    assert residency.expected_seconds(plan, placed, costs) == pytest.approx(2 * cpu_s)
+    alone = measured(ACCELERATOR_FAVOURED, {group_key(0, 0): GroupMeasure(0.8 * cpu_s)})  # the others cost ~nothing
+    assert decide_residency(plan, TORCH_STATIC, alone).accelerator_groups == 4  # nothing to wait for: all four
+
+
+def test_makespan_placement_keeps_within_the_device_memory_budget_taking_the_biggest_gains_first():
+    """Room for 4 experts (2 groups) over two layers: both go to the busier layer, where a move saves more; the
+    groups that would still shorten a layer stay on the CPU for memory."""
+    plan = even_plan(40.0, 10.0)
+    cheap = measured(ACCELERATOR_FAVOURED)
+    roomy = decide_residency(plan, TORCH_STATIC, cheap)
+    assert roomy.accelerator_groups == 8
+    tight = decide_residency(plan, TORCH_STATIC, replace(cheap, device_experts=4))
+    on_device = [[p.accelerator for p in layer] for layer in tight.layers]
+    assert [row.count(True) for row in on_device] == [2, 0]
+    assert sum(len(group.experts) for layer, row in zip(plan.layers, on_device, strict=True)
+               for group, there in zip(layer.groups, row, strict=True) if there) <= 4
+    assert {p.reason for p in tight.placements() if not p.accelerator} == {MEMORY}
+
+
+def test_a_graph_timed_on_the_device_still_pays_the_hosts_packing_of_its_filled_rows():
+    plan = synthetic_plan()
+    timed = {group_key(i, g): GroupMeasure(1e-9) for i, layer in enumerate(plan.layers)
+             for g in range(len(layer.groups))}
+    assert decide_residency(plan, TORCH_STATIC, measured(ACCELERATOR_FAVOURED, timed)).accelerator_groups > 0
+    slow_host = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 1.0})
+    assert decide_residency(plan, TORCH_STATIC, measured(slow_host, timed)).accelerator_groups == 0
+
+
+def test_the_hosts_packing_runs_before_and_after_both_sides_so_it_overlaps_neither():
+    """Free graphs whose packing costs the host 0.6 of a group's CPU time: the host packs before the launches and the
+    CPU experts start, and unpacks after both, so each group moved costs 0.6 and saves 1: all four go (2.4), where
+    counting the packing on the accelerator's side alone would stop at three (max(1.8, 1.0))."""
+    plan = even_plan(20.0)
+    cpu_s = cpu_cost(plan, 0, 0)
+    filled = sum(min(plan.layers[0].load.mean[e], plan.tiers[plan.layers[0].groups[0].tier])
+                 for e in plan.layers[0].groups[0].experts)
+    packing = CostModel(**{**vars(ACCELERATOR_FAVOURED), "host_row_s": 0.6 * cpu_s / filled})
+    costs = measured(packing, {group_key(0, g): GroupMeasure(0.0) for g in range(4)})
+    placed = decide_residency(plan, TORCH_STATIC, costs)
+    assert placed.accelerator_groups == 4
+    assert residency.expected_seconds(plan, placed, costs) == pytest.approx(2.4 * cpu_s)
+    assert residency.layer_seconds(plan, costs, 0, placed.layers[0]).host == pytest.approx(2.4 * cpu_s)

@@ -59,9 +59,15 @@ class CoreMLGroupGraph:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.model is None:
             self.model = self.load()
-        packed = (to_ane_layout(x) / self.scale).to(torch.float16).numpy()  # (1, G*H, 1, C)
-        y = torch.from_numpy(self.model.predict({INPUT_NAME: packed})[OUTPUT_NAME])
+        y = torch.from_numpy(self.model.predict({INPUT_NAME: self.input(x).numpy()})[OUTPUT_NAME])
         return from_ane_layout(y, self.n_experts).to(x.dtype) * self.scale
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """(G, C, H) -> (1, G*H, 1, C) float32, divided by the scale: in one pass where unscaled. float32, not the
+        function's fp16: coremltools copies an fp16 input to float32 before Core ML sees it (`MLModel.predict`,
+        `_update_float16_multiarray_input_to_float32`), and Core ML rounds it to the function's fp16 itself."""
+        ane = to_ane_layout(x, torch.float32)
+        return ane.div_(self.scale) if self.scale != 1.0 else ane  # a power of two: exact in float32
 
 
 class CoreMLBackend(TorchStaticBackend):
@@ -119,21 +125,26 @@ class CoreMLBackend(TorchStaticBackend):
     @torch.inference_mode()
     def time_groups(self, groups: Mapping[str, GroupSpec]) -> dict[str, GroupMeasure]:
         """Each group's compiled function timed on the configured compute units, and the share of its ops
-        Core ML's compute plan places on the Neural Engine."""
+        Core ML's compute plan places on the Neural Engine. The compute plan is read first: a function placed
+        mostly off the Neural Engine stays on the CPU whatever its time, so it is not loaded to be timed. (A function
+        that is, is loaded twice: Core ML loads a compute plan from the compiled package on its own,
+        `MLComputePlan.load_from_path`, and takes no loaded model.)"""
         if not self.available:
             return {}
         placed: dict[Path, dict[str, tuple[int, int]]] = {}  # compiled package -> function -> (on NE, all)
         measured = {}
         for key, spec in groups.items():
             folder, group = self._find(spec)
-            graph = self.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
-            example = torch.zeros(len(group.experts), spec.capacity, spec.weights.hidden)
             package = compiled_package(folder, group.package)
             if package not in placed:
                 placed[package] = neural_engine_ops(package, self.compute_units)
             on_engine, ops = placed[package].get(group.function, (0, 0))
-            seconds = median_seconds(lambda graph=graph, example=example: graph(example))
-            measured[key] = GroupMeasure(seconds=seconds, device_ops=on_engine, ops=ops)
+            measure = GroupMeasure(seconds=None, device_ops=on_engine, ops=ops)
+            if not measure.mostly_off:
+                graph = self.build_group(spec.weights, spec.layout, spec.capacity, spec.scale)
+                example = torch.zeros(len(group.experts), spec.capacity, spec.weights.hidden)
+                measure = replace(measure, seconds=median_seconds(lambda graph=graph, example=example: graph(example)))
+            measured[key] = measure
         return measured
 
     def _find(self, spec: GroupSpec) -> tuple[Path, CompiledGroup]:
@@ -151,7 +162,8 @@ class CoreMLBackend(TorchStaticBackend):
     def submit(self, calls: GraphCalls) -> Future[list[torch.Tensor]]:
         """Run a layer's hot group graphs, in order, on the backend's worker thread, so the caller can run
         the cold experts on the CPU meanwhile. Core ML's Python predict holds the GIL while the Neural
-        Engine works, so the two overlap only inside torch kernels (which release it). Without Core ML the
+        Engine works (coremltools' `Model::predict` in coremlpython/CoreMLPython.mm never releases it: see
+        docs/design.md), so the two overlap only inside torch kernels (which release it). Without Core ML the
         graphs run in torch at once: on the CPU they would only compete with the cold experts for cores."""
         if not self.available:
             return super().submit(calls)
