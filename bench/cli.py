@@ -382,6 +382,46 @@ def sections(geometry_name: str, layers: int, document_tokens: int, sections: tu
     write_json(json_path, machine, settings.__dict__, results)
 
 
+@bench.command("decode")
+@click.option("--model", "model_name", default="demo", show_default=True,
+              help="demo (the demo MoE's checkpoint) or a checkpoint folder.")
+@click.option("--weights", "formats", multiple=True, type=click.Choice((FP32, BF16, INT8, INT4)),
+              default=(FP32, BF16, INT8), show_default=True,
+              help="Weights format (repeatable); every format's engine is loaded and the rounds interleave them.")
+@click.option("--depth", type=click.IntRange(min=2), default=512, show_default=True,
+              help="Tokens prefilled before decoding starts.")
+@click.option("--tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Tokens decoded per round (fewer when the model stops).")
+@click.option("--rounds", type=click.IntRange(min=1), default=5, show_default=True)
+@click.option("--head-torch", is_flag=True,
+              help="Also run each format with the LM head on plain torch, interleaved (the head kernel's A/B).")
+@click.option("--profile", is_flag=True, help="Also charge one decode run's time to the model's parts.")
+@threads_option
+@json_option
+def decode(model_name: str, formats: tuple[str, ...], depth: int, tokens: int, rounds: int, head_torch: bool,
+           profile: bool, threads: int, json_path: Path | None) -> None:
+    """Greedy decode tokens/s from a prefilled cache through the engine, per weights format."""
+    from npumoe.daemon.model_choice import resolve_model
+
+    from .decode import DecodeSettings, run_decode_bench
+    from .machine import describe_machine, sampled_load
+
+    settings = DecodeSettings(depth=depth, tokens=tokens, rounds=rounds, threads=threads, head_torch=head_torch,
+                              profile=profile)
+    model = resolve_model(model_name)
+    machine = describe_machine(threads)
+    with sampled_load(machine):
+        results = run_decode_bench(model, formats, settings, on_result=lambda row: err_console.print(
+            f"{row['weights']} ({row['head']}: {row['head_kernel']}): {row['tok_s']} tok/s "
+            f"[{row['tok_s_min']}, {row['tok_s_max']}] {row.get('ms_per_step', '')}", highlight=False))
+    for row in results:
+        wide_console().print(f"{row['weights']:>5} {row['head']:<12} {row['head_kernel']:<24} depth {row['depth']} "
+                             f"{row['tokens']} tokens: {row['tok_s']:6.2f} tok/s median "
+                             f"[{row['tok_s_min']:.2f}, {row['tok_s_max']:.2f}] over {row['rounds']} rounds",
+                             highlight=False)
+    write_json(json_path, machine, settings.__dict__, results)
+
+
 def _require_gpu() -> None:
     """A --cuda bench stops before anything is built where there is no GPU, saying why."""
     from .gpu.rows import require_cuda

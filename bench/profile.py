@@ -9,6 +9,7 @@ leaves out the parts nested in it, so the parts add up to the whole chunk. The p
 - attention: the rest of an attention module: scores, softmax, values, rotary embeddings (the CPU's fused
   SDPA kernel does scores, softmax and values in one call, so they are one part here);
 - cache: the KV cache's updates; norms: every normalisation module;
+- head: the LM head (a decode step's logits; prefill yields hidden states, so it is zero there);
 - other: what no part claims (embedding, residual adds, masks, the engine's own dispatch outside the experts).
 
 Each part's roofline is the larger of its FLOPs at the machine's measured dense-matmul rate and its
@@ -30,14 +31,14 @@ from transformers import PreTrainedModel
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from npumoe.engine.attach.projections import ProjectionLinear
+from npumoe.engine.attach.projections import HeadRows, ProjectionLinear
 from npumoe.engine.generate.prefill import new_cache
 from npumoe.engine.loading.model_size import Tensor, tensor_bytes
 from npumoe.engine.moe.model_experts import moe_experts
 
 from .timing import interleaved_median_seconds
 
-PARTS = ("experts", "router", "dense_ffn", "projections", "attention", "cache", "norms", "other")
+PARTS = ("experts", "router", "dense_ffn", "projections", "attention", "cache", "norms", "head", "other")
 _TIMED_ATTENTION = "npumoe-profiled"
 
 
@@ -68,8 +69,10 @@ class PartTimer:
         self._stack: list[tuple[str, float]] = []
         self._chunk: ChunkProfile | None = None
         experts = {name for name, _ in moe_experts(model)}
+        head = model.get_output_embeddings()
         self._handles = [handle for name, module in model.named_modules()
-                         for handle in self._hook(_part_of(name, module, experts), module)]
+                         for handle in self._hook("head" if module is head else _part_of(name, module, experts),
+                                                  module)]
 
     def close(self) -> None:
         for handle in self._handles:
@@ -179,6 +182,10 @@ def _weights(module: nn.Module) -> tuple[int, int]:
         if isinstance(sub, ProjectionLinear):
             params += sub.in_features * sub.out_features
             nbytes += sub.weight_nbytes
+            continue
+        if isinstance(sub, HeadRows):  # the head's Linear, held outside the module tree
+            params += sub.weight.numel()
+            nbytes += sub.weight.nbytes
             continue
         for p in sub.parameters(recurse=False):
             if p.ndim >= 2:

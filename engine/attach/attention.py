@@ -102,13 +102,16 @@ def _mask_ranges(mask: torch.Tensor, rows: int, keys: int) -> tuple[torch.Tensor
 def _visible_keys(key: torch.Tensor, value: torch.Tensor,
                   mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Keys, values and mask without the leading keys no query may see (a boolean mask, or an additive one
-    where -inf hides)."""
+    where -inf hides), nor the trailing ones: a cache preallocated for a section's summary holds room for the
+    tokens not decoded yet, which a decode step's mask hides."""
     visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min
     seen = visible.reshape(-1, visible.shape[-1]).any(dim=0)
-    first = int(seen.int().argmax()) if bool(seen.any()) else 0
-    if first == 0:
+    if not bool(seen.any()):
         return key, value, mask
-    return key[:, :, first:], value[:, :, first:], mask[..., first:]
+    first, end = int(seen.int().argmax()), len(seen) - int(seen.flip(0).int().argmax())
+    if first == 0 and end == len(seen):
+        return key, value, mask
+    return key[:, :, first:end], value[:, :, first:end], mask[..., first:end]
 
 
 def _with_sinks(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,

@@ -1,8 +1,10 @@
 """The model's dense projections outside the routed experts, run through the engine's measured kernel choice.
 
-Which: every plain `nn.Linear` of the model but the LM head, the routed experts and what sits beside them in
-their MoE block (routers, shared-expert gates): attention's Q/K/V/O (and latent projections where a family has
-them), dense layers' FFNs and shared experts. Embeddings and norms are not linear layers.
+Which: every plain `nn.Linear` of the model but the routed experts and what sits beside them in their MoE block
+(routers, shared-expert gates): attention's Q/K/V/O (and latent projections where a family has them), dense
+layers' FFNs and shared experts, and the LM head, whose kernel is chosen on one row: generation asks it for the
+last position only, so decode steps are where it runs, reading its whole weight (the largest single matrix of a
+small model) for one token. Embeddings and norms are not linear layers.
 
 How: `MoeRuntime.attach` puts a `ProjectionLinear` in each such Linear's place in its parent (`DenseProjections`;
 detach puts the original back; no model code is patched). It holds the weight packed for the kernel measured
@@ -45,6 +47,9 @@ from ..vocabulary import CHUNK_TOKENS
 from .slots import Slot, SlotSwaps
 
 ROWS = CHUNK_TOKENS  # rows a timing run multiplies: one prefill chunk of the engine's default length
+# The LM head's rows: generation asks it for the last position only, one row a decode step (prefill yields hidden
+# states), so its kernel is timed there, where reading the weight is all the work.
+HEAD_ROWS = 1
 PROBE_ROWS = 32  # rows the accuracy probe multiplies: two AMX tiles' height, so every kernel's tiled path runs
 OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
 # Rebuilds the float weight at every call: never faster than the float kernels it ends in.
@@ -89,10 +94,13 @@ class ProjectionLinear(nn.Module):
         """Take `weight` (the placeholder that replaced the original's) as the one this was packed from."""
         self._source = weights_identity(weight)
 
+    @property
+    def weight(self) -> torch.Tensor:  # what callers of get_output_embeddings() read when this is the head
+        return self.original.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
-        if rows.stride(1) != 1:
-            rows = rows.contiguous()
+        # contiguous: the head gets the last position's slice, rows with a whole chunk's stride (see HeadRows)
+        rows = x.reshape(-1, self.in_features).contiguous()
         y = multiply(self.kernel, self.linear, rows, self.out_features)
         if self.bias is not None:
             y += self.bias
@@ -132,9 +140,11 @@ def projection_format(experts_format: str | None) -> str | None:
     return None if experts_format is None else INT8
 
 
-def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice, Callable[[], Kernel]]:
-    """The kernel measured fastest here for a Linear of this (N, K) weight (its dtype, `format` allowing), and
-    how to build it; timed on this weight at first use on this machine, then read from the cache."""
+def choose_projection(weight: torch.Tensor, format: str | None,
+                      rows: int = ROWS) -> tuple[Choice, Callable[[], Kernel]]:
+    """The kernel measured fastest here for a Linear of this (N, K) weight (its dtype, `format` allowing) on
+    `rows` rows, and how to build it; timed on this weight at first use on this machine, then read from the
+    cache."""
     builders: dict[str, Callable[[], Kernel]] = {}
     unavailable = unavailable_kernels(weight)
     for kernel in FLOAT_KERNELS:
@@ -158,7 +168,7 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice,
         return packed[kernel]
 
     def timer(accepted: Sequence[str]) -> dict[str, float]:
-        x = torch.randn(ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+        x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         for kernel in set(packed) - set(accepted):  # refused: not kept
             del packed[kernel]
         return time_in_turns(accepted, 1, lambda kernel, _: multiply(kernel, build(kernel), x, weight.shape[0]))
@@ -166,7 +176,7 @@ def choose_projection(weight: torch.Tensor, format: str | None) -> tuple[Choice,
     def probe(kernels: Sequence[str]) -> dict[str, Accuracy]:
         return probe_projections({kernel: build(kernel) for kernel in kernels}, weight, quantized)
 
-    shape = {"format": format or "float", "out": weight.shape[0], "in": weight.shape[1], "rows": ROWS}
+    shape = {"format": format or "float", "out": weight.shape[0], "in": weight.shape[1], "rows": rows}
     choice = CHOICES.choose(weight.dtype, shape, list(builders), timer, threads=torch.get_num_threads(),
                             unavailable=unavailable, probe=probe)
     return choice, lambda: packed.get(choice.winner) or builders[choice.winner]()
@@ -190,10 +200,10 @@ def probe_projections(linears: dict[str, Kernel], weight: torch.Tensor,
     return accuracy
 
 
-def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionLinear | None:
-    """`linear` run by the kernel fastest here, float or in the format `projection_format` allows beside experts in
-    `experts_format` (None: float only): the one another runtime already built, if it still holds, else a new one;
-    None where plain torch is fastest (the Linear then stays)."""
+def projection_for(linear: nn.Linear, experts_format: str | None, rows: int = ROWS) -> ProjectionLinear | None:
+    """`linear` run by the kernel fastest here on `rows` rows, float or in the format `projection_format` allows
+    beside experts in `experts_format` (None: float only): the one another runtime already built, if it still holds,
+    else a new one; None where plain torch is fastest (the Linear then stays)."""
     format = projection_format(experts_format)
     held = getattr(linear, "_npumoe_projections", {}).get(format)
     projection = held() if held is not None else None
@@ -207,7 +217,7 @@ def projection_for(linear: nn.Linear, experts_format: str | None) -> ProjectionL
     weight = linear.weight.detach()
     if weight.device.type != "cpu":  # the CPU's kernels only
         return None
-    choice, build = choose_projection(weight, format)
+    choice, build = choose_projection(weight, format, rows)
     if choice.winner == "torch":
         return None
     projection = ProjectionLinear(linear, build(), choice.winner,
@@ -248,7 +258,8 @@ def _head_slot(model: nn.Module) -> Slot | None:
 
 class DenseProjections(SlotSwaps):
     """The model's dense projections that run faster through the engine's kernels, quantized where that measures
-    faster (int8 beside int8 or int4 experts; `format` None: float only)."""
+    faster (int8 beside int8 or int4 experts; `format` None: float only), and its LM head likewise, chosen on a
+    decode step's one row (`_head`)."""
 
     def __init__(self, model: nn.Module, format: str | None = None, *, release: bool = False) -> None:
         self.slots: list[tuple[Slot, nn.Module]] = []
@@ -260,4 +271,18 @@ class DenseProjections(SlotSwaps):
                 release_weights(slot.original, ("weight",), projection)
             self.slots.append((slot, projection))
         if (head := _head_slot(model)) is not None:
-            self.slots.append((head, HeadRows(head.original)))
+            self.slots.append((head, _head(model, head.original, format, release)))
+
+
+def _head(model: nn.Module, head: nn.Linear, format: str | None, release: bool) -> nn.Module:
+    """The LM head run by the kernel fastest here on one decode step's row, in the format the projections take
+    (int8 at most); `HeadRows` where plain torch is fastest. Its weight is released only when the input embedding
+    does not share it (a tied embedding still reads it)."""
+    projection = projection_for(head, format, HEAD_ROWS)
+    if projection is None:
+        return HeadRows(head)
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = isinstance(embedding, nn.Embedding) and embedding.weight.data_ptr() == head.weight.data_ptr()
+    if release and not tied:
+        release_weights(head, ("weight",), projection)
+    return projection

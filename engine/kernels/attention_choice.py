@@ -1,10 +1,12 @@
-"""Which attention kernel a prefill chunk runs on this machine: the engine's (attention_kernel) or torch's flash.
+"""Which attention kernel a prefill chunk, or a decode step's one row, runs on this machine: the engine's
+(attention_kernel) or torch's flash.
 
 The engine's kernel is faster where it shares grouped KV heads and the CPU's tiles pay off, but that is measured,
 not assumed from the feature list: the first chunk of each dtype and head layout on a machine times both on a
 512-token chunk against 1,024 cached tokens, with all of torch's threads, and keeps the faster, through the
 measured-choice mechanism (choice.py) like the experts' kernels; each first passes a probe, a shorter chunk's
-attention against the float64 one within the dtype's rounding (`probe_kernels`).
+attention against the float64 one within the dtype's rounding (`probe_kernels`). A decode step (one query row) is
+timed the same way on one row against the same cache, a choice of its own.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from .host import cache_root
 
 KERNELS = ("npumoe", "torch")
 CHUNK, DEPTH = CHUNK_TOKENS, 1024  # what a timing run attends: a default prefill chunk against a cache this deep
+# A decode step's one query row is a choice of its own: there is nothing for the engine's kernel to share a packed
+# block of keys among, and its threads cost more than the row's work, so torch's kernel may win where it loses a chunk.
+DECODE_ROWS = 1
 PROBE_CHUNK, PROBE_DEPTH = 64, 128  # what the probe attends: the same kernels' paths, a float64 reference
 
 CHOICES = Measured("attention", (attention_kernel.SOURCE,))
@@ -36,23 +41,26 @@ def choose(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Choic
     if query.device.type == "cpu" and not attention_kernel.supports(query, key, value):  # strides: asked every call
         return Choice("torch", {}, {"npumoe": "it needs one dtype, a head size that is a multiple of 64 up to 256 "
                                               "and unit-stride rows"})
-    held = (query.device.type, query.dtype, query.shape[1], key.shape[1], query.shape[-1], torch.get_num_threads(),
-            cache_root())
+    decode = query.shape[2] == DECODE_ROWS
+    held = (query.device.type, query.dtype, query.shape[1], key.shape[1], query.shape[-1], decode,
+            torch.get_num_threads(), cache_root())
     choice = _made.get(held)
     if choice is None:
-        choice = _made[held] = _looked_up(query, key)
+        choice = _made[held] = _looked_up(query, key, decode)
     return choice
 
 
-def _looked_up(query: torch.Tensor, key: torch.Tensor) -> Choice:
-    """The choice for this dtype and head layout from the measured-choice mechanism: cached, or measured now."""
+def _looked_up(query: torch.Tensor, key: torch.Tensor, decode: bool) -> Choice:
+    """The choice for this dtype and head layout, for a decode step's one row or a prefill chunk's rows, from the
+    measured-choice mechanism: cached, or measured now."""
     why = attention_kernel.unavailable(query.dtype) if query.device.type == "cpu" else "the tensors are not on the CPU"
     if why is not None:
         return Choice("torch", {}, {"npumoe": why})
     heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
     shape = {"heads": heads, "kv_heads": kv_heads, "head_dim": dim, "body": attention_kernel.body(query.dtype)}
-    return CHOICES.choose(query.dtype, shape, KERNELS,
-                          lambda accepted: time_kernels(accepted, query.dtype, heads, kv_heads, dim),
+    rows = {"chunk": DECODE_ROWS} if decode else {}  # a prefill chunk's key is as it was before decode had one
+    return CHOICES.choose(query.dtype, shape | rows, KERNELS,
+                          lambda accepted: time_kernels(accepted, query.dtype, heads, kv_heads, dim, **rows),
                           threads=torch.get_num_threads(),
                           probe=lambda kernels: probe_kernels(kernels, query.dtype, heads, kv_heads, dim))
 
@@ -90,7 +98,7 @@ def probe_kernels(kernels: Sequence[str], dtype: torch.dtype, heads: int, kv_hea
 
 
 def time_kernels(kernels: Sequence[str], dtype: torch.dtype, heads: int, kv_heads: int,
-                 head_dim: int) -> dict[str, float]:
-    """Median seconds of one causal CHUNK-query chunk at DEPTH for each kernel, timed in turns."""
-    chunk = _causal_chunk(dtype, heads, kv_heads, head_dim, CHUNK, DEPTH)
+                 head_dim: int, chunk: int = CHUNK) -> dict[str, float]:
+    """Median seconds of one causal `chunk`-query chunk at DEPTH for each kernel, timed in turns."""
+    chunk = _causal_chunk(dtype, heads, kv_heads, head_dim, chunk, DEPTH)
     return time_in_turns(kernels, 1, lambda kernel, _: _attend(kernel, *chunk))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from npumoe.engine.attach import attention
@@ -80,6 +81,18 @@ def test_a_sliding_window_layer_only_reads_the_keys_its_window_can_see():
     kept_key, kept_value, kept_mask = attention._visible_keys(key, -key, mask)
     assert torch.equal(kept_key, key[:, :, 17:]) and torch.equal(kept_value, -key[:, :, 17:])
     assert torch.equal(kept_mask, mask[..., 17:])
+
+
+def test_a_decode_step_does_not_read_the_room_left_for_tokens_not_decoded_yet():
+    key = torch.randn(1, 2, 40, 4)
+    mask = torch.zeros(1, 1, 1, 40, dtype=torch.bool)
+    mask[..., :25] = True  # a preallocated cache: 25 tokens written, 15 slots still empty
+    query = torch.randn(1, 4, 1, 4)
+    kept_key, kept_value, kept_mask = attention._visible_keys(key, -key, mask)
+    assert kept_key.shape[2] == kept_value.shape[2] == kept_mask.shape[-1] == 25
+    whole = F.scaled_dot_product_attention(query, key, -key, attn_mask=mask, enable_gqa=True)
+    kept = F.scaled_dot_product_attention(query, kept_key, kept_value, attn_mask=kept_mask, enable_gqa=True)
+    assert torch.allclose(kept, whole, rtol=1e-6, atol=1e-7)
 
 
 def test_a_model_whose_attention_it_cannot_stand_in_for_keeps_its_own():

@@ -174,6 +174,21 @@ def test_the_choice_is_timed_once_per_machine_and_kept(monkeypatch, tmp_path):
     assert attention_choice.CHOICES.cached()[key] == first
 
 
+def test_a_decode_step_is_timed_on_one_row_and_kept_apart_from_the_chunk(monkeypatch, tmp_path):
+    monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
+    monkeypatch.setattr(mechanism, "_chosen", {})
+    monkeypatch.setattr(attention_choice, "_made", {})
+    timed = []
+    time_kernels = attention_choice.time_kernels
+    monkeypatch.setattr(attention_choice, "time_kernels", lambda *a, **k: timed.append(k) or time_kernels(*a, **k))
+    query, key, value, *_ = _case("causal chunk at depth, grouped heads", torch.float32)
+    chunk = attention_choice.choose(query, key, value)
+    step = attention_choice.choose(query[:, :, -1:], key, value)
+    assert timed == [{}, {"chunk": attention_choice.DECODE_ROWS}]  # each regime timed once, at its own rows
+    assert step.winner == min(step.seconds, key=step.seconds.__getitem__) and step.refused == {}
+    assert attention_choice.choose(query[:, :, :1], key, value) is step and chunk is not step
+
+
 def test_a_choice_timed_on_one_thread_count_is_not_reused_at_another(monkeypatch, tmp_path):
     monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path))
     monkeypatch.setattr(mechanism, "_chosen", {})
@@ -222,10 +237,11 @@ def test_each_layout_looks_its_choice_up_once_not_once_per_layer_and_decode_step
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                              min_new_tokens=4, pad_token_id=0)
         assert out.shape[1] == 9 and len(attended) == 3 * 4  # three layers, a prefill and three decode steps
-        assert len(looked_up) == 1
+        # the prefill's rows and the decode steps' one row: a choice each
+        assert [shape.get("chunk") for _, shape, *_ in looked_up] == [None, attention_choice.DECODE_ROWS]
         monkeypatch.setenv("NPUMOE_CACHE", str(tmp_path / "second"))  # another cache holds other choices
         model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, pad_token_id=0)
-        assert len(looked_up) == 2
+        assert len(looked_up) == 3
     finally:
         for name in attention.IMPLEMENTATIONS.values():
             attention.ALL_ATTENTION_FUNCTIONS.register(name, engine_attention)

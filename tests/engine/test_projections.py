@@ -13,6 +13,7 @@ from npumoe.engine.attach import projections
 from npumoe.engine.attach.projections import ProjectionLinear, dense_projections, projection_for
 from npumoe.engine.attach.runtime import MoeRuntime
 from npumoe.engine.backends.registry import get_backend
+from npumoe.engine.formats.quantize import INT8, quantize, relative_error
 from npumoe.engine.kernels import choice as mechanism
 from npumoe.engine.kernels import float_kernels, quant_kernels, vnni_linear
 from npumoe.engine.kernels.float_kernels import PackedLinear
@@ -196,7 +197,8 @@ def test_timing_runs_each_candidate_on_this_machine(timed_fastest, monkeypatch):
     assert isinstance(build(), QuantLinear if choice.winner in quant_kernels.KERNELS["int8"] else PackedLinear)
 
 
-def test_the_head_runs_on_contiguous_rows_while_attached_and_computes_the_same_logits(tiny):
+def test_the_head_runs_on_contiguous_rows_while_attached_and_computes_the_same_logits(tiny, timed_fastest):
+    timed_fastest("torch")  # where torch is fastest for the head, it stays torch's Linear, on contiguous rows
     model = load_model(tiny("qwen3_moe"), dtype="bfloat16").model
     head = model.get_output_embeddings()
     hidden = torch.randn(1, 13, model.config.hidden_size).to(torch.bfloat16)
@@ -213,3 +215,56 @@ def test_the_head_runs_on_contiguous_rows_while_attached_and_computes_the_same_l
     assert generated.shape == (1, 5)
     assert got.shape == (1, 1, head.out_features) and torch.equal(got, want)
     assert model.get_output_embeddings() is head  # detach puts the Linear back
+
+
+def _int8_kernel_here() -> str | None:
+    """A quantized int8 kernel that runs bf16 activations here (not the dequantizing one)."""
+    quantized = quantize(torch.randn(64, 64).to(torch.bfloat16), INT8)
+    cannot = quant_kernels.unavailable_kernels(INT8, torch.bfloat16, quantized)
+    return next((k for k in quant_kernels.KERNELS[INT8] if k not in cannot and k != "dequantize"), None)
+
+
+def test_the_lm_head_takes_the_kernel_chosen_on_one_row_in_the_runs_format(tiny, timed_fastest, monkeypatch):
+    kernel = _int8_kernel_here()
+    if kernel is None:
+        pytest.skip("no int8 kernel runs bf16 activations here")
+    timed_fastest(kernel)
+    asked = []
+    choose = projections.choose_projection
+    monkeypatch.setattr(projections, "choose_projection",
+                        lambda weight, format, rows=projections.ROWS: asked.append((weight.shape[0], format, rows))
+                        or choose(weight, format, rows))
+    model = load_model(tiny("qwen3_moe"), dtype="bfloat16").model
+    head = model.get_output_embeddings()
+    vocabulary = head.out_features
+    last = torch.randn(1, 13, model.config.hidden_size).to(torch.bfloat16)[:, -1:, :]  # a chunk's last position
+    head_calls = []
+    with torch.inference_mode():
+        runtime = MoeRuntime(model, get_backend("cpu"), quantized=INT8)
+        taken = model.get_output_embeddings()
+        multiply = projections.multiply  # counted from here: the choice's own timing and probe are not calls
+        monkeypatch.setattr(projections, "multiply", lambda k, linear, x, n: (n == vocabulary and head_calls.append(k))
+                            or multiply(k, linear, x, n))
+        got = model.lm_head(last)
+        generated = model.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=2, do_sample=False)
+        runtime.detach()
+    assert (vocabulary, INT8, projections.HEAD_ROWS) in asked  # timed on a decode step's one row
+    assert isinstance(taken, ProjectionLinear) and taken.original is head and taken.weight is head.weight
+    assert (taken.kernel, taken.format) == (kernel, INT8)
+    assert head_calls == [kernel] * 3 and generated.shape == (1, 5)  # the direct call and one per generated token
+    want = last[0].double() @ quantize(head.weight, INT8).dequantize().double().T
+    assert relative_error(got[0], want) <= quant_kernels.bound(kernel, torch.bfloat16)
+    assert model.get_output_embeddings() is head  # detach puts the Linear back
+
+
+def test_a_head_tied_to_the_embedding_keeps_its_weight_when_the_others_are_released(tiny, timed_fastest):
+    kernel = _int8_kernel_here()
+    if kernel is None:
+        pytest.skip("no int8 kernel runs bf16 activations here")
+    timed_fastest(kernel)
+    model = load_model(tiny("qwen3_moe"), dtype="bfloat16").model
+    model.lm_head.weight = model.get_input_embeddings().weight  # tied, as small models' heads are
+    embedding = model.get_input_embeddings().weight.clone()
+    MoeRuntime(model, get_backend("cpu"), quantized=INT8, release=True)
+    assert isinstance(model.get_output_embeddings(), ProjectionLinear)
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
