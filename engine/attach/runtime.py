@@ -43,6 +43,7 @@ from ..vocabulary import SPILL
 from .attention import use_engine_attention
 from .norms import EngineNorms
 from .projections import DenseProjections
+from .slots import NoSwaps
 
 IMPLEMENTATION = "npumoe"
 
@@ -80,12 +81,13 @@ class MoeRuntime:
     dense FFNs', shared experts') run through the engine's measured kernels while attached, quantized (int8 at
     most) where that measures faster (projections.py; `release` frees their own weights too), and its RMSNorms
     through the engine's norm kernel where it runs here (norms.py). A new runtime is attached; several runtimes of
-    one model may be built, and `attach()` selects which one runs.
+    one model may be built, and `attach()` selects which one runs. Without `projections`, the model's own dense
+    projections run (no packed copy of them is made: what measuring the experts' loads needs).
     """
 
     def __init__(self, model: PreTrainedModel, backend: Backend, plan: ExpertPlan | None = None,
                  overflow: str = SPILL, residency: Residency | None = None, *, quantized: str | None = None,
-                 release: bool = False) -> None:
+                 release: bool = False, projections: bool = True) -> None:
         experts = expert_layouts(model)
         if not experts and (why := dense_refusal(model, backend.name, backend.static, plan is not None)):
             raise ModelError(why)
@@ -124,7 +126,7 @@ class MoeRuntime:
                                         experts=cpu, post_norm=module.post_expert_norm if layout.post_norm else None))
         self.names = [name for name, _, _ in experts]
         self._experts = [module for _, module, _ in experts]
-        self._projections = DenseProjections(model, quantized, release=release)
+        self._projections = DenseProjections(model, quantized, release=release) if projections else NoSwaps()
         self._norms = EngineNorms(model)
         self.attach()
 

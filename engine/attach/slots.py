@@ -30,3 +30,10 @@ class SlotSwaps:
     def detach(self) -> None:
         for slot, _ in self.slots:
             setattr(slot.parent, slot.leaf, slot.original)
+
+
+class NoSwaps(SlotSwaps):
+    """Nothing swapped: the model's own modules run."""
+
+    def __init__(self) -> None:
+        self.slots = []

@@ -19,7 +19,7 @@ import torch
 
 from ..kernels.workers import run_tasks
 from ..moe.cpu_experts import CpuExperts
-from ..moe.dispatch import GraphCalls, GroupGraph, run_now
+from ..moe.dispatch import GraphCalls, GroupGraph, MoeLayer, Routed, StaticGroup, run_now
 from ..moe.experts_layout import DEFAULT_LAYOUT, ExpertsLayout, ExpertWeights
 from ..moe.grouped import GroupedExperts, PackedGroup
 from ..plan.cost import CostModel, expert_flops, fit_call_cost, seconds_of
@@ -141,7 +141,7 @@ class TorchStaticBackend(Backend):
             flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
         calls_s, cpu_flops = cpu_path_costs(weights)
         return CostModel(launch_s=launch_s, static_flops=static_flops, cpu_call_s=calls_s / group_size,
-                         cpu_flops=cpu_flops, host_row_s=host_row_seconds(hidden, dtype))
+                         cpu_flops=cpu_flops, host_row_s=host_row_seconds(hidden, dtype, group_size))
 
 
 def sample_weights(group_size: int, hidden: int, ffn: int, dtype: torch.dtype) -> ExpertWeights:
@@ -166,16 +166,25 @@ def cpu_path_costs(weights: ExpertWeights) -> tuple[float, float]:
     return fit_call_cost(cpu_path, *FIT_ROWS, flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
 
 
-def host_row_seconds(hidden: int, dtype: torch.dtype, rows: int = 2048, repeats: int = 10) -> float:
-    """Seconds per row of the host's work around a graph, as dispatch does it: `rows` token rows gathered into a
-    group buffer, then as many output rows copied out contiguously; best of `repeats`."""
+def host_row_seconds(hidden: int, dtype: torch.dtype, experts: int, rows: int = 2048, repeats: int = 10) -> float:
+    """Seconds per filled row of the host's work around a layer's graphs, as dispatch does it (`MoeLayer.pack` and
+    `unpack`: each expert's rows gathered into its buffer slice and copied out, one task per expert over the
+    workers): `rows` token rows spread evenly over a group of `experts`; best of `repeats`."""
+    generator = torch.Generator().manual_seed(0)
+    weights = ExpertWeights(torch.randn(experts, 2, hidden, generator=generator).to(dtype),
+                            torch.randn(experts, hidden, 1, generator=generator).to(dtype))  # never run: packing only
+    per_expert = rows // experts
+    layer = MoeLayer(weights, groups=[StaticGroup(tuple(range(experts)), per_expert, lambda x: x)])
     x = torch.ones(rows, hidden, dtype=dtype)
-    source = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
-    packed, out = torch.empty_like(x), torch.empty_like(x)
+    expert = torch.randperm(rows, generator=torch.Generator().manual_seed(0)) % experts
+    counts = torch.bincount(expert, minlength=experts)
+    routed = Routed.from_order(expert[:, None], torch.argsort(expert, stable=True), counts)
+    static_counts = layer.static_per_expert(counts)
+    out = torch.empty(rows, hidden, dtype=dtype)
 
     def run(_: int) -> None:
-        torch.index_select(x, 0, source, out=packed)
-        out.copy_(packed)
+        packed = layer.pack(x, routed, static_counts)
+        layer.unpack(out, {0: layer.buffer(packed, 0)}, routed, static_counts)
 
     run(rows)
-    return min(seconds_of(run, rows) for _ in range(repeats)) / rows
+    return min(seconds_of(run, rows) for _ in range(repeats)) / (per_expert * experts)

@@ -53,8 +53,9 @@ def calibrate(loaded: LoadedModel, texts: Sequence[tuple[str, str]], *, chunk_to
     window = loaded.context_tokens // chunk_tokens * chunk_tokens  # whole chunks that fit the context
     pieces = windows(stream, window)
     chunk_lengths = [len(chunk) for piece in pieces for chunk in windows(piece, chunk_tokens)]
-    # experts loaded packed are measured in the format they were packed in: the one they run in
-    runtime = MoeRuntime(loaded.model, get_backend(CPU), quantized=released_format(loaded.model))
+    # experts loaded packed are measured in the format they were packed in, the one they run in; the dense
+    # projections stay the model's own, so measuring makes no second copy of them (a full-size model has no room)
+    runtime = MoeRuntime(loaded.model, get_backend(CPU), quantized=released_format(loaded.model), projections=False)
     peaks = [PeakRecorder(layer.experts) for layer in runtime.layers]
     for layer, recorder in zip(runtime.layers, peaks, strict=True):
         layer.experts = recorder  # the cpu backend runs every expert on this path

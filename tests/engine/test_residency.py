@@ -286,3 +286,20 @@ def test_the_hosts_packing_runs_before_and_after_both_sides_so_it_overlaps_neith
     assert placed.accelerator_groups == 4
     assert residency.expected_seconds(plan, placed, costs) == pytest.approx(2.4 * cpu_s)
     assert residency.layer_seconds(plan, costs, 0, placed.layers[0]).host == pytest.approx(2.4 * cpu_s)
+
+
+def test_the_hosts_cost_per_row_is_timed_on_dispatchs_own_packing_and_unpacking(monkeypatch):
+    from npumoe.engine.backends import base
+    from npumoe.engine.moe.dispatch import MoeLayer
+
+    calls = {"pack": 0, "unpack": 0}
+    for name in calls:
+        real = getattr(MoeLayer, name)
+
+        def counted(self, *args, name=name, real=real):
+            calls[name] += 1
+            return real(self, *args)
+
+        monkeypatch.setattr(MoeLayer, name, counted)
+    seconds = base.host_row_seconds(64, torch.bfloat16, 4, rows=256, repeats=2)
+    assert seconds > 0 and calls["pack"] == calls["unpack"] >= 3  # a warm-up and each timed round

@@ -93,7 +93,7 @@ class CudaBackend(Backend):
                                         flops=lambda rows: expert_flops(group_size * rows, hidden, ffn))
         calls_s, cpu_flops = cpu_path_costs(weights)
         return CostModel(launch_s=launch_s, static_flops=flops, cpu_call_s=calls_s / group_size, cpu_flops=cpu_flops,
-                         host_row_s=host_row_seconds(hidden, dtype))
+                         host_row_s=host_row_seconds(hidden, dtype, group_size))
 
     def device_room(self, hidden: int, ffn: int, dtype: torch.dtype) -> int | None:
         """Experts (gated: 3·H·I weights each) that fit in the device's free memory, less what is reserved."""
