@@ -358,7 +358,7 @@ def _peer_fidelity(model_name: str | None, peer_dir: Path, eval_file: Path | Non
     print_peer_fidelity(row, f"{model.name}: {row['chunks']} chunks of {row['context']} tokens of "
                              f"{eval_file.name if eval_file else 'the sample documents'}, the second half of each "
                              f"scored ({row['scored_tokens']} tokens), the same tokens in both; {threads} threads, "
-                             f"{machine['cpu']}")
+                             f"{machine['cpu']}. The engine's experts: {row['engine_conversions'] or 'none read'}")
     write_json(json_path, machine, {"model": str(model), "text": str(eval_file) if eval_file else "samples",
                                     "context": context, "chunk_tokens": chunk_tokens, "weights": weights,
                                     "peer": tool.describe()}, [{"section": "peer", **row}])

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from npumoe.engine.formats.gguf_blocks import CONVERSIONS, SECONDS, conversions_since
 from npumoe.engine.vocabulary import AUTO
 
 from ..memory import peak_rss, rss
@@ -100,10 +101,12 @@ def run_peer_fidelity(model: Path, tool: LlamaCpp, text: str, settings: PeerFide
         raise RuntimeError(f"llama-perplexity evaluated {len(tokens)} tokens in chunks of {context}, not "
                            f"{peer.chunks} of {settings.context}")
     say(f"llama.cpp: perplexity {peer.perplexity:.4f} ± {peer.error:.4f} over {peer.chunks} chunks")
+    counts, spent = CONVERSIONS.copy(), SECONDS.copy()
     before, started = rss(), time.perf_counter()
     engine = Engine.load(EngineSettings(model=str(model), weights=settings.weights,
                                         chunk_tokens=settings.chunk_tokens, threads=settings.threads))
     load_s, load_peak = time.perf_counter() - started, peak_rss()
+    conversions = conversions_since(counts, spent)  # what of the load went into reading each block type
     bos = gguf_bos(model)
     started = time.perf_counter()
     perplexity, scored = chunked_perplexity(engine.logits, tokens, context, bos)
@@ -114,6 +117,6 @@ def run_peer_fidelity(model: Path, tool: LlamaCpp, text: str, settings: PeerFide
             "scored_tokens": scored, "bos": bos, "weights": engine.settings.weights,
             "engine_perplexity": perplexity, "llama_cpp_perplexity": peer.perplexity,
             "llama_cpp_perplexity_error": peer.error, "ratio": perplexity / peer.perplexity,
-            "engine_load_s": load_s, "engine_rss_before_load": before, "engine_load_peak_rss": load_peak,
-            "engine_peak_rss": peak_rss(), "engine_eval_s": seconds, "llama_cpp_load_s": peer.load_s,
-            "llama_cpp_peak_rss": ran.peak_rss, "llama_cpp_command": command[1:]}
+            "engine_load_s": load_s, "engine_conversions": conversions, "engine_rss_before_load": before,
+            "engine_load_peak_rss": load_peak, "engine_peak_rss": peak_rss(), "engine_eval_s": seconds,
+            "llama_cpp_load_s": peer.load_s, "llama_cpp_peak_rss": ran.peak_rss, "llama_cpp_command": command[1:]}

@@ -139,7 +139,7 @@ def perplexity_command(path: Path, model: Path, text: Path, *, context: int, thr
 @dataclass(frozen=True)
 class PerplexityRun:
     """What llama-perplexity said: its final estimate and its ± (the standard error it prints), the chunks it
-    evaluated, and its load time."""
+    evaluated, and its load time (None where its log has no timestamps)."""
     perplexity: float
     error: float
     chunks: int
@@ -149,7 +149,9 @@ class PerplexityRun:
 
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
-_LOAD = re.compile(r"load time =\s*([0-9.]+) ms")
+# llama.cpp's log stamps each line minutes.seconds.milliseconds.microseconds since the start; it prints no load time
+# of its own here, so the load is the time until it starts tokenizing the text (the model read, its context made).
+_TOKENIZING = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) \w perplexity: tokenizing the input", re.MULTILINE)
 
 
 def parse_perplexity(output: str) -> PerplexityRun:
@@ -158,9 +160,11 @@ def parse_perplexity(output: str) -> PerplexityRun:
     final, chunks = _FINAL.search(output), _CHUNKS.search(output)
     if final is None or chunks is None:
         raise RuntimeError(f"llama-perplexity printed no final estimate: {output.strip()[-500:]!r}")
-    load = _LOAD.search(output)
+    stamp = _TOKENIZING.search(output)
+    minutes, seconds, ms, us = map(int, stamp.groups()) if stamp else (0, 0, 0, 0)
+    load_s = ((minutes * 60 + seconds) * 10**6 + ms * 1000 + us) / 1e6 if stamp else None
     return PerplexityRun(perplexity=float(final[1]), error=float(final[2]), chunks=int(chunks[1]),
-                         context=int(chunks[2]), load_s=float(load[1]) / 1e3 if load else None)
+                         context=int(chunks[2]), load_s=load_s)
 
 
 _LOGITS_MAGIC = b"_logits_"

@@ -23,17 +23,16 @@ from npumoe.bench.fidelity.peer import chunked_perplexity
 from npumoe.bench.peer.llama_cpp import parse_perplexity, read_evaluated_tokens
 from npumoe.engine import api as engine_module
 
-# The end of a real llama-perplexity run (llama.cpp in llama-cpp-python 0.3.36), its per-chunk line shortened.
+# The end of a real llama-perplexity run (llama.cpp in llama-cpp-python 0.3.36, --chunks 2), its system line cut.
 CAPTURED = """\
-perplexity: tokenizing the input ..
-perplexity: tokenization took 21.93 ms
-perplexity: calculating perplexity over 40 chunks, n_ctx=512, batch_size=2048, n_seq=4
-perplexity: 4.59 seconds per pass - ETA 0.75 minutes
-[1]19.4211,[2]21.0386,[3]22.5810,[4]21.6120,
-Final estimate: PPL = 23.5120 +/- 0.52177
-
-llama_perf_context_print:        load time =     312.25 ms
-llama_perf_context_print: prompt eval time =   44807.60 ms / 20480 tokens (    2.19 ms per token, ...)
+0.00.381.466 I cmn          init: llama threadpool init, n_threads = 2
+0.00.458.368 I system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | ...
+0.00.458.381 I perplexity: tokenizing the input ..
+0.00.520.990 I perplexity: tokenization took 62.598 ms
+0.00.526.314 I perplexity: calculating perplexity over 2 chunks, n_ctx=512, batch_size=2048, n_seq=4
+0.17.970.353 I perplexity: 17.44 seconds per pass - ETA 0.13 minutes
+[1]59.7647,[2]40.2797,
+0.18.126.363 I Final estimate: PPL = 40.2797 +/- 5.77792
 """
 
 CONTEXT, CHUNKS, VOCAB = 16, 3, 256
@@ -41,7 +40,7 @@ CONTEXT, CHUNKS, VOCAB = 16, 3, 256
 
 def test_llama_perplexitys_final_estimate_chunks_and_load_time_are_read():
     run = parse_perplexity(CAPTURED)
-    assert (run.perplexity, run.error, run.chunks, run.context, run.load_s) == (23.512, 0.52177, 40, 512, 0.31225)
+    assert (run.perplexity, run.error, run.chunks, run.context, run.load_s) == (40.2797, 5.77792, 2, 512, 0.458381)
 
 
 def test_output_without_a_final_estimate_is_an_error_quoting_it():
@@ -76,7 +75,7 @@ tokens = [(7 * i) % 200 + 3 for i in range({CHUNKS} * context)]
 with open(args[args.index("--kl-divergence-base") + 1], "wb") as f:
     f.write(b"_logits_" + struct.pack("<iii", context, {VOCAB}, {CHUNKS}))
     f.write(struct.pack(f"<{{len(tokens)}}i", *tokens))
-print({CAPTURED!r}.replace("40 chunks, n_ctx=512", f"{CHUNKS} chunks, n_ctx={{context}}"), file=sys.stderr)
+print({CAPTURED!r}.replace("2 chunks, n_ctx=512", f"{CHUNKS} chunks, n_ctx={{context}}"), file=sys.stderr)
 """
     (folder / "llama-perplexity").write_text(body)
     for tool in folder.iterdir():
@@ -106,7 +105,8 @@ def test_the_engine_runs_on_the_tokens_llama_perplexity_evaluated(tiny_gguf, tmp
     assert chunks == [tokens[i:i + CONTEXT] for i in range(0, len(tokens), CONTEXT)]  # no BOS asked by the file
     row = json.loads(out.read_text())["results"][0]
     assert (row["weights"], row["chunks"], row["scored_tokens"]) == ("int4", CHUNKS, CHUNKS * (CONTEXT // 2 - 1))
-    assert row["llama_cpp_perplexity"] == 23.512 and row["ratio"] == row["engine_perplexity"] / 23.512
+    assert row["llama_cpp_perplexity"] == 40.2797 and row["ratio"] == row["engine_perplexity"] / 40.2797
+    assert row["llama_cpp_load_s"] == 0.458381 and "mapped from their blocks" in row["engine_conversions"]
     assert row["engine_load_s"] > 0 and row["engine_peak_rss"] >= row["engine_rss_before_load"] > 0
 
 
