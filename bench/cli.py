@@ -14,7 +14,18 @@ from typing import TYPE_CHECKING
 
 import click
 
-from npumoe.engine.vocabulary import BF16, CHUNK_TOKENS, FP32, INT4, INT8, QUANTIZED, SUMMARY_TOKENS, WEIGHTS_DTYPE
+from npumoe.engine.vocabulary import (
+    AUTO,
+    BF16,
+    CHUNK_TOKENS,
+    FP32,
+    INT4,
+    INT8,
+    QUANTIZED,
+    SUMMARY_TOKENS,
+    WEIGHTS,
+    WEIGHTS_DTYPE,
+)
 
 from .document.run import document
 from .document.target import make_target_command
@@ -256,16 +267,28 @@ def prefill(geometries: tuple[str, ...], layers: int, document_tokens: int, chun
               help="Tokens through that layer.")
 @click.option("--capacity/--no-capacity", default=True, show_default=True, help="Run the capacity sweep.")
 @click.option("--layer/--no-layer", default=True, show_default=True, help="Measure the real-size layer.")
+@click.option("--peer", "peer_dir", type=click.Path(file_okay=False, path_type=Path),
+              help="With --model FILE.gguf: instead of the parts above, the engine's perplexity on the file beside "
+                   "llama.cpp's llama-perplexity on the same tokens (the sample documents, or --eval-text), from "
+                   "this llama.cpp build folder (bench/peer/build-llama-cpp.sh).")
+@click.option("--context", type=click.IntRange(min=4), default=512, show_default=True,
+              help="With --peer: llama-perplexity's chunk (-c); each chunk's second half is scored.")
+@click.option("--weights", type=click.Choice(WEIGHTS), default=AUTO, show_default=True,
+              help="With --peer: the engine's weights format, as the daemon's setting.")
 @threads_option
 @timing_options
 @json_option
 def fidelity(model_name: str | None, tokens_per_document: int, calibration_files: tuple[Path, ...],
              eval_file: Path | None, scales: tuple[float, ...], chunk_tokens: int, eval_tokens: int,
              plot_path: Path | None, families: tuple[str, ...], layer_geometry: str, layer_tokens: int,
-             capacity: bool, layer: bool, threads: int, warmup: int, repeats: int, seed: int,
-             json_path: Path | None) -> None:
+             capacity: bool, layer: bool, peer_dir: Path | None, context: int, weights: str, threads: int,
+             warmup: int, repeats: int, seed: int, json_path: Path | None) -> None:
     """Accuracy against capacity (dropped, spilled and padding fractions, top-1 agreement and KL vs the exact
-    model), and against the weights' format (bf16, int8, int4 vs fp32, whole model and one real-size layer)."""
+    model), and against the weights' format (bf16, int8, int4 vs fp32, whole model and one real-size layer); with
+    --peer, perplexity against llama.cpp's on the same GGUF file."""
+    if peer_dir is not None:
+        _peer_fidelity(model_name, peer_dir, eval_file, context, chunk_tokens, weights, threads, json_path)
+        return
     if plot_path is not None:
         require_matplotlib()
     import torch
@@ -299,6 +322,46 @@ def fidelity(model_name: str | None, tokens_per_document: int, calibration_files
     write_json(json_path, machine, {"model": measured.model_name, "model_key": measured.model_key, "seed": seed,
                                     "calibration": [name for name, _ in calibration_texts], "warmup": warmup,
                                     "repeats": repeats}, measured.rows)
+
+
+def _peer_fidelity(model_name: str | None, peer_dir: Path, eval_file: Path | None, context: int, chunk_tokens: int,
+                   weights: str, threads: int, json_path: Path | None) -> None:
+    """`bench fidelity --peer`: the engine and llama-perplexity on one GGUF file and the same tokens."""
+    import torch
+
+    from npumoe.daemon.samples import sample_documents
+    from npumoe.engine.errors import ModelError
+
+    from .fidelity.peer import PeerFidelitySettings, run_peer_fidelity
+    from .machine import describe_machine
+    from .peer.llama_cpp import find_llama_cpp
+    from .render import print_peer_fidelity
+
+    model = Path(model_name).expanduser() if model_name else None
+    if model is None or not model.is_file() or model.suffix != ".gguf":
+        raise click.BadParameter("--peer compares the engine with llama.cpp on a GGUF file: give --model FILE.gguf",
+                                 param_hint="--model")
+    try:
+        tool = find_llama_cpp(peer_dir)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--peer") from e
+    text = (eval_file.read_text(errors="replace") if eval_file
+            else "\n\n".join("\n\n".join(doc.paragraphs) for doc in sample_documents()))
+    torch.set_num_threads(threads)
+    machine = describe_machine(threads)
+    settings = PeerFidelitySettings(context=context, chunk_tokens=chunk_tokens, threads=threads, weights=weights)
+    try:
+        row = run_peer_fidelity(model, tool, text, settings,
+                                on_progress=lambda line: err_console.print(line, style="dim", highlight=False))
+    except (ModelError, ValueError) as e:
+        raise click.ClickException(str(e)) from e
+    print_peer_fidelity(row, f"{model.name}: {row['chunks']} chunks of {row['context']} tokens of "
+                             f"{eval_file.name if eval_file else 'the sample documents'}, the second half of each "
+                             f"scored ({row['scored_tokens']} tokens), the same tokens in both; {threads} threads, "
+                             f"{machine['cpu']}. The engine's experts: {row['engine_conversions'] or 'none read'}")
+    write_json(json_path, machine, {"model": str(model), "text": str(eval_file) if eval_file else "samples",
+                                    "context": context, "chunk_tokens": chunk_tokens, "weights": weights,
+                                    "peer": tool.describe()}, [{"section": "peer", **row}])
 
 
 @bench.command("memory")

@@ -199,6 +199,21 @@ def print_real_fidelity(rows: Sequence[dict], caption: str) -> None:
     wide_console().print(table)
 
 
+def print_peer_fidelity(row: dict, caption: str) -> None:
+    """The engine's perplexity on a GGUF file beside llama-perplexity's on the same tokens (fidelity/peer.py)."""
+    gib = 2**30
+    table = Table("engine", "weights", "perplexity", "ratio to llama.cpp", "load s", "peak RSS GiB",
+                  title="Perplexity on the same file and tokens as llama.cpp's llama-perplexity", caption=caption,
+                  caption_justify="left")
+    table.add_row("npumoe", row["weights"], f"{row['engine_perplexity']:.4f}", f"{row['ratio']:.4f}",
+                  f"{row['engine_load_s']:.1f}", f"{row['engine_peak_rss'] / gib:.2f}")
+    peer = f"{row['llama_cpp_perplexity']:.4f} ± {row['llama_cpp_perplexity_error']:.4f}"
+    load = "" if row["llama_cpp_load_s"] is None else f"{row['llama_cpp_load_s']:.1f}"
+    table.add_row("llama.cpp", "as stored", peer, "1", load,
+                  f"{row['llama_cpp_peak_rss'] / gib:.2f}")
+    wide_console().print(table)
+
+
 def print_weights_fidelity(rows: Sequence[dict], caption: str) -> None:
     table = Table("model", "output layer", "weights", "top-1 vs fp32", "mean KL vs fp32", "top-1 vs its float",
                   "mean KL vs its float", title="Weights format against the float model", caption=caption,

@@ -1,5 +1,6 @@
 """llama.cpp's tools as the benchmarks call them: llama-quantize, llama-bench's prompt-processing and generation
-tests, and llama-completion (llama-cli in older builds) writing from a prompt file.
+tests, llama-completion (llama-cli in older builds) writing from a prompt file, and llama-perplexity scoring a
+text file.
 
 The binaries come from `bench/peer/build-llama-cpp.sh` (or any llama.cpp build): a folder holding `llama-bench` and
 `llama-quantize`, or holding them in `bin/`, named by `--peer DIR` or the NPUMOE_LLAMA_CPP environment variable.
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 import subprocess
 import sys
 import tempfile
@@ -19,6 +22,7 @@ from pathlib import Path
 LLAMA_CPP_ENV = "NPUMOE_LLAMA_CPP"
 TOOLS = ("llama-bench", "llama-quantize")
 COMPLETION_TOOLS = ("llama-completion", "llama-cli")  # the one-shot text tool, newest name first
+PERPLEXITY_TOOL = "llama-perplexity"
 VERSION_FILE = "VERSION"  # written by build-llama-cpp.sh: the sdist's version and the build's flags
 
 
@@ -115,6 +119,76 @@ def completion_command(path: Path, model: Path, prompt: Path, *, tokens: int, th
     command = [str(path), "-m", str(model), "-f", str(prompt), "-n", str(tokens), "-t", str(threads), "--temp", "0",
                "--ignore-eos", "--no-warmup"]
     return [*command, "-no-cnv"] if path.name == "llama-cli" else command
+
+
+def perplexity_tool(tool: LlamaCpp) -> Path | None:
+    """llama-perplexity beside llama-bench; None when the build has none."""
+    path = tool.bench.parent / PERPLEXITY_TOOL
+    return path if path.is_file() and _executable(path) else None
+
+
+def perplexity_command(path: Path, model: Path, text: Path, *, context: int, threads: int,
+                       tokens_file: Path) -> list[str]:
+    """llama-perplexity on the text file `text` in chunks of `context` tokens, each chunk from an empty cache with
+    its second half scored, saving what it evaluated to `tokens_file` (its `--kl-divergence-base` file: the
+    tokens, then each scored position's log-probabilities), which `read_evaluated_tokens` reads back."""
+    return [str(path), "-m", str(model), "-f", str(text), "-c", str(context), "-t", str(threads),
+            "--kl-divergence-base", str(tokens_file)]
+
+
+@dataclass(frozen=True)
+class PerplexityRun:
+    """What llama-perplexity said: its final estimate and its ± (the standard error it prints), the chunks it
+    evaluated, and its load time (None where its log has no timestamps)."""
+    perplexity: float
+    error: float
+    chunks: int
+    context: int
+    load_s: float | None
+
+
+_FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
+_CHUNKS = re.compile(r"calculating perplexity over (\d+) chunks, n_ctx=(\d+)")
+# llama.cpp's log stamps each line minutes.seconds.milliseconds.microseconds since the start; it prints no load time
+# of its own here, so the load is the time until it starts tokenizing the text (the model read, its context made).
+_TOKENIZING = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) \w perplexity: tokenizing the input", re.MULTILINE)
+
+
+def parse_perplexity(output: str) -> PerplexityRun:
+    """llama-perplexity's figures from what it printed (stdout and stderr together); RuntimeError quoting its end
+    when its final estimate is not there."""
+    final, chunks = _FINAL.search(output), _CHUNKS.search(output)
+    if final is None or chunks is None:
+        raise RuntimeError(f"llama-perplexity printed no final estimate: {output.strip()[-500:]!r}")
+    stamp = _TOKENIZING.search(output)
+    minutes, seconds, ms, us = map(int, stamp.groups()) if stamp else (0, 0, 0, 0)
+    load_s = ((minutes * 60 + seconds) * 10**6 + ms * 1000 + us) / 1e6 if stamp else None
+    return PerplexityRun(perplexity=float(final[1]), error=float(final[2]), chunks=int(chunks[1]),
+                         context=int(chunks[2]), load_s=load_s)
+
+
+_LOGITS_MAGIC = b"_logits_"
+
+
+def read_evaluated_tokens(path: Path) -> tuple[int, list[int]]:
+    """(context, tokens) from the head of llama-perplexity's `--kl-divergence-base` file: its magic, n_ctx (int32),
+    n_vocab (int32), n_chunk (int32), then the n_chunk·n_ctx tokens (int32) it evaluated, as its tokenizer cut the
+    text (before it puts a BOS at the start of each chunk, where the model wants one)."""
+    with path.open("rb") as f:
+        magic = f.read(len(_LOGITS_MAGIC))
+        if magic != _LOGITS_MAGIC:
+            raise ValueError(f"{path}: not a llama-perplexity logits file (starts {magic!r})")
+        context, _, chunks = struct.unpack("<iii", f.read(12))
+        count = context * chunks
+        data = f.read(4 * count)
+    if len(data) != 4 * count:
+        raise ValueError(f"{path}: {count} tokens announced, {len(data) // 4} there")
+    return context, list(struct.unpack(f"<{count}i", data))
+
+
+def run_perplexity(command: list[str]) -> ToolRun:
+    """llama-perplexity's run to the end: its figures are on stdout and stderr (parse_perplexity)."""
+    return _run_output(command, PERPLEXITY_TOOL, timeout=7200)
 
 
 @dataclass(frozen=True)
