@@ -67,10 +67,12 @@ def pack(weight: QuantizedWeight) -> PackedWeight:
     if weight.format == INT8:
         codes = F.pad(weight.codes, (0, -k % 64, 0, pad_n))  # whole AMX tiles of 64 inputs
         blocks, chunks = codes.shape[0] // BLOCK, codes.shape[1] // 64
-        # (block, column run, column, chunk, quad, 4) -> (block, chunk, column run, quad, column, 4)
-        packed = codes.reshape(blocks, 4, 16, chunks, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous()
-        return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, pad_n)).contiguous(),
-                            sums=codes.sum(dim=1, dtype=torch.int32))
+        # (block, column run, column, chunk, quad) -> (block, chunk, column run, quad, column), each quad of inputs
+        # moved as one int32 (torch's copy of 4-byte runs measured 4 times slower)
+        packed = codes.view(torch.int32).reshape(blocks, 4, 16, chunks, 16).permute(0, 3, 1, 4, 2).contiguous()
+        packed = packed.view(torch.int8).reshape(blocks, chunks, 4, 16, 16, 4)
+        sums = torch.from_numpy(codes.numpy().sum(axis=1, dtype=np.int32))  # numpy's: 6 times torch's on one thread
+        return PackedWeight(INT8, (n, k), packed, F.pad(weight.scale.float(), (0, pad_n)).contiguous(), sums=sums)
     # each octet of inputs is 4 bytes: the engine's nibbles hold its codes 0..7 in order, the kernel's 0, 4, 1, 5, 2,
     # 6, 3, 7 (byte i: codes i and 4 + i); worked two octets a word, then (N, K/8) octets into blocks
     octets = torch.from_numpy(_interleaved(weight.codes.contiguous().numpy().view(np.uint64)).view(np.int32))

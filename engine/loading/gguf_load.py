@@ -187,7 +187,7 @@ def gguf_model(path: Path, dtype: torch.dtype, *, experts_implementation: str, p
             if store is not None:
                 store.commit()
     if pack and format is not None and (cost := conversions_since(counts, seconds)):
-        kept = f"kept converted in {keep}: the next load converts nothing" if keep is not None else \
+        kept = f"kept converted in {keep}: the next load converts nothing" if store and not store.abandoned else \
             f"`npumoed model quantize {path} --weights {format}` keeps them converted"
         # what each load costs until the experts are kept converted (then a load converts nothing)
         log.info("%s: experts converted into %s as they were read: %s (%s)", path.name, format, cost, kept)
@@ -277,12 +277,22 @@ def _expert(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], expert: int
         raw = torch.from_numpy(read_expert(file, tensor, expert))
         converted = engine_weight(raw, tensor.tensor_type, gguf_shape(tensor)[-1], format, dtype)
         if store is not None:
-            store.write(STORE_FILE, name, converted)
+            _keep(store, name, converted)
         return converted
 
     *up, down = (weight(key) for key in _parts(tensors))
     gate_up = stack_rows(up) if isinstance(up[0], QuantizedWeight) else torch.cat(up)
     return gate_up, down
+
+
+def _keep(store: StoreWriter, name: str, weight: QuantizedWeight) -> None:
+    """Write a converted weight into the store a load keeps; where the disk refuses it (full, read-only), the load
+    goes on and keeps nothing, said in the log."""
+    try:
+        store.write(STORE_FILE, name, weight)
+    except OSError as e:
+        log.warning("%s: the converted experts are not kept (%s); the next load converts them again", store.target, e)
+        store.abandon()
 
 
 def _experts(file, tensors: dict[tuple[str, int], gguf.ReaderTensor], format: str | None,

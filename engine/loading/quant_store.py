@@ -155,9 +155,12 @@ class StoreWriter:
         self._partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
         self._name: str | None = None
         self._file: _SafetensorsWriter | None = None
+        self.abandoned = False
 
     def write(self, name: str, tensor: str, weight: QuantizedWeight) -> None:
-        """Write file `name`'s next tensor, `tensor`: the one its plan announced next."""
+        """Write file `name`'s next tensor, `tensor`: the one its plan announced next (nothing once abandoned)."""
+        if self.abandoned:
+            return
         if name != self._name:
             self._close()
             layout = {f"{held}.{part}": spec for held, shape in self.plans[name].items()
@@ -166,8 +169,16 @@ class StoreWriter:
         for part, value in weight.tensors().items():
             self._file.write(f"{tensor}.{part}", value)
 
+    def abandon(self) -> None:
+        """Keep nothing, and write nothing more: what a load does when the disk refuses the store (it runs on)."""
+        self.abandoned = True
+        self.__exit__(None, None, None)
+
     def commit(self) -> None:
-        """Keep what was written as `target`, with its manifest (refused unless every announced tensor came)."""
+        """Keep what was written as `target`, with its manifest (refused unless every announced tensor came); nothing
+        once abandoned."""
+        if self.abandoned:
+            return
         self._close()
         missing = [name for name in self.plans if not (self._partial / name).is_file()]
         if missing:
@@ -190,7 +201,8 @@ class StoreWriter:
 
     def __exit__(self, *failure: object) -> None:
         if self._file is not None:
-            self._file.close()
+            file, self._file = self._file, None
+            file.close()
         shutil.rmtree(self._partial, ignore_errors=True)  # gone already where committed
 
 

@@ -163,6 +163,25 @@ def test_a_load_that_fails_keeps_no_experts(tiny_gguf, tmp_path, monkeypatch):
     assert not any(models.rglob("*.safetensors")) and not any(models.rglob(quant_store.MANIFEST))
 
 
+def test_a_load_whose_store_the_disk_refuses_goes_on_and_keeps_nothing(tiny_gguf, tmp_path, monkeypatch, caplog):
+    file = tiny_gguf("qwen3_moe", "Q4_0")
+    models = tmp_path / "models"
+    writes: list[str] = []
+
+    def full(self, name, tensor):
+        writes.append(name)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(quant_store._SafetensorsWriter, "write", full)
+    caplog.set_level(logging.INFO, logger=gguf_load.log.name)
+    CONVERSIONS.clear()
+    loaded = load_model(file, dtype="float32", pack=True, format="int4", models_dir=models)
+    experts = len(moe_experts(loaded.model)) * loaded.model.config.num_experts
+    assert CONVERSIONS["mapped"] == 3 * experts and len(writes) == 1  # every expert loaded, one write tried
+    assert "not kept (" in caplog.text and "keeps them converted" in caplog.text  # the log says how to keep them
+    assert not any(models.rglob("*.safetensors"))
+
+
 def test_a_store_made_from_another_file_is_refused(tiny_gguf, tmp_path):
     file = tiny_gguf("qwen3_moe", "Q4_0")
     target = tmp_path / "store"

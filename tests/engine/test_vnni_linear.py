@@ -85,6 +85,16 @@ def test_int4_codes_are_packed_word_by_word_as_code_by_code_bit_for_bit(n, k):
         assert torch.equal(vnni_linear.pack(q).codes, reference_int4_codes(q))
 
 
+@pytest.mark.parametrize(("n", "k"), SHAPES[INT8])
+def test_int8_codes_are_packed_a_quad_at_a_time_as_byte_by_byte(n, k):
+    codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=torch.Generator().manual_seed(n))
+    packed = vnni_linear.pack(QuantizedWeight(INT8, codes, torch.ones(n)))
+    padded = torch.nn.functional.pad(codes, (0, -k % 64, 0, -n % 64))
+    # the layout as the packing first built it, byte by byte
+    reference = padded.reshape(-1, 4, 16, padded.shape[1] // 64, 16, 4).permute(0, 3, 1, 4, 2, 5).contiguous()
+    assert torch.equal(packed.codes, reference) and torch.equal(packed.sums, padded.sum(dim=1, dtype=torch.int32))
+
+
 @needs_kernel
 def test_symmetric_int4_weights_share_one_zero_buffer_and_compute_what_their_dequantized_weights_do():
     """Q4_0's blocks have no zero (w = d·(q - 8)): packed, every such weight of a shape reads one shared buffer of
