@@ -1,5 +1,5 @@
-"""`npumoed bench`: the benchmarks' commands (the MoE layer, whole-model prefill, fidelity, memory, sections, the
-queue, search, query latency, retrieval, and the daemon in the foreground).
+"""`npumoed bench`: the benchmarks' commands (the MoE layer, whole-model prefill, decode, fidelity, memory, sections,
+the queue, search, query latency, retrieval, and the daemon in the foreground).
 
 `npumoed` loads this group lazily (daemon/cli/__init__.py). torch and transformers are imported inside the
 commands, so `npumoed --help` stays fast. Each command prints a table (bench/render.py) and, with --json, writes

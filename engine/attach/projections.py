@@ -112,10 +112,11 @@ class ProjectionLinear(nn.Module):
 
 
 class HeadRows(nn.Module):
-    """The LM head computed on its rows as one contiguous (m, K) matrix. Decoding hands it a slice of the last
-    position, (1, 1, K) with the stride of a whole chunk; for such a bf16 input torch 2.13 on the CPU copies the
-    whole (V, K) weight, 0.6 GiB and seconds for a 150k vocabulary, where the same product on (1, K) rows does
-    not. The original Linear is kept (not as a submodule) and computes it: same weight, same kernel."""
+    """The LM head where plain torch is fastest (`_head`), computed on its rows as one contiguous (m, K) matrix.
+    Decoding hands it a slice of the last position, (1, 1, K) with the stride of a whole chunk; for such a bf16
+    input torch 2.13 on the CPU copies the whole (V, K) weight, 0.6 GiB and seconds for a 150k vocabulary, where
+    the same product on (1, K) rows does not. The original Linear is kept (not as a submodule) and computes it:
+    same weight, same kernel."""
 
     def __init__(self, original: nn.Linear) -> None:
         super().__init__()
