@@ -55,6 +55,7 @@ OWN_PREFIX = "npumoe-"  # the engine's own kernels, which run single-threaded
 # Rebuilds the float weight at every call: never faster than the float kernels it ends in.
 _NEVER_FASTER = "dequantize"
 _SPLIT_ROWS = 16  # rows split over workers in multiples of an AMX tile's height
+TIMED_ROWS = 16384  # the most output rows of a weight its kernel choice builds candidates of and times
 CHOICES = Measured("projections", (Path(__file__), bf16_linear.SOURCE, Path(quant_kernels.__file__),
                                    vnni_linear.KERNEL.source, avx2_linear.KERNEL.source))
 
@@ -145,22 +146,24 @@ def choose_projection(weight: torch.Tensor, format: str | None,
                       rows: int = ROWS) -> tuple[Choice, Callable[[], Kernel]]:
     """The kernel measured fastest here for a Linear of this (N, K) weight (its dtype, `format` allowing) on
     `rows` rows, and how to build it; timed on this weight at first use on this machine, then read from the
-    cache."""
+    cache. A weight of more than TIMED_ROWS outputs is timed and probed on its first TIMED_ROWS: every candidate
+    is built at once to be timed in turns, which for a 152k-row LM head would be gigabytes beside the model."""
+    sample = weight[:TIMED_ROWS]
     builders: dict[str, Callable[[], Kernel]] = {}
-    unavailable = unavailable_kernels(weight)
+    unavailable = unavailable_kernels(sample)
     for kernel in FLOAT_KERNELS:
         if kernel not in unavailable:
-            builders[kernel] = partial(PackedLinear, weight, kernel)
+            builders[kernel] = partial(PackedLinear, sample, kernel)
     quantized: QuantizedWeight | None = None
     if format is not None and weight.dtype in ACTIVATION_DTYPES:
-        quantized = quantize(weight, format)
+        quantized = quantize(sample, format)
         cannot = quant_kernels.unavailable_kernels(format, weight.dtype, quantized)
         unavailable |= cannot
         for kernel in quant_kernels.KERNELS[format]:
             if kernel not in cannot and kernel != _NEVER_FASTER:
                 builders[kernel] = partial(QuantLinear, quantized, kernel, weight.dtype)
     if list(builders) == ["torch"]:
-        return Choice("torch", {}, unavailable), builders["torch"]
+        return Choice("torch", {}, unavailable), partial(PackedLinear, weight, "torch")
     packed: dict[str, Kernel] = {}  # what timing built, kept for the winner
 
     def build(kernel: str) -> Kernel:
@@ -172,15 +175,24 @@ def choose_projection(weight: torch.Tensor, format: str | None,
         x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
         for kernel in set(packed) - set(accepted):  # refused: not kept
             del packed[kernel]
-        return time_in_turns(accepted, 1, lambda kernel, _: multiply(kernel, build(kernel), x, weight.shape[0]))
+        return time_in_turns(accepted, 1, lambda kernel, _: multiply(kernel, build(kernel), x, sample.shape[0]))
 
     def probe(kernels: Sequence[str]) -> dict[str, Accuracy]:
-        return probe_projections({kernel: build(kernel) for kernel in kernels}, weight, quantized)
+        return probe_projections({kernel: build(kernel) for kernel in kernels}, sample, quantized)
 
     shape = {"format": format or "float", "out": weight.shape[0], "in": weight.shape[1], "rows": rows}
     choice = CHOICES.choose(weight.dtype, shape, list(builders), timer, threads=torch.get_num_threads(),
                             unavailable=unavailable, probe=probe)
-    return choice, lambda: packed.get(choice.winner) or builders[choice.winner]()
+
+    def winner() -> Kernel:
+        if sample.shape[0] == weight.shape[0]:
+            return packed.get(choice.winner) or builders[choice.winner]()
+        packed.clear()  # the sample's copies go before the whole weight is packed
+        if choice.winner in FLOAT_KERNELS:
+            return PackedLinear(weight, choice.winner)
+        return QuantLinear(quantize(weight, format), choice.winner, weight.dtype)
+
+    return choice, winner
 
 
 def probe_projections(linears: dict[str, Kernel], weight: torch.Tensor,

@@ -29,7 +29,7 @@ _INT8_MAX = 127
 _INT4_LEVELS = 15
 _INT4_MIDDLE = 8
 _INT4_REFITS = 2
-_INT4_ROWS_AT_ONCE = 256
+_ROWS_AT_ONCE = 256
 # Relative error against the reference (the float product, or `reference_linear` for quantized weights) a kernel
 # may have: float and weight-only kernels that of rounding in the activations' dtype, with any summation order
 # (measured: fp32 under 1e-6 at widths up to 4,096, bf16 0.17 % to 0.24 %); kernels that round each row of x to
@@ -97,18 +97,24 @@ def quantize(w: torch.Tensor, format: str, *, group: int = INT4_GROUP) -> Quanti
     check_format(format)
     if w.ndim != 2 or not w.is_floating_point():
         raise ValueError(f"quantize needs a 2-D float weight, got {w.dtype} {tuple(w.shape)}")
-    # contiguous: a transposed view's codes would be strided, which some kernels misread
-    w = w.detach().float().contiguous()
-    if format == INT8:
-        scale = w.abs().amax(dim=1) / _INT8_MAX
-        scale = torch.where(scale > 0, scale, 1.0)  # an all-zero row: any scale gives zero codes
-        codes = torch.round(w / scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX).to(torch.int8)
-        return QuantizedWeight(INT8, codes, scale)
     n, k = w.shape
+    # a few rows at a time, each made float and contiguous (a transposed view's codes would be strided, which some
+    # kernels misread): the temporaries stay a few MB whatever the weight's size (a 152k-row LM head's whole float32
+    # copy and its intermediates were 4 GB)
+    chunks = (rows.detach().float().contiguous() for rows in w.detach().split(_ROWS_AT_ONCE))
+    if format == INT8:
+        codes, scale = torch.empty(n, k, dtype=torch.int8), torch.empty(n)
+        first = 0
+        for rows in chunks:
+            rows_scale = rows.abs().amax(dim=1) / _INT8_MAX
+            rows_scale = torch.where(rows_scale > 0, rows_scale, 1.0)  # an all-zero row: any scale gives zero codes
+            codes[first:first + len(rows)] = torch.round(rows / rows_scale[:, None]).clamp_(-_INT8_MAX, _INT8_MAX)
+            scale[first:first + len(rows)] = rows_scale
+            first += len(rows)
+        return QuantizedWeight(INT8, codes, scale)
     if not int4_fits(k, group):
         raise ValueError(f"int4 needs the input width ({k}) to be a multiple of its even group size {group}")
-    # a few rows at a time: the refits' float temporaries stay a few MB whatever the weight's size
-    parts = [_int4_rows(rows.reshape(len(rows), k // group, group)) for rows in w.split(_INT4_ROWS_AT_ONCE)]
+    parts = [_int4_rows(rows.reshape(len(rows), k // group, group)) for rows in chunks]
     codes, scale, zero = (torch.cat(tensors) for tensors in zip(*parts, strict=True))
     return QuantizedWeight(INT4, pack_int4(codes.reshape(n, k)), scale, zero, group)
 
