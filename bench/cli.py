@@ -98,9 +98,9 @@ def moe(geometries: tuple[str, ...], tokens: tuple[int, ...], dtypes: tuple[str,
     dtypes = measured_dtypes(dtypes, parsed)
     import torch
 
+    from .layer.moe import MoeBenchSettings, run_moe_bench
+    from .layer.roofline import MODEL
     from .machine import describe_machine, sampled_load
-    from .moe import MoeBenchSettings, run_moe_bench
-    from .roofline import MODEL
 
     torch.set_num_threads(threads)
     machine = describe_machine(threads)
@@ -136,7 +136,7 @@ def _print_host_packing(geometries: Sequence[Geometry], tokens: tuple[int, ...],
     placement), on the accelerator's critical path whatever the accelerator."""
     from npumoe.engine.loading.load import TORCH_DTYPES
 
-    from .host_packing import host_packing_seconds
+    from .layer.host_packing import host_packing_seconds
 
     for geometry in geometries:
         for dtype in dtypes:

@@ -26,7 +26,7 @@ from npumoe.engine.attach.projections import HeadRows
 from npumoe.engine.generate.prefill import new_cache, prefill
 from npumoe.engine.generate.summary import decode_from_cache, stop_ids
 
-from .profile import PARTS, ChunkProfile, PartTimer, _counted_attention, _timed_cache
+from .profile import PARTS, ChunkProfile, PartTimer, counted_attention, timed_cache
 
 ENGINE_HEAD = "engine head"
 TORCH_HEAD = "torch head"
@@ -76,7 +76,7 @@ def decode_once(engine: Engine, ids: Sequence[int], tokens: int,
         for _ in prefill(model, ids[:-1], engine.chunk_tokens, cache):
             pass
         if timer is not None:
-            _timed_cache(cache, timer)
+            timed_cache(cache, timer)
         started = time.perf_counter()
         with engine.runtime.decoding(), timer.chunk(len(ids), tokens) if timer else nullcontext() as profile:
             said = decode_from_cache(model, ids, cache, tokens, stop_ids(model, engine.loaded.tokenizer))
@@ -88,7 +88,7 @@ def profile_decode(engine: Engine, ids: Sequence[int], tokens: int) -> dict[str,
     model = engine.loaded.model
     timer = PartTimer(model)
     try:
-        with _counted_attention(model, timer):
+        with counted_attention(model, timer):
             _, said, profile = decode_once(engine, ids, tokens, timer)
     finally:
         timer.close()

@@ -153,7 +153,7 @@ def _work(part: str, module: nn.Module, args: tuple, kwargs: dict,
           experts_format: str | None = None) -> tuple[float, float]:
     """(FLOPs, bytes) of one call of a part's module, from the tensors it was given: each weight is read
     once and does 2 FLOPs per row; a norm reads and writes its input; the experts' weights are read in
-    `experts_format` when the engine runs them quantized. Attention's core is counted in `_counted_attention`."""
+    `experts_format` when the engine runs them quantized. Attention's core is counted in `counted_attention`."""
     x = args[0] if args else next(iter(kwargs.values()), None)
     if not isinstance(x, torch.Tensor) or part in ("attention", "cache", "other"):
         return 0.0, 0.0
@@ -195,7 +195,7 @@ def _weights(module: nn.Module) -> tuple[int, int]:
 
 
 @contextmanager
-def _counted_attention(model: PreTrainedModel, timer: PartTimer) -> Iterator[None]:
+def counted_attention(model: PreTrainedModel, timer: PartTimer) -> Iterator[None]:
     """The model's own attention function, wrapped to count its FLOPs and bytes (its time is attention's)."""
     implementation = model.config._attn_implementation
     inner = ALL_ATTENTION_FUNCTIONS[implementation]
@@ -215,7 +215,7 @@ def _counted_attention(model: PreTrainedModel, timer: PartTimer) -> Iterator[Non
         model.set_attn_implementation(implementation)
 
 
-def _timed_cache(cache: object, timer: PartTimer) -> None:
+def timed_cache(cache: object, timer: PartTimer) -> None:
     """Charge the cache's updates, and the bytes they append, to "cache"."""
     update = cache.update
 
@@ -237,9 +237,9 @@ def profile_prefill(model: PreTrainedModel, ids: Sequence[int], chunk_tokens: in
     timer = PartTimer(model, experts_format)
     profiles = []
     try:
-        with _counted_attention(model, timer):
+        with counted_attention(model, timer):
             cache = new_cache(model)
-            _timed_cache(cache, timer)
+            timed_cache(cache, timer)
             for start in range(0, len(ids), chunk_tokens):
                 chunk = torch.tensor([ids[start:start + chunk_tokens]], dtype=torch.long)
                 with timer.chunk(start, chunk.shape[1]) as profile:

@@ -45,7 +45,7 @@ from npumoe.engine.vocabulary import SPILL
 
 from ..fair.paired import add_ratios
 from ..fair.workloads import build_model, in_float32, prefill_parts
-from ..moe import MoeBenchSettings
+from ..layer.moe import MoeBenchSettings
 from ..paths import Output, Reference, calibration_from_loads, dispatch_fractions, gate, parts, selected
 from ..prefill_bench import PrefillBenchSettings, calibrate_on_documents
 from ..timing import interleaved_seconds

@@ -16,11 +16,11 @@ from npumoe.bench import paths
 from npumoe.bench.fair.own_process import NPUMOED_SETTINGS, person_environment, transformers_elsewhere
 from npumoe.bench.fair.paired import add_ratios, best_engine_row, clearly_faster
 from npumoe.bench.fair.workloads import build_model, in_float32, prefill_parts
+from npumoe.bench.layer.moe import MoeBenchSettings, run_moe_bench
+from npumoe.bench.layer.roofline import expert_bytes
 from npumoe.bench.machine import governor, load_warning, sampled_load
-from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
 from npumoe.bench.paths import QUANTIZED_TOLERANCE, Reference, gate, measure_impls
 from npumoe.bench.render import results_table
-from npumoe.bench.roofline import expert_bytes
 from npumoe.bench.timing import TimedElsewhere, interleaved_seconds
 from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.synthetic.geometry import build_layer_model

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from npumoe.bench.fair.paired import best_engine_row, round_ratios
-from npumoe.bench.moe import MoeBenchSettings, run_moe_bench
+from npumoe.bench.layer.moe import MoeBenchSettings, run_moe_bench
+from npumoe.bench.layer.roofline import active_flops, moe_roofline
 from npumoe.bench.paths import (
     IMPLS,
     QUANTIZED_TOLERANCE,
@@ -16,7 +17,6 @@ from npumoe.bench.paths import (
     measure_impls,
     static_plans,
 )
-from npumoe.bench.roofline import active_flops, moe_roofline
 from npumoe.engine.kernels import quant_kernels
 from npumoe.engine.kernels.quant_kernels import QuantLinear
 from npumoe.engine.moe.model_experts import moe_experts
@@ -259,7 +259,7 @@ def test_the_engines_best_path_is_an_exact_one_that_passed_the_check():
 
 
 def test_host_packing_times_a_layer_calls_packing_and_unpacking_with_every_expert_resident(monkeypatch):
-    from npumoe.bench import host_packing
+    from npumoe.bench.layer import host_packing
     from npumoe.engine.moe.dispatch import MoeLayer
     from npumoe.engine.synthetic.geometry import parse_geometry
 

@@ -30,10 +30,10 @@ from npumoe.engine.moe.model_experts import moe_experts
 from npumoe.engine.synthetic.geometry import Geometry, build_layer_model, draw_routing, routing_prior
 from npumoe.engine.vocabulary import CPU, QUANTIZED, SPILL
 
-from .fair.own_process import transformers_elsewhere
-from .fair.paired import add_ratios
-from .fair.workloads import in_float32
-from .paths import EnginePath, calibration_from_loads, measure_impls, static_plans
+from ..fair.own_process import transformers_elsewhere
+from ..fair.paired import add_ratios
+from ..fair.workloads import in_float32
+from ..paths import EnginePath, calibration_from_loads, measure_impls, static_plans
 from .roofline import dense_matmuls, moe_roofline
 
 ROOFLINE = "roofline"  # its row; a quantized path's own is "roofline-<format>", priced at the format's bytes

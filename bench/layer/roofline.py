@@ -21,7 +21,7 @@ from npumoe.engine.formats.quantize import quantize
 from npumoe.engine.kernels.float_kernels import KERNELS, PackedLinear, unavailable_kernels
 from npumoe.engine.kernels.workers import run_tasks
 
-from .timing import interleaved_median_seconds
+from ..timing import interleaved_median_seconds
 
 MODEL = ("roofline = max(active FLOPs 2·T·k·3·H·I timed as one dense (T·k, H) x (H, 3I) matmul on the fastest "
          "kernel here, "
