@@ -11,7 +11,7 @@ import functools
 import logging
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +118,8 @@ class Database:
 
     def close(self) -> None:
         if self._identity_held is not None:
+            with suppress(DBAPIError):  # a lost connection took its locks with it
+                self.dialect.let_go(self._identity_held)
             self._identity_held.close()
             self._identity_held = None
         for engine in (self.writer, self.reader):

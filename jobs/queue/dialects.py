@@ -197,6 +197,13 @@ class PostgreSQL:
         return held
 
     @staticmethod
+    def let_go(conn: Connection) -> None:
+        """Release `conn`'s session locks now: the server ends a closed connection's session a moment after the
+        client has moved on, and a successor started at once would still find them held."""
+        conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+        conn.commit()
+
+    @staticmethod
     def now(conn: Connection) -> float:
         """The server's clock, one for every machine: a worker whose own clock is behind would otherwise write
         leases that others already find expired (and one ahead, leases that outlive its death)."""
