@@ -14,20 +14,21 @@ Beside it, on the same GGUF file and threads, llama.cpp (bench/peer/build-llama-
 NPUMOE_LLAMA_CPP): `llama-bench` prefilling a section's tokens from an empty cache and generating the engine's
 tokens-per-summary at the section's depth, and `llama-completion` doing the document's work one call at a time: each
 section as its prompt, then (for several sections) a combine of as many tokens as the summaries held, each writing
-the engine's mean tokens per call (the end of sequence ignored). llama.cpp runs once the engine is closed, so the
-two never hold a full-size model in memory at once. Where there is no build, or the model is not a GGUF file, the
-llama.cpp row says so.
+the engine's mean tokens per call (the end of sequence ignored). llama.cpp runs once the engine's own process has
+exited, so the two never hold a full-size model in memory at once. Where there is no build, or the model is not a GGUF
+file, the llama.cpp row says so.
 """
 
 from __future__ import annotations
 
-import gc
+import multiprocessing
 import os
 import re
 import resource
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -60,6 +61,7 @@ class DocumentBenchSettings:
     weights: str | None = None  # one of vocabulary.WEIGHTS; None: the daemon's default (the demo's own for the demo)
     peer: Path | None = None  # the llama.cpp build's folder
     repeats: int = 3  # llama-bench's timed runs
+    engine_apart: bool = True  # the engine in a process of its own, gone before llama.cpp starts
 
     def __post_init__(self) -> None:
         if self.threads < 1 or self.repeats < 1:
@@ -79,39 +81,22 @@ def sample_paths(names: Sequence[str], folder: Path) -> list[Path]:
 
 def run_document_bench(settings: DocumentBenchSettings,
                        on_result: Callable[[dict], None] | None = None) -> list[dict]:
-    """One engine row per document, each followed by its llama.cpp row; llama.cpp runs after the engine is closed."""
-    from npumoe.daemon.config import Config
-    from npumoe.daemon.home import Home
-    from npumoe.daemon.model_choice import engine_settings
-    from npumoe.engine import Engine
-
+    """One engine row per document, each followed by its llama.cpp row; llama.cpp runs after the engine is closed
+    (and, `engine_apart`, after its process has exited)."""
     with tempfile.TemporaryDirectory(prefix="npumoe-document-") as temporary:
-        home = Home(Path(temporary) / "home")
         documents = list(settings.documents) or sample_paths([DEFAULT_SAMPLE], Path(temporary) / "samples")
-        config = Config()
-        model = replace(config.model, name=settings.model,
-                        summary_tokens=settings.summary_tokens or config.model.summary_tokens,
-                        section_tokens=settings.section_tokens or config.model.section_tokens,
-                        weights=settings.weights or config.model.weights)
-        engine_config = engine_settings(replace(config, model=model), home, threads=settings.threads)
-        before, started = rss(), time.perf_counter()
-        engine = Engine.load(engine_config)
-        load_s = time.perf_counter() - started
-        rows: list[dict] = []
-        prompts: list[list[str]] = []  # each document's llama.cpp calls, cut as the engine cut its sections
-        for path in documents:
-            row, text = _engine_row(engine, path)
-            rows.append({"document": path.name, **row, "load_s": load_s, "rss_before_load": before,
-                         "model": settings.model})
-            prompts.append(_peer_prompts(engine.loaded.tokenizer, text, rows[-1]))
-            if on_result is not None:
-                on_result(rows[-1])
-        engine.close()
-        del engine  # llama.cpp runs alone: a full-size model in memory beside it would be two
-        gc.collect()
-        peer = _peer(settings, Path(engine_config.model))
+        if settings.engine_apart:
+            # The engine in a process of its own: its memory goes back to the system when it exits, where a closed
+            # engine's would stay with this one (a full-size model's 19 GB beside llama.cpp's ran out of memory).
+            with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as apart:
+                rows, prompts, model = apart.submit(engine_rows, settings, documents, Path(temporary)).result()
+        else:
+            rows, prompts, model = engine_rows(settings, documents, Path(temporary))
+        peer = _peer(settings, model)
         peer_rows = []
         for row, calls in zip(rows, prompts, strict=True):
+            if on_result is not None:
+                on_result(row)
             peer_rows.append({"document": row["document"], "model": settings.model,
                               **peer(calls, row, Path(temporary))})
             if on_result is not None:
@@ -120,6 +105,38 @@ def run_document_bench(settings: DocumentBenchSettings,
         if peer_row["status"] == "ran":
             row["vs_llama_cpp"] = versus(row, peer_row)
     return [row for pair in zip(rows, peer_rows, strict=True) for row in pair]
+
+
+def engine_rows(settings: DocumentBenchSettings, documents: Sequence[Path],
+                scratch: Path) -> tuple[list[dict], list[list[str]], Path]:
+    """The engine's row for each document, each document's llama.cpp calls (cut as the engine cut its sections),
+    and the model file the engine loaded; the engine loaded once, on a home in `scratch`, and closed."""
+    from npumoe.daemon.config import Config
+    from npumoe.daemon.home import Home
+    from npumoe.daemon.model_choice import engine_settings
+    from npumoe.engine import Engine
+
+    home = Home(scratch / "home")
+    config = Config()
+    model = replace(config.model, name=settings.model,
+                    summary_tokens=settings.summary_tokens or config.model.summary_tokens,
+                    section_tokens=settings.section_tokens or config.model.section_tokens,
+                    weights=settings.weights or config.model.weights)
+    engine_config = engine_settings(replace(config, model=model), home, threads=settings.threads)
+    before, started = rss(), time.perf_counter()
+    engine = Engine.load(engine_config)
+    load_s = time.perf_counter() - started
+    rows: list[dict] = []
+    prompts: list[list[str]] = []
+    try:
+        for path in documents:
+            row, text = _engine_row(engine, path)
+            rows.append({"document": path.name, **row, "load_s": load_s, "rss_before_load": before,
+                         "model": settings.model, "engine_pid": os.getpid()})
+            prompts.append(_peer_prompts(engine.loaded.tokenizer, text, rows[-1]))
+    finally:
+        engine.close()
+    return rows, prompts, Path(engine_config.model)
 
 
 def versus(engine: dict, peer: dict) -> dict[str, float]:

@@ -4,6 +4,7 @@ taken from what the engine reported; llama.cpp beside it on the same file and th
 from __future__ import annotations
 
 import json
+import os
 import stat
 import sys
 from datetime import UTC, datetime
@@ -41,8 +42,10 @@ def counted(monkeypatch) -> dict[str, int]:
 
 
 def _settings(model: Path, tmp_path: Path, **kwargs) -> DocumentBenchSettings:
+    """The engine in this process, where the spies see it, unless the test asks otherwise."""
     document = tmp_path / "keeper.txt"
     document.write_text(TEXT)
+    kwargs.setdefault("engine_apart", False)
     return DocumentBenchSettings(model=str(model), documents=(document,), threads=THREADS, summary_tokens=4,
                                  section_tokens=200, **kwargs)
 
@@ -128,6 +131,15 @@ def test_llama_cpp_is_skipped_with_the_reason_when_the_model_is_not_a_gguf_file(
     _, peer = run_document_bench(_settings(tiny("qwen3_moe"), tmp_path, peer=fake_llama_cpp))
     assert peer["status"] == "skipped" and "not a GGUF file" in peer["note"]
     assert not (fake_llama_cpp / "calls.jsonl").exists()
+
+
+def test_the_engine_runs_in_a_process_of_its_own_that_exits_before_llama_cpp_starts(tiny_gguf, tmp_path,
+                                                                                   fake_llama_cpp):
+    """A closed engine's memory stays with its process: the full-size model beside llama.cpp's ran out of memory."""
+    engine, peer = run_document_bench(_settings(tiny_gguf("qwen3_moe"), tmp_path, peer=fake_llama_cpp, repeats=1,
+                                                engine_apart=True))
+    assert engine["status"] == "ran" and engine["engine_pid"] != os.getpid()
+    assert engine["generated_tokens"] > 0 and peer["status"] == "ran"
 
 
 def test_results_are_named_for_the_model_the_cpu_and_its_cores():
